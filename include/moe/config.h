@@ -1,0 +1,69 @@
+// The layer's configuration: every field of SPEC.md, loaded from YAML and validated.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+
+#include "moe/tensor.h"
+
+namespace moe {
+
+enum class ScoreFunction { kSoftmax, kSigmoid, kSqrtSoftplus };
+
+std::string_view score_function_name(ScoreFunction score_function);
+ScoreFunction parse_score_function(std::string_view text);
+
+// Limits of the GPU kernels; the CPU reference has none.
+inline constexpr int kMaxExperts = 2048;
+inline constexpr int kMaxTopK = 16;
+
+struct MoEConfig {
+  // Shapes.
+  int hidden = 0;       // H
+  int ffn_hidden = 0;   // F: SwiGLU gate and up are each H -> F, down is F -> H
+  int num_experts = 0;  // E, global
+  int topk = 0;         // K
+
+  // Router (SPEC.md step 2).
+  ScoreFunction score_function = ScoreFunction::kSoftmax;
+  bool pre_softmax = false;  // softmax only: select on softmax(logits) instead of the logits
+  int num_groups = 0;        // G; 0 with group_topk 0 = group-limited routing off
+  int group_topk = 0;        // GK
+  double scaling_factor = 1.0;
+  bool expert_bias = false;  // sigmoid / sqrtsoftplus only: bias that changes selection alone
+
+  // Losses (SPEC.md step 3); 0 = off.
+  double aux_loss_coeff = 0.0;
+  double z_loss_coeff = 0.0;
+
+  // Layout (SPEC.md step 4): each expert's row group padded to a multiple; 0 or 1 = none.
+  int align_size = 0;
+
+  DType dtype = DType::kBF16;  // activations and weights: bf16 or fp32
+
+  // Mesh: expert-parallel and data-parallel degrees; world = ep * dp.
+  int ep = 1;
+  int dp = 1;
+
+  // Tokens per GPU used by the benchmarks for this shape (not a property of the layer).
+  int bench_tokens = 0;
+
+  bool grouped_routing() const { return num_groups > 0; }
+  int local_experts() const { return num_experts / ep; }  // E_loc
+  // Rows an expert group of `count` rows occupies after padding to align_size.
+  std::int64_t padded_rows(std::int64_t count) const;
+
+  // Throws moe::Error naming the first invalid parameter and its value.
+  void validate() const;
+  // One line: "H=4096 F=14336 E=8 K=2 softmax(post) ... bf16 EP=1 DP=1".
+  std::string describe() const;
+};
+
+// Loads a YAML file of flat `key: value` pairs (the fields above; `tokens` for bench_tokens).
+// Unknown keys are errors, so a typo is never silently ignored. The result is validated.
+MoEConfig load_config(const std::filesystem::path& path);
+MoEConfig parse_config(std::string_view yaml_text, std::string_view source = "<string>");
+
+}  // namespace moe

@@ -1,0 +1,113 @@
+// RAII owners of CUDA and cuBLASLt resources, and device queries.
+//
+// Each owner is move-only and releases its resource in its destructor without throwing (a failed
+// release at teardown cannot be acted on and must not mask the error being unwound).
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+#include "moe/error.h"
+
+namespace moe {
+
+// Number of CUDA devices visible to this process; 0 when there is no driver or no device.
+int cuda_device_count() noexcept;
+
+// One line per visible device: index, name, memory, SM count.
+std::string describe_devices();
+
+// Device memory. Grow-only reuse is the caller's choice: reserve() keeps the allocation when it is
+// already large enough.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes) { reserve(bytes); }
+  ~DeviceBuffer() { release(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+
+  // Ensures capacity for `bytes`; reallocates (discarding contents) only when it must grow.
+  void reserve(std::size_t bytes);
+  void release() noexcept;
+
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class Stream {
+ public:
+  Stream();  // non-blocking with respect to the legacy default stream
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  Stream(Stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+  Stream& operator=(Stream&& other) noexcept;
+
+  cudaStream_t get() const { return stream_; }
+  void synchronize() const;
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class Event {
+ public:
+  explicit Event(bool timing = false);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  Event(Event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+  Event& operator=(Event&& other) noexcept;
+
+  cudaEvent_t get() const { return event_; }
+  void record(cudaStream_t stream) const;
+  // Milliseconds from `start` to this event; both must be timing events, already completed.
+  float elapsed_ms_since(const Event& start) const;
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+class CublasLtHandle {
+ public:
+  CublasLtHandle();
+  ~CublasLtHandle();
+  CublasLtHandle(const CublasLtHandle&) = delete;
+  CublasLtHandle& operator=(const CublasLtHandle&) = delete;
+  CublasLtHandle(CublasLtHandle&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  CublasLtHandle& operator=(CublasLtHandle&& other) noexcept;
+
+  cublasLtHandle_t get() const { return handle_; }
+
+ private:
+  cublasLtHandle_t handle_ = nullptr;
+};
+
+// Host <-> device copies that check their result; synchronous with respect to the host.
+void copy_to_device(void* dst, const void* src, std::size_t bytes);
+void copy_to_host(void* dst, const void* src, std::size_t bytes);
+
+}  // namespace moe

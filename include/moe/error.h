@@ -1,0 +1,57 @@
+// moe::Error and the checks that turn every failed CUDA, cuBLASLt, NCCL or MPI call into one.
+//
+// Library code never exits or aborts: a failure becomes a moe::Error whose message names the call,
+// the file and the line, so the trainer decides what to do.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace moe {
+
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& message) : std::runtime_error(message) {}
+};
+
+[[noreturn]] inline void fail(const std::string& message) { throw Error(message); }
+
+}  // namespace moe
+
+// fmt does not compile under nvcc (its constexpr machinery trips the CUDA front end), so .cu files
+// get the plain-string fail() above and build their messages by hand; host code formats.
+#if !defined(__CUDACC__)
+#include <fmt/format.h>
+
+namespace moe {
+// Throws moe::Error with a formatted message; the format string is checked at compile time.
+template <typename... Args>
+[[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
+  throw Error(fmt::format(format, std::forward<Args>(args)...));
+}
+}  // namespace moe
+#endif
+
+namespace moe {
+
+namespace detail {
+void check_cuda(cudaError_t status, std::string_view call, const char* file, int line);
+void check_cublas(cublasStatus_t status, std::string_view call, const char* file, int line);
+void check_nccl(ncclResult_t status, std::string_view call, const char* file, int line);
+// MPI calls return an int; taking it as such keeps mpi.h out of this header.
+void check_mpi(int status, std::string_view call, const char* file, int line);
+}  // namespace detail
+
+}  // namespace moe
+
+#define MOE_CHECK_CUDA(call) ::moe::detail::check_cuda((call), #call, __FILE__, __LINE__)
+#define MOE_CHECK_CUBLAS(call) ::moe::detail::check_cublas((call), #call, __FILE__, __LINE__)
+#define MOE_CHECK_NCCL(call) ::moe::detail::check_nccl((call), #call, __FILE__, __LINE__)
+#define MOE_CHECK_MPI(call) ::moe::detail::check_mpi((call), #call, __FILE__, __LINE__)
+// After a kernel launch: catches bad launch configurations at the launch site.
+#define MOE_CHECK_LAUNCH() ::moe::detail::check_cuda(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)

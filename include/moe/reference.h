@@ -1,0 +1,203 @@
+// The fp64 CPU reference of the whole layer: SPEC.md, forward and backward, stage by stage.
+//
+// Every GPU kernel has a counterpart here and every GPU test compares against it. Users may run it
+// to check the layer too. Nothing here is fast; everything here is plain.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "moe/config.h"
+
+namespace moe::reference {
+
+// Row-major matrix of doubles.
+struct Matrix {
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::vector<double> data;
+
+  Matrix() = default;
+  Matrix(std::int64_t rows, std::int64_t cols, double fill = 0.0)
+      : rows(rows), cols(cols), data(static_cast<std::size_t>(rows * cols), fill) {}
+
+  double& operator()(std::int64_t r, std::int64_t c) { return data[index(r, c)]; }
+  double operator()(std::int64_t r, std::int64_t c) const { return data[index(r, c)]; }
+  std::span<double> row(std::int64_t r) { return {data.data() + r * cols, static_cast<std::size_t>(cols)}; }
+  std::span<const double> row(std::int64_t r) const {
+    return {data.data() + r * cols, static_cast<std::size_t>(cols)};
+  }
+
+ private:
+  std::size_t index(std::int64_t r, std::int64_t c) const {
+    return static_cast<std::size_t>(r * cols + c);
+  }
+};
+
+Matrix matmul(const Matrix& a, const Matrix& b);     // a · b
+Matrix matmul_nt(const Matrix& a, const Matrix& b);  // a · bᵀ
+Matrix matmul_tn(const Matrix& a, const Matrix& b);  // aᵀ · b
+void add_into(Matrix& target, const Matrix& addend);
+// Rows [begin, end) of m.
+Matrix slice_rows(const Matrix& m, std::int64_t begin, std::int64_t end);
+// Rows of every part, in order.
+Matrix concat_rows(std::span<const Matrix> parts);
+
+// ---- Step 2: router ------------------------------------------------------------------------------
+
+// Top-K per token, in descending score order: topk_idx and topk_p (scaled) of SPEC.md.
+struct Routing {
+  std::int64_t tokens = 0;
+  int topk = 0;
+  std::vector<int> expert;   // [T*K]
+  std::vector<double> prob;  // [T*K]
+
+  int expert_of(std::int64_t t, int k) const { return expert[static_cast<std::size_t>(t * topk + k)]; }
+  double prob_of(std::int64_t t, int k) const { return prob[static_cast<std::size_t>(t * topk + k)]; }
+};
+
+// The score s = score_function(logits) of one token row (softmax over the row, or elementwise).
+std::vector<double> router_scores(const MoEConfig& config, std::span<const double> logits);
+
+// `expert_bias` has E entries when config.expert_bias, otherwise it is ignored (may be empty).
+Routing route(const MoEConfig& config, const Matrix& logits, std::span<const double> expert_bias);
+// dlogits [T,E] from dp [T*K] (the gradient of the loss with respect to Routing::prob).
+Matrix route_backward(const MoEConfig& config, const Matrix& logits, const Routing& routing,
+                      std::span<const double> dprob);
+
+// ---- Step 3: aux losses -------------------------------------------------------------------------
+
+// The summable statistics of the load-balancing loss: f (tokens per expert under the aux routing),
+// P (sum of aux scores per expert) and the token count. Ranks add theirs up; see aux_loss.
+struct AuxStats {
+  std::vector<double> tokens_per_expert;  // f [E]
+  std::vector<double> score_sum;          // P [E]
+  std::int64_t tokens = 0;                // T
+  AuxStats& operator+=(const AuxStats& other);
+};
+
+AuxStats aux_stats(const MoEConfig& config, const Matrix& logits);
+double aux_loss(const MoEConfig& config, const AuxStats& global);
+// Adds ∂L_aux/∂logits of this rank's tokens, given the mesh-wide statistics.
+void aux_loss_backward(const MoEConfig& config, const Matrix& logits, const AuxStats& global,
+                       Matrix& dlogits);
+
+// Σ_t logsumexp(logits[t])², summable over ranks.
+double z_loss_sum(const Matrix& logits);
+double z_loss(const MoEConfig& config, double global_sum, std::int64_t global_tokens);
+void z_loss_backward(const MoEConfig& config, const Matrix& logits, std::int64_t global_tokens,
+                     Matrix& dlogits);
+
+// Tokens routed to each expert by the main routing.
+std::vector<double> tokens_per_expert(const Routing& routing, int num_experts);
+// Aux-loss-free balancing: b_i += rate · sign(mean_j load_j − load_i).
+void update_expert_bias(std::span<double> expert_bias, std::span<const double> load, double rate);
+
+// ---- Steps 4 and 6: layout, permute, combine ----------------------------------------------------
+
+// Rows grouped expert after expert, each group padded to `align`; inside a group (token, slot)
+// ascending. With align 1 and all E experts this is also the EP sender's order.
+struct Layout {
+  std::vector<std::int64_t> counts;   // [E] rows routed to each expert
+  std::vector<std::int64_t> offsets;  // [E+1] start of each padded group; back() = total rows
+  std::vector<std::int64_t> row;      // [T*K] (t, k) -> row
+
+  std::int64_t rows() const { return offsets.back(); }
+  std::int64_t row_of(std::int64_t t, int k, int topk) const {
+    return row[static_cast<std::size_t>(t * topk + k)];
+  }
+};
+
+std::vector<std::int64_t> padded_offsets(std::span<const std::int64_t> counts, int align);
+Layout make_layout(const Routing& routing, int num_experts, int align);
+
+Matrix permute(const Matrix& x, const Layout& layout, const Routing& routing);  // padding rows zero
+Matrix unpermute_combine(const Matrix& y, const Layout& layout, const Routing& routing);
+// Backward of the combine: dY[row(t,k)] = p[t,k]·dy[t] (padding rows zero) and
+// dp[t,k] = <dy[t], Y[row(t,k)]>, with Y the tensor the combine consumed, in its layout.
+Matrix combine_backward_rows(const Matrix& dy, const Layout& layout, const Routing& routing);
+std::vector<double> combine_backward_prob(const Matrix& dy, const Matrix& y, const Layout& layout,
+                                          const Routing& routing);
+// Backward of permute: dx[t] = Σ_k dX[row(t,k)].
+Matrix permute_backward(const Matrix& dX, const Layout& layout, const Routing& routing);
+
+// The EP receiver's rows arrive ordered by (source rank, local expert), unpadded; the expert
+// computation wants them expert-major and padded. counts[s * local_experts + e].
+struct ChunkLayout {
+  int sources = 0;
+  int local_experts = 0;
+  std::vector<std::int64_t> counts;
+
+  std::int64_t count(int source, int expert) const {
+    return counts[static_cast<std::size_t>(source * local_experts + expert)];
+  }
+  std::vector<std::int64_t> rows_per_expert() const;
+};
+
+Matrix sort_chunks(const Matrix& source_major, const ChunkLayout& chunks, int align);
+Matrix unsort_chunks(const Matrix& expert_major, const ChunkLayout& chunks, int align);
+
+// ---- Step 5: experts ------------------------------------------------------------------------------
+
+struct ExpertWeights {
+  std::vector<Matrix> w13;  // per expert [H, 2F]: columns [0, F) gate, [F, 2F) up
+  std::vector<Matrix> w2;   // per expert [F, H]
+};
+
+struct ExpertActivations {
+  Matrix h;  // [rows, 2F]
+  Matrix a;  // [rows, F] = silu(h_gate) ⊙ h_up
+  Matrix y;  // [rows, H]
+};
+
+struct ExpertGrads {
+  Matrix dX;
+  std::vector<Matrix> dw13;
+  std::vector<Matrix> dw2;
+};
+
+double silu(double v);
+// Rows [offsets[e], offsets[e+1]) belong to expert e (padding rows included).
+ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t> offsets,
+                                  const ExpertWeights& weights);
+ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, const Matrix& dY,
+                             std::span<const std::int64_t> offsets, const ExpertWeights& weights);
+
+// ---- The whole layer --------------------------------------------------------------------------
+
+struct Params {
+  Matrix gate_weight;                // Wg [E, H]
+  std::vector<double> expert_bias;   // [E] (used with config.expert_bias)
+  ExpertWeights experts;             // all E experts
+};
+
+// What one run of forward then backward(dy) yields: what a GPU rank must hold afterwards.
+struct LayerResult {
+  Routing routing;
+  Matrix logits;
+  Matrix out;
+  double aux_loss = 0.0;
+  double z_loss = 0.0;
+  std::vector<double> tokens_per_expert;  // main routing, this rank's tokens
+  Matrix dlogits;
+  Matrix dx;
+  Matrix d_gate_weight;  // summed over the world
+  ExpertGrads expert_grads;  // dw13 / dw2 of this rank's experts, summed over its DP group
+};
+
+// One GPU: forward and backward of the batch x with output gradient dy.
+LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
+                      const Matrix& dy);
+
+// An EP×DP mesh (config.ep, config.dp), simulated exchange by exchange: x[r] and dy[r] are world
+// rank r's batch (r = dp_index·EP + ep_index), all ranks share params. Element r of the result is
+// what rank r must hold, its expert gradients those of experts [ep_index·E_loc, (ep_index+1)·E_loc).
+std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
+                                  std::span<const Matrix> x, std::span<const Matrix> dy);
+
+// Σ out·dy + L_aux + L_z: the scalar whose gradients run_layer computes (for finite differences).
+double layer_objective(const MoEConfig& config, const Params& params, const Matrix& x,
+                       const Matrix& dy);
+
+}  // namespace moe::reference

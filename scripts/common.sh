@@ -1,0 +1,50 @@
+# Shared by run.sh, test.sh and gpu-check.sh (sourced, not run): install what is missing,
+# configure, build.
+MOE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+MOE_BUILD_DIR=${MOE_BUILD_DIR:-$MOE_ROOT/build}
+MOE_PACKAGES=(cmake ninja-build g++ libfmt-dev catch2 nlohmann-json3-dev libyaml-cpp-dev
+              libcli11-dev libopenmpi-dev openmpi-bin)
+
+# Installs the Debian/Ubuntu packages that are missing, when root and apt-get exist. A failed
+# install (no network, say) is reported and left to cmake to judge.
+moe_install_deps() {
+  command -v dpkg-query >/dev/null 2>&1 || return 0
+  local missing=()
+  for package in "${MOE_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||
+      missing+=("$package")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing: ${missing[*]}"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+      >/dev/null 2>&1 || echo "warning: could not install ${missing[*]}; trying to build anyway"
+  else
+    echo "warning: missing packages (install them as root): ${missing[*]}"
+  fi
+}
+
+moe_find_cuda() {
+  if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH=/usr/local/cuda/bin:$PATH
+  fi
+  if ! command -v nvcc >/dev/null 2>&1; then
+    echo "error: the CUDA toolkit (nvcc) was not found; install CUDA 12.4 or newer" >&2
+    return 1
+  fi
+}
+
+# Configures (warnings as errors under CI) and builds on all cores.
+moe_build() {
+  moe_find_cuda || return 1
+  local generator=()
+  command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
+  local werror=OFF
+  [ "${CI:-}" = true ] && werror=ON
+  if [ ! -f "$MOE_BUILD_DIR/CMakeCache.txt" ]; then
+    cmake -S "$MOE_ROOT" -B "$MOE_BUILD_DIR" "${generator[@]}" -DMOE_WERROR=$werror "$@" || return 1
+  else
+    cmake "$MOE_BUILD_DIR" -DMOE_WERROR=$werror "$@" >/dev/null || return 1
+  fi
+  cmake --build "$MOE_BUILD_DIR" -j "$(nproc)"
+}

@@ -1,0 +1,199 @@
+#include "moe/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "moe/error.h"
+
+namespace moe {
+
+std::string_view score_function_name(ScoreFunction score_function) {
+  switch (score_function) {
+    case ScoreFunction::kSoftmax:
+      return "softmax";
+    case ScoreFunction::kSigmoid:
+      return "sigmoid";
+    case ScoreFunction::kSqrtSoftplus:
+      return "sqrtsoftplus";
+  }
+  return "unknown";
+}
+
+ScoreFunction parse_score_function(std::string_view text) {
+  if (text == "softmax") return ScoreFunction::kSoftmax;
+  if (text == "sigmoid") return ScoreFunction::kSigmoid;
+  if (text == "sqrtsoftplus") return ScoreFunction::kSqrtSoftplus;
+  fail("score_function = '{}' is not one of softmax, sigmoid, sqrtsoftplus", text);
+}
+
+namespace {
+
+template <typename... Args>
+[[noreturn]] void invalid(fmt::format_string<Args...> format, Args&&... args) {
+  fail("invalid MoEConfig: {}", fmt::format(format, std::forward<Args>(args)...));
+}
+
+}  // namespace
+
+// A macro so that the message's format string stays a compile-time constant that fmt checks.
+#define MOE_CONFIG_REQUIRE(condition, ...) \
+  if (!(condition)) invalid(__VA_ARGS__)
+
+std::int64_t MoEConfig::padded_rows(std::int64_t count) const {
+  if (align_size <= 1) return count;
+  return (count + align_size - 1) / align_size * align_size;
+}
+
+void MoEConfig::validate() const {
+  MOE_CONFIG_REQUIRE(hidden > 0, "hidden = {} must be positive", hidden);
+  MOE_CONFIG_REQUIRE(ffn_hidden > 0, "ffn_hidden = {} must be positive", ffn_hidden);
+  MOE_CONFIG_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts = {} must be in [1, {}]",
+          num_experts, kMaxExperts);
+  MOE_CONFIG_REQUIRE(topk >= 1 && topk <= num_experts, "topk = {} must be in [1, num_experts = {}]", topk,
+          num_experts);
+  MOE_CONFIG_REQUIRE(topk <= kMaxTopK, "topk = {} exceeds the supported maximum {}", topk, kMaxTopK);
+
+  MOE_CONFIG_REQUIRE(score_function == ScoreFunction::kSoftmax || !pre_softmax,
+          "pre_softmax = true needs score_function = softmax, not {}",
+          score_function_name(score_function));
+  MOE_CONFIG_REQUIRE(!expert_bias || score_function != ScoreFunction::kSoftmax,
+          "expert_bias = true needs score_function = sigmoid or sqrtsoftplus, not softmax");
+
+  // Group-limited routing: both zero means off; anything else must be a complete, valid setting.
+  MOE_CONFIG_REQUIRE(num_groups >= 0, "num_groups = {} must be >= 0", num_groups);
+  MOE_CONFIG_REQUIRE(group_topk >= 0, "group_topk = {} must be >= 0", group_topk);
+  MOE_CONFIG_REQUIRE((num_groups == 0) == (group_topk == 0),
+          "num_groups = {} and group_topk = {}: set both (grouped routing) or neither", num_groups,
+          group_topk);
+  if (num_groups > 0) {
+    MOE_CONFIG_REQUIRE(num_experts % num_groups == 0, "num_groups = {} must divide num_experts = {}",
+            num_groups, num_experts);
+    MOE_CONFIG_REQUIRE(group_topk <= num_groups, "group_topk = {} must be in [1, num_groups = {}]",
+            group_topk, num_groups);
+    MOE_CONFIG_REQUIRE(topk % group_topk == 0, "group_topk = {} must divide topk = {}", group_topk, topk);
+    MOE_CONFIG_REQUIRE(topk / group_topk <= num_experts / num_groups,
+            "topk / group_topk = {} must not exceed the experts per group, num_experts / "
+            "num_groups = {}",
+            topk / group_topk, num_experts / num_groups);
+  }
+
+  MOE_CONFIG_REQUIRE(std::isfinite(scaling_factor) && scaling_factor > 0,
+          "scaling_factor = {} must be positive and finite", scaling_factor);
+  MOE_CONFIG_REQUIRE(std::isfinite(aux_loss_coeff) && aux_loss_coeff >= 0,
+          "aux_loss_coeff = {} must be >= 0 and finite", aux_loss_coeff);
+  MOE_CONFIG_REQUIRE(std::isfinite(z_loss_coeff) && z_loss_coeff >= 0,
+          "z_loss_coeff = {} must be >= 0 and finite", z_loss_coeff);
+  MOE_CONFIG_REQUIRE(align_size >= 0, "align_size = {} must be >= 0 (0 or 1 = no padding)", align_size);
+  MOE_CONFIG_REQUIRE(dtype == DType::kBF16 || dtype == DType::kFP32, "dtype = {} must be bf16 or fp32",
+          dtype_name(dtype));
+  MOE_CONFIG_REQUIRE(ep >= 1, "ep = {} must be >= 1", ep);
+  MOE_CONFIG_REQUIRE(dp >= 1, "dp = {} must be >= 1", dp);
+  MOE_CONFIG_REQUIRE(num_experts % ep == 0, "ep = {} must divide num_experts = {}", ep, num_experts);
+  MOE_CONFIG_REQUIRE(bench_tokens >= 0, "tokens = {} must be >= 0", bench_tokens);
+}
+
+std::string MoEConfig::describe() const {
+  std::string router(score_function_name(score_function));
+  if (score_function == ScoreFunction::kSoftmax) router += pre_softmax ? "(pre)" : "(post)";
+  if (expert_bias) router += "+bias";
+  if (num_groups > 0) router += fmt::format(" groups={}/top{}", num_groups, group_topk);
+  return fmt::format(
+      "H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} EP={} DP={}", hidden, ffn_hidden,
+      num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff, align_size,
+      dtype_name(dtype), ep, dp);
+}
+
+namespace {
+
+// Reads one scalar, turning yaml-cpp's conversion failure into an error that names the key.
+template <typename T>
+T read_scalar(const YAML::Node& node, const std::string& key, std::string_view source) {
+  if (!node.IsScalar()) fail("{}: '{}' must be a scalar", source, key);
+  try {
+    return node.as<T>();
+  } catch (const YAML::Exception&) {
+    fail("{}: {} = '{}' is not a valid value", source, key, node.Scalar());
+  }
+}
+
+}  // namespace
+
+MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::Exception& e) {
+    fail("{}: not valid YAML: {}", source, e.what());
+  }
+  if (!root.IsMap()) fail("{}: expected a map of `key: value` pairs", source);
+
+  MoEConfig config;
+  using Setter = std::function<void(const YAML::Node&, const std::string&)>;
+  auto integer = [&](int MoEConfig::*field) -> Setter {
+    return [&config, field, source](const YAML::Node& n, const std::string& k) {
+      config.*field = read_scalar<int>(n, k, source);
+    };
+  };
+  auto real = [&](double MoEConfig::*field) -> Setter {
+    return [&config, field, source](const YAML::Node& n, const std::string& k) {
+      config.*field = read_scalar<double>(n, k, source);
+    };
+  };
+  auto flag = [&](bool MoEConfig::*field) -> Setter {
+    return [&config, field, source](const YAML::Node& n, const std::string& k) {
+      config.*field = read_scalar<bool>(n, k, source);
+    };
+  };
+  const std::map<std::string, Setter> setters = {
+      {"hidden", integer(&MoEConfig::hidden)},
+      {"ffn_hidden", integer(&MoEConfig::ffn_hidden)},
+      {"num_experts", integer(&MoEConfig::num_experts)},
+      {"topk", integer(&MoEConfig::topk)},
+      {"score_function",
+       [&](const YAML::Node& n, const std::string& k) {
+         config.score_function = parse_score_function(read_scalar<std::string>(n, k, source));
+       }},
+      {"pre_softmax", flag(&MoEConfig::pre_softmax)},
+      {"num_groups", integer(&MoEConfig::num_groups)},
+      {"group_topk", integer(&MoEConfig::group_topk)},
+      {"scaling_factor", real(&MoEConfig::scaling_factor)},
+      {"expert_bias", flag(&MoEConfig::expert_bias)},
+      {"aux_loss_coeff", real(&MoEConfig::aux_loss_coeff)},
+      {"z_loss_coeff", real(&MoEConfig::z_loss_coeff)},
+      {"align_size", integer(&MoEConfig::align_size)},
+      {"dtype",
+       [&](const YAML::Node& n, const std::string& k) {
+         config.dtype = parse_dtype(read_scalar<std::string>(n, k, source), "dtype");
+       }},
+      {"ep", integer(&MoEConfig::ep)},
+      {"dp", integer(&MoEConfig::dp)},
+      {"tokens", integer(&MoEConfig::bench_tokens)},
+  };
+
+  for (const auto& entry : root) {
+    const auto key = entry.first.as<std::string>();
+    const auto setter = setters.find(key);
+    if (setter == setters.end()) fail("{}: unknown key '{}'", source, key);
+    setter->second(entry.second, key);
+  }
+  for (const char* required : {"hidden", "ffn_hidden", "num_experts", "topk"}) {
+    if (!root[required]) fail("{}: missing required key '{}'", source, required);
+  }
+  config.validate();
+  return config;
+}
+
+MoEConfig load_config(const std::filesystem::path& path) {
+  std::ifstream file(path);
+  if (!file) fail("cannot open config file '{}'", path.string());
+  std::stringstream text;
+  text << file.rdbuf();
+  return parse_config(text.str(), path.string());
+}
+
+}  // namespace moe

@@ -1,0 +1,97 @@
+#include "moe/device.h"
+
+#include <fmt/format.h>
+
+namespace moe {
+
+int cuda_device_count() noexcept {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no driver" error for later callers
+    return 0;
+  }
+  return count;
+}
+
+std::string describe_devices() {
+  const int count = cuda_device_count();
+  if (count == 0) return "no CUDA device visible\n";
+  std::string text;
+  for (int device = 0; device < count; ++device) {
+    cudaDeviceProp prop{};
+    MOE_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+    text += fmt::format("GPU {}: {} (sm_{}{}), {:.1f} GiB, {} SMs\n", device, prop.name,
+                        prop.major, prop.minor, static_cast<double>(prop.totalGlobalMem) / (1 << 30),
+                        prop.multiProcessorCount);
+  }
+  return text;
+}
+
+void DeviceBuffer::reserve(std::size_t bytes) {
+  if (bytes <= bytes_) return;
+  release();
+  MOE_CHECK_CUDA(cudaMalloc(&data_, bytes));
+  bytes_ = bytes;
+}
+
+void DeviceBuffer::release() noexcept {
+  if (data_ != nullptr) (void)cudaFree(data_);
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+Stream::Stream() { MOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+Stream::~Stream() {
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+}
+Stream& Stream::operator=(Stream&& other) noexcept {
+  if (this != &other) {
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+    stream_ = std::exchange(other.stream_, nullptr);
+  }
+  return *this;
+}
+void Stream::synchronize() const { MOE_CHECK_CUDA(cudaStreamSynchronize(stream_)); }
+
+Event::Event(bool timing) {
+  MOE_CHECK_CUDA(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+}
+Event::~Event() {
+  if (event_ != nullptr) (void)cudaEventDestroy(event_);
+}
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    if (event_ != nullptr) (void)cudaEventDestroy(event_);
+    event_ = std::exchange(other.event_, nullptr);
+  }
+  return *this;
+}
+void Event::record(cudaStream_t stream) const { MOE_CHECK_CUDA(cudaEventRecord(event_, stream)); }
+float Event::elapsed_ms_since(const Event& start) const {
+  float ms = 0.0f;
+  MOE_CHECK_CUDA(cudaEventElapsedTime(&ms, start.event_, event_));
+  return ms;
+}
+
+CublasLtHandle::CublasLtHandle() { MOE_CHECK_CUBLAS(cublasLtCreate(&handle_)); }
+CublasLtHandle::~CublasLtHandle() {
+  if (handle_ != nullptr) (void)cublasLtDestroy(handle_);
+}
+CublasLtHandle& CublasLtHandle::operator=(CublasLtHandle&& other) noexcept {
+  if (this != &other) {
+    if (handle_ != nullptr) (void)cublasLtDestroy(handle_);
+    handle_ = std::exchange(other.handle_, nullptr);
+  }
+  return *this;
+}
+
+void copy_to_device(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  MOE_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  MOE_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+}  // namespace moe

@@ -1,0 +1,77 @@
+// SPEC.md step 5 in fp64: SwiGLU experts over the padded expert-major rows, and their backward.
+#include <cmath>
+
+#include "moe/error.h"
+#include "moe/reference.h"
+
+namespace moe::reference {
+namespace {
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+}  // namespace
+
+double silu(double v) { return v * sigmoid(v); }
+
+ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t> offsets,
+                                  const ExpertWeights& weights) {
+  const std::size_t experts = offsets.size() - 1;
+  if (weights.w13.size() != experts || weights.w2.size() != experts) {
+    fail("experts_forward: {} row groups, {} / {} weight matrices", experts, weights.w13.size(),
+         weights.w2.size());
+  }
+  if (offsets.back() != X.rows) fail("experts_forward: offsets end at {}, X has {} rows", offsets.back(), X.rows);
+  ExpertActivations parts;
+  std::vector<Matrix> hs, as, ys;
+  for (std::size_t e = 0; e < experts; ++e) {
+    const Matrix Xe = slice_rows(X, offsets[e], offsets[e + 1]);
+    Matrix h = matmul(Xe, weights.w13[e]);
+    const std::int64_t F = h.cols / 2;
+    Matrix a(h.rows, F);
+    for (std::int64_t r = 0; r < h.rows; ++r) {
+      for (std::int64_t j = 0; j < F; ++j) a(r, j) = silu(h(r, j)) * h(r, F + j);
+    }
+    ys.push_back(matmul(a, weights.w2[e]));
+    hs.push_back(std::move(h));
+    as.push_back(std::move(a));
+  }
+  const std::int64_t H = weights.w2.empty() ? X.cols : weights.w2.front().cols;
+  const std::int64_t F = weights.w2.empty() ? 0 : weights.w2.front().rows;
+  parts.h = hs.empty() ? Matrix(0, 2 * F) : concat_rows(hs);
+  parts.a = as.empty() ? Matrix(0, F) : concat_rows(as);
+  parts.y = ys.empty() ? Matrix(0, H) : concat_rows(ys);
+  return parts;
+}
+
+ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, const Matrix& dY,
+                             std::span<const std::int64_t> offsets, const ExpertWeights& weights) {
+  const std::size_t experts = offsets.size() - 1;
+  ExpertGrads grads;
+  std::vector<Matrix> dXs;
+  for (std::size_t e = 0; e < experts; ++e) {
+    const auto begin = offsets[e];
+    const auto end = offsets[e + 1];
+    const Matrix Xe = slice_rows(X, begin, end);
+    const Matrix he = slice_rows(act.h, begin, end);
+    const Matrix ae = slice_rows(act.a, begin, end);
+    const Matrix dYe = slice_rows(dY, begin, end);
+
+    const Matrix dA = matmul_nt(dYe, weights.w2[e]);  // dY · W2ᵀ
+    grads.dw2.push_back(matmul_tn(ae, dYe));         // Aᵀ · dY
+    const std::int64_t F = dA.cols;
+    Matrix dh(he.rows, 2 * F);
+    for (std::int64_t r = 0; r < he.rows; ++r) {
+      for (std::int64_t j = 0; j < F; ++j) {
+        const double gate = he(r, j);
+        const double up = he(r, F + j);
+        const double s = sigmoid(gate);
+        dh(r, j) = dA(r, j) * up * s * (1.0 + gate * (1.0 - s));  // silu'(g) = σ(g)(1 + g(1 − σ(g)))
+        dh(r, F + j) = dA(r, j) * gate * s;                        // silu(g)
+      }
+    }
+    dXs.push_back(matmul_nt(dh, weights.w13[e]));  // dh · W13ᵀ
+    grads.dw13.push_back(matmul_tn(Xe, dh));      // Xᵀ · dh
+  }
+  grads.dX = dXs.empty() ? Matrix(0, X.cols) : concat_rows(dXs);
+  return grads;
+}
+
+}  // namespace moe::reference

@@ -1,0 +1,74 @@
+#include "moe/error.h"
+#include "moe/reference.h"
+
+namespace moe::reference {
+
+Matrix matmul(const Matrix& a, const Matrix& b) {
+  if (a.cols != b.rows) fail("matmul: [{},{}] · [{},{}]", a.rows, a.cols, b.rows, b.cols);
+  Matrix c(a.rows, b.cols);
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    for (std::int64_t k = 0; k < a.cols; ++k) {
+      const double aik = a(i, k);
+      if (aik == 0.0) continue;
+      for (std::int64_t j = 0; j < b.cols; ++j) c(i, j) += aik * b(k, j);
+    }
+  }
+  return c;
+}
+
+Matrix matmul_nt(const Matrix& a, const Matrix& b) {
+  if (a.cols != b.cols) fail("matmul_nt: [{},{}] · [{},{}]ᵀ", a.rows, a.cols, b.rows, b.cols);
+  Matrix c(a.rows, b.rows);
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    for (std::int64_t j = 0; j < b.rows; ++j) {
+      double sum = 0.0;
+      for (std::int64_t k = 0; k < a.cols; ++k) sum += a(i, k) * b(j, k);
+      c(i, j) = sum;
+    }
+  }
+  return c;
+}
+
+Matrix matmul_tn(const Matrix& a, const Matrix& b) {
+  if (a.rows != b.rows) fail("matmul_tn: [{},{}]ᵀ · [{},{}]", a.rows, a.cols, b.rows, b.cols);
+  Matrix c(a.cols, b.cols);
+  for (std::int64_t k = 0; k < a.rows; ++k) {
+    for (std::int64_t i = 0; i < a.cols; ++i) {
+      const double aki = a(k, i);
+      if (aki == 0.0) continue;
+      for (std::int64_t j = 0; j < b.cols; ++j) c(i, j) += aki * b(k, j);
+    }
+  }
+  return c;
+}
+
+void add_into(Matrix& target, const Matrix& addend) {
+  if (target.rows != addend.rows || target.cols != addend.cols) {
+    fail("add_into: [{},{}] += [{},{}]", target.rows, target.cols, addend.rows, addend.cols);
+  }
+  for (std::size_t i = 0; i < target.data.size(); ++i) target.data[i] += addend.data[i];
+}
+
+Matrix slice_rows(const Matrix& m, std::int64_t begin, std::int64_t end) {
+  if (begin < 0 || end < begin || end > m.rows) {
+    fail("slice_rows: [{}, {}) of {} rows", begin, end, m.rows);
+  }
+  Matrix out(end - begin, m.cols);
+  std::copy(m.data.begin() + begin * m.cols, m.data.begin() + end * m.cols, out.data.begin());
+  return out;
+}
+
+Matrix concat_rows(std::span<const Matrix> parts) {
+  std::int64_t rows = 0;
+  const std::int64_t cols = parts.empty() ? 0 : parts.front().cols;
+  for (const auto& part : parts) {
+    if (part.cols != cols) fail("concat_rows: {} columns after {}", part.cols, cols);
+    rows += part.rows;
+  }
+  Matrix out(rows, cols);
+  auto cursor = out.data.begin();
+  for (const auto& part : parts) cursor = std::copy(part.data.begin(), part.data.end(), cursor);
+  return out;
+}
+
+}  // namespace moe::reference

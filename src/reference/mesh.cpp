@@ -1,0 +1,175 @@
+// An EP×DP mesh in fp64, simulated exchange by exchange as SPEC.md describes it: the sender orders
+// rows by global expert without padding, all-to-allv inside the EP group, the receiver sorts
+// (source rank, local expert) chunks into the padded expert-major layout; then the mirror, and the
+// gradient reductions (experts over the DP group, gate over the world).
+#include "moe/error.h"
+#include "moe/reference.h"
+#include "stages.h"
+
+namespace moe::reference {
+namespace {
+
+using CountTable = std::vector<std::vector<std::int64_t>>;  // [from][to] rows
+
+// all-to-allv: send[i] holds the rows for peer 0, then peer 1, ...; recv[j] gets the rows from
+// peer 0, then peer 1, ...
+std::vector<Matrix> all_to_all(const std::vector<Matrix>& send, const CountTable& counts,
+                               std::int64_t cols) {
+  const std::size_t peers = send.size();
+  std::vector<Matrix> recv(peers);
+  for (std::size_t j = 0; j < peers; ++j) {
+    std::vector<Matrix> parts;
+    for (std::size_t i = 0; i < peers; ++i) {
+      std::int64_t begin = 0;
+      for (std::size_t before = 0; before < j; ++before) begin += counts[i][before];
+      parts.push_back(slice_rows(send[i], begin, begin + counts[i][j]));
+    }
+    recv[j] = concat_rows(parts);
+    recv[j].cols = cols;  // keeps the width when no rows arrive
+  }
+  return recv;
+}
+
+CountTable transpose(const CountTable& counts) {
+  CountTable t(counts.size(), std::vector<std::int64_t>(counts.size()));
+  for (std::size_t i = 0; i < counts.size(); ++i) {
+    for (std::size_t j = 0; j < counts.size(); ++j) t[j][i] = counts[i][j];
+  }
+  return t;
+}
+
+ExpertWeights local_weights(const ExpertWeights& all, int first, int count) {
+  ExpertWeights local;
+  local.w13.assign(all.w13.begin() + first, all.w13.begin() + first + count);
+  local.w2.assign(all.w2.begin() + first, all.w2.begin() + first + count);
+  return local;
+}
+
+void add_grads(ExpertGrads& total, const ExpertGrads& part) {
+  if (total.dw13.empty()) {
+    total.dw13 = part.dw13;
+    total.dw2 = part.dw2;
+    return;
+  }
+  for (std::size_t e = 0; e < part.dw13.size(); ++e) {
+    add_into(total.dw13[e], part.dw13[e]);
+    add_into(total.dw2[e], part.dw2[e]);
+  }
+}
+
+}  // namespace
+
+std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
+                                  std::span<const Matrix> x, std::span<const Matrix> dy) {
+  const int EP = config.ep;
+  const int DP = config.dp;
+  const int world = EP * DP;
+  const int E = config.num_experts;
+  const int E_loc = config.local_experts();
+  const int align = config.align_size;
+  if (std::ssize(x) != world || std::ssize(dy) != world) {
+    fail("run_mesh: {} batches and {} gradients for a mesh of {} ranks", x.size(), dy.size(), world);
+  }
+  const std::int64_t H = params.gate_weight.cols;
+  for (int r = 0; r < world; ++r) check_params(config, params, x[r].cols);
+
+  // Steps 1-3 on every rank; loss statistics are summed over the world.
+  std::vector<RouterFront> front(world);
+  AuxStats global_aux;
+  double global_z_sum = 0.0;
+  for (int r = 0; r < world; ++r) {
+    front[r] = router_front(config, params, x[r]);
+    global_aux += front[r].aux;
+    global_z_sum += front[r].z_sum;
+  }
+  std::vector<LayerResult> result(world);
+  for (int r = 0; r < world; ++r) fill_forward_result(config, front[r], global_aux, global_z_sum, result[r]);
+
+  // Step 4, sender side: rows by global expert, unpadded.
+  std::vector<Layout> send_layout(world);
+  std::vector<Matrix> send_rows(world);
+  for (int r = 0; r < world; ++r) {
+    send_layout[r] = make_layout(front[r].routing, E, 1);
+    send_rows[r] = permute(x[r], send_layout[r], front[r].routing);
+  }
+
+  std::vector<ExpertGrads> local_grads(world);
+  for (int dp_index = 0; dp_index < DP; ++dp_index) {
+    auto rank = [&](int ep_index) { return dp_index * EP + ep_index; };
+
+    // The counts exchange: what source i sends to each of j's local experts.
+    CountTable counts(EP, std::vector<std::int64_t>(EP, 0));
+    std::vector<ChunkLayout> chunks(EP);
+    for (int j = 0; j < EP; ++j) {
+      chunks[j] = ChunkLayout{EP, E_loc, std::vector<std::int64_t>(EP * E_loc)};
+      for (int i = 0; i < EP; ++i) {
+        for (int le = 0; le < E_loc; ++le) {
+          const auto c = send_layout[rank(i)].counts[j * E_loc + le];
+          chunks[j].counts[i * E_loc + le] = c;
+          counts[i][j] += c;
+        }
+      }
+    }
+    std::vector<Matrix> group_send(EP);
+    for (int i = 0; i < EP; ++i) group_send[i] = send_rows[rank(i)];
+
+    // Dispatch, local sort, experts, local unsort, combine exchange.
+    const auto received = all_to_all(group_send, counts, H);
+    std::vector<Matrix> X(EP);
+    std::vector<ExpertActivations> act(EP);
+    std::vector<std::vector<std::int64_t>> offsets(EP);
+    std::vector<Matrix> y_source_major(EP);
+    for (int j = 0; j < EP; ++j) {
+      X[j] = sort_chunks(received[j], chunks[j], align);
+      offsets[j] = padded_offsets(chunks[j].rows_per_expert(), align);
+      act[j] = experts_forward(X[j], offsets[j], local_weights(params.experts, j * E_loc, E_loc));
+      y_source_major[j] = unsort_chunks(act[j].y, chunks[j], align);
+    }
+    const auto y_send_layout = all_to_all(y_source_major, transpose(counts), H);
+
+    // Step 6 and the backward's first half on each sender.
+    std::vector<Matrix> dy_send_layout(EP);
+    std::vector<std::vector<double>> dprob(EP);
+    for (int i = 0; i < EP; ++i) {
+      const auto& routing = front[rank(i)].routing;
+      result[rank(i)].out = unpermute_combine(y_send_layout[i], send_layout[rank(i)], routing);
+      dy_send_layout[i] = combine_backward_rows(dy[rank(i)], send_layout[rank(i)], routing);
+      // The combine consumed Y in the sender's layout: dp is taken there (SPEC.md pitfall 3).
+      dprob[i] = combine_backward_prob(dy[rank(i)], y_send_layout[i], send_layout[rank(i)], routing);
+    }
+
+    // Backward through the exchange and the experts.
+    const auto dy_received = all_to_all(dy_send_layout, counts, H);
+    std::vector<Matrix> dx_source_major(EP);
+    for (int j = 0; j < EP; ++j) {
+      const Matrix dY = sort_chunks(dy_received[j], chunks[j], align);
+      local_grads[rank(j)] = experts_backward(X[j], act[j], dY, offsets[j],
+                                              local_weights(params.experts, j * E_loc, E_loc));
+      dx_source_major[j] = unsort_chunks(local_grads[rank(j)].dX, chunks[j], align);
+    }
+    const auto dx_send_layout = all_to_all(dx_source_major, transpose(counts), H);
+    for (int i = 0; i < EP; ++i) {
+      const int r = rank(i);
+      result[r].dx = permute_backward(dx_send_layout[i], send_layout[r], front[r].routing);
+      router_back(config, params, x[r], front[r], global_aux, dprob[i], result[r]);
+    }
+  }
+
+  // Gradient reductions: gate over the world, experts over each DP group (same EP index).
+  Matrix gate_total(E, H);
+  for (int r = 0; r < world; ++r) add_into(gate_total, result[r].d_gate_weight);
+  for (int ep_index = 0; ep_index < EP; ++ep_index) {
+    ExpertGrads total;
+    for (int dp_index = 0; dp_index < DP; ++dp_index) add_grads(total, local_grads[dp_index * EP + ep_index]);
+    for (int dp_index = 0; dp_index < DP; ++dp_index) {
+      auto& r = result[dp_index * EP + ep_index];
+      r.d_gate_weight = gate_total;
+      r.expert_grads.dw13 = total.dw13;
+      r.expert_grads.dw2 = total.dw2;
+      r.expert_grads.dX = local_grads[dp_index * EP + ep_index].dX;
+    }
+  }
+  return result;
+}
+
+}  // namespace moe::reference

@@ -1,0 +1,66 @@
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "moe/device.h"
+#include "moe/error.h"
+#include "moe/tensor.h"
+#include "support/catch.h"
+#include "support/test_util.h"
+
+using namespace moe;
+
+TEST_CASE("bf16 conversion rounds to nearest even and keeps specials", "[cpu][tensor]") {
+  CHECK(from_bf16(to_bf16(1.0f)) == 1.0f);
+  CHECK(from_bf16(to_bf16(-2.5f)) == -2.5f);
+  // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0).
+  CHECK(from_bf16(to_bf16(1.0f + std::ldexp(1.0f, -8))) == 1.0f);
+  // 1 + 3·2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: ties go to 1 + 2^-6 (even).
+  CHECK(from_bf16(to_bf16(1.0f + 3 * std::ldexp(1.0f, -8))) == 1.0f + std::ldexp(1.0f, -6));
+  CHECK(std::isnan(from_bf16(to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isinf(from_bf16(to_bf16(std::numeric_limits<float>::infinity()))));
+  CHECK(std::signbit(from_bf16(to_bf16(-0.0f))));
+
+  std::mt19937_64 rng(test::fresh_seed());
+  std::normal_distribution<float> normal(0.0f, 100.0f);
+  for (int i = 0; i < 10000; ++i) {
+    const float v = normal(rng);
+    const float r = from_bf16(to_bf16(v));
+    REQUIRE(std::abs(r - v) <= std::abs(v) * std::ldexp(1.0f, -8));  // half an ulp of 8 bits
+  }
+}
+
+TEST_CASE("Tensor views describe themselves and shape checks name the tensor", "[cpu][tensor]") {
+  float storage[6] = {};
+  const Tensor t(storage, DType::kFP32, {2, 3});
+  CHECK(t.numel() == 6);
+  CHECK(t.bytes() == 24);
+  CHECK(t.describe() == "fp32[2, 3]");
+  CHECK_NOTHROW(expect_tensor(t, "x", DType::kFP32, {2, 3}));
+  try {
+    expect_tensor(t, "x", DType::kBF16, {2, 4});
+    FAIL("expected moe::Error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) == "x: expected bf16[2, 4], got fp32[2, 3]");
+  }
+  CHECK(parse_dtype("bf16") == DType::kBF16);
+  CHECK_THROWS_AS(parse_dtype("fp16"), Error);
+}
+
+TEST_CASE("check macros name the call, the file and the line", "[cpu][error]") {
+  try {
+    MOE_CHECK_CUDA(cudaErrorInvalidValue);
+    FAIL("expected moe::Error");
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    CHECK(message.find("cudaErrorInvalidValue") != std::string::npos);
+    CHECK(message.find("test_core.cpp") != std::string::npos);
+  }
+  CHECK_THROWS_AS(MOE_CHECK_CUBLAS(CUBLAS_STATUS_INVALID_VALUE), Error);
+  CHECK_THROWS_AS(MOE_CHECK_NCCL(ncclInvalidArgument), Error);
+  CHECK_NOTHROW(MOE_CHECK_NCCL(ncclSuccess));
+}
+
+TEST_CASE("device count is zero, not an exception, without a GPU", "[cpu][device]") {
+  CHECK(cuda_device_count() >= 0);
+}

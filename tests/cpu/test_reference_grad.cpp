@@ -1,0 +1,217 @@
+// The reference backward against central finite differences of the reference forward (fp64).
+#include <functional>
+#include <random>
+#include <string>
+
+#include "moe/reference.h"
+#include "support/catch.h"
+#include "support/test_util.h"
+
+using namespace moe;
+using namespace moe::reference;
+
+namespace {
+
+constexpr double kStep = 1e-5;
+constexpr double kTolerance = 1e-6;  // central differences: O(step²) truncation, ~1e-11 rounding
+
+// Central differences of f over every entry of `values`.
+std::vector<double> finite_differences(std::vector<double>& values, const std::function<double()>& f) {
+  std::vector<double> grad(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const double saved = values[i];
+    values[i] = saved + kStep;
+    const double up = f();
+    values[i] = saved - kStep;
+    const double down = f();
+    values[i] = saved;
+    grad[i] = (up - down) / (2 * kStep);
+  }
+  return grad;
+}
+
+struct RouterCase {
+  std::string name;
+  MoEConfig config;
+};
+
+std::vector<RouterCase> router_cases() {
+  const MoEConfig base = test::small_config(6, 5, 8, 2);
+  std::vector<RouterCase> cases;
+  auto add = [&](std::string name, auto edit) {
+    MoEConfig config = base;
+    edit(config);
+    config.validate();
+    cases.push_back({std::move(name), config});
+  };
+  add("softmax post", [](MoEConfig&) {});
+  add("softmax pre", [](MoEConfig& c) { c.pre_softmax = true; });
+  add("softmax post K=1", [](MoEConfig& c) { c.topk = 1; });
+  add("softmax pre K=1 scaled", [](MoEConfig& c) { c.topk = 1; c.pre_softmax = true; c.scaling_factor = 2.5; });
+  add("sigmoid", [](MoEConfig& c) { c.score_function = ScoreFunction::kSigmoid; });
+  add("sigmoid + bias", [](MoEConfig& c) {
+    c.score_function = ScoreFunction::kSigmoid;
+    c.expert_bias = true;
+  });
+  add("sigmoid K=1", [](MoEConfig& c) {
+    c.score_function = ScoreFunction::kSigmoid;
+    c.topk = 1;
+  });
+  add("sqrtsoftplus + bias, scaled", [](MoEConfig& c) {
+    c.score_function = ScoreFunction::kSqrtSoftplus;
+    c.expert_bias = true;
+    c.scaling_factor = 2.5;
+  });
+  add("sqrtsoftplus K=1", [](MoEConfig& c) {
+    c.score_function = ScoreFunction::kSqrtSoftplus;
+    c.topk = 1;
+  });
+  add("grouped sigmoid + bias (4 groups, top 2, K=4)", [](MoEConfig& c) {
+    c.score_function = ScoreFunction::kSigmoid;
+    c.expert_bias = true;
+    c.num_groups = 4;
+    c.group_topk = 2;
+    c.topk = 4;
+    c.scaling_factor = 2.5;
+  });
+  add("grouped softmax post (2 groups, top 1)", [](MoEConfig& c) {
+    c.num_groups = 2;
+    c.group_topk = 1;
+  });
+  add("grouped softmax pre, K=E", [](MoEConfig& c) {
+    c.pre_softmax = true;
+    c.num_groups = 2;
+    c.group_topk = 2;
+    c.topk = 8;
+  });
+  return cases;
+}
+
+}  // namespace
+
+TEST_CASE("router backward equals finite differences of Σ p·dp", "[cpu][reference][router]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const auto& [name, config] : router_cases()) {
+    INFO(name);
+    Params params = test::random_params(config, rng);
+    Matrix logits = test::random_matrix(9, config.num_experts, rng);
+    const Routing routing = route(config, logits, params.expert_bias);
+    const Matrix dprob_matrix = test::random_matrix(9, config.topk, rng);
+    const auto& dprob = dprob_matrix.data;
+
+    // Selection is piecewise constant: finite differences see only the probabilities move.
+    auto objective = [&] {
+      const Routing r = route(config, logits, params.expert_bias);
+      REQUIRE(r.expert == routing.expert);
+      double sum = 0.0;
+      for (std::size_t i = 0; i < r.prob.size(); ++i) sum += r.prob[i] * dprob[i];
+      return sum;
+    };
+    const auto numeric = finite_differences(logits.data, objective);
+    const Matrix analytic = route_backward(config, logits, routing, dprob);
+    CHECK(test::relative_error(analytic.data, numeric) <= kTolerance);
+  }
+}
+
+TEST_CASE("routing follows SPEC.md on hand-worked rows", "[cpu][reference][router]") {
+  MoEConfig config = test::small_config(4, 4, 4, 2);
+  Matrix logits(1, 4);
+  logits.data = {1.0, 3.0, 2.0, 3.0};  // a tie: the lower index (1) wins
+  Routing r = route(config, logits, {});
+  CHECK(r.expert == std::vector<int>{1, 3});
+  CHECK(r.prob[0] == Approx(0.5));
+
+  config.score_function = ScoreFunction::kSigmoid;
+  config.expert_bias = true;
+  const std::vector<double> bias = {10.0, 0.0, 0.0, 0.0};  // picks expert 0, adds nothing to p
+  r = route(config, logits, bias);
+  CHECK(r.expert == std::vector<int>{0, 1});
+  const double s0 = 1 / (1 + std::exp(-1.0));
+  const double s1 = 1 / (1 + std::exp(-3.0));
+  CHECK(r.prob[0] == Approx(s0 / (s0 + s1)));
+
+  // Groups {0,1} and {2,3}, one kept; a group scores the sum of its top K/GK = 2 logits.
+  config = test::small_config(4, 4, 4, 2);
+  config.num_groups = 2;
+  config.group_topk = 1;
+  config.validate();
+  logits.data = {3.0, 2.0, 4.0, 0.0};  // group 0 (5) beats group 1 (4): expert 2 is masked
+  CHECK(route(config, logits, {}).expert == std::vector<int>{0, 1});
+  logits.data = {3.0, 2.0, 4.0, 1.0};  // 5 against 5: the lower group wins the tie
+  CHECK(route(config, logits, {}).expert == std::vector<int>{0, 1});
+  logits.data = {3.0, 2.0, 4.0, 1.5};  // group 1 (5.5) wins
+  CHECK(route(config, logits, {}).expert == std::vector<int>{2, 3});
+}
+
+TEST_CASE("layer backward equals finite differences, every router mode", "[cpu][reference]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  auto cases = router_cases();
+  // Losses, scaling and padding on top of two modes.
+  for (auto base_index : {0, 5}) {
+    RouterCase with_losses = cases[base_index];
+    with_losses.name += " + aux + z + align 4";
+    with_losses.config.aux_loss_coeff = 0.3;
+    with_losses.config.z_loss_coeff = 0.05;
+    with_losses.config.align_size = 4;
+    cases.push_back(with_losses);
+  }
+  for (auto& [name, config] : cases) {
+    INFO(name);
+    Params params = test::random_params(config, rng);
+    Matrix x = test::random_matrix(5, config.hidden, rng);
+    const Matrix dy = test::random_matrix(5, config.hidden, rng);
+    const LayerResult result = run_layer(config, params, x, dy);
+    auto objective = [&] { return layer_objective(config, params, x, dy); };
+
+    CHECK(test::relative_error(result.dx.data, finite_differences(x.data, objective)) <= kTolerance);
+    CHECK(test::relative_error(result.d_gate_weight.data,
+                               finite_differences(params.gate_weight.data, objective)) <= kTolerance);
+    for (int e = 0; e < config.num_experts; ++e) {
+      INFO("expert " << e);
+      CHECK(test::relative_error(result.expert_grads.dw13[e].data,
+                                 finite_differences(params.experts.w13[e].data, objective)) <= kTolerance);
+      CHECK(test::relative_error(result.expert_grads.dw2[e].data,
+                                 finite_differences(params.experts.w2[e].data, objective)) <= kTolerance);
+    }
+  }
+}
+
+TEST_CASE("aux and z losses alone: values and gradients", "[cpu][reference][losses]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const auto score : {ScoreFunction::kSoftmax, ScoreFunction::kSigmoid, ScoreFunction::kSqrtSoftplus}) {
+    MoEConfig config = test::small_config(6, 3, 16, 4);
+    config.score_function = score;
+    config.aux_loss_coeff = 0.7;
+    config.z_loss_coeff = 0.2;
+    INFO(score_function_name(score));
+    const Params params = test::random_params(config, rng);
+    Matrix logits = test::random_matrix(11, config.num_experts, rng, 2.0);
+
+    // The loss values against a direct transcription of SPEC.md.
+    const AuxStats stats = aux_stats(config, logits);
+    const double T = 11;
+    double expected_aux = 0.0;
+    for (int i = 0; i < 16; ++i) expected_aux += stats.score_sum[i] * stats.tokens_per_expert[i];
+    expected_aux *= 0.7 * 16 / (4 * T * T);
+    CHECK(aux_loss(config, stats) == Approx(expected_aux).epsilon(1e-12));
+    double f_total = 0.0;
+    for (const double f : stats.tokens_per_expert) f_total += f;
+    CHECK(f_total == 11 * 4);
+
+    auto objective = [&] {
+      const AuxStats s = aux_stats(config, logits);
+      REQUIRE(s.tokens_per_expert == stats.tokens_per_expert);
+      return aux_loss(config, s) + z_loss(config, z_loss_sum(logits), 11);
+    };
+    Matrix dlogits(11, config.num_experts);
+    aux_loss_backward(config, logits, stats, dlogits);
+    z_loss_backward(config, logits, 11, dlogits);
+    CHECK(test::relative_error(dlogits.data, finite_differences(logits.data, objective)) <= kTolerance);
+  }
+}

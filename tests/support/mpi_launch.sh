@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# mpi_launch.sh RANKS GPU_COUNT_BIN TEST_BIN [args...]
+# Runs TEST_BIN under mpirun with RANKS processes (a number, or "all" for one per local GPU).
+# Exits 77 (ctest: skipped) when there is no GPU, or fewer GPUs than RANKS asks for.
+set -u
+ranks=$1 count_bin=$2 test_bin=$3
+shift 3
+gpus=$("$count_bin" 2>/dev/null || echo 0)
+if [ "${gpus:-0}" -eq 0 ]; then
+  echo "SKIPPED: no CUDA GPU visible; mpi tests need at least one."
+  exit 77
+fi
+[ "$ranks" = all ] && ranks=$gpus
+if [ "$ranks" -gt "$gpus" ]; then
+  echo "SKIPPED: $ranks ranks asked for, $gpus GPUs visible."
+  exit 77
+fi
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast: it can take a shared host's GPUs down
+if [ "$(id -u)" -eq 0 ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+exec mpirun -np "$ranks" --bind-to none -x NCCL_NVLS_ENABLE "$test_bin" "$@"
