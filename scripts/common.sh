@@ -2,8 +2,10 @@
 # configure, build.
 MOE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MOE_BUILD_DIR=${MOE_BUILD_DIR:-$MOE_ROOT/build}
-MOE_PACKAGES=(cmake ninja-build g++ libfmt-dev catch2 nlohmann-json3-dev libyaml-cpp-dev
-              libcli11-dev libopenmpi-dev openmpi-bin)
+MOE_PACKAGES=(g++ libfmt-dev catch2 nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
+              libopenmpi-dev openmpi-bin)
+# Tools that may come from elsewhere (pip, a toolchain): installed only when the command is absent.
+MOE_TOOL_PACKAGES=(cmake:cmake ninja:ninja-build)
 
 # Installs the Debian/Ubuntu packages that are missing, when root and apt-get exist. A failed
 # install (no network, say) is reported and left to cmake to judge.
@@ -13,6 +15,9 @@ moe_install_deps() {
   for package in "${MOE_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||
       missing+=("$package")
+  done
+  for entry in "${MOE_TOOL_PACKAGES[@]}"; do
+    command -v "${entry%%:*}" >/dev/null 2>&1 || missing+=("${entry#*:}")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
