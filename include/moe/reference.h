@@ -60,8 +60,18 @@ struct Routing {
 // The score s = score_function(logits) of one token row (softmax over the row, or elementwise).
 std::vector<double> router_scores(const MoEConfig& config, std::span<const double> logits);
 
+// The scores selection ranks for one token: logits (softmax post), softmax (pre), or the
+// elementwise score plus the expert bias (sigmoid, sqrtsoftplus).
+std::vector<double> selection_scores(const MoEConfig& config, std::span<const double> logits,
+                                     std::span<const double> expert_bias);
+// SPEC.md's plain or group-limited top-K over selection scores; descending, ties to the lower index.
+std::vector<int> select_experts(const MoEConfig& config, std::span<const double> scores);
+
 // `expert_bias` has E entries when config.expert_bias, otherwise it is ignored (may be empty).
 Routing route(const MoEConfig& config, const Matrix& logits, std::span<const double> expert_bias);
+// The probabilities of a given selection (experts [T*K], in slot order): how a test feeds the
+// reference the GPU's own routing where bf16 or fp32 rounding flipped a near-tie.
+Routing route_given(const MoEConfig& config, const Matrix& logits, std::span<const int> experts);
 // dlogits [T,E] from dp [T*K] (the gradient of the loss with respect to Routing::prob).
 Matrix route_backward(const MoEConfig& config, const Matrix& logits, const Routing& routing,
                       std::span<const double> dprob);

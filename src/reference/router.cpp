@@ -59,7 +59,8 @@ std::vector<int> all_indices(std::size_t n) {
   return indices;
 }
 
-// SPEC.md's selection over routing scores r: plain or group-limited top-K.
+}  // namespace
+
 std::vector<int> select_experts(const MoEConfig& config, std::span<const double> r) {
   const int E = config.num_experts;
   if (!config.grouped_routing()) return top_indices(r, all_indices(r.size()), config.topk);
@@ -81,6 +82,8 @@ std::vector<int> select_experts(const MoEConfig& config, std::span<const double>
   std::sort(candidates.begin(), candidates.end());  // so ties still go to the lower index
   return top_indices(r, candidates, config.topk);
 }
+
+namespace {
 
 // The aux loss's scores: softmax, or the elementwise score normalised over the row.
 std::vector<double> aux_scores(const MoEConfig& config, std::span<const double> logits) {
@@ -105,48 +108,64 @@ std::vector<double> router_scores(const MoEConfig& config, std::span<const doubl
   return s;
 }
 
-Routing route(const MoEConfig& config, const Matrix& logits, std::span<const double> expert_bias) {
+std::vector<double> selection_scores(const MoEConfig& config, std::span<const double> logits,
+                                     std::span<const double> expert_bias) {
+  if (config.score_function == ScoreFunction::kSoftmax && !config.pre_softmax) {
+    return {logits.begin(), logits.end()};
+  }
+  auto r = router_scores(config, logits);
+  if (config.expert_bias) {
+    for (std::size_t i = 0; i < r.size(); ++i) r[i] += expert_bias[i];
+  }
+  return r;
+}
+
+Routing route_given(const MoEConfig& config, const Matrix& logits, std::span<const int> experts) {
   const int E = config.num_experts;
   const int K = config.topk;
   if (logits.cols != E) fail("route: logits have {} columns, num_experts = {}", logits.cols, E);
-  if (config.expert_bias && std::ssize(expert_bias) != E) {
-    fail("route: expert_bias has {} entries, num_experts = {}", expert_bias.size(), E);
+  if (std::ssize(experts) != logits.rows * K) {
+    fail("route_given: {} experts for {} tokens of top-{}", experts.size(), logits.rows, K);
   }
   Routing routing;
   routing.tokens = logits.rows;
   routing.topk = K;
-  routing.expert.resize(static_cast<std::size_t>(logits.rows * K));
+  routing.expert.assign(experts.begin(), experts.end());
   routing.prob.resize(routing.expert.size());
-
   for (std::int64_t t = 0; t < logits.rows; ++t) {
     const auto l = logits.row(t);
-    const auto s = router_scores(config, l);
-    // Routing score: logits (softmax post), s (softmax pre), s + bias (sigmoid, sqrtsoftplus).
-    std::vector<double> r(l.begin(), l.end());
-    if (config.score_function != ScoreFunction::kSoftmax || config.pre_softmax) r = s;
-    if (config.expert_bias) {
-      for (int i = 0; i < E; ++i) r[i] += expert_bias[i];
-    }
-    const auto chosen = select_experts(config, r);
-
+    const auto chosen = std::span(routing.expert).subspan(static_cast<std::size_t>(t * K), K);
     std::vector<double> p(K);
     if (config.score_function == ScoreFunction::kSoftmax && !config.pre_softmax) {
       std::vector<double> chosen_logits(K);
       for (int k = 0; k < K; ++k) chosen_logits[k] = l[chosen[k]];
       p = softmax(chosen_logits);
     } else {
+      const auto s = router_scores(config, l);
       for (int k = 0; k < K; ++k) p[k] = s[chosen[k]];
       if (config.score_function != ScoreFunction::kSoftmax && K > 1) {
         const double z = std::accumulate(p.begin(), p.end(), 0.0) + kNormEpsilon;
         for (auto& v : p) v /= z;
       }
     }
-    for (int k = 0; k < K; ++k) {
-      routing.expert[t * K + k] = chosen[k];
-      routing.prob[t * K + k] = p[k] * config.scaling_factor;
-    }
+    for (int k = 0; k < K; ++k) routing.prob[t * K + k] = p[k] * config.scaling_factor;
   }
   return routing;
+}
+
+Routing route(const MoEConfig& config, const Matrix& logits, std::span<const double> expert_bias) {
+  const int E = config.num_experts;
+  if (logits.cols != E) fail("route: logits have {} columns, num_experts = {}", logits.cols, E);
+  if (config.expert_bias && std::ssize(expert_bias) != E) {
+    fail("route: expert_bias has {} entries, num_experts = {}", expert_bias.size(), E);
+  }
+  std::vector<int> experts;
+  experts.reserve(static_cast<std::size_t>(logits.rows * config.topk));
+  for (std::int64_t t = 0; t < logits.rows; ++t) {
+    const auto chosen = select_experts(config, selection_scores(config, logits.row(t), expert_bias));
+    experts.insert(experts.end(), chosen.begin(), chosen.end());
+  }
+  return route_given(config, logits, experts);
 }
 
 Matrix route_backward(const MoEConfig& config, const Matrix& logits, const Routing& routing,

@@ -96,7 +96,10 @@ TEST_CASE("router backward equals finite differences of Σ p·dp", "[cpu][refere
   for (const auto& [name, config] : router_cases()) {
     INFO(name);
     Params params = test::random_params(config, rng);
-    Matrix logits = test::random_matrix(9, config.num_experts, rng);
+    Matrix logits;
+    do {  // no score within a few steps of another: the selection cannot flip under differences
+      logits = test::random_matrix(9, config.num_experts, rng);
+    } while (!test::well_separated(config, logits, params.expert_bias, 1e-3));
     const Routing routing = route(config, logits, params.expert_bias);
     const Matrix dprob_matrix = test::random_matrix(9, config.topk, rng);
     const auto& dprob = dprob_matrix.data;
@@ -161,8 +164,12 @@ TEST_CASE("layer backward equals finite differences, every router mode", "[cpu][
   }
   for (auto& [name, config] : cases) {
     INFO(name);
-    Params params = test::random_params(config, rng);
-    Matrix x = test::random_matrix(5, config.hidden, rng);
+    Params params;
+    Matrix x;
+    do {  // redraw until no routing is within reach of the finite-difference steps
+      params = test::random_params(config, rng);
+      x = test::random_matrix(5, config.hidden, rng);
+    } while (!test::well_separated(config, matmul_nt(x, params.gate_weight), params.expert_bias, 1e-3));
     const Matrix dy = test::random_matrix(5, config.hidden, rng);
     const LayerResult result = run_layer(config, params, x, dy);
     auto objective = [&] { return layer_objective(config, params, x, dy); };
@@ -191,7 +198,10 @@ TEST_CASE("aux and z losses alone: values and gradients", "[cpu][reference][loss
     config.z_loss_coeff = 0.2;
     INFO(score_function_name(score));
     const Params params = test::random_params(config, rng);
-    Matrix logits = test::random_matrix(11, config.num_experts, rng, 2.0);
+    Matrix logits;
+    do {
+      logits = test::random_matrix(11, config.num_experts, rng, 2.0);
+    } while (!test::well_separated(config, logits, params.expert_bias, 1e-3));
 
     // The loss values against a direct transcription of SPEC.md.
     const AuxStats stats = aux_stats(config, logits);

@@ -1,7 +1,10 @@
 // Helpers shared by the tests: seeded random inputs, relative errors, reference parameters.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <span>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -70,6 +73,39 @@ inline MoEConfig small_config(int hidden, int ffn, int experts, int topk) {
   config.topk = topk;
   config.dtype = DType::kFP32;
   return config;
+}
+
+}  // namespace moe::test
+
+namespace moe::test {
+
+inline double min_adjacent_gap(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  double gap = INFINITY;
+  for (std::size_t i = 1; i < values.size(); ++i) gap = std::min(gap, values[i] - values[i - 1]);
+  return gap;
+}
+
+// Whether every token's logits, selection scores and group scores are at least `gap` apart, so
+// that a perturbation smaller than that (a finite-difference step) cannot change any routing.
+inline bool well_separated(const MoEConfig& config, const reference::Matrix& logits,
+                           std::span<const double> bias, double gap) {
+  for (std::int64_t t = 0; t < logits.rows; ++t) {
+    const auto row = logits.row(t);
+    const auto r = reference::selection_scores(config, row, bias);
+    if (min_adjacent_gap({row.begin(), row.end()}) < gap || min_adjacent_gap(r) < gap) return false;
+    if (!config.grouped_routing()) continue;
+    const int per_group = config.num_experts / config.num_groups;
+    const int per_group_k = config.topk / config.group_topk;
+    std::vector<double> group_scores;
+    for (int g = 0; g < config.num_groups; ++g) {
+      std::vector<double> members(r.begin() + g * per_group, r.begin() + (g + 1) * per_group);
+      std::sort(members.rbegin(), members.rend());
+      group_scores.push_back(std::accumulate(members.begin(), members.begin() + per_group_k, 0.0));
+    }
+    if (min_adjacent_gap(group_scores) < gap) return false;
+  }
+  return true;
 }
 
 }  // namespace moe::test

@@ -1,0 +1,86 @@
+// Shared by the benchmarks: event timing with warm-up and medians, the copy-bandwidth ceiling
+// measured in the same run, input rotation past the L2 cache, JSON results.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moe/device.h"
+
+namespace moe::bench {
+
+struct Options {
+  bool quick = false;
+  std::string json_path;
+};
+
+inline Options parse_options(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--quick") {
+      options.quick = true;
+    } else if (arg == "--json" && i + 1 < argc) {
+      options.json_path = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--quick] [--json FILE]\n", argv[0]);
+      throw Error("unknown argument " + arg);
+    }
+  }
+  return options;
+}
+
+// Median milliseconds of `body` over `repeats` runs after `warmup` runs, timed with events.
+// `body(i)` gets the run index so that it can rotate among input sets.
+inline double median_ms(const std::function<void(int)>& body, cudaStream_t stream, int warmup, int repeats) {
+  for (int i = 0; i < warmup; ++i) body(i);
+  std::vector<double> times;
+  Event start(true), stop(true);
+  for (int i = 0; i < repeats; ++i) {
+    start.record(stream);
+    body(warmup + i);
+    stop.record(stream);
+    MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
+    times.push_back(stop.elapsed_ms_since(start));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
+inline double copy_bandwidth(cudaStream_t stream) {
+  const std::size_t bytes = std::size_t{1} << 30;
+  DeviceBuffer a(bytes), b(bytes);
+  MOE_CHECK_CUDA(cudaMemsetAsync(a.data(), 1, bytes, stream));
+  const double ms = median_ms(
+      [&](int) { MOE_CHECK_CUDA(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, stream)); },
+      stream, 3, 10);
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3);
+}
+
+inline std::string device_name() {
+  int device = 0;
+  MOE_CHECK_CUDA(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  MOE_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+}
+
+// Enough copies of an input of `bytes` that cycling through them streams from HBM, not L2.
+inline int rotation_sets(std::size_t bytes) {
+  const std::size_t l2_span = std::size_t{256} << 20;  // several times the 50-60 MB L2
+  return static_cast<int>(std::clamp<std::size_t>(l2_span / std::max<std::size_t>(bytes, 1), 1, 16));
+}
+
+inline void write_json(const Options& options, const nlohmann::json& report) {
+  if (options.json_path.empty()) return;
+  std::ofstream(options.json_path) << report.dump(2) << "\n";
+}
+
+}  // namespace moe::bench

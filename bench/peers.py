@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""The same stage computations in PyTorch, as users write them today (Megatron-Core / torchtitan
+style, unfused eager ops), timed on the same GPU and shapes as the C++ benchmarks.
+
+    python3 bench/peers.py router [--quick] [--json FILE]
+
+Results are keyed by the same shape names as the C++ benchmark's JSON; bench/compare.py joins them.
+"""
+import argparse
+import json
+
+import torch
+
+T = 16384
+
+
+def median_ms(fn, warmup, repeats):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def router(logits, bias, E, K, score, groups, group_topk, scale, aux_coeff, z_coeff):
+    """Router forward as Megatron-Core's unfused path computes it; returns (probs, idx, loss)."""
+    n = logits.shape[0]
+    if score == "softmax":
+        top_logits, idx = torch.topk(logits, K, dim=-1)
+        probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+        routing = scores + bias if bias is not None else scores
+        if groups:
+            group_scores = routing.view(n, groups, -1).topk(K // group_topk, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, group_topk, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(n, groups, E // groups).reshape(n, -1)
+            routing = routing.masked_fill(~score_mask.bool(), float("-inf"))
+        _, idx = torch.topk(routing, K, dim=-1)
+        probs = scores.gather(1, idx)
+        if K > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    probs = probs * scale
+    loss = 0.0
+    if aux_coeff:
+        if score == "softmax":
+            aux_scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            s = torch.sigmoid(logits.float())
+            aux_scores = s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+        _, aux_idx = torch.topk(aux_scores, K, dim=-1)
+        routing_map = torch.zeros_like(aux_scores).scatter_(1, aux_idx, 1)
+        tokens_per_expert = routing_map.sum(dim=0)
+        loss = loss + (tokens_per_expert * aux_scores.sum(dim=0)).sum() * E * aux_coeff / (K * n * n)
+    if z_coeff:
+        loss = loss + torch.logsumexp(logits, dim=-1).square().sum() * z_coeff / n
+    return probs, idx, loss
+
+
+ROUTER_SHAPES = [
+    # name (as bench_router), E, K, score, bias, groups, group_topk, scale
+    ("E8 K2 softmax (mixtral)", 8, 2, "softmax", False, 0, 0, 1.0),
+    ("E128 K8 softmax (qwen3)", 128, 8, "softmax", False, 0, 0, 1.0),
+    ("E256 K8 sigmoid+bias 8/4 groups (deepseek-v3)", 256, 8, "sigmoid", True, 8, 4, 2.5),
+    ("E1024 K8 sigmoid", 1024, 8, "sigmoid", False, 0, 0, 1.0),
+]
+
+
+def bench_router(quick):
+    results = []
+    warmup, repeats = (3, 20) if quick else (10, 100)
+    for name, E, K, score, use_bias, groups, group_topk, scale in ROUTER_SHAPES:
+        sets = max(1, min(16, (256 << 20) // (T * E * 4 * 2)))
+        inputs = [torch.randn(T, E, device="cuda", requires_grad=True) for _ in range(sets)]
+        bias = torch.zeros(E, device="cuda") if use_bias else None
+        dp = torch.randn(T, K, device="cuda")
+        state = {"i": 0}
+
+        def step():
+            logits = inputs[state["i"] % sets]
+            state["i"] += 1
+            logits.grad = None
+            probs, _, loss = router(logits, bias, E, K, score, groups, group_topk, scale, 0.01, 0.001)
+            ((probs * dp).sum() + loss).backward()
+
+        ms = median_ms(step, warmup, repeats)
+        results.append({"name": name, "total_us": ms * 1e3})
+        print(f"{name:<48} {ms * 1e3:9.1f} us (PyTorch eager)")
+    return {"bench": "router", "peer": f"PyTorch {torch.__version__} eager", "tokens": T, "results": results}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("stage", choices=["router"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    report = {"router": bench_router}[args.stage](args.quick)
+    report["device"] = torch.cuda.get_device_name()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

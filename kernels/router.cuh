@@ -1,0 +1,90 @@
+// SPEC.md steps 2 and 3 on the GPU: the fused router (score function, grouped top-K, expert bias,
+// probabilities, scaling), the statistics of the aux and z losses, their values, the backward into
+// dlogits, and the aux-loss-free expert-bias update.
+//
+// One warp handles one token; a token's E logits are spread over the lanes (expert e on lane
+// e % 32), so E up to 2048 and K up to 16 stay in registers. Everything is deterministic: counts
+// are integer atomics, float sums are reduced in a fixed order.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moe/config.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+struct RouterParams {
+  int num_experts = 0;
+  int topk = 0;
+  ScoreFunction score_function = ScoreFunction::kSoftmax;
+  bool pre_softmax = false;
+  int num_groups = 0;  // 0 = plain top-K
+  int group_topk = 0;
+  float scaling_factor = 1.0f;
+  bool expert_bias = false;
+  bool aux_loss = false;  // compute the aux-loss statistics
+  bool z_loss = false;    // compute Σ logsumexp²
+
+  static RouterParams from(const MoEConfig& config);
+  // The aux routing (plain top-K of the aux scores) equals the main routing when there are no
+  // groups and no bias: then its counts are the main counts and its top-K is not run twice.
+  constexpr bool aux_routing_is_main() const { return num_groups == 0 && !expert_bias; }
+};
+
+struct RouterForwardArgs {
+  const void* logits = nullptr;  // [T, E], fp32 or bf16
+  DType logits_dtype = DType::kFP32;
+  std::int64_t tokens = 0;
+  const float* expert_bias = nullptr;  // [E] when params.expert_bias
+
+  std::int32_t* topk_idx = nullptr;           // [T, K] out
+  float* topk_p = nullptr;                    // [T, K] out
+  std::int32_t* tokens_per_expert = nullptr;  // [E] out: main routing counts
+  // With params.aux_loss: f [E] (aux routing counts) and P [E] (Σ_t aux scores).
+  std::int32_t* aux_tokens_per_expert = nullptr;
+  float* aux_score_sum = nullptr;
+  float* z_sum = nullptr;  // [1] out with params.z_loss: Σ_t logsumexp(logits[t])²
+  void* workspace = nullptr;  // router_workspace_bytes()
+};
+
+// Workspace of router_forward for `tokens` tokens on the current device.
+std::size_t router_workspace_bytes(const RouterParams& params, std::int64_t tokens);
+
+void router_forward(const RouterParams& params, const RouterForwardArgs& args, cudaStream_t stream);
+
+// The loss values from the statistics summed over the mesh: losses[0] = L_aux, losses[1] = L_z.
+// Counts f and sums P are those of the whole mesh; global_tokens is T_glob.
+void router_losses(const RouterParams& params, const MoEConfig& config,
+                   const std::int32_t* aux_tokens_per_expert, const float* aux_score_sum,
+                   const float* z_sum, std::int64_t global_tokens, float* losses,
+                   cudaStream_t stream);
+
+struct RouterBackwardArgs {
+  const void* logits = nullptr;  // [T, E] as in forward
+  DType logits_dtype = DType::kFP32;
+  std::int64_t tokens = 0;
+  const std::int32_t* topk_idx = nullptr;  // [T, K] from forward
+  const float* topk_p = nullptr;           // [T, K] from forward
+  const float* dprob = nullptr;            // [T, K] ∂L/∂topk_p; null = none
+  // Aux-loss gradient: the mesh-wide f [E], and α·E/(K·T_glob²); null / 0 = none.
+  const std::int32_t* aux_tokens_per_expert = nullptr;
+  float aux_factor = 0.0f;
+  float z_factor = 0.0f;   // β / T_glob; 0 = none
+  float* dlogits = nullptr;  // [T, E] out, fp32, every element written
+};
+
+void router_backward(const RouterParams& params, const RouterBackwardArgs& args, cudaStream_t stream);
+
+// α·E/(K·T²) and β/T: the factors the backward takes (0 when T = 0).
+float aux_loss_factor(const MoEConfig& config, std::int64_t global_tokens);
+float z_loss_factor(const MoEConfig& config, std::int64_t global_tokens);
+
+// Aux-loss-free balancing: bias[i] += rate · sign(mean_j load_j − load_i), load = mesh-wide counts.
+void update_expert_bias(float* expert_bias, const std::int32_t* load, int num_experts, float rate,
+                        cudaStream_t stream);
+
+}  // namespace moe

@@ -1,0 +1,57 @@
+// Device buffers for tests: upload, download, poison.
+#pragma once
+
+#include <cstring>
+#include <vector>
+
+#include "moe/device.h"
+#include "moe/reference.h"
+#include "moe/tensor.h"
+
+namespace moe::test {
+
+template <typename T>
+DeviceBuffer upload(const std::vector<T>& values) {
+  DeviceBuffer buffer(std::max<std::size_t>(values.size() * sizeof(T), 16));
+  copy_to_device(buffer.data(), values.data(), values.size() * sizeof(T));
+  return buffer;
+}
+
+template <typename T>
+std::vector<T> download(const DeviceBuffer& buffer, std::size_t count) {
+  std::vector<T> values(count);
+  copy_to_host(values.data(), buffer.data(), count * sizeof(T));
+  return values;
+}
+
+// All bytes 0xFF: NaN as fp32 or bf16, -1 as int32. Outputs are poisoned before every launch so
+// that an element a kernel failed to write can never pass.
+inline void poison(const DeviceBuffer& buffer) {
+  MOE_CHECK_CUDA(cudaMemset(buffer.data(), 0xFF, buffer.bytes()));
+}
+
+// A matrix rounded to the values `dtype` can hold (what the GPU sees), and its device copy.
+inline reference::Matrix round_to(const reference::Matrix& m, DType dtype) {
+  reference::Matrix out = m;
+  for (auto& v : out.data) {
+    const auto f = static_cast<float>(v);
+    v = dtype == DType::kBF16 ? from_bf16(to_bf16(f)) : f;
+  }
+  return out;
+}
+
+inline DeviceBuffer upload_as(const reference::Matrix& m, DType dtype) {
+  if (dtype == DType::kBF16) {
+    std::vector<BF16> values(m.data.size());
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = to_bf16(static_cast<float>(m.data[i]));
+    return upload(values);
+  }
+  std::vector<float> values(m.data.begin(), m.data.end());
+  return upload(values);
+}
+
+inline std::vector<double> to_double(const std::vector<float>& values) {
+  return {values.begin(), values.end()};
+}
+
+}  // namespace moe::test
