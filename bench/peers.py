@@ -98,13 +98,53 @@ def bench_router(quick):
     return {"bench": "router", "peer": f"PyTorch {torch.__version__} eager", "tokens": T, "results": results}
 
 
+def bench_permute(quick):
+    """Permute, combine and their backward as torchtitan-style code writes them: index_select with
+    the sorted token indices, index_add for the weighted combine."""
+    results = []
+    warmup, repeats = (3, 20) if quick else (10, 50)
+    n, E = 8192, 64
+    for H in (2048, 4096, 7168):
+        for K in (2, 8):
+            idx = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(n)])
+            prob = torch.full((n, K), 0.5, device="cuda")
+            flat = idx.flatten()
+            order = torch.argsort(flat, stable=True)  # expert-major, token order inside a group
+            token_of_row = order // K
+            prob_of_row = prob.flatten()[order]
+            x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
+            y = torch.randn(n * K, H, device="cuda", dtype=torch.bfloat16)
+
+            def permute():
+                return x.index_select(0, token_of_row)
+
+            def combine():
+                out = torch.zeros(n, H, device="cuda", dtype=torch.bfloat16)
+                return out.index_add_(0, token_of_row, y * prob_of_row[:, None].to(y.dtype))
+
+            def combine_backward():
+                g = x.index_select(0, token_of_row)
+                return g * prob_of_row[:, None].to(g.dtype), (g.float() * y.float()).sum(-1)
+
+            def permute_backward():
+                out = torch.zeros(n, H, device="cuda", dtype=torch.bfloat16)
+                return out.index_add_(0, token_of_row, y)
+
+            times = [median_ms(f, warmup, repeats) * 1e3 for f in (permute, combine, combine_backward, permute_backward)]
+            name = f"H{H} K{K}"
+            results.append({"name": name, "total_us": sum(times), "stages_us": times})
+            print(f"{name:<14} " + " ".join(f"{t:10.1f}" for t in times) + f" {sum(times):10.1f} us (PyTorch)")
+    return {"bench": "permute", "peer": f"PyTorch {torch.__version__} index_select/index_add", "tokens": n,
+            "results": results}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("stage", choices=["router"])
+    parser.add_argument("stage", choices=["router", "permute"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
-    report = {"router": bench_router}[args.stage](args.quick)
+    report = {"router": bench_router, "permute": bench_permute}[args.stage](args.quick)
     report["device"] = torch.cuda.get_device_name()
     if args.json:
         with open(args.json, "w") as f:

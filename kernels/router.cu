@@ -13,7 +13,7 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kWarpsPerBlock = 4;
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
-constexpr int kBlocksPerSm = 4;
+constexpr int kMaxBlocksPerSm = 16;  // 64 warps: the most an SM holds
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kNormEpsilon = 1e-20f;
 
@@ -30,10 +30,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
   return v;
 }
+// A float's bits turned into an unsigned integer with the same order, so that the warp's
+// integer reductions (one redux.sync instruction instead of five shuffle rounds) order floats.
+// -0 is folded into +0 first, as the float comparisons treat them as equal.
+__device__ __forceinline__ unsigned order_key(float v) {
+  const unsigned bits = __float_as_uint(v + 0.0f);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+__device__ __forceinline__ float from_order_key(unsigned key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  return v;
+  return from_order_key(__reduce_max_sync(kFullMask, order_key(v)));
 }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
@@ -59,14 +68,12 @@ struct Candidate {
 __device__ __forceinline__ Candidate no_candidate() { return {-INFINITY, INT_MAX}; }
 __device__ __forceinline__ Candidate before_all() { return {INFINITY, -1}; }
 
+// The warp's best candidate: the largest value, then among its holders the lowest index.
 __device__ __forceinline__ Candidate warp_best(Candidate c) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float value = __shfl_xor_sync(kFullMask, c.value, offset);
-    const int index = __shfl_xor_sync(kFullMask, c.index, offset);
-    if (ranks_before(value, index, c.value, c.index)) c = {value, index};
-  }
-  return c;
+  const unsigned key = order_key(c.value);
+  const unsigned best_key = __reduce_max_sync(kFullMask, key);
+  const int index = __reduce_min_sync(kFullMask, key == best_key ? c.index : INT_MAX);
+  return {from_order_key(best_key), index};
 }
 
 // The best entry of the row (lane-strided registers) that ranks after `previous`. Taking the next
@@ -77,8 +84,9 @@ __device__ __forceinline__ Candidate next_best(const float (&row)[N], int lane, 
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int e = lane + kWarpSize * j;
-    if (ranks_before(previous.value, previous.index, row[j], e) && ranks_before(row[j], e, best.value, best.index)) {
-      best = {row[j], e};
+    const float v = row[j] + 0.0f;  // -0 as +0, as in order_key
+    if (ranks_before(previous.value, previous.index, v, e) && ranks_before(v, e, best.value, best.index)) {
+      best = {v, e};
     }
   }
   return warp_best(best);
@@ -220,6 +228,13 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
   const int K = p.topk;
   const int region = scratch_floats_per_warp(p);
   float* scratch = shared + warp * region;
+  float* z_shared = shared + kWarpsPerBlock * region;
+  // Per-block expert counts: shared-memory atomics, then one global atomic per expert and block
+  // (thousands of tokens hitting a few counters would serialise in L2).
+  auto* block_counts = reinterpret_cast<int*>(z_shared + kWarpsPerBlock);
+  int* block_aux_counts = block_counts + E;
+  for (int e = threadIdx.x; e < 2 * E; e += kThreads) block_counts[e] = 0;
+  __syncthreads();
   const bool softmax = p.score_function == ScoreFunction::kSoftmax;
   const bool need_row_softmax = (softmax && (p.pre_softmax || p.aux_loss)) || p.z_loss;
   const bool active = lane < K;
@@ -285,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
     if (active) {
       a.topk_idx[t * K + lane] = slot_expert;
       a.topk_p[t * K + lane] = prob * p.scaling_factor;
-      atomicAdd(&a.tokens_per_expert[slot_expert], 1);
+      atomicAdd(&block_counts[slot_expert], 1);
     }
 
     if (p.aux_loss) {
@@ -310,12 +325,12 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
         if (e < E) score_sum[j] += s_aux[j];
       }
       if (p.aux_routing_is_main()) {
-        if (active) atomicAdd(&a.aux_tokens_per_expert[slot_expert], 1);
+        if (active) atomicAdd(&block_aux_counts[slot_expert], 1);
       } else {
         Candidate previous_aux = before_all();
         for (int k = 0; k < K; ++k) {
           const Candidate best = next_best(s_aux, lane, previous_aux);
-          if (lane == 0) atomicAdd(&a.aux_tokens_per_expert[best.index], 1);
+          if (lane == 0) atomicAdd(&block_aux_counts[best.index], 1);
           previous_aux = best;
         }
       }
@@ -327,7 +342,6 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
   }
 
   // This block's partial sums, reduced over its warps in a fixed order (deterministic).
-  float* z_shared = shared + kWarpsPerBlock * region;
   if (p.aux_loss) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
@@ -349,20 +363,48 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
     for (int w = 0; w < kWarpsPerBlock; ++w) sum += z_shared[w];
     a.z_partials[blockIdx.x] = sum;
   }
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    if (block_counts[e] != 0) atomicAdd(&a.tokens_per_expert[e], block_counts[e]);
+    if (p.aux_loss && block_aux_counts[e] != 0) atomicAdd(&a.aux_tokens_per_expert[e], block_aux_counts[e]);
+  }
 }
 
-__global__ void router_finalize_kernel(int experts, int blocks, const float* score_sum_partials,
-                                       const float* z_partials, float* score_sum, float* z_sum) {
-  const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (score_sum != nullptr && e < experts) {
-    float sum = 0.0f;
-    for (int b = 0; b < blocks; ++b) sum += score_sum_partials[static_cast<std::int64_t>(b) * experts + e];
-    score_sum[e] = sum;
+// Sums the per-block partials in a fixed order: block x of the grid takes experts
+// [32x, 32x + 32); its warps stride over the partial rows, then warp 0 adds the warps' sums.
+constexpr int kFinalizeWarps = 8;
+__global__ void __launch_bounds__(kFinalizeWarps * kWarpSize)
+    router_finalize_kernel(int experts, int blocks, const float* score_sum_partials, const float* z_partials,
+                           float* score_sum, float* z_sum) {
+  __shared__ float warp_sums[kFinalizeWarps][kWarpSize];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int e = blockIdx.x * kWarpSize + lane;
+  float sum = 0.0f;
+  for (int b = warp; b < blocks; b += kFinalizeWarps) {
+    if (score_sum != nullptr && e < experts) sum += score_sum_partials[static_cast<std::int64_t>(b) * experts + e];
   }
-  if (z_sum != nullptr && e == 0) {
-    float sum = 0.0f;
-    for (int b = 0; b < blocks; ++b) sum += z_partials[b];
-    *z_sum = sum;
+  warp_sums[warp][lane] = sum;
+  float z = 0.0f;
+  if (z_sum != nullptr && blockIdx.x == 0) {
+    for (int b = threadIdx.x; b < blocks; b += kFinalizeWarps * kWarpSize) z += z_partials[b];
+  }
+  __syncthreads();
+  if (warp == 0 && score_sum != nullptr && e < experts) {
+    float total = 0.0f;
+    for (int w = 0; w < kFinalizeWarps; ++w) total += warp_sums[w][lane];
+    score_sum[e] = total;
+  }
+  if (z_sum != nullptr && blockIdx.x == 0) {
+    __syncthreads();
+    warp_sums[warp][lane] = z;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      for (int w = 0; w < kFinalizeWarps; ++w) {
+        for (int l = 0; l < kWarpSize; ++l) total += warp_sums[w][l];
+      }
+      *z_sum = total;
+    }
   }
 }
 
@@ -553,9 +595,19 @@ int sm_count() {
   return count;
 }
 
-int forward_blocks(std::int64_t tokens) {
+// The forward runs one persistent wave (as many blocks as fit on the SMs): its per-block partial
+// sums then stay small. The backward has no partials and gives every token its own warp.
+template <typename Kernel>
+int forward_blocks(Kernel kernel, std::size_t shared_bytes, std::int64_t tokens) {
+  int per_sm = 0;
+  MOE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared_bytes));
+  per_sm = std::clamp(per_sm, 1, kMaxBlocksPerSm);
   const std::int64_t needed = (tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(needed, sm_count() * kBlocksPerSm)));
+  return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(needed, sm_count() * per_sm)));
+}
+int max_forward_blocks() { return sm_count() * kMaxBlocksPerSm; }
+int backward_blocks(std::int64_t tokens) {
+  return static_cast<int>(std::clamp<std::int64_t>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, INT_MAX));
 }
 
 // Registers per lane: the smallest power of two with 32·N ≥ E.
@@ -596,24 +648,29 @@ void allow_shared_memory(Kernel kernel, std::size_t bytes) {
   }
 }
 
+// Launches the forward kernel; returns its grid size (the number of partial rows written).
 template <typename In>
-void launch_forward(const RouterParams& p, const RouterForwardArgs& args, float* partials, float* z_partials,
-                    int blocks, cudaStream_t stream) {
+int launch_forward(const RouterParams& p, const RouterForwardArgs& args, float* partials, float* z_partials,
+                   cudaStream_t stream) {
   ForwardKernelArgs<In> k{p, static_cast<const In*>(args.logits), args.tokens, args.expert_bias, args.topk_idx,
                           args.topk_p, args.tokens_per_expert, args.aux_tokens_per_expert, partials, z_partials};
-  const std::size_t shared = (static_cast<std::size_t>(scratch_floats_per_warp(p)) + 1) * kWarpsPerBlock * sizeof(float);
+  const std::size_t shared = (static_cast<std::size_t>(scratch_floats_per_warp(p)) + 1) * kWarpsPerBlock * sizeof(float) +
+                             2 * static_cast<std::size_t>(p.num_experts) * sizeof(int);
+  int blocks = 0;
   dispatch_width(p.num_experts, [&]<int N>() {
     allow_shared_memory(router_forward_kernel<N, In>, shared);
+    blocks = forward_blocks(router_forward_kernel<N, In>, shared, args.tokens);
     router_forward_kernel<N, In><<<blocks, kThreads, shared, stream>>>(k);
     MOE_CHECK_LAUNCH();
   });
+  return blocks;
 }
 
 template <typename In>
 void launch_backward(const RouterParams& p, const RouterBackwardArgs& args, cudaStream_t stream) {
   BackwardKernelArgs<In> k{p, static_cast<const In*>(args.logits), args.tokens, args.topk_idx, args.topk_p,
                            args.dprob, args.aux_tokens_per_expert, args.aux_factor, args.z_factor, args.dlogits};
-  const int blocks = forward_blocks(args.tokens);
+  const int blocks = backward_blocks(args.tokens);
   dispatch_width(p.num_experts, [&]<int N>() {
     router_backward_kernel<N, In><<<blocks, kThreads, 0, stream>>>(k);
     MOE_CHECK_LAUNCH();
@@ -638,8 +695,9 @@ RouterParams RouterParams::from(const MoEConfig& config) {
 }
 
 std::size_t router_workspace_bytes(const RouterParams& params, std::int64_t tokens) {
-  const auto blocks = static_cast<std::size_t>(forward_blocks(tokens));
-  return blocks * (static_cast<std::size_t>(params.num_experts) + 1) * sizeof(float);
+  (void)tokens;  // one wave at most, whatever the token count
+  return static_cast<std::size_t>(max_forward_blocks()) * (static_cast<std::size_t>(params.num_experts) + 1) *
+         sizeof(float);
 }
 
 void router_forward(const RouterParams& p, const RouterForwardArgs& args, cudaStream_t stream) {
@@ -660,22 +718,18 @@ void router_forward(const RouterParams& p, const RouterForwardArgs& args, cudaSt
   const std::size_t count_bytes = static_cast<std::size_t>(p.num_experts) * sizeof(std::int32_t);
   MOE_CHECK_CUDA(cudaMemsetAsync(args.tokens_per_expert, 0, count_bytes, stream));
   if (p.aux_loss) MOE_CHECK_CUDA(cudaMemsetAsync(args.aux_tokens_per_expert, 0, count_bytes, stream));
-  const int blocks = forward_blocks(args.tokens);
   auto* partials = static_cast<float*>(args.workspace);
-  float* z_partials = partials == nullptr ? nullptr : partials + static_cast<std::size_t>(blocks) * p.num_experts;
-
+  float* z_partials =
+      partials == nullptr ? nullptr : partials + static_cast<std::size_t>(max_forward_blocks()) * p.num_experts;
+  int blocks = 1;
   if (args.tokens > 0) {
-    if (args.logits_dtype == DType::kBF16) {
-      launch_forward<__nv_bfloat16>(p, args, partials, z_partials, blocks, stream);
-    } else {
-      launch_forward<float>(p, args, partials, z_partials, blocks, stream);
-    }
+    blocks = args.logits_dtype == DType::kBF16 ? launch_forward<__nv_bfloat16>(p, args, partials, z_partials, stream)
+                                               : launch_forward<float>(p, args, partials, z_partials, stream);
   } else if (partials != nullptr) {
     MOE_CHECK_CUDA(cudaMemsetAsync(partials, 0, router_workspace_bytes(p, 0), stream));
   }
   if (p.aux_loss || p.z_loss) {
-    const int threads = 256;
-    router_finalize_kernel<<<(p.num_experts + threads - 1) / threads, threads, 0, stream>>>(
+    router_finalize_kernel<<<(p.num_experts + kWarpSize - 1) / kWarpSize, kFinalizeWarps * kWarpSize, 0, stream>>>(
         p.num_experts, blocks, partials, z_partials, p.aux_loss ? args.aux_score_sum : nullptr,
         p.z_loss ? args.z_sum : nullptr);
     MOE_CHECK_LAUNCH();

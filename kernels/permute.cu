@@ -1,0 +1,527 @@
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "moe/config.h"
+#include "moe/error.h"
+#include "permute.cuh"
+
+namespace moe {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kLayoutTokens = 128;  // tokens per block when building the layout
+constexpr int kRowWarps = 4;        // warps per block of the row kernels: one token (or row) each
+constexpr int kScanThreads = 1024;
+
+// ---- Layout --------------------------------------------------------------------------------------
+
+// Per-block histograms of the experts chosen by each block's tokens.
+__global__ void __launch_bounds__(kLayoutTokens)
+    layout_histogram_kernel(const std::int32_t* __restrict__ topk_idx, std::int64_t tokens, int topk, int experts,
+                            std::int32_t* __restrict__ histogram) {
+  extern __shared__ int counts[];
+  for (int e = threadIdx.x; e < experts; e += kLayoutTokens) counts[e] = 0;
+  __syncthreads();
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kLayoutTokens + threadIdx.x;
+  if (t < tokens) {
+    for (int k = 0; k < topk; ++k) atomicAdd(&counts[topk_idx[t * topk + k]], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += kLayoutTokens) {
+    histogram[static_cast<std::int64_t>(blockIdx.x) * experts + e] = counts[e];
+  }
+}
+
+// Exclusive prefix sum of n values in shared memory by one block: each thread scans a segment,
+// the segment totals are scanned Hillis-Steele style, then added back. Returns the total.
+__device__ int block_exclusive_scan(int* values, int n, int* totals) {
+  const int per_thread = (n + kScanThreads - 1) / kScanThreads;
+  const int begin = min(n, static_cast<int>(threadIdx.x) * per_thread);
+  const int end = min(n, begin + per_thread);
+  int sum = 0;
+  for (int i = begin; i < end; ++i) sum += values[i];
+  totals[threadIdx.x] = sum;
+  __syncthreads();
+  for (int width = 1; width < kScanThreads; width *= 2) {
+    const int add = threadIdx.x >= width ? totals[threadIdx.x - width] : 0;
+    __syncthreads();
+    totals[threadIdx.x] += add;
+    __syncthreads();
+  }
+  int running = totals[threadIdx.x] - sum;  // exclusive prefix of this segment
+  for (int i = begin; i < end; ++i) {
+    const int v = values[i];
+    values[i] = running;
+    running += v;
+  }
+  const int total = totals[kScanThreads - 1];
+  __syncthreads();
+  return total;
+}
+
+// Expert counts, padded group offsets, and each layout block's base row per expert (in place of
+// its histogram): base[b][e] = offsets[e] + Σ_{b' < b} histogram[b'][e].
+__global__ void __launch_bounds__(kScanThreads)
+    layout_scan_kernel(std::int32_t* histogram, int blocks, int experts, int align, std::int32_t* counts,
+                       std::int32_t* offsets) {
+  __shared__ int padded[kMaxExperts];
+  __shared__ int totals[kScanThreads];
+  for (int e = threadIdx.x; e < experts; e += kScanThreads) {
+    int running = 0;
+    for (int b = 0; b < blocks; ++b) {
+      int& h = histogram[static_cast<std::int64_t>(b) * experts + e];
+      const int count = h;
+      h = running;  // this block's rank base inside the expert group, before the offset
+      running += count;
+    }
+    counts[e] = running;
+    padded[e] = align > 1 ? (running + align - 1) / align * align : running;
+  }
+  __syncthreads();
+  const int total = block_exclusive_scan(padded, experts, totals);
+  for (int e = threadIdx.x; e < experts; e += kScanThreads) offsets[e] = padded[e];
+  if (threadIdx.x == 0) offsets[experts] = total;
+  for (int e = threadIdx.x; e < experts; e += kScanThreads) {
+    for (int b = 0; b < blocks; ++b) histogram[static_cast<std::int64_t>(b) * experts + e] += padded[e];
+  }
+}
+
+// Row of every (t, k): its block's base for the expert plus the number of earlier tokens of the
+// block that chose the same expert, read off a per-block bitmap [expert][token].
+__global__ void __launch_bounds__(kLayoutTokens)
+    layout_rank_kernel(const std::int32_t* __restrict__ topk_idx, std::int64_t tokens, int topk, int experts,
+                       const std::int32_t* __restrict__ base, std::int32_t* __restrict__ row_map) {
+  constexpr int kWords = kLayoutTokens / 32;
+  extern __shared__ unsigned bitmap[];  // [experts][kWords]
+  for (int i = threadIdx.x; i < experts * kWords; i += kLayoutTokens) bitmap[i] = 0;
+  __syncthreads();
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kLayoutTokens + threadIdx.x;
+  const int word = threadIdx.x / 32;
+  const unsigned bit = 1u << (threadIdx.x % 32);
+  if (t < tokens) {
+    for (int k = 0; k < topk; ++k) atomicOr(&bitmap[topk_idx[t * topk + k] * kWords + word], bit);
+  }
+  __syncthreads();
+  if (t >= tokens) return;
+  for (int k = 0; k < topk; ++k) {
+    const int e = topk_idx[t * topk + k];
+    const unsigned* bits = bitmap + e * kWords;
+    int rank = __popc(bits[word] & (bit - 1));
+    for (int w = 0; w < word; ++w) rank += __popc(bits[w]);
+    row_map[t * topk + k] = base[static_cast<std::int64_t>(blockIdx.x) * experts + e] + rank;
+  }
+}
+
+// ---- Row movement ----------------------------------------------------------------------------
+
+// kElems elements of T moved as one access (16 bytes when the rows allow it).
+template <typename T, int kElems>
+struct alignas(sizeof(T) * kElems) Pack {
+  T v[kElems];
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Lane k < topk holds slot k's row and probability; these broadcast them.
+struct Slots {
+  int row[kMaxTopK];
+  float prob[kMaxTopK];
+};
+__device__ __forceinline__ Slots load_slots(const std::int32_t* row_map, const float* prob, std::int64_t t, int topk,
+                                            int lane) {
+  const int my_row = lane < topk ? row_map[t * topk + lane] : 0;
+  const float my_prob = (lane < topk && prob != nullptr) ? prob[t * topk + lane] : 1.0f;
+  Slots slots;
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    slots.row[k] = __shfl_sync(kFullMask, my_row, k);
+    slots.prob[k] = __shfl_sync(kFullMask, my_prob, k);
+  }
+  return slots;
+}
+
+template <typename T, int kElems>
+__global__ void __launch_bounds__(kRowWarps * kWarpSize)
+    permute_kernel(const T* __restrict__ x, const std::int32_t* __restrict__ row_map, int topk, std::int64_t tokens,
+                   int hidden, T* __restrict__ out) {
+  using P = Pack<T, kElems>;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  if (t >= tokens) return;
+  const Slots slots = load_slots(row_map, nullptr, t, topk, lane);
+  const int units = hidden / kElems;
+  const P* src = reinterpret_cast<const P*>(x + t * hidden);
+  for (int u = lane; u < units; u += kWarpSize) {
+    const P value = src[u];
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k < topk) reinterpret_cast<P*>(out + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] = value;
+    }
+  }
+}
+
+template <typename T, int kElems>
+__global__ void __launch_bounds__(kRowWarps * kWarpSize)
+    unpermute_combine_kernel(const T* __restrict__ y, const std::int32_t* __restrict__ row_map,
+                             const float* __restrict__ prob, int topk, std::int64_t tokens, int hidden,
+                             T* __restrict__ out) {
+  using P = Pack<T, kElems>;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  if (t >= tokens) return;
+  const Slots slots = load_slots(row_map, prob, t, topk, lane);
+  const int units = hidden / kElems;
+  for (int u = lane; u < units; u += kWarpSize) {
+    P rows[kMaxTopK];
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k < topk) rows[k] = reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
+    }
+    float acc[kElems] = {};
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k < topk) {
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) acc[i] += slots.prob[k] * to_float(rows[k].v[i]);
+      }
+    }
+    P result;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) result.v[i] = from_float<T>(acc[i]);
+    reinterpret_cast<P*>(out + t * hidden)[u] = result;
+  }
+}
+
+template <typename T, int kElems>
+__global__ void __launch_bounds__(kRowWarps * kWarpSize)
+    combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, const std::int32_t* __restrict__ row_map,
+                            const float* __restrict__ prob, int topk, std::int64_t tokens, int hidden,
+                            T* __restrict__ dY, float* __restrict__ dprob) {
+  using P = Pack<T, kElems>;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  if (t >= tokens) return;
+  const Slots slots = load_slots(row_map, prob, t, topk, lane);
+  const int units = hidden / kElems;
+  float dot[kMaxTopK] = {};
+  for (int u = lane; u < units; u += kWarpSize) {
+    const P g = reinterpret_cast<const P*>(dy + t * hidden)[u];
+    P rows[kMaxTopK];
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k < topk) rows[k] = reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k < topk) {
+        P scaled;
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) {
+          const float gi = to_float(g.v[i]);
+          dot[k] += gi * to_float(rows[k].v[i]);
+          scaled.v[i] = from_float<T>(slots.prob[k] * gi);
+        }
+        reinterpret_cast<P*>(dY + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] = scaled;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    if (k < topk) {
+      float v = dot[k];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+      if (lane == 0) dprob[t * topk + k] = v;
+    }
+  }
+}
+
+// Zeroes rows [offsets[g] + counts[g], offsets[g + 1]) of every group g: the alignment padding.
+template <typename T>
+__global__ void zero_padding_kernel(const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ counts,
+                                    int hidden, T* __restrict__ out) {
+  const int g = blockIdx.x;
+  const std::int64_t begin = static_cast<std::int64_t>(offsets[g] + counts[g]) * hidden;
+  const std::int64_t end = static_cast<std::int64_t>(offsets[g + 1]) * hidden;
+  for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) out[i] = from_float<T>(0.0f);
+}
+
+// ---- Chunk sort ----------------------------------------------------------------------------------
+
+// Chunk table of the EP receiver: chunk c = s·E_loc + e starts at source_start[c] in the source-major
+// rows and at expert_start[c] in the padded expert-major rows; group offsets and counts per expert.
+struct ChunkTable {
+  std::int32_t* source_start;   // [C + 1]
+  std::int32_t* expert_start;   // [C]
+  std::int32_t* group_offsets;  // [E_loc + 1]
+  std::int32_t* group_counts;   // [E_loc]
+};
+
+ChunkTable chunk_table(void* workspace, int sources, int local_experts) {
+  auto* base = static_cast<std::int32_t*>(workspace);
+  const int chunks = sources * local_experts;
+  return {base, base + chunks + 1, base + 2 * chunks + 1, base + 2 * chunks + local_experts + 2};
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+    chunk_table_kernel(const std::int32_t* __restrict__ counts, int sources, int local_experts, int align,
+                       ChunkTable table) {
+  extern __shared__ int scan[];  // [chunks] then [local_experts]
+  __shared__ int totals[kScanThreads];
+  const int chunks = sources * local_experts;
+  int* padded = scan + chunks;
+  for (int c = threadIdx.x; c < chunks; c += kScanThreads) scan[c] = counts[c];
+  for (int e = threadIdx.x; e < local_experts; e += kScanThreads) {
+    int rows = 0;
+    for (int s = 0; s < sources; ++s) rows += counts[s * local_experts + e];
+    table.group_counts[e] = rows;
+    padded[e] = align > 1 ? (rows + align - 1) / align * align : rows;
+  }
+  __syncthreads();
+  const int source_rows = block_exclusive_scan(scan, chunks, totals);
+  const int expert_rows = block_exclusive_scan(padded, local_experts, totals);
+  for (int c = threadIdx.x; c < chunks; c += kScanThreads) table.source_start[c] = scan[c];
+  for (int e = threadIdx.x; e < local_experts; e += kScanThreads) {
+    table.group_offsets[e] = padded[e];
+    int start = padded[e];
+    for (int s = 0; s < sources; ++s) {
+      table.expert_start[s * local_experts + e] = start;
+      start += counts[s * local_experts + e];
+    }
+  }
+  if (threadIdx.x == 0) {
+    table.source_start[chunks] = source_rows;
+    table.group_offsets[local_experts] = expert_rows;
+  }
+}
+
+// One warp per source-major row: finds its chunk by binary search and copies the row to or from
+// its expert-major place.
+template <typename T, int kElems, bool kToExpertMajor>
+__global__ void __launch_bounds__(kRowWarps * kWarpSize)
+    chunk_copy_kernel(const T* __restrict__ from, T* __restrict__ to, std::int64_t rows, int hidden, int chunks,
+                      const std::int32_t* __restrict__ source_start, const std::int32_t* __restrict__ expert_start) {
+  using P = Pack<T, kElems>;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  if (row >= rows) return;
+  int lo = 0, hi = chunks;  // last chunk with source_start <= row (empty chunks share starts)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (source_start[mid] <= row) lo = mid; else hi = mid;
+  }
+  const std::int64_t expert_row = expert_start[lo] + (row - source_start[lo]);
+  const std::int64_t src_row = kToExpertMajor ? row : expert_row;
+  const std::int64_t dst_row = kToExpertMajor ? expert_row : row;
+  const P* src = reinterpret_cast<const P*>(from + src_row * hidden);
+  P* dst = reinterpret_cast<P*>(to + dst_row * hidden);
+  for (int u = lane; u < hidden / kElems; u += kWarpSize) dst[u] = src[u];
+}
+
+// ---- Host side -------------------------------------------------------------------------------
+
+void check_activation(const Tensor& t, const char* what) {
+  if (t.dtype != DType::kBF16 && t.dtype != DType::kFP32) {
+    fail(std::string(what) + ": dtype " + std::string(dtype_name(t.dtype)) + " must be bf16 or fp32");
+  }
+  if (t.rank() != 2) fail(std::string(what) + ": expected a [rows, H] matrix, got " + t.describe());
+}
+
+void check_same_width(const Tensor& a, const Tensor& b, const char* what) {
+  if (a.dtype != b.dtype || a.dim(1) != b.dim(1)) {
+    fail(std::string(what) + ": " + a.describe() + " and " + b.describe() + " differ in dtype or H");
+  }
+}
+
+void check_topk(int topk, const char* what) {
+  if (topk < 1 || topk > kMaxTopK) {
+    fail(std::string(what) + ": topk = " + std::to_string(topk) + " must be in [1, " + std::to_string(kMaxTopK) + "]");
+  }
+}
+
+// Calls launch.operator()<T, kElems>() with 16-byte packs when every row allows them.
+template <typename Launch>
+void dispatch_rows(const Tensor& reference, std::initializer_list<const void*> pointers, Launch&& launch) {
+  const auto hidden = reference.dim(1);
+  const bool bf16 = reference.dtype == DType::kBF16;
+  const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(reference.dtype);
+  bool vector = row_bytes % 16 == 0;
+  for (const void* p : pointers) vector = vector && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  if (bf16) {
+    if (vector) return launch.template operator()<__nv_bfloat16, 8>();
+    return launch.template operator()<__nv_bfloat16, 1>();
+  }
+  if (vector) return launch.template operator()<float, 4>();
+  launch.template operator()<float, 1>();
+}
+
+unsigned row_blocks(std::int64_t rows) {
+  return static_cast<unsigned>(std::max<std::int64_t>(1, (rows + kRowWarps - 1) / kRowWarps));
+}
+
+template <typename T>
+void zero_padding(const std::int32_t* offsets, const std::int32_t* counts, int groups, int hidden, void* out,
+                  cudaStream_t stream) {
+  zero_padding_kernel<T><<<groups, 256, 0, stream>>>(offsets, counts, hidden, static_cast<T*>(out));
+  MOE_CHECK_LAUNCH();
+}
+
+void zero_padding(const Tensor& out, const std::int32_t* offsets, const std::int32_t* counts, int groups,
+                  cudaStream_t stream) {
+  if (groups == 0) return;
+  const int hidden = static_cast<int>(out.dim(1));
+  if (out.dtype == DType::kBF16) return zero_padding<__nv_bfloat16>(offsets, counts, groups, hidden, out.data, stream);
+  zero_padding<float>(offsets, counts, groups, hidden, out.data, stream);
+}
+
+int layout_blocks(std::int64_t tokens) {
+  return static_cast<int>(std::max<std::int64_t>(1, (tokens + kLayoutTokens - 1) / kLayoutTokens));
+}
+
+}  // namespace
+
+std::size_t layout_workspace_bytes(std::int64_t tokens, int topk, int experts) {
+  (void)topk;
+  return static_cast<std::size_t>(layout_blocks(tokens)) * experts * sizeof(std::int32_t);
+}
+
+void build_layout(const LayoutArgs& a, cudaStream_t stream) {
+  if (a.experts < 1 || a.experts > kMaxExperts) {
+    fail("build_layout: experts = " + std::to_string(a.experts) + " must be in [1, " + std::to_string(kMaxExperts) + "]");
+  }
+  check_topk(a.topk, "build_layout");
+  if (a.align < 0) fail("build_layout: align = " + std::to_string(a.align) + " must be >= 0");
+  if (a.tokens < 0 || a.tokens * a.topk > INT_MAX) fail("build_layout: tokens = " + std::to_string(a.tokens) + " out of range");
+  if (a.counts == nullptr || a.offsets == nullptr || a.workspace == nullptr || (a.tokens > 0 && (a.topk_idx == nullptr || a.row_map == nullptr))) {
+    fail("build_layout: topk_idx, counts, offsets, row_map and workspace are required");
+  }
+  const int blocks = layout_blocks(a.tokens);
+  auto* histogram = static_cast<std::int32_t*>(a.workspace);
+  if (a.tokens == 0) MOE_CHECK_CUDA(cudaMemsetAsync(histogram, 0, layout_workspace_bytes(0, a.topk, a.experts), stream));
+  if (a.tokens > 0) {
+    layout_histogram_kernel<<<blocks, kLayoutTokens, a.experts * sizeof(int), stream>>>(a.topk_idx, a.tokens, a.topk,
+                                                                                       a.experts, histogram);
+    MOE_CHECK_LAUNCH();
+  }
+  layout_scan_kernel<<<1, kScanThreads, 0, stream>>>(histogram, blocks, a.experts, a.align, a.counts, a.offsets);
+  MOE_CHECK_LAUNCH();
+  if (a.tokens > 0) {
+    const std::size_t bitmap = static_cast<std::size_t>(a.experts) * (kLayoutTokens / 32) * sizeof(unsigned);
+    layout_rank_kernel<<<blocks, kLayoutTokens, bitmap, stream>>>(a.topk_idx, a.tokens, a.topk, a.experts, histogram,
+                                                                  a.row_map);
+    MOE_CHECK_LAUNCH();
+  }
+}
+
+void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk, const std::int32_t* offsets,
+                  const std::int32_t* counts, int experts, const Tensor& out, cudaStream_t stream) {
+  check_activation(x, "permute_rows x");
+  check_activation(out, "permute_rows out");
+  check_same_width(x, out, "permute_rows");
+  check_topk(topk, "permute_rows");
+  const std::int64_t tokens = x.dim(0);
+  const int hidden = static_cast<int>(x.dim(1));
+  if (tokens > 0) {
+    dispatch_rows(x, {x.data, out.data}, [&]<typename T, int kElems>() {
+      permute_kernel<T, kElems><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
+          x.as<const T>(), row_map, topk, tokens, hidden, out.as<T>());
+      MOE_CHECK_LAUNCH();
+    });
+  }
+  zero_padding(out, offsets, counts, experts, stream);
+}
+
+void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float* prob, int topk, const Tensor& out,
+                       cudaStream_t stream) {
+  check_activation(y, "unpermute_combine y");
+  check_activation(out, "unpermute_combine out");
+  check_same_width(y, out, "unpermute_combine");
+  check_topk(topk, "unpermute_combine");
+  const std::int64_t tokens = out.dim(0);
+  if (tokens == 0) return;
+  const int hidden = static_cast<int>(out.dim(1));
+  dispatch_rows(out, {y.data, out.data}, [&]<typename T, int kElems>() {
+    unpermute_combine_kernel<T, kElems><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
+        y.as<const T>(), row_map, prob, topk, tokens, hidden, out.as<T>());
+    MOE_CHECK_LAUNCH();
+  });
+}
+
+void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row_map, const float* prob, int topk,
+                      const std::int32_t* offsets, const std::int32_t* counts, int experts, const Tensor& dY,
+                      float* dprob, cudaStream_t stream) {
+  check_activation(dy, "combine_backward dy");
+  check_activation(y, "combine_backward y");
+  check_activation(dY, "combine_backward dY");
+  check_same_width(dy, y, "combine_backward");
+  check_same_width(dy, dY, "combine_backward");
+  check_topk(topk, "combine_backward");
+  if (prob == nullptr || dprob == nullptr) fail("combine_backward: prob and dprob are required");
+  const std::int64_t tokens = dy.dim(0);
+  const int hidden = static_cast<int>(dy.dim(1));
+  if (tokens > 0) {
+    dispatch_rows(dy, {dy.data, y.data, dY.data}, [&]<typename T, int kElems>() {
+      combine_backward_kernel<T, kElems><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
+          dy.as<const T>(), y.as<const T>(), row_map, prob, topk, tokens, hidden, dY.as<T>(), dprob);
+      MOE_CHECK_LAUNCH();
+    });
+  }
+  zero_padding(dY, offsets, counts, experts, stream);
+}
+
+std::size_t chunk_workspace_bytes(int sources, int local_experts) {
+  const auto chunks = static_cast<std::size_t>(sources) * local_experts;
+  return (2 * chunks + 2 * static_cast<std::size_t>(local_experts) + 2) * sizeof(std::int32_t);
+}
+
+namespace {
+template <bool kToExpertMajor>
+void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to, const Tensor& source_major,
+                 const Tensor& expert_major, cudaStream_t stream) {
+  if (c.sources < 1 || c.local_experts < 1 || c.counts == nullptr || c.workspace == nullptr) {
+    fail("chunk sort: sources = " + std::to_string(c.sources) + ", local_experts = " + std::to_string(c.local_experts) +
+         "; counts and workspace are required");
+  }
+  check_activation(source_major, "chunk sort source-major rows");
+  check_activation(expert_major, "chunk sort expert-major rows");
+  check_same_width(source_major, expert_major, "chunk sort");
+  const int chunks = c.sources * c.local_experts;
+  const ChunkTable table = chunk_table(c.workspace, c.sources, c.local_experts);
+  const std::size_t shared = (static_cast<std::size_t>(chunks) + c.local_experts) * sizeof(int);
+  if (shared > 48 * 1024) fail("chunk sort: " + std::to_string(chunks) + " chunks exceed the table kernel's shared memory");
+  chunk_table_kernel<<<1, kScanThreads, shared, stream>>>(c.counts, c.sources, c.local_experts, c.align, table);
+  MOE_CHECK_LAUNCH();
+  const std::int64_t rows = source_major.dim(0);
+  const int hidden = static_cast<int>(source_major.dim(1));
+  if (rows > 0) {
+    dispatch_rows(source_major, {from.data, to.data}, [&]<typename T, int kElems>() {
+      chunk_copy_kernel<T, kElems, kToExpertMajor><<<row_blocks(rows), kRowWarps * kWarpSize, 0, stream>>>(
+          from.as<const T>(), to.as<T>(), rows, hidden, chunks, table.source_start, table.expert_start);
+      MOE_CHECK_LAUNCH();
+    });
+  }
+  if (kToExpertMajor) zero_padding(expert_major, table.group_offsets, table.group_counts, c.local_experts, stream);
+}
+}  // namespace
+
+void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tensor& expert_major, cudaStream_t stream) {
+  copy_chunks<true>(chunks, source_major, expert_major, source_major, expert_major, stream);
+}
+
+void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,
+                   cudaStream_t stream) {
+  copy_chunks<false>(chunks, expert_major, source_major, source_major, expert_major, stream);
+}
+
+}  // namespace moe
