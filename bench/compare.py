@@ -15,7 +15,7 @@ def main():
     for r in ours["results"]:
         p = peer_by_name.get(r["name"])
         peer_us = p["total_us"] if p else float("nan")
-        floor = r.get("fraction_of_floor")
+        floor = r.get("fraction_of_floor", r.get("fraction_of_dense"))
         floor_text = f"{100 * floor:6.0f}%" if floor is not None else "      -"
         print(f"{r['name']:<48} {r['total_us']:9.1f} {peer_us:9.1f} {peer_us / r['total_us']:7.1f}x {floor_text}")
 

@@ -138,13 +138,51 @@ def bench_permute(quick):
             "results": results}
 
 
+EXPERT_SHAPES = [  # name, H, F, E, K (the configs in configs/)
+    ("mixtral-8x7b", 4096, 14336, 8, 2),
+    ("qwen3-30b-a3b", 2048, 768, 128, 8),
+    ("deepseek-v3", 7168, 2048, 256, 8),
+]
+
+
+def bench_experts(quick):
+    """The expert FFN as torchtitan runs it: torch._grouped_mm for both products, SwiGLU in eager
+    ops, autograd for the backward."""
+    results = []
+    warmup, repeats = (2, 5) if quick else (5, 20)
+    n = 8192
+    for name, H, F, E, K in EXPERT_SHAPES:
+        per_expert = n * K // E
+        rows = per_expert * E
+        offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * per_expert
+        x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w13 = (torch.randn(E, 2 * F, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5).requires_grad_()
+        w2 = (torch.randn(E, H, F, device="cuda", dtype=torch.bfloat16) * F ** -0.5).requires_grad_()
+        dy = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
+            a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+            y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+            y.backward(dy)
+
+        ms = median_ms(step, warmup, repeats)
+        tflops = 18.0 * rows * H * F / (ms * 1e-3) / 1e12
+        results.append({"name": name, "total_us": ms * 1e3, "TFLOPs": tflops})
+        print(f"{name:<16} {ms * 1e3:9.0f} us {tflops:6.0f} TFLOP/s (torch._grouped_mm)")
+        del x, w13, w2, dy
+        torch.cuda.empty_cache()
+    return {"bench": "experts", "peer": f"PyTorch {torch.__version__} torch._grouped_mm", "tokens": n,
+            "results": results}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("stage", choices=["router", "permute"])
+    parser.add_argument("stage", choices=["router", "permute", "experts"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
-    report = {"router": bench_router, "permute": bench_permute}[args.stage](args.quick)
+    report = {"router": bench_router, "permute": bench_permute, "experts": bench_experts}[args.stage](args.quick)
     report["device"] = torch.cuda.get_device_name()
     if args.json:
         with open(args.json, "w") as f:

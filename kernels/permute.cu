@@ -133,111 +133,156 @@ __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// Lane k < topk holds slot k's row and probability; these broadcast them.
+// A token's K slots, broadcast from lane k to every lane. kSlots (2, 4, 8 or 16, at least K)
+// sizes the register arrays: a top-2 layer must not pay a top-16 layer's registers, which would
+// halve the warps an SM holds.
+template <int kSlots>
 struct Slots {
-  int row[kMaxTopK];
-  float prob[kMaxTopK];
+  int row[kSlots];
+  float prob[kSlots];
 };
-__device__ __forceinline__ Slots load_slots(const std::int32_t* row_map, const float* prob, std::int64_t t, int topk,
-                                            int lane) {
+template <int kSlots>
+__device__ __forceinline__ Slots<kSlots> load_slots(const std::int32_t* row_map, const float* prob, std::int64_t t,
+                                                    int topk, int lane) {
   const int my_row = lane < topk ? row_map[t * topk + lane] : 0;
   const float my_prob = (lane < topk && prob != nullptr) ? prob[t * topk + lane] : 1.0f;
-  Slots slots;
+  Slots<kSlots> slots;
 #pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k) {
+  for (int k = 0; k < kSlots; ++k) {
     slots.row[k] = __shfl_sync(kFullMask, my_row, k);
     slots.prob[k] = __shfl_sync(kFullMask, my_prob, k);
   }
   return slots;
 }
 
-template <typename T, int kElems>
+// Columns of a row each lane handles per step: with few slots, several columns' loads are issued
+// before the first use so that enough bytes are in flight.
+template <int kSlots>
+constexpr int column_unroll() {
+  return kSlots <= 2 ? 4 : (kSlots <= 4 ? 2 : 1);
+}
+
+template <typename T, int kElems, int kSlots>
 __global__ void __launch_bounds__(kRowWarps * kWarpSize)
     permute_kernel(const T* __restrict__ x, const std::int32_t* __restrict__ row_map, int topk, std::int64_t tokens,
                    int hidden, T* __restrict__ out) {
   using P = Pack<T, kElems>;
+  constexpr int kUnroll = column_unroll<kSlots>();
   const int lane = threadIdx.x % kWarpSize;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
-  const Slots slots = load_slots(row_map, nullptr, t, topk, lane);
+  const auto slots = load_slots<kSlots>(row_map, nullptr, t, topk, lane);
   const int units = hidden / kElems;
   const P* src = reinterpret_cast<const P*>(x + t * hidden);
-  for (int u = lane; u < units; u += kWarpSize) {
-    const P value = src[u];
+  for (int base = lane; base < units; base += kWarpSize * kUnroll) {
+    P value[kUnroll];
 #pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) {
-      if (k < topk) reinterpret_cast<P*>(out + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] = value;
+    for (int i = 0; i < kUnroll; ++i) {
+      if (base + i * kWarpSize < units) value[i] = src[base + i * kWarpSize];
+    }
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const int u = base + i * kWarpSize;
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        if (k < topk && u < units) reinterpret_cast<P*>(out + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] = value[i];
+      }
     }
   }
 }
 
-template <typename T, int kElems>
+template <typename T, int kElems, int kSlots>
 __global__ void __launch_bounds__(kRowWarps * kWarpSize)
     unpermute_combine_kernel(const T* __restrict__ y, const std::int32_t* __restrict__ row_map,
                              const float* __restrict__ prob, int topk, std::int64_t tokens, int hidden,
                              T* __restrict__ out) {
   using P = Pack<T, kElems>;
+  constexpr int kUnroll = column_unroll<kSlots>();
   const int lane = threadIdx.x % kWarpSize;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
-  const Slots slots = load_slots(row_map, prob, t, topk, lane);
+  const auto slots = load_slots<kSlots>(row_map, prob, t, topk, lane);
   const int units = hidden / kElems;
-  for (int u = lane; u < units; u += kWarpSize) {
-    P rows[kMaxTopK];
+  for (int base = lane; base < units; base += kWarpSize * kUnroll) {
+    P rows[kUnroll][kSlots];
 #pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) {
-      if (k < topk) rows[k] = reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
-    }
-    float acc[kElems] = {};
+    for (int i = 0; i < kUnroll; ++i) {
 #pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) {
-      if (k < topk) {
-#pragma unroll
-        for (int i = 0; i < kElems; ++i) acc[i] += slots.prob[k] * to_float(rows[k].v[i]);
+      for (int k = 0; k < kSlots; ++k) {
+        const int u = base + i * kWarpSize;
+        if (k < topk && u < units) {
+          rows[i][k] = reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
+        }
       }
     }
-    P result;
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) result.v[i] = from_float<T>(acc[i]);
-    reinterpret_cast<P*>(out + t * hidden)[u] = result;
+    for (int i = 0; i < kUnroll; ++i) {
+      const int u = base + i * kWarpSize;
+      if (u >= units) continue;
+      float acc[kElems] = {};
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        if (k < topk) {
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) acc[e] += slots.prob[k] * to_float(rows[i][k].v[e]);
+        }
+      }
+      P result;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) result.v[e] = from_float<T>(acc[e]);
+      reinterpret_cast<P*>(out + t * hidden)[u] = result;
+    }
   }
 }
 
-template <typename T, int kElems>
+template <typename T, int kElems, int kSlots>
 __global__ void __launch_bounds__(kRowWarps * kWarpSize)
     combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, const std::int32_t* __restrict__ row_map,
                             const float* __restrict__ prob, int topk, std::int64_t tokens, int hidden,
                             T* __restrict__ dY, float* __restrict__ dprob) {
   using P = Pack<T, kElems>;
+  constexpr int kUnroll = column_unroll<kSlots>();
   const int lane = threadIdx.x % kWarpSize;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
-  const Slots slots = load_slots(row_map, prob, t, topk, lane);
+  const auto slots = load_slots<kSlots>(row_map, prob, t, topk, lane);
   const int units = hidden / kElems;
-  float dot[kMaxTopK] = {};
-  for (int u = lane; u < units; u += kWarpSize) {
-    const P g = reinterpret_cast<const P*>(dy + t * hidden)[u];
-    P rows[kMaxTopK];
+  float dot[kSlots] = {};
+  for (int base = lane; base < units; base += kWarpSize * kUnroll) {
+    P g[kUnroll];
+    P rows[kUnroll][kSlots];
 #pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) {
-      if (k < topk) rows[k] = reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
+    for (int i = 0; i < kUnroll; ++i) {
+      const int u = base + i * kWarpSize;
+      if (u < units) g[i] = reinterpret_cast<const P*>(dy + t * hidden)[u];
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        if (k < topk && u < units) {
+          rows[i][k] = reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
+        }
+      }
     }
 #pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) {
-      if (k < topk) {
-        P scaled;
+    for (int i = 0; i < kUnroll; ++i) {
+      const int u = base + i * kWarpSize;
+      if (u >= units) continue;
 #pragma unroll
-        for (int i = 0; i < kElems; ++i) {
-          const float gi = to_float(g.v[i]);
-          dot[k] += gi * to_float(rows[k].v[i]);
-          scaled.v[i] = from_float<T>(slots.prob[k] * gi);
+      for (int k = 0; k < kSlots; ++k) {
+        if (k < topk) {
+          P scaled;
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) {
+            const float ge = to_float(g[i].v[e]);
+            dot[k] += ge * to_float(rows[i][k].v[e]);
+            scaled.v[e] = from_float<T>(slots.prob[k] * ge);
+          }
+          reinterpret_cast<P*>(dY + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] = scaled;
         }
-        reinterpret_cast<P*>(dY + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] = scaled;
       }
     }
   }
 #pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k) {
+  for (int k = 0; k < kSlots; ++k) {
     if (k < topk) {
       float v = dot[k];
 #pragma unroll
@@ -366,6 +411,15 @@ void dispatch_rows(const Tensor& reference, std::initializer_list<const void*> p
   launch.template operator()<float, 1>();
 }
 
+// Calls launch.operator()<kSlots>() with the smallest slot bucket that holds topk.
+template <typename Launch>
+void dispatch_slots(int topk, Launch&& launch) {
+  if (topk <= 2) return launch.template operator()<2>();
+  if (topk <= 4) return launch.template operator()<4>();
+  if (topk <= 8) return launch.template operator()<8>();
+  launch.template operator()<16>();
+}
+
 unsigned row_blocks(std::int64_t rows) {
   return static_cast<unsigned>(std::max<std::int64_t>(1, (rows + kRowWarps - 1) / kRowWarps));
 }
@@ -434,9 +488,11 @@ void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk, const 
   const int hidden = static_cast<int>(x.dim(1));
   if (tokens > 0) {
     dispatch_rows(x, {x.data, out.data}, [&]<typename T, int kElems>() {
-      permute_kernel<T, kElems><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
-          x.as<const T>(), row_map, topk, tokens, hidden, out.as<T>());
-      MOE_CHECK_LAUNCH();
+      dispatch_slots(topk, [&]<int kSlots>() {
+        permute_kernel<T, kElems, kSlots><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
+            x.as<const T>(), row_map, topk, tokens, hidden, out.as<T>());
+        MOE_CHECK_LAUNCH();
+      });
     });
   }
   zero_padding(out, offsets, counts, experts, stream);
@@ -452,9 +508,11 @@ void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float
   if (tokens == 0) return;
   const int hidden = static_cast<int>(out.dim(1));
   dispatch_rows(out, {y.data, out.data}, [&]<typename T, int kElems>() {
-    unpermute_combine_kernel<T, kElems><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
-        y.as<const T>(), row_map, prob, topk, tokens, hidden, out.as<T>());
-    MOE_CHECK_LAUNCH();
+    dispatch_slots(topk, [&]<int kSlots>() {
+      unpermute_combine_kernel<T, kElems, kSlots><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
+          y.as<const T>(), row_map, prob, topk, tokens, hidden, out.as<T>());
+      MOE_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -472,9 +530,11 @@ void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row
   const int hidden = static_cast<int>(dy.dim(1));
   if (tokens > 0) {
     dispatch_rows(dy, {dy.data, y.data, dY.data}, [&]<typename T, int kElems>() {
-      combine_backward_kernel<T, kElems><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
-          dy.as<const T>(), y.as<const T>(), row_map, prob, topk, tokens, hidden, dY.as<T>(), dprob);
-      MOE_CHECK_LAUNCH();
+      dispatch_slots(topk, [&]<int kSlots>() {
+        combine_backward_kernel<T, kElems, kSlots><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
+            dy.as<const T>(), y.as<const T>(), row_map, prob, topk, tokens, hidden, dY.as<T>(), dprob);
+        MOE_CHECK_LAUNCH();
+      });
     });
   }
   zero_padding(dY, offsets, counts, experts, stream);

@@ -1,0 +1,85 @@
+// SPEC.md step 5 on the GPU: every local expert's SwiGLU FFN over its row group of the padded
+// expert-major buffer, forward and backward.
+//
+// Weights follow PyTorch nn.Linear (out_features × in_features, row-major), so checkpoints map
+// without transposes:
+//   w13 [E_loc, 2F, H]: rows [0, F) are gate_proj.weight, rows [F, 2F) up_proj.weight;
+//   w2  [E_loc, H, F]:  down_proj.weight.
+// h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, y = a·w2ᵀ; backward dA = dY·w2, dw2 = dYᵀ·a,
+// dX = dh·w13, dw13 = dhᵀ·X. Weight gradients may be bf16 or fp32 (fp32 accumulation either way).
+//
+// Two schedules for the per-expert products: cuBLASLt matmuls spread over several streams joined
+// by events, or one cublasGemmGroupedBatchedEx call per step. Row counts are known on the host.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "gemm.h"
+#include "moe/device.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+enum class ExpertSchedule { kStreams, kGrouped };
+std::string_view expert_schedule_name(ExpertSchedule schedule);
+
+// Per-row buffers [rows, ...] that the caller owns (rows = offsets.back()).
+struct ExpertActivations {
+  Tensor h;   // [rows, 2F]: written by forward, read by backward (or recomputed there)
+  Tensor a;   // [rows, F]:  scratch
+  Tensor dA;  // [rows, F]:  scratch of backward
+  Tensor dh;  // [rows, 2F]: scratch of backward
+};
+
+class ExpertFFN {
+ public:
+  ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, ExpertSchedule schedule = ExpertSchedule::kStreams,
+            int streams = 4);
+  ~ExpertFFN();
+  ExpertFFN(const ExpertFFN&) = delete;
+  ExpertFFN& operator=(const ExpertFFN&) = delete;
+
+  // offsets: host [E_loc + 1], expert e owns rows [offsets[e], offsets[e + 1]) of X (padding incl.).
+  void forward(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13, const Tensor& w2,
+               const ExpertActivations& act, const Tensor& y, cudaStream_t stream);
+  // recompute_h: act.h was not kept, so the first GEMM runs again (memory against time).
+  void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
+                const Tensor& w2, const ExpertActivations& act, bool recompute_h, const Tensor& dX,
+                const Tensor& dw13, const Tensor& dw2, cudaStream_t stream);
+
+  ExpertSchedule schedule() const { return schedule_; }
+
+ private:
+  struct Product {
+    GemmShape shape;
+    const void* a;
+    const void* b;
+    void* c;
+  };
+  void check_shapes(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13, const Tensor& w2,
+                    const ExpertActivations& act) const;
+  void up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13, const Tensor& h,
+                   std::vector<Product>& out) const;
+  void run(const std::vector<Product>& products, cudaStream_t stream);
+  void run_on_streams(const std::vector<Product>& products, cudaStream_t stream);
+  void run_grouped(const std::vector<Product>& products, cudaStream_t stream);
+
+  int hidden_, ffn_, experts_;
+  DType dtype_;
+  ExpertSchedule schedule_;
+  std::vector<Stream> streams_;
+  std::vector<GemmRunner> runners_;  // one per stream: cuBLASLt workspaces must not be shared
+  std::vector<Event> joins_;
+  Event fork_;
+  struct Grouped;
+  std::unique_ptr<Grouped> grouped_;
+};
+
+}  // namespace moe

@@ -1,0 +1,132 @@
+#include <cuda_bf16.h>
+
+#include <string>
+
+#include "moe/error.h"
+#include "swiglu.cuh"
+
+namespace moe {
+namespace {
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename T, int kElems>
+struct alignas(sizeof(T) * kElems) Pack {
+  T v[kElems];
+};
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+// Grid-stride over (row, column pack) of the [rows, F] output.
+template <typename T, int kElems>
+__global__ void swiglu_forward_kernel(const T* __restrict__ h, T* __restrict__ a, std::int64_t rows, int ffn) {
+  using P = Pack<T, kElems>;
+  const int packs = ffn / kElems;
+  const std::int64_t total = rows * packs;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / packs;
+    const int c = static_cast<int>(i % packs) * kElems;
+    const P gate = *reinterpret_cast<const P*>(h + r * 2 * ffn + c);
+    const P up = *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c);
+    P out;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+      const float g = to_float(gate.v[e]);
+      out.v[e] = from_float<T>(g * sigmoid(g) * to_float(up.v[e]));
+    }
+    *reinterpret_cast<P*>(a + r * ffn + c) = out;
+  }
+}
+
+template <typename T, int kElems>
+__global__ void swiglu_backward_kernel(const T* __restrict__ h, const T* __restrict__ dA, T* __restrict__ dh,
+                                       T* __restrict__ a, std::int64_t rows, int ffn) {
+  using P = Pack<T, kElems>;
+  const int packs = ffn / kElems;
+  const std::int64_t total = rows * packs;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / packs;
+    const int c = static_cast<int>(i % packs) * kElems;
+    const P gate = *reinterpret_cast<const P*>(h + r * 2 * ffn + c);
+    const P up = *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c);
+    const P grad = *reinterpret_cast<const P*>(dA + r * ffn + c);
+    P dgate, dup, act;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+      const float g = to_float(gate.v[e]);
+      const float u = to_float(up.v[e]);
+      const float d = to_float(grad.v[e]);
+      const float s = sigmoid(g);
+      const float silu = g * s;
+      dgate.v[e] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // silu'(g) = σ(g)(1 + g(1 − σ(g)))
+      dup.v[e] = from_float<T>(d * silu);
+      act.v[e] = from_float<T>(silu * u);
+    }
+    *reinterpret_cast<P*>(dh + r * 2 * ffn + c) = dgate;
+    *reinterpret_cast<P*>(dh + r * 2 * ffn + ffn + c) = dup;
+    *reinterpret_cast<P*>(a + r * ffn + c) = act;
+  }
+}
+
+void check(const Tensor& t, std::int64_t rows, std::int64_t cols, DType dtype, const char* what) {
+  if (t.dtype != dtype || t.rank() != 2 || t.dim(0) != rows || t.dim(1) != cols) {
+    fail(std::string("swiglu: ") + what + " is " + t.describe() + ", expected " +
+         Tensor(nullptr, dtype, {rows, cols}).describe());
+  }
+}
+
+// 16-byte packs when F allows them (every row then starts 16-byte aligned too).
+template <typename Launch>
+void dispatch(DType dtype, int ffn, Launch&& launch) {
+  if (dtype == DType::kBF16) {
+    if (ffn % 8 == 0) return launch.template operator()<__nv_bfloat16, 8>();
+    return launch.template operator()<__nv_bfloat16, 1>();
+  }
+  if (dtype != DType::kFP32) fail("swiglu: dtype " + std::string(dtype_name(dtype)) + " must be bf16 or fp32");
+  if (ffn % 4 == 0) return launch.template operator()<float, 4>();
+  launch.template operator()<float, 1>();
+}
+
+unsigned blocks_for(std::int64_t work) {
+  return static_cast<unsigned>(std::min<std::int64_t>((work + 255) / 256, 132 * 16));
+}
+
+}  // namespace
+
+void swiglu_forward(const Tensor& h, const Tensor& a, cudaStream_t stream) {
+  const std::int64_t rows = h.dim(0);
+  const int ffn = static_cast<int>(h.dim(1) / 2);
+  check(h, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "h");
+  check(a, rows, ffn, a.dtype, "a");
+  if (rows == 0) return;
+  dispatch(a.dtype, ffn, [&]<typename T, int kElems>() {
+    swiglu_forward_kernel<T, kElems><<<blocks_for(rows * ffn / kElems), 256, 0, stream>>>(h.as<const T>(), a.as<T>(), rows, ffn);
+    MOE_CHECK_LAUNCH();
+  });
+}
+
+void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const Tensor& a, cudaStream_t stream) {
+  const std::int64_t rows = h.dim(0);
+  const int ffn = static_cast<int>(h.dim(1) / 2);
+  check(h, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "h");
+  check(dA, rows, ffn, a.dtype, "dA");
+  check(dh, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "dh");
+  check(a, rows, ffn, a.dtype, "a");
+  if (rows == 0) return;
+  dispatch(a.dtype, ffn, [&]<typename T, int kElems>() {
+    swiglu_backward_kernel<T, kElems><<<blocks_for(rows * ffn / kElems), 256, 0, stream>>>(
+        h.as<const T>(), dA.as<const T>(), dh.as<T>(), a.as<T>(), rows, ffn);
+    MOE_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace moe
