@@ -73,7 +73,9 @@ int main(int argc, char** argv) try {
     std::vector<float> bias(E, 0.0f), dp(static_cast<std::size_t>(T * K));
     for (auto& v : dp) v = normal(rng);
     DeviceBuffer bias_dev(E * 4), dp_dev(dp.size() * 4), idx(dp.size() * 4), prob(dp.size() * 4), counts(E * 4),
-        aux_counts(E * 4), score_sum(E * 4), z(16), losses(16), workspace(router_workspace_bytes(params, T));
+        aux_counts(E * 4), score_sum(E * 4), z(16), losses(16), workspace(router_workspace_bytes(params, T)),
+        tokens_dev(8);
+    copy_to_device(tokens_dev.data(), &T, 8);
     copy_to_device(bias_dev.data(), bias.data(), E * 4);
     copy_to_device(dp_dev.data(), dp.data(), dp.size() * 4);
 
@@ -90,8 +92,8 @@ int main(int argc, char** argv) try {
       a.z_sum = z.as<float>();
       a.workspace = workspace.data();
       router_forward(params, a, stream.get());
-      router_losses(params, c, aux_counts.as<std::int32_t>(), score_sum.as<float>(), z.as<float>(), T,
-                    losses.as<float>(), stream.get());
+      router_losses(params, c, aux_counts.as<std::int32_t>(), score_sum.as<float>(), z.as<float>(),
+                    tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
     };
     auto backward = [&](int i) {
       RouterBackwardArgs a;

@@ -548,8 +548,9 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
 
 constexpr int kReduceThreads = 256;
 
-__global__ void router_losses_kernel(int experts, const std::int32_t* f, const float* score_sum,
-                                     const float* z_sum, float aux_factor, float z_factor, float* losses) {
+__global__ void router_losses_kernel(int experts, int topk, const std::int32_t* f, const float* score_sum,
+                                     const float* z_sum, const std::int64_t* global_tokens, double aux_coeff,
+                                     double z_coeff, float* losses) {
   __shared__ float partial[kReduceThreads];
   float sum = 0.0f;
   if (f != nullptr) {
@@ -562,8 +563,11 @@ __global__ void router_losses_kernel(int experts, const std::int32_t* f, const f
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    losses[0] = f != nullptr ? aux_factor * partial[0] : 0.0f;
-    losses[1] = z_sum != nullptr ? z_factor * *z_sum : 0.0f;
+    const double T = static_cast<double>(*global_tokens);
+    const double aux_factor = T > 0 ? aux_coeff * experts / (topk * T * T) : 0.0;  // α·E/(K·T²)
+    const double z_factor = T > 0 ? z_coeff / T : 0.0;                              // β/T
+    losses[0] = f != nullptr ? static_cast<float>(aux_factor * partial[0]) : 0.0f;
+    losses[1] = z_sum != nullptr ? static_cast<float>(z_factor * *z_sum) : 0.0f;
   }
 }
 
@@ -748,12 +752,11 @@ float z_loss_factor(const MoEConfig& config, std::int64_t global_tokens) {
 }
 
 void router_losses(const RouterParams& params, const MoEConfig& config, const std::int32_t* aux_tokens_per_expert,
-                   const float* aux_score_sum, const float* z_sum, std::int64_t global_tokens, float* losses,
+                   const float* aux_score_sum, const float* z_sum, const std::int64_t* global_tokens, float* losses,
                    cudaStream_t stream) {
   router_losses_kernel<<<1, kReduceThreads, 0, stream>>>(
-      params.num_experts, params.aux_loss ? aux_tokens_per_expert : nullptr, aux_score_sum,
-      params.z_loss ? z_sum : nullptr, aux_loss_factor(config, global_tokens), z_loss_factor(config, global_tokens),
-      losses);
+      params.num_experts, params.topk, params.aux_loss ? aux_tokens_per_expert : nullptr, aux_score_sum,
+      params.z_loss ? z_sum : nullptr, global_tokens, config.aux_loss_coeff, config.z_loss_coeff, losses);
   MOE_CHECK_LAUNCH();
 }
 

@@ -57,10 +57,11 @@ std::size_t router_workspace_bytes(const RouterParams& params, std::int64_t toke
 void router_forward(const RouterParams& params, const RouterForwardArgs& args, cudaStream_t stream);
 
 // The loss values from the statistics summed over the mesh: losses[0] = L_aux, losses[1] = L_z.
-// Counts f and sums P are those of the whole mesh; global_tokens is T_glob.
+// Counts f and sums P are those of the whole mesh; *global_tokens (device) is T_glob, read on the
+// device so that the values are ready before the forward's one host synchronisation.
 void router_losses(const RouterParams& params, const MoEConfig& config,
                    const std::int32_t* aux_tokens_per_expert, const float* aux_score_sum,
-                   const float* z_sum, std::int64_t global_tokens, float* losses,
+                   const float* z_sum, const std::int64_t* global_tokens, float* losses,
                    cudaStream_t stream);
 
 struct RouterBackwardArgs {

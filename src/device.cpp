@@ -40,6 +40,19 @@ void DeviceBuffer::release() noexcept {
   bytes_ = 0;
 }
 
+void PinnedBuffer::reserve(std::size_t bytes) {
+  if (bytes <= bytes_) return;
+  release();
+  MOE_CHECK_CUDA(cudaMallocHost(&data_, bytes));
+  bytes_ = bytes;
+}
+
+void PinnedBuffer::release() noexcept {
+  if (data_ != nullptr) (void)cudaFreeHost(data_);
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
 Stream::Stream() { MOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
 Stream::~Stream() {
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);

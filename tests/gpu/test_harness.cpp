@@ -3,7 +3,7 @@
 #include <cstring>
 #include <random>
 
-#include "kernels/convert.cuh"
+#include "kernels/elementwise.cuh"
 #include "kernels/gemm.h"
 #include "moe/device.h"
 #include "moe/reference.h"

@@ -105,6 +105,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   DeviceBuffer idx(TK * 4 + 16), prob(TK * 4 + 16), counts(E * 4), aux_counts(E * 4), score_sum(E * 4), z(16),
       losses(16), dlogits(static_cast<std::size_t>(T * E) * 4 + 16);
   DeviceBuffer workspace(router_workspace_bytes(params, T));
+  const auto tokens_dev = test::upload(std::vector<std::int64_t>{T});
   Stream stream;
 
   auto run = [&] {
@@ -122,8 +123,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     fwd.z_sum = z.as<float>();
     fwd.workspace = workspace.data();
     router_forward(params, fwd, stream.get());
-    router_losses(params, config, aux_counts.as<std::int32_t>(), score_sum.as<float>(), z.as<float>(), T,
-                  losses.as<float>(), stream.get());
+    router_losses(params, config, aux_counts.as<std::int32_t>(), score_sum.as<float>(), z.as<float>(),
+                  tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
 
     RouterBackwardArgs bwd;
     bwd.logits = logits_dev.data();

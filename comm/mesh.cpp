@@ -1,0 +1,156 @@
+#include "moe/mesh.h"
+
+#include <thread>
+
+#include "comm/bootstrap.h"
+#include "moe/device.h"
+#include "moe/error.h"
+
+namespace moe {
+
+struct Mesh::Comms {
+  comm::NcclComm world_owned;            // when the mesh created the world communicator
+  ncclComm_t world = nullptr;            // owned above, or the trainer's
+  comm::NcclComm ep;
+  comm::NcclComm dp;
+  bool aborted = false;
+};
+
+void validate_mesh_shape(int world, int ep, int dp, int num_experts) {
+  if (ep < 1 || dp < 1) fail("invalid mesh: ep = {} and dp = {} must be >= 1", ep, dp);
+  if (ep * dp != world) fail("invalid mesh: ep = {} times dp = {} must equal the world size {}", ep, dp, world);
+  if (num_experts % ep != 0) fail("invalid mesh: ep = {} must divide num_experts = {}", ep, num_experts);
+}
+
+Mesh Mesh::single() {
+  Mesh mesh;
+  MOE_CHECK_CUDA(cudaGetDevice(&mesh.device_));
+  return mesh;
+}
+
+namespace {
+comm::NcclComm split(ncclComm_t world, int color, int key) {
+  ncclComm_t out = nullptr;
+  MOE_CHECK_NCCL(ncclCommSplit(world, color, key, &out, nullptr));
+  return comm::NcclComm(out);
+}
+}  // namespace
+
+Mesh Mesh::from_mpi(MPI_Comm comm, int ep, int dp, int num_experts, Timeout timeout) {
+  int rank = 0, size = 0;
+  MOE_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  MOE_CHECK_MPI(MPI_Comm_size(comm, &size));
+  validate_mesh_shape(size, ep, dp, num_experts);  // every rank sees the same values: no hang
+  const int gpus = cuda_device_count();
+  if (gpus == 0) fail("Mesh: rank {} sees no CUDA GPU", rank);
+  MOE_CHECK_CUDA(cudaSetDevice(comm::node_local_rank(comm) % gpus));
+  Mesh mesh;
+  mesh.rank_ = rank;
+  mesh.ep_ = ep;
+  mesh.dp_ = dp;
+  mesh.timeout_ = timeout;
+  MOE_CHECK_CUDA(cudaGetDevice(&mesh.device_));
+  mesh.comms_ = std::make_unique<Comms>();
+  mesh.comms_->world_owned = comm::NcclComm::from_mpi(comm);
+  mesh.comms_->world = mesh.comms_->world_owned.get();
+  mesh.comms_->ep = split(mesh.comms_->world, mesh.dp_index(), mesh.ep_index());
+  mesh.comms_->dp = split(mesh.comms_->world, mesh.ep_index(), mesh.dp_index());
+  return mesh;
+}
+
+Mesh Mesh::from_nccl(ncclComm_t world, int ep, int dp, int num_experts, Timeout timeout) {
+  if (world == nullptr) fail("Mesh::from_nccl: null communicator");
+  int rank = 0, size = 0;
+  MOE_CHECK_NCCL(ncclCommUserRank(world, &rank));
+  MOE_CHECK_NCCL(ncclCommCount(world, &size));
+  validate_mesh_shape(size, ep, dp, num_experts);
+  Mesh mesh;
+  mesh.rank_ = rank;
+  mesh.ep_ = ep;
+  mesh.dp_ = dp;
+  mesh.timeout_ = timeout;
+  MOE_CHECK_NCCL(ncclCommCuDevice(world, &mesh.device_));
+  mesh.comms_ = std::make_unique<Comms>();
+  mesh.comms_->world = world;
+  mesh.comms_->ep = split(world, mesh.dp_index(), mesh.ep_index());
+  mesh.comms_->dp = split(world, mesh.ep_index(), mesh.dp_index());
+  return mesh;
+}
+
+Mesh::Mesh(Mesh&&) noexcept = default;
+Mesh& Mesh::operator=(Mesh&&) noexcept = default;
+Mesh::~Mesh() = default;
+
+int Mesh::group_size(MeshGroup group) const {
+  switch (group) {
+    case MeshGroup::kWorld:
+      return world_size();
+    case MeshGroup::kExpertParallel:
+      return ep_;
+    case MeshGroup::kDataParallel:
+      return dp_;
+  }
+  return 1;
+}
+
+ncclComm_t Mesh::comm(MeshGroup group) const {
+  if (comms_ && comms_->aborted) fail("rank {}: the mesh's communicators were aborted after an earlier failure", rank_);
+  if (!comms_ || group_size(group) == 1) return nullptr;
+  switch (group) {
+    case MeshGroup::kWorld:
+      return comms_->world;
+    case MeshGroup::kExpertParallel:
+      return comms_->ep.get();
+    case MeshGroup::kDataParallel:
+      return comms_->dp.get();
+  }
+  return nullptr;
+}
+
+void Mesh::all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group,
+                          cudaStream_t stream) const {
+  ncclComm_t c = comm(group);
+  if (c == nullptr || count == 0) return;
+  MOE_CHECK_NCCL(ncclAllReduce(data, data, count, type, ncclSum, c, stream));
+}
+
+void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (auto pause = std::chrono::microseconds(1);; pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
+    const cudaError_t status = cudaEventQuery(event);
+    if (status == cudaSuccess) return;
+    if (status != cudaErrorNotReady) {
+      MOE_CHECK_CUDA(status);
+    }
+    if (comms_) {
+      for (ncclComm_t c : {comms_->world, comms_->ep.get(), comms_->dp.get()}) {
+        ncclResult_t async = ncclSuccess;
+        if (c != nullptr && ncclCommGetAsyncError(c, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+          const_cast<Mesh*>(this)->abort();
+          fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(async), ncclGetErrorString(async));
+        }
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      const_cast<Mesh*>(this)->abort();
+      fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank_, operation,
+           timeout_.count());
+    }
+    std::this_thread::sleep_for(pause);
+  }
+}
+
+void Mesh::abort() noexcept {
+  if (!comms_) return;
+  comms_->ep.abort();
+  comms_->dp.abort();
+  if (comms_->world_owned.get() != nullptr) {
+    comms_->world_owned.abort();
+  } else if (comms_->world != nullptr) {
+    (void)ncclCommAbort(comms_->world);
+  }
+  comms_->world = nullptr;
+  comms_->aborted = true;
+}
+
+}  // namespace moe

@@ -1,0 +1,74 @@
+// The EP×DP mesh: world rank r = dp_index·EP + ep_index, EP groups are contiguous ranks. Built from
+// MPI (the world or a communicator the trainer passes) or from an NCCL communicator the trainer
+// already has; the EP and DP communicators are split from the world one.
+//
+// Nothing waits forever: waits poll the communicators' asynchronous errors and, past the timeout,
+// abort them and throw a moe::Error that names the rank and the operation.
+#pragma once
+
+#include <mpi.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <memory>
+#include <string_view>
+
+#include <cuda_runtime_api.h>
+
+namespace moe {
+
+enum class MeshGroup { kWorld, kExpertParallel, kDataParallel };
+
+class Mesh {
+ public:
+  using Timeout = std::chrono::milliseconds;
+  static constexpr Timeout kDefaultTimeout{std::chrono::minutes(5)};
+
+  // One GPU, no communicators (EP = DP = 1). Uses the current CUDA device.
+  static Mesh single();
+  // Collective over `comm`: validates ep·dp = size and num_experts % ep = 0 on every rank (the same
+  // error everywhere, before any communication), chooses the GPU by node-local rank, creates the
+  // world communicator and splits the EP and DP ones.
+  static Mesh from_mpi(MPI_Comm comm, int ep, int dp, int num_experts, Timeout timeout = kDefaultTimeout);
+  // Over the trainer's communicator (not owned; its GPU must be current): splits EP and DP groups.
+  static Mesh from_nccl(ncclComm_t world, int ep, int dp, int num_experts, Timeout timeout = kDefaultTimeout);
+
+  Mesh(Mesh&&) noexcept;
+  Mesh& operator=(Mesh&&) noexcept;
+  ~Mesh();
+
+  int rank() const { return rank_; }
+  int world_size() const { return ep_ * dp_; }
+  int ep() const { return ep_; }
+  int dp() const { return dp_; }
+  int ep_index() const { return rank_ % ep_; }
+  int dp_index() const { return rank_ / ep_; }
+  int device() const { return device_; }
+  Timeout timeout() const { return timeout_; }
+  int group_size(MeshGroup group) const;
+  // The group's communicator; null for a group of one rank.
+  ncclComm_t comm(MeshGroup group) const;
+
+  // In-place sum over a group (nothing for a group of one).
+  void all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group, cudaStream_t stream) const;
+  // Blocks until `event` completes, polling NCCL errors; after the timeout aborts every
+  // communicator and throws, naming this rank and `operation`.
+  void wait(cudaEvent_t event, std::string_view operation) const;
+  // Aborts every communicator (after a failure elsewhere): later collectives are errors.
+  void abort() noexcept;
+
+ private:
+  Mesh() = default;
+  struct Comms;
+  int rank_ = 0;
+  int ep_ = 1;
+  int dp_ = 1;
+  int device_ = 0;
+  Timeout timeout_ = kDefaultTimeout;
+  std::unique_ptr<Comms> comms_;
+};
+
+// Throws moe::Error unless ep·dp = world and num_experts % ep = 0.
+void validate_mesh_shape(int world, int ep, int dp, int num_experts);
+
+}  // namespace moe

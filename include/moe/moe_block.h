@@ -1,0 +1,85 @@
+// moe::MoEBlock: the whole MoE layer of SPEC.md, forward and backward at one boundary, on one GPU
+// or on an EP×DP mesh.
+//
+//   moe::MoEBlock block(config, mesh, stream);
+//   block.initialize(seed);                       // or bind() the trainer's own memory
+//   auto [out, aux_loss, z_loss] = block.forward(x);
+//   Tensor dx = block.backward(dy);               // fills block.gradients()
+//   block.reduce_gradients();                     // sums over the mesh (the trainer scales)
+//
+// forward saves a context that the next backward consumes; x must stay valid until then. One host
+// synchronisation per forward (the routed row counts), none in backward; no device allocation per
+// step once the buffers have grown to the batch size.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "moe/config.h"
+#include "moe/mesh.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+// Parameter and gradient views. Layouts (nn.Linear, out × in):
+//   gate_weight [E, H] (dtype), w13 [E_loc, 2F, H] (gate rows then up rows), w2 [E_loc, H, F]
+//   (dtype), expert_bias [E] (fp32). Gradients: fp32, same shapes (no bias gradient).
+struct MoEParameters {
+  Tensor gate_weight;
+  Tensor w13;
+  Tensor w2;
+  Tensor expert_bias;
+};
+struct MoEGradients {
+  Tensor gate_weight;
+  Tensor w13;
+  Tensor w2;
+};
+
+struct MoEForward {
+  Tensor out;  // [T, H], x's dtype, owned by the block until the next forward
+  float aux_loss = 0.0f;
+  float z_loss = 0.0f;
+};
+
+class MoEBlock {
+ public:
+  MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream);
+  ~MoEBlock();
+  MoEBlock(const MoEBlock&) = delete;
+  MoEBlock& operator=(const MoEBlock&) = delete;
+
+  const MoEConfig& config() const;
+  // Views of the parameters and gradients in use (the block's own, or those bound).
+  const MoEParameters& parameters() const;
+  const MoEGradients& gradients() const;
+  // Use memory the trainer owns; shapes and dtypes are checked first (nothing changes on error).
+  void bind(const MoEParameters& parameters, const MoEGradients& gradients);
+  // Seeded initialisation, identical on every rank for the same global expert: gate and experts
+  // ~ N(0, 1/fan_in), bias 0.
+  void initialize(std::uint64_t seed);
+
+  // x [T, H] in config.dtype. Saves the context for backward.
+  MoEForward forward(const Tensor& x);
+  // Evaluation: the same output, no context saved (a later backward is an error).
+  MoEForward infer(const Tensor& x);
+  // dy [T, H]: returns dx [T, H] (owned by the block until the next backward) and writes this
+  // rank's gradients (overwritten, not accumulated). Once per forward.
+  Tensor backward(const Tensor& dy);
+  // Sums the gradients over the mesh: experts over the DP group, the gate over the world.
+  void reduce_gradients();
+  // Aux-loss-free balancing with the mesh-wide loads of the last forward.
+  void update_expert_bias(float rate);
+  // Check mode: after each stage, raise a moe::Error naming the first stage (and rank) whose
+  // output holds NaN or Inf. Off by default (it synchronises).
+  void set_check_finite(bool on);
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+  MoEForward run_forward(const Tensor& x, bool save_context);
+};
+
+}  // namespace moe

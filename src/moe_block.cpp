@@ -1,0 +1,428 @@
+// MoEBlock: SPEC.md's six steps forward, their mirror backward, over one GPU or an EP×DP mesh.
+#include "moe/moe_block.h"
+
+#include <nvtx3/nvToolsExt.h>
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "comm/exchange.h"
+#include "kernels/elementwise.cuh"
+#include "kernels/experts.h"
+#include "kernels/gemm.h"
+#include "kernels/permute.cuh"
+#include "kernels/router.cuh"
+#include "moe/device.h"
+#include "moe/error.h"
+
+namespace moe {
+namespace {
+
+// An NVTX range around a stage, visible in Nsight Systems.
+struct Range {
+  explicit Range(const char* name) { nvtxRangePushA(name); }
+  ~Range() { nvtxRangePop(); }
+  Range(const Range&) = delete;
+  Range& operator=(const Range&) = delete;
+};
+
+// Grow-only device buffer viewed as a tensor of the requested shape.
+Tensor view(DeviceBuffer& buffer, DType dtype, std::vector<std::int64_t> shape) {
+  Tensor t(nullptr, dtype, std::move(shape));
+  buffer.reserve(std::max<std::size_t>(t.bytes(), 16));
+  t.data = buffer.data();
+  return t;
+}
+
+template <typename T>
+T* typed(DeviceBuffer& buffer, std::size_t count) {
+  buffer.reserve(std::max<std::size_t>(count * sizeof(T), 16));
+  return buffer.as<T>();
+}
+
+}  // namespace
+
+struct MoEBlock::State {
+  MoEConfig config;
+  const Mesh& mesh;
+  cudaStream_t stream;
+  int E, E_loc, K;
+  std::int64_t H, F;
+  DType dtype;
+  RouterParams router;
+  GemmRunner gemm;
+  ExpertFFN experts;
+  std::optional<ExpertExchange> exchange;  // EP > 1
+
+  DeviceBuffer own_gate, own_w13, own_w2, own_bias, own_dgate, own_dw13, own_dw2;
+  MoEParameters params;
+  MoEGradients grads;
+
+  // Forward buffers, grow-only.
+  DeviceBuffer logits, topk_idx, topk_p, counts, aux_counts, score_sum, z_sum, global_load, router_ws, scalars;
+  DeviceBuffer layout_counts, layout_offsets, row_map, layout_ws, recv_counts, chunk_ws;
+  DeviceBuffer send_rows, recv_rows, X, h, a, Y, out;
+  PinnedBuffer host_scalars;
+  Event copied;
+  // Backward buffers.
+  DeviceBuffer dprob, dY_rows, dY, dA, dh, dX, dx, dlogits, dlogits_low;
+  DeviceBuffer nonfinite;
+
+  // The context of the last forward.
+  bool has_context = false;
+  Tensor x;
+  std::int64_t T = 0;
+  std::int64_t rows = 0;  // expert-major rows, padding included
+  std::vector<std::int64_t> expert_offsets;
+  std::int64_t global_tokens = 0;
+  bool check_finite = false;
+
+  State(const MoEConfig& c, const Mesh& m, cudaStream_t s)
+      : config(c),
+        mesh(m),
+        stream(s),
+        E(c.num_experts),
+        E_loc(c.num_experts / m.ep()),
+        K(c.topk),
+        H(c.hidden),
+        F(c.ffn_hidden),
+        dtype(c.dtype),
+        router(RouterParams::from(c)),
+        experts(c.hidden, c.ffn_hidden, c.num_experts / m.ep(), c.dtype) {}
+
+  bool expert_parallel() const { return mesh.ep() > 1; }
+
+  void check(const char* stage, const Tensor& t) {
+    if (!check_finite) return;
+    int* count = typed<int>(nonfinite, 1);
+    count_nonfinite(t, count, stream);
+    int host = 0;
+    MOE_CHECK_CUDA(cudaMemcpyAsync(&host, count, sizeof(int), cudaMemcpyDeviceToHost, stream));
+    MOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+    if (host > 0) fail("rank {}: stage '{}' produced {} NaN or Inf values in {}", mesh.rank(), stage, host, t.describe());
+  }
+};
+
+MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream) {
+  config.validate();
+  if (config.ep != mesh.ep() || config.dp != mesh.dp()) {
+    fail("MoEBlock: config has ep = {}, dp = {} but the mesh is {} x {}", config.ep, config.dp, mesh.ep(), mesh.dp());
+  }
+  validate_mesh_shape(mesh.world_size(), mesh.ep(), mesh.dp(), config.num_experts);
+  s_ = std::make_unique<State>(config, mesh, stream);
+  auto& s = *s_;
+  if (s.expert_parallel()) s.exchange.emplace(mesh, config.num_experts);
+  const std::int64_t E = s.E, E_loc = s.E_loc, H = s.H, F = s.F;
+  s.params = {view(s.own_gate, s.dtype, {E, H}), view(s.own_w13, s.dtype, {E_loc, 2 * F, H}),
+              view(s.own_w2, s.dtype, {E_loc, H, F}), view(s.own_bias, DType::kFP32, {E})};
+  s.grads = {view(s.own_dgate, DType::kFP32, {E, H}), view(s.own_dw13, DType::kFP32, {E_loc, 2 * F, H}),
+             view(s.own_dw2, DType::kFP32, {E_loc, H, F})};
+  initialize(0);
+}
+
+MoEBlock::~MoEBlock() = default;
+
+const MoEConfig& MoEBlock::config() const { return s_->config; }
+const MoEParameters& MoEBlock::parameters() const { return s_->params; }
+const MoEGradients& MoEBlock::gradients() const { return s_->grads; }
+void MoEBlock::set_check_finite(bool on) { s_->check_finite = on; }
+
+void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
+  auto& s = *s_;
+  const std::int64_t E = s.E, E_loc = s.E_loc, H = s.H, F = s.F;
+  expect_tensor(p.gate_weight, "MoEBlock::bind gate_weight", s.dtype, {E, H});
+  expect_tensor(p.w13, "MoEBlock::bind w13", s.dtype, {E_loc, 2 * F, H});
+  expect_tensor(p.w2, "MoEBlock::bind w2", s.dtype, {E_loc, H, F});
+  expect_tensor(p.expert_bias, "MoEBlock::bind expert_bias", DType::kFP32, {E});
+  expect_tensor(g.gate_weight, "MoEBlock::bind gradient of gate_weight", DType::kFP32, {E, H});
+  expect_tensor(g.w13, "MoEBlock::bind gradient of w13", DType::kFP32, {E_loc, 2 * F, H});
+  expect_tensor(g.w2, "MoEBlock::bind gradient of w2", DType::kFP32, {E_loc, H, F});
+  s.params = p;
+  s.grads = g;
+}
+
+void MoEBlock::initialize(std::uint64_t seed) {
+  auto& s = *s_;
+  const auto first_expert = static_cast<std::uint64_t>(s.mesh.ep_index()) * s.E_loc;
+  const auto w13_size = static_cast<std::uint64_t>(2 * s.F * s.H);
+  const auto w2_size = static_cast<std::uint64_t>(s.H * s.F);
+  // Distinct streams of numbers per tensor; a global expert's slice is the same on every rank.
+  init_normal(s.params.gate_weight, seed, 0, 1.0f / std::sqrt(static_cast<float>(s.H)), s.stream);
+  init_normal(s.params.w13, seed ^ 0x13, first_expert * w13_size, 1.0f / std::sqrt(static_cast<float>(s.H)), s.stream);
+  init_normal(s.params.w2, seed ^ 0x2, first_expert * w2_size, 1.0f / std::sqrt(static_cast<float>(s.F)), s.stream);
+  MOE_CHECK_CUDA(cudaMemsetAsync(s.params.expert_bias.data, 0, s.params.expert_bias.bytes(), s.stream));
+}
+
+MoEForward MoEBlock::forward(const Tensor& x) { return run_forward(x, true); }
+MoEForward MoEBlock::infer(const Tensor& x) { return run_forward(x, false); }
+
+MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
+  auto& s = *s_;
+  const std::int64_t T = x.rank() == 2 ? x.dim(0) : -1;
+  if (x.dtype != s.dtype || T < 0 || x.dim(1) != s.H) {
+    fail("MoEBlock::forward: x must be {}[T, {}], got {}", dtype_name(s.dtype), s.H, x.describe());
+  }
+  if (x.data == nullptr && T > 0) fail("MoEBlock::forward: x has no data");
+  if (T * s.K > INT32_MAX) fail("MoEBlock::forward: T = {} tokens exceed the int32 row index", T);
+  s.has_context = false;  // a failure below leaves no half-built context
+  const cudaStream_t stream = s.stream;
+  const int E = s.E, K = s.K;
+  const std::int64_t H = s.H;
+
+  // 1. Gate GEMM: logits[T, E] = x · Wgᵀ, fp32.
+  const Tensor logits = view(s.logits, DType::kFP32, {T, E});
+  {
+    Range r("moe gate");
+    s.gemm.run({T, E, H, false, true, s.dtype, s.dtype, DType::kFP32}, x.data, s.params.gate_weight.data, logits.data, stream);
+    s.check("gate", logits);
+  }
+
+  // 2. Router: top-K, probabilities, expert counts and the loss statistics.
+  auto* topk_idx = typed<std::int32_t>(s.topk_idx, T * K);
+  auto* topk_p = typed<float>(s.topk_p, T * K);
+  auto* counts = typed<std::int32_t>(s.counts, E);
+  auto* aux_counts = typed<std::int32_t>(s.aux_counts, E);
+  auto* score_sum = typed<float>(s.score_sum, E);
+  auto* z_sum = typed<float>(s.z_sum, 1);
+  auto* global_load = typed<std::int32_t>(s.global_load, E);
+  auto* global_tokens = typed<std::int64_t>(s.scalars, 2);  // [T_glob, losses as two floats]
+  auto* losses = reinterpret_cast<float*>(global_tokens + 1);
+  {
+    Range r("moe router");
+    RouterForwardArgs a;
+    a.logits = logits.data;
+    a.tokens = T;
+    a.expert_bias = s.config.expert_bias ? s.params.expert_bias.as<float>() : nullptr;
+    a.topk_idx = topk_idx;
+    a.topk_p = topk_p;
+    a.tokens_per_expert = counts;
+    a.aux_tokens_per_expert = aux_counts;
+    a.aux_score_sum = score_sum;
+    a.z_sum = z_sum;
+    s.router_ws.reserve(router_workspace_bytes(s.router, T));
+    a.workspace = s.router_ws.data();
+    router_forward(s.router, a, stream);
+  }
+
+  // 3. Aux losses over the whole mesh: statistics, loads and the token count summed over the world.
+  {
+    Range r("moe losses");
+    // Sized once for everything the forward copies to the host: never reallocated under a copy.
+    s.host_scalars.reserve(16 + (E + 1) * sizeof(std::int32_t));
+    MOE_CHECK_CUDA(cudaEventSynchronize(s.copied.get()));
+    *s.host_scalars.as<std::int64_t>() = T;
+    MOE_CHECK_CUDA(cudaMemcpyAsync(global_tokens, s.host_scalars.as<std::int64_t>(), sizeof(std::int64_t),
+                                   cudaMemcpyHostToDevice, stream));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(global_load, counts, E * sizeof(std::int32_t), cudaMemcpyDeviceToDevice, stream));
+    MOE_CHECK_NCCL(ncclGroupStart());
+    s.mesh.all_reduce_sum(global_tokens, 1, ncclInt64, MeshGroup::kWorld, stream);
+    s.mesh.all_reduce_sum(global_load, E, ncclInt32, MeshGroup::kWorld, stream);
+    if (s.router.aux_loss) {
+      s.mesh.all_reduce_sum(aux_counts, E, ncclInt32, MeshGroup::kWorld, stream);
+      s.mesh.all_reduce_sum(score_sum, E, ncclFloat32, MeshGroup::kWorld, stream);
+    }
+    if (s.router.z_loss) s.mesh.all_reduce_sum(z_sum, 1, ncclFloat32, MeshGroup::kWorld, stream);
+    MOE_CHECK_NCCL(ncclGroupEnd());
+    router_losses(s.router, s.config, aux_counts, score_sum, z_sum, global_tokens, losses, stream);
+  }
+
+  // 4. Dispatch: layout (padded expert-major on one rank; by global expert, unpadded, when sending),
+  //    the counts (the one host synchronisation), the rows.
+  auto* layout_counts = typed<std::int32_t>(s.layout_counts, E);
+  auto* layout_offsets = typed<std::int32_t>(s.layout_offsets, E + 1);
+  auto* row_map = typed<std::int32_t>(s.row_map, T * K);
+  struct {
+    std::int64_t tokens;
+    float losses[2];
+  } host{};
+  {
+    Range r("moe dispatch");
+    const int align = s.expert_parallel() ? 1 : s.config.align_size;
+    s.layout_ws.reserve(layout_workspace_bytes(T, K, E));
+    build_layout({topk_idx, T, K, E, align, layout_counts, layout_offsets, row_map, s.layout_ws.data()}, stream);
+    if (!s.expert_parallel()) {
+      MOE_CHECK_CUDA(cudaMemcpyAsync(s.host_scalars.as<char>(), global_tokens, 16, cudaMemcpyDeviceToHost, stream));
+      MOE_CHECK_CUDA(cudaMemcpyAsync(s.host_scalars.as<char>() + 16, layout_offsets, (E + 1) * sizeof(std::int32_t),
+                                     cudaMemcpyDeviceToHost, stream));
+      s.copied.record(stream);
+      s.mesh.wait(s.copied.get(), "the forward's row counts");  // the one host synchronisation
+      std::memcpy(&host, s.host_scalars.as<char>(), 16);
+      const auto* off = reinterpret_cast<const std::int32_t*>(s.host_scalars.as<char>() + 16);
+      s.expert_offsets.assign(off, off + E + 1);
+      s.rows = s.expert_offsets.back();
+      s.X.reserve(std::max<std::int64_t>(s.rows * H, 1) * dtype_size(s.dtype));
+      permute_rows(x, row_map, K, layout_offsets, layout_counts, E, Tensor(s.X.data(), s.dtype, {s.rows, H}), stream);
+    } else {
+      const Tensor sent = view(s.send_rows, s.dtype, {T * K, H});
+      permute_rows(x, row_map, K, layout_offsets, layout_counts, E, sent, stream);
+      auto* recv_counts = typed<std::int32_t>(s.recv_counts, E);
+      const auto& c = s.exchange->exchange_counts(layout_counts, recv_counts, global_tokens, &host, 16, stream);
+      const std::int64_t received = c.total_received();
+      const Tensor recv = view(s.recv_rows, s.dtype, {received, H});
+      s.exchange->exchange_rows(sent.data, c.send_rows, recv.data, c.recv_rows, H * dtype_size(s.dtype), stream);
+      std::vector<std::int64_t> per_expert(s.E_loc, 0);
+      for (int src = 0; src < s.mesh.ep(); ++src) {
+        for (int e = 0; e < s.E_loc; ++e) per_expert[e] += c.received[src * s.E_loc + e];
+      }
+      s.expert_offsets.assign(s.E_loc + 1, 0);
+      for (int e = 0; e < s.E_loc; ++e) s.expert_offsets[e + 1] = s.expert_offsets[e] + s.config.padded_rows(per_expert[e]);
+      s.rows = s.expert_offsets.back();
+      s.chunk_ws.reserve(chunk_workspace_bytes(s.mesh.ep(), s.E_loc));
+      sort_chunks({recv_counts, s.mesh.ep(), s.E_loc, s.config.align_size, s.chunk_ws.data()}, recv,
+                  view(s.X, s.dtype, {s.rows, H}), stream);
+    }
+    s.global_tokens = host.tokens;
+  }
+  const Tensor X(s.X.data(), s.dtype, {s.rows, H});
+  s.check("dispatch", X);
+
+  // 5. Experts: h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ.
+  const Tensor Y = view(s.Y, s.dtype, {s.rows, H});
+  {
+    Range r("moe experts");
+    const ExpertActivations act{view(s.h, s.dtype, {s.rows, 2 * s.F}), view(s.a, s.dtype, {s.rows, s.F}), {}, {}};
+    s.experts.forward(X, s.expert_offsets, s.params.w13, s.params.w2, act, Y, stream);
+    s.check("experts", Y);
+  }
+
+  // 6. Combine: back to the senders (EP), then out[t] = Σ_k p[t,k] · Y_row(t,k).
+  const Tensor out = view(s.out, s.dtype, {T, H});
+  {
+    Range r("moe combine");
+    const Tensor* combined = &Y;
+    Tensor returned;
+    if (s.expert_parallel()) {
+      const auto& c = s.exchange->counts();
+      const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
+      unsort_chunks({typed<std::int32_t>(s.recv_counts, E), s.mesh.ep(), s.E_loc, s.config.align_size, s.chunk_ws.data()},
+                    Y, recv, stream);
+      returned = Tensor(s.send_rows.data(), s.dtype, {T * K, H});  // the sender's layout, kept for backward
+      s.exchange->exchange_rows(recv.data, c.recv_rows, returned.data, c.send_rows, H * dtype_size(s.dtype), stream);
+      combined = &returned;
+    }
+    unpermute_combine(*combined, row_map, topk_p, K, out, stream);
+    s.check("combine", out);
+  }
+
+  s.x = x;
+  s.T = T;
+  s.has_context = save_context;
+  return {out, host.losses[0], host.losses[1]};
+}
+
+Tensor MoEBlock::backward(const Tensor& dy) {
+  auto& s = *s_;
+  if (!s.has_context) fail("MoEBlock::backward: no forward context (call forward first; backward runs once per forward)");
+  expect_tensor(dy, "MoEBlock::backward dy", s.dtype, {s.T, s.H});
+  s.has_context = false;
+  const cudaStream_t stream = s.stream;
+  const int E = s.E, K = s.K;
+  const std::int64_t T = s.T, H = s.H, F = s.F, rows = s.rows;
+  const std::size_t row_bytes = H * dtype_size(s.dtype);
+  auto* row_map = s.row_map.as<std::int32_t>();
+  auto* topk_p = s.topk_p.as<float>();
+  auto* dprob = typed<float>(s.dprob, T * K);
+  const Tensor dY = view(s.dY, s.dtype, {rows, H});
+  const Tensor dX = view(s.dX, s.dtype, {rows, H});
+  const Tensor dx = view(s.dx, s.dtype, {T, H});
+
+  // 6'. Combine backward, against the Y the combine consumed in the layout it consumed it; EP:
+  //     back to the experts' ranks and into their padded layout.
+  {
+    Range r("moe combine backward");
+    if (!s.expert_parallel()) {
+      combine_backward(dy, Tensor(s.Y.data(), s.dtype, {rows, H}), row_map, topk_p, K, s.layout_offsets.as<std::int32_t>(),
+                       s.layout_counts.as<std::int32_t>(), E, dY, dprob, stream);
+    } else {
+      const auto& c = s.exchange->counts();
+      const Tensor dY_sent = view(s.dY_rows, s.dtype, {T * K, H});
+      combine_backward(dy, Tensor(s.send_rows.data(), s.dtype, {T * K, H}), row_map, topk_p, K,
+                       s.layout_offsets.as<std::int32_t>(), s.layout_counts.as<std::int32_t>(), E, dY_sent, dprob, stream);
+      const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
+      s.exchange->exchange_rows(dY_sent.data, c.send_rows, recv.data, c.recv_rows, row_bytes, stream);
+      sort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size, s.chunk_ws.data()}, recv,
+                  dY, stream);
+    }
+    s.check("combine backward", dY);
+  }
+
+  // 5'. Experts backward.
+  {
+    Range r("moe experts backward");
+    const ExpertActivations act{Tensor(s.h.data(), s.dtype, {rows, 2 * F}), Tensor(s.a.data(), s.dtype, {rows, F}),
+                                view(s.dA, s.dtype, {rows, F}), view(s.dh, s.dtype, {rows, 2 * F})};
+    s.experts.backward(dY, Tensor(s.X.data(), s.dtype, {rows, H}), s.expert_offsets, s.params.w13, s.params.w2, act,
+                       false, dX, s.grads.w13, s.grads.w2, stream);
+    s.check("experts backward", dX);
+  }
+
+  // 4'. Dispatch backward: EP back to the senders; dx[t] = Σ_k dX_row(t,k).
+  {
+    Range r("moe dispatch backward");
+    const Tensor* rows_in = &dX;
+    Tensor returned;
+    if (s.expert_parallel()) {
+      const auto& c = s.exchange->counts();
+      const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
+      unsort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size, s.chunk_ws.data()}, dX,
+                    recv, stream);
+      returned = Tensor(s.dY_rows.data(), s.dtype, {T * K, H});
+      s.exchange->exchange_rows(recv.data, c.recv_rows, returned.data, c.send_rows, row_bytes, stream);
+      rows_in = &returned;
+    }
+    unpermute_combine(*rows_in, row_map, nullptr, K, dx, stream);
+  }
+
+  // 2'-3'. Router backward with the loss gradients (mesh-wide f and T).
+  const Tensor dlogits = view(s.dlogits, DType::kFP32, {T, E});
+  {
+    Range r("moe router backward");
+    RouterBackwardArgs a;
+    a.logits = s.logits.data();
+    a.tokens = T;
+    a.topk_idx = s.topk_idx.as<std::int32_t>();
+    a.topk_p = topk_p;
+    a.dprob = dprob;
+    a.aux_tokens_per_expert = s.router.aux_loss ? s.aux_counts.as<std::int32_t>() : nullptr;
+    a.aux_factor = s.router.aux_loss ? aux_loss_factor(s.config, s.global_tokens) : 0.0f;
+    a.z_factor = s.router.z_loss ? z_loss_factor(s.config, s.global_tokens) : 0.0f;
+    a.dlogits = dlogits.as<float>();
+    router_backward(s.router, a, stream);
+    s.check("router backward", dlogits);
+  }
+
+  // 1'. Gate backward: dx += dlogits · Wg, dWg = dlogitsᵀ · x (fp32 accumulation).
+  {
+    Range r("moe gate backward");
+    Tensor dl = dlogits;
+    if (s.dtype == DType::kBF16) {  // the GEMM takes both operands in one dtype
+      dl = view(s.dlogits_low, DType::kBF16, {T, E});
+      convert(dlogits, dl, stream);
+    }
+    s.gemm.run({T, H, E, false, false, s.dtype, s.dtype, s.dtype}, dl.data, s.params.gate_weight.data, dx.data, stream,
+               1.0f, 1.0f);
+    s.gemm.run({E, H, T, true, false, s.dtype, s.dtype, DType::kFP32}, dl.data, s.x.data, s.grads.gate_weight.data, stream);
+    s.check("gate backward", dx);
+  }
+  return dx;
+}
+
+void MoEBlock::reduce_gradients() {
+  auto& s = *s_;
+  Range r("moe gradient reduction");
+  MOE_CHECK_NCCL(ncclGroupStart());
+  s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), ncclFloat32, MeshGroup::kDataParallel, s.stream);
+  s.mesh.all_reduce_sum(s.grads.w2.data, s.grads.w2.numel(), ncclFloat32, MeshGroup::kDataParallel, s.stream);
+  MOE_CHECK_NCCL(ncclGroupEnd());
+  s.mesh.all_reduce_sum(s.grads.gate_weight.data, s.grads.gate_weight.numel(), ncclFloat32, MeshGroup::kWorld, s.stream);
+}
+
+void MoEBlock::update_expert_bias(float rate) {
+  auto& s = *s_;
+  if (!s.config.expert_bias) fail("MoEBlock::update_expert_bias: the config has expert_bias = false");
+  if (s.global_load.data() == nullptr) fail("MoEBlock::update_expert_bias: no forward has counted the loads yet");
+  moe::update_expert_bias(s.params.expert_bias.as<float>(), s.global_load.as<std::int32_t>(), s.E, rate, s.stream);
+}
+
+}  // namespace moe

@@ -1,0 +1,218 @@
+// MoEBlock on one GPU against the fp64 reference of the whole layer: output, losses, dx and every
+// weight gradient, over router modes, losses, alignments and dtypes; hard routing; repeat steps;
+// bad use.
+#include <random>
+#include <sstream>
+
+#include "moe/device.h"
+#include "moe/mesh.h"
+#include "moe/moe_block.h"
+#include "support/block_util.h"
+#include "support/catch.h"
+
+using namespace moe;
+using reference::Matrix;
+
+namespace {
+
+struct Results {
+  Matrix out, dx, dgate;
+  std::vector<Matrix> dw13, dw2;  // nn.Linear layout
+  float aux = 0, z = 0;
+};
+
+Results run_block(MoEBlock& block, const MoEConfig& c, const Matrix& x, const Matrix& dy) {
+  const auto x_dev = test::upload_as(x, c.dtype);
+  const auto dy_dev = test::upload_as(dy, c.dtype);
+  const Tensor x_t(x_dev.data(), c.dtype, {x.rows, c.hidden});
+  const auto fwd = block.forward(x_t);
+  Results r;
+  r.aux = fwd.aux_loss;
+  r.z = fwd.z_loss;
+  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {x.rows, c.hidden}));
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
+  r.out = test::read(fwd.out, x.rows, c.hidden);
+  r.dx = test::read(dx, x.rows, c.hidden);
+  const auto& g = block.gradients();
+  r.dgate = test::read(g.gate_weight, c.num_experts, c.hidden);
+  const int E_loc = static_cast<int>(g.w13.dim(0));
+  const Matrix all13 = test::read(g.w13, E_loc * 2 * c.ffn_hidden, c.hidden);
+  const Matrix all2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
+  for (int e = 0; e < E_loc; ++e) {
+    r.dw13.push_back(reference::slice_rows(all13, e * 2 * c.ffn_hidden, (e + 1) * 2 * c.ffn_hidden));
+    r.dw2.push_back(reference::slice_rows(all2, static_cast<std::int64_t>(e) * c.hidden, (e + 1) * c.hidden));
+  }
+  return r;
+}
+
+void check_against_reference(const MoEConfig& c, const Results& got, const reference::LayerResult& want) {
+  const double tol = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
+  CHECK(test::relative_error(got.out, want.out) <= tol);
+  CHECK(test::relative_error(got.dx, want.dx) <= tol);
+  CHECK(test::relative_error(got.dgate, want.d_gate_weight) <= tol);
+  CHECK(got.aux == Approx(want.aux_loss).epsilon(1e-5).margin(1e-9));
+  CHECK(got.z == Approx(want.z_loss).epsilon(1e-5).margin(1e-9));
+  for (std::size_t e = 0; e < got.dw13.size(); ++e) {
+    INFO("expert " << e);
+    CHECK(test::relative_error(got.dw13[e], test::transpose(want.expert_grads.dw13[e])) <= tol);
+    CHECK(test::relative_error(got.dw2[e], test::transpose(want.expert_grads.dw2[e])) <= tol);
+  }
+}
+
+MoEConfig base_config(DType dtype) {
+  MoEConfig c = test::small_config(64, 48, 8, 2);
+  c.dtype = dtype;
+  return c;
+}
+
+void run_case(MoEConfig c, std::int64_t tokens, std::mt19937_64& rng) {
+  c.validate();
+  INFO(c.describe() << " T=" << tokens);
+  Stream stream;
+  const Mesh mesh = Mesh::single();
+  MoEBlock block(c, mesh, stream.get());
+  auto params = test::round_params(test::random_params(c, rng), c.dtype);
+  Matrix x;
+  test::draw_separated(c, params, x, tokens, rng);
+  const Matrix dy = test::round_to(test::random_matrix(tokens, c.hidden, rng), c.dtype);
+  test::load_params(block, params, 0, c.num_experts);
+  const auto got = run_block(block, c, x, dy);
+  check_against_reference(c, got, reference::run_layer(c, params, x, dy));
+}
+
+}  // namespace
+
+TEST_CASE("MoEBlock on one GPU equals the fp64 reference", "[gpu][block]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+    for (const int align : {0, 16, 128}) {
+      for (const bool losses : {false, true}) {
+        MoEConfig post = base_config(dtype);
+        post.align_size = align;
+        post.aux_loss_coeff = losses ? 0.05 : 0.0;
+        post.z_loss_coeff = losses ? 0.01 : 0.0;
+        run_case(post, 45, rng);
+
+        MoEConfig pre = post;
+        pre.pre_softmax = true;
+        pre.topk = 3;
+        run_case(pre, 33, rng);
+
+        // deepseek-v3-like, scaled down: sigmoid + bias, 4 groups keeping 2, top-4, scale 2.5.
+        MoEConfig ds = post;
+        ds.num_experts = 16;
+        ds.topk = 4;
+        ds.score_function = ScoreFunction::kSigmoid;
+        ds.expert_bias = true;
+        ds.num_groups = 4;
+        ds.group_topk = 2;
+        ds.scaling_factor = 2.5;
+        run_case(ds, 40, rng);
+      }
+    }
+  }
+}
+
+TEST_CASE("MoEBlock edge cases: T = 1, K = E, zero tokens, hard routing", "[gpu][block]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig c = base_config(DType::kFP32);
+  c.aux_loss_coeff = 0.1;
+  c.z_loss_coeff = 0.01;
+  c.align_size = 16;
+  run_case(c, 1, rng);
+  MoEConfig all = c;
+  all.topk = 8;  // K = E
+  run_case(all, 9, rng);
+  run_case(c, 0, rng);
+
+  // Every token to experts 0 and 1: the other experts get no rows and zero gradients.
+  MoEConfig hard = c;
+  hard.score_function = ScoreFunction::kSigmoid;
+  hard.expert_bias = true;
+  hard.validate();
+  Stream stream;
+  const Mesh mesh = Mesh::single();
+  MoEBlock block(hard, mesh, stream.get());
+  auto params = test::round_params(test::random_params(hard, rng), hard.dtype);
+  params.expert_bias = {20, 20, 0, 0, 0, 0, 0, 0};
+  Matrix x;
+  test::draw_separated(hard, params, x, 50, rng);
+  const Matrix dy = test::random_matrix(50, hard.hidden, rng);
+  test::load_params(block, params, 0, 8);
+  const auto got = run_block(block, hard, x, dy);
+  const auto want = reference::run_layer(hard, params, x, dy);
+  for (int e = 0; e < 8; ++e) CHECK(want.tokens_per_expert[e] == (e < 2 ? 50 : 0));
+  check_against_reference(hard, got, want);
+  for (int e = 2; e < 8; ++e) {
+    for (const double v : got.dw13[e].data) REQUIRE(v == 0.0);
+  }
+}
+
+TEST_CASE("two steps in a row equal two fresh runs", "[gpu][block]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig c = base_config(DType::kBF16);
+  c.aux_loss_coeff = 0.05;
+  c.align_size = 16;
+  Stream stream;
+  const Mesh mesh = Mesh::single();
+  MoEBlock block(c, mesh, stream.get());
+  auto params = test::round_params(test::random_params(c, rng), c.dtype);
+  Matrix big, small;
+  test::draw_separated(c, params, big, 60, rng);
+  test::draw_separated(c, params, small, 20, rng);
+  test::load_params(block, params, 0, c.num_experts);
+  const Matrix dy_big = test::random_matrix(60, c.hidden, rng), dy_small = test::random_matrix(20, c.hidden, rng);
+  const auto first_big = run_block(block, c, big, dy_big);
+  const auto then_small = run_block(block, c, small, dy_small);  // smaller batch after a larger one
+  const auto again_big = run_block(block, c, big, dy_big);
+  CHECK(again_big.out.data == first_big.out.data);
+  CHECK(again_big.dx.data == first_big.dx.data);
+  CHECK(again_big.dgate.data == first_big.dgate.data);
+  CHECK(again_big.dw13[3].data == first_big.dw13[3].data);
+  check_against_reference(c, then_small, reference::run_layer(c, params, small, dy_small));
+}
+
+TEST_CASE("MoEBlock bad use gets clear errors and leaves the block usable", "[gpu][block]") {
+  MoEConfig c = base_config(DType::kBF16);
+  Stream stream;
+  const Mesh mesh = Mesh::single();
+  MoEBlock block(c, mesh, stream.get());
+  DeviceBuffer x(10 * 64 * 2), dy(10 * 64 * 2);
+  MOE_CHECK_CUDA(cudaMemset(x.data(), 0, x.bytes()));
+  const Tensor good(x.data(), DType::kBF16, {10, 64});
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})), test::contains_text("no forward context"));
+  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kFP32, {10, 64})), test::contains_text("x must be bf16[T, 64], got fp32[10, 64]"));
+  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kBF16, {10, 32})), test::contains_text("got bf16[10, 32]"));
+  block.forward(good);
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {9, 64})), test::contains_text("expected bf16[10, 64], got bf16[9, 64]"));
+  MOE_CHECK_CUDA(cudaMemset(dy.data(), 0, dy.bytes()));
+  CHECK_NOTHROW(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})));
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})), test::contains_text("no forward context"));
+  block.infer(good);
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})), test::contains_text("no forward context"));
+  MoEParameters wrong = block.parameters();
+  wrong.w2 = Tensor(wrong.w2.data, DType::kBF16, {8, 48, 64});
+  CHECK_THROWS_WITH(block.bind(wrong, block.gradients()), test::contains_text("w2: expected bf16[8, 64, 48], got bf16[8, 48, 64]"));
+  CHECK_THROWS_WITH(block.update_expert_bias(0.1f), test::contains_text("expert_bias = false"));
+  MoEConfig mismatched = c;
+  mismatched.ep = 2;
+  CHECK_THROWS_WITH(MoEBlock(mismatched, mesh, stream.get()), test::contains_text("config has ep = 2, dp = 1 but the mesh is 1 x 1"));
+}
+
+TEST_CASE("check mode names the stage that produced a NaN", "[gpu][block]") {
+  MoEConfig c = base_config(DType::kFP32);
+  Stream stream;
+  const Mesh mesh = Mesh::single();
+  MoEBlock block(c, mesh, stream.get());
+  block.set_check_finite(true);
+  std::vector<float> values(4 * 64, 0.5f);
+  values[70] = std::nanf("");
+  const auto x = test::upload(values);
+  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kFP32, {4, 64})), test::contains_text("stage 'gate'"));
+}

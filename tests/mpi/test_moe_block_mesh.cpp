@@ -1,0 +1,149 @@
+// MoEBlock on an EP×DP mesh: on every rank the output, dx, the losses and the reduced weight
+// gradients equal the fp64 single run on the concatenated batch with the same weights.
+#include <mpi.h>
+
+#include <random>
+
+#include "moe/mesh.h"
+#include "moe/moe_block.h"
+#include "support/block_util.h"
+#include "support/catch.h"
+#include "support/test_main.h"
+
+using namespace moe;
+using reference::Matrix;
+
+namespace {
+
+std::uint64_t shared_seed() {
+  std::uint64_t seed = test::world_rank() == 0 ? test::fresh_seed() : 0;
+  MOE_CHECK_MPI(MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
+  return seed;
+}
+
+void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t seed) {
+  const int world = test::world_size();
+  const int rank = test::world_rank();
+  c.ep = ep;
+  c.dp = dp;
+  c.validate();
+  INFO(c.describe() << " rank " << rank << (empty_rank ? ", last rank without tokens" : ""));
+  // Every rank draws the same global batch and weights, then takes its part.
+  std::mt19937_64 rng(seed);
+  auto params = test::round_params(test::random_params(c, rng), c.dtype);
+  std::vector<std::int64_t> tokens(world);
+  std::uniform_int_distribution<int> count(1, 40);
+  for (auto& t : tokens) t = count(rng);
+  if (empty_rank) tokens.back() = 0;
+  const std::int64_t total = std::accumulate(tokens.begin(), tokens.end(), std::int64_t{0});
+  Matrix x;
+  test::draw_separated(c, params, x, total, rng);
+  const Matrix dy = test::round_to(test::random_matrix(total, c.hidden, rng), c.dtype);
+  MoEConfig single = c;
+  single.ep = single.dp = 1;
+  const auto want = reference::run_layer(single, params, x, dy);
+
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, c.num_experts);
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  const int E_loc = c.num_experts / ep;
+  test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
+  const std::int64_t first = std::accumulate(tokens.begin(), tokens.begin() + rank, std::int64_t{0});
+  const std::int64_t T = tokens[rank];
+  const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
+  const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
+  const auto fwd = block.forward(Tensor(x_dev.data(), c.dtype, {T, c.hidden}));
+  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
+  block.reduce_gradients();
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
+
+  const double tol = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
+  if (T > 0) {
+    CHECK(test::relative_error(test::read(fwd.out, T, c.hidden), reference::slice_rows(want.out, first, first + T)) <= tol);
+    CHECK(test::relative_error(test::read(dx, T, c.hidden), reference::slice_rows(want.dx, first, first + T)) <= tol);
+  }
+  CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5).margin(1e-9));
+  CHECK(fwd.z_loss == Approx(want.z_loss).epsilon(1e-5).margin(1e-9));
+  const auto& g = block.gradients();
+  CHECK(test::relative_error(test::read(g.gate_weight, c.num_experts, c.hidden), want.d_gate_weight) <= tol);
+  const Matrix dw13 = test::read(g.w13, static_cast<std::int64_t>(E_loc) * 2 * c.ffn_hidden, c.hidden);
+  const Matrix dw2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
+  for (int le = 0; le < E_loc; ++le) {
+    const int e = mesh.ep_index() * E_loc + le;
+    INFO("expert " << e);
+    CHECK(test::relative_error(reference::slice_rows(dw13, le * 2 * c.ffn_hidden, (le + 1) * 2 * c.ffn_hidden),
+                               test::transpose(want.expert_grads.dw13[e])) <= tol);
+    CHECK(test::relative_error(reference::slice_rows(dw2, static_cast<std::int64_t>(le) * c.hidden, (le + 1) * c.hidden),
+                               test::transpose(want.expert_grads.dw2[e])) <= tol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenated batch", "[mpi][block]") {
+  const int world = test::world_size();
+  const auto seed = shared_seed();
+  INFO("seed " << seed);
+  MoEConfig softmax = test::small_config(64, 48, 8, 2);
+  softmax.aux_loss_coeff = 0.05;
+  softmax.z_loss_coeff = 0.01;
+  softmax.align_size = 16;
+  MoEConfig deepseek = softmax;  // sigmoid + bias + groups, scaled down
+  deepseek.num_experts = 16;
+  deepseek.topk = 4;
+  deepseek.score_function = ScoreFunction::kSigmoid;
+  deepseek.expert_bias = true;
+  deepseek.num_groups = 4;
+  deepseek.group_topk = 2;
+  deepseek.scaling_factor = 2.5;
+  int index = 0;
+  for (int ep = 1; ep <= world; ++ep) {
+    if (world % ep != 0) continue;
+    for (const MoEConfig* base : {&softmax, &deepseek}) {
+      for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+        MoEConfig c = *base;
+        c.dtype = dtype;
+        ++index;
+        run_mesh_case(c, ep, world / ep, index % 3 == 0, seed + index);
+      }
+    }
+  }
+}
+
+TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[mpi][block]") {
+  const int world = test::world_size();
+  MoEConfig c = test::small_config(64, 48, 8, 2);
+  c.score_function = ScoreFunction::kSigmoid;
+  c.expert_bias = true;
+  c.aux_loss_coeff = 0.05;
+  c.align_size = 8;
+  // The bias pushes every token to experts 0 and 1, which live on EP rank 0 whatever the mesh.
+  const auto seed = shared_seed();
+  std::mt19937_64 rng(seed);
+  c.ep = world;
+  c.dp = 1;
+  c.validate();
+  auto params = test::round_params(test::random_params(c, rng), c.dtype);
+  params.expert_bias = {30, 30, 0, 0, 0, 0, 0, 0};
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts);
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  const int E_loc = 8 / world;
+  test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
+  const std::int64_t T = 30;
+  Matrix x = test::random_matrix(T * world, c.hidden, rng);
+  const Matrix dy = test::random_matrix(T * world, c.hidden, rng);
+  MoEConfig single = c;
+  single.ep = 1;
+  const auto want = reference::run_layer(single, params, x, dy);
+  const std::int64_t first = T * test::world_rank();
+  const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
+  const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
+  const auto fwd = block.forward(Tensor(x_dev.data(), c.dtype, {T, c.hidden}));
+  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
+  block.reduce_gradients();
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK(test::relative_error(test::read(fwd.out, T, c.hidden), reference::slice_rows(want.out, first, first + T)) <= 1e-5);
+  CHECK(test::relative_error(test::read(dx, T, c.hidden), reference::slice_rows(want.dx, first, first + T)) <= 1e-5);
+  CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5));
+}

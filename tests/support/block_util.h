@@ -1,0 +1,85 @@
+// Moving reference parameters into an MoEBlock and its results back out, for the block tests.
+#pragma once
+
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "moe/moe_block.h"
+#include "moe/reference.h"
+#include "support/gpu_util.h"
+#include "support/test_util.h"
+
+namespace moe::test {
+
+inline reference::Matrix transpose(const reference::Matrix& m) {
+  reference::Matrix t(m.cols, m.rows);
+  for (std::int64_t r = 0; r < m.rows; ++r) {
+    for (std::int64_t c = 0; c < m.cols; ++c) t(c, r) = m(r, c);
+  }
+  return t;
+}
+
+inline void copy_into(const Tensor& dst, const reference::Matrix& m) {
+  const auto buffer = upload_as(m, dst.dtype);
+  if (static_cast<std::size_t>(m.rows * m.cols) * dtype_size(dst.dtype) != dst.bytes()) {
+    throw Error("copy_into: " + dst.describe() + " does not hold a [" + std::to_string(m.rows) + ", " +
+                std::to_string(m.cols) + "] matrix");
+  }
+  MOE_CHECK_CUDA(cudaMemcpy(dst.data, buffer.data(), dst.bytes(), cudaMemcpyDeviceToDevice));
+}
+
+inline reference::Matrix read(const Tensor& t, std::int64_t rows, std::int64_t cols) {
+  reference::Matrix m(rows, cols);
+  const auto n = static_cast<std::size_t>(rows * cols);
+  if (t.dtype == DType::kBF16) {
+    std::vector<BF16> v(n);
+    copy_to_host(v.data(), t.data, n * 2);
+    for (std::size_t i = 0; i < n; ++i) m.data[i] = from_bf16(v[i]);
+  } else {
+    std::vector<float> v(n);
+    copy_to_host(v.data(), t.data, n * 4);
+    for (std::size_t i = 0; i < n; ++i) m.data[i] = v[i];
+  }
+  return m;
+}
+
+// Parameters rounded to what the block stores (dtype for weights, fp32 for the bias).
+inline reference::Params round_params(reference::Params p, DType dtype) {
+  p.gate_weight = round_to(p.gate_weight, dtype);
+  for (auto& w : p.experts.w13) w = round_to(w, dtype);
+  for (auto& w : p.experts.w2) w = round_to(w, dtype);
+  for (auto& b : p.expert_bias) b = static_cast<float>(b);
+  return p;
+}
+
+// Loads the gate, the bias and experts [first, first + count) into the block (nn.Linear layout).
+inline void load_params(MoEBlock& block, const reference::Params& p, int first, int count) {
+  const auto& view = block.parameters();
+  copy_into(view.gate_weight, p.gate_weight);
+  reference::Matrix bias(1, static_cast<std::int64_t>(p.expert_bias.size()));
+  bias.data = p.expert_bias;
+  copy_into(view.expert_bias, bias);
+  std::vector<reference::Matrix> w13, w2;
+  for (int e = first; e < first + count; ++e) {
+    w13.push_back(transpose(p.experts.w13[e]));
+    w2.push_back(transpose(p.experts.w2[e]));
+  }
+  copy_into(view.w13, reference::concat_rows(w13));
+  copy_into(view.w2, reference::concat_rows(w2));
+}
+
+// Redraws x and the gate until no routing score is near a tie (the GPU's fp32 logits then route
+// exactly as the fp64 reference's).
+inline void draw_separated(const MoEConfig& config, reference::Params& params, reference::Matrix& x,
+                           std::int64_t tokens, std::mt19937_64& rng) {
+  for (int attempt = 0;; ++attempt) {
+    x = round_to(random_matrix(tokens, config.hidden, rng), config.dtype);
+    if (well_separated(config, reference::matmul_nt(x, params.gate_weight), params.expert_bias, 2e-3)) return;
+    if (attempt % 8 == 7) {
+      params.gate_weight = round_to(random_matrix(config.num_experts, config.hidden, rng, 1.0 / std::sqrt(config.hidden)), config.dtype);
+    }
+  }
+}
+
+}  // namespace moe::test
