@@ -1,5 +1,8 @@
 #include "bootstrap.h"
 
+#include <chrono>
+#include <thread>
+
 #include "moe/error.h"
 
 namespace moe::comm {
@@ -43,7 +46,26 @@ NcclComm& NcclComm::operator=(NcclComm&& other) noexcept {
   return *this;
 }
 
-NcclComm NcclComm::from_mpi(MPI_Comm comm) {
+void settle(ncclComm_t comm, long timeout_ms, const char* what, int rank) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (auto pause = std::chrono::microseconds(1);; pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
+    if (query != ncclSuccess) state = query;
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) {
+      (void)ncclCommAbort(comm);
+      fail("rank {}: {} failed: NCCL error {} ({})", rank, what, static_cast<int>(state), ncclGetErrorString(state));
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      (void)ncclCommAbort(comm);
+      fail("rank {}: {} did not complete within {} ms; the communicator was aborted", rank, what, timeout_ms);
+    }
+    std::this_thread::sleep_for(pause);
+  }
+}
+
+NcclComm NcclComm::from_mpi(MPI_Comm comm, long timeout_ms) {
   int rank = 0;
   int size = 0;
   MOE_CHECK_MPI(MPI_Comm_rank(comm, &rank));
@@ -52,8 +74,12 @@ NcclComm NcclComm::from_mpi(MPI_Comm comm) {
   if (rank == 0) MOE_CHECK_NCCL(ncclGetUniqueId(&id));
   MOE_CHECK_MPI(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm));
   ncclComm_t handle = nullptr;
-  MOE_CHECK_NCCL(ncclCommInitRank(&handle, size, id, rank));
-  return NcclComm(handle);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  MOE_CHECK_NCCL(ncclCommInitRankConfig(&handle, size, id, rank, &config));
+  NcclComm owner(handle);
+  settle(handle, timeout_ms, "NCCL communicator initialisation", rank);
+  return owner;
 }
 
 int NcclComm::rank() const {

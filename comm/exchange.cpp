@@ -23,12 +23,12 @@ const ExchangeCounts& ExpertExchange::exchange_counts(const std::int32_t* counts
   const std::size_t counts_bytes = static_cast<std::size_t>(experts_) * sizeof(std::int32_t);
   // Each peer j gets this rank's counts for j's experts; this rank gets each peer's for its own.
   if (ncclComm_t ep = mesh_.comm(MeshGroup::kExpertParallel)) {
-    MOE_CHECK_NCCL(ncclGroupStart());
+    mesh_.group_start();
     for (int peer = 0; peer < EP; ++peer) {
       MOE_CHECK_NCCL(ncclSend(counts + peer * local_experts_, local_experts_, ncclInt32, peer, ep, stream));
       MOE_CHECK_NCCL(ncclRecv(received_counts + peer * local_experts_, local_experts_, ncclInt32, peer, ep, stream));
     }
-    MOE_CHECK_NCCL(ncclGroupEnd());
+    mesh_.group_end("the dispatch counts exchange");
   } else {
     MOE_CHECK_CUDA(cudaMemcpyAsync(received_counts, counts, counts_bytes, cudaMemcpyDeviceToDevice, stream));
   }
@@ -81,7 +81,7 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
   }
   ncclComm_t ep = mesh_.comm(MeshGroup::kExpertParallel);
   if (ep == nullptr) return;
-  MOE_CHECK_NCCL(ncclGroupStart());
+  mesh_.group_start();
   for (int peer = 0; peer < EP; ++peer) {
     if (peer == me) continue;
     if (send_rows[peer] > 0) {
@@ -91,7 +91,7 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
       MOE_CHECK_NCCL(ncclRecv(dst + recv_offset[peer], recv_offset[peer + 1] - recv_offset[peer], ncclInt8, peer, ep, stream));
     }
   }
-  MOE_CHECK_NCCL(ncclGroupEnd());
+  mesh_.group_end("the rows all-to-allv");
 }
 
 }  // namespace moe

@@ -29,9 +29,13 @@ Mesh Mesh::single() {
 }
 
 namespace {
-comm::NcclComm split(ncclComm_t world, int color, int key) {
+comm::NcclComm split(ncclComm_t world, int color, int key, long timeout_ms, int rank) {
   ncclComm_t out = nullptr;
-  MOE_CHECK_NCCL(ncclCommSplit(world, color, key, &out, nullptr));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // see Mesh::group_end
+  MOE_CHECK_NCCL(ncclCommSplit(world, color, key, &out, &config));
+  comm::settle(world, timeout_ms, "NCCL communicator split", rank);
+  comm::settle(out, timeout_ms, "NCCL communicator split", rank);
   return comm::NcclComm(out);
 }
 }  // namespace
@@ -51,10 +55,10 @@ Mesh Mesh::from_mpi(MPI_Comm comm, int ep, int dp, int num_experts, Timeout time
   mesh.timeout_ = timeout;
   MOE_CHECK_CUDA(cudaGetDevice(&mesh.device_));
   mesh.comms_ = std::make_unique<Comms>();
-  mesh.comms_->world_owned = comm::NcclComm::from_mpi(comm);
+  mesh.comms_->world_owned = comm::NcclComm::from_mpi(comm, timeout.count());
   mesh.comms_->world = mesh.comms_->world_owned.get();
-  mesh.comms_->ep = split(mesh.comms_->world, mesh.dp_index(), mesh.ep_index());
-  mesh.comms_->dp = split(mesh.comms_->world, mesh.ep_index(), mesh.dp_index());
+  mesh.comms_->ep = split(mesh.comms_->world, mesh.dp_index(), mesh.ep_index(), timeout.count(), rank);
+  mesh.comms_->dp = split(mesh.comms_->world, mesh.ep_index(), mesh.dp_index(), timeout.count(), rank);
   return mesh;
 }
 
@@ -72,8 +76,8 @@ Mesh Mesh::from_nccl(ncclComm_t world, int ep, int dp, int num_experts, Timeout 
   MOE_CHECK_NCCL(ncclCommCuDevice(world, &mesh.device_));
   mesh.comms_ = std::make_unique<Comms>();
   mesh.comms_->world = world;
-  mesh.comms_->ep = split(world, mesh.dp_index(), mesh.ep_index());
-  mesh.comms_->dp = split(world, mesh.ep_index(), mesh.dp_index());
+  mesh.comms_->ep = split(world, mesh.dp_index(), mesh.ep_index(), timeout.count(), rank);
+  mesh.comms_->dp = split(world, mesh.ep_index(), mesh.dp_index(), timeout.count(), rank);
   return mesh;
 }
 
@@ -111,7 +115,30 @@ void Mesh::all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, Me
                           cudaStream_t stream) const {
   ncclComm_t c = comm(group);
   if (c == nullptr || count == 0) return;
+  group_start();
   MOE_CHECK_NCCL(ncclAllReduce(data, data, count, type, ncclSum, c, stream));
+  group_end("an all-reduce");
+}
+
+void Mesh::group_start() const {
+  MOE_CHECK_NCCL(ncclGroupStart());
+  ++group_depth_;
+}
+
+void Mesh::group_end(std::string_view operation) const {
+  --group_depth_;
+  const ncclResult_t status = ncclGroupEnd();
+  if (status != ncclSuccess && status != ncclInProgress) MOE_CHECK_NCCL(status);
+  if (group_depth_ > 0 || !comms_ || comms_->aborted) return;
+  const std::string what(operation);
+  try {
+    for (ncclComm_t c : {comms_->world, comms_->ep.get(), comms_->dp.get()}) {
+      if (c != nullptr) comm::settle(c, timeout_.count(), what.c_str(), rank_);
+    }
+  } catch (...) {
+    const_cast<Mesh*>(this)->abort();
+    throw;
+  }
 }
 
 void Mesh::wait(cudaEvent_t event, std::string_view operation) const {

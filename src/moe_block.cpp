@@ -215,7 +215,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     MOE_CHECK_CUDA(cudaMemcpyAsync(global_tokens, s.host_scalars.as<std::int64_t>(), sizeof(std::int64_t),
                                    cudaMemcpyHostToDevice, stream));
     MOE_CHECK_CUDA(cudaMemcpyAsync(global_load, counts, E * sizeof(std::int32_t), cudaMemcpyDeviceToDevice, stream));
-    MOE_CHECK_NCCL(ncclGroupStart());
+    s.mesh.group_start();
     s.mesh.all_reduce_sum(global_tokens, 1, ncclInt64, MeshGroup::kWorld, stream);
     s.mesh.all_reduce_sum(global_load, E, ncclInt32, MeshGroup::kWorld, stream);
     if (s.router.aux_loss) {
@@ -223,7 +223,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
       s.mesh.all_reduce_sum(score_sum, E, ncclFloat32, MeshGroup::kWorld, stream);
     }
     if (s.router.z_loss) s.mesh.all_reduce_sum(z_sum, 1, ncclFloat32, MeshGroup::kWorld, stream);
-    MOE_CHECK_NCCL(ncclGroupEnd());
+    s.mesh.group_end("the loss statistics all-reduce");
     router_losses(s.router, s.config, aux_counts, score_sum, z_sum, global_tokens, losses, stream);
   }
 
@@ -411,10 +411,10 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   Range r("moe gradient reduction");
-  MOE_CHECK_NCCL(ncclGroupStart());
+  s.mesh.group_start();
   s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), ncclFloat32, MeshGroup::kDataParallel, s.stream);
   s.mesh.all_reduce_sum(s.grads.w2.data, s.grads.w2.numel(), ncclFloat32, MeshGroup::kDataParallel, s.stream);
-  MOE_CHECK_NCCL(ncclGroupEnd());
+  s.mesh.group_end("the expert gradient reduction");
   s.mesh.all_reduce_sum(s.grads.gate_weight.data, s.grads.gate_weight.numel(), ncclFloat32, MeshGroup::kWorld, s.stream);
 }
 

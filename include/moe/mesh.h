@@ -51,6 +51,11 @@ class Mesh {
 
   // In-place sum over a group (nothing for a group of one).
   void all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group, cudaStream_t stream) const;
+  // Brackets NCCL calls into one group (nestable). The communicators are non-blocking: the
+  // outermost group_end settles them, with the timeout, so a missing peer raises instead of
+  // blocking the host.
+  void group_start() const;
+  void group_end(std::string_view operation) const;
   // Blocks until `event` completes, polling NCCL errors; after the timeout aborts every
   // communicator and throws, naming this rank and `operation`.
   void wait(cudaEvent_t event, std::string_view operation) const;
@@ -65,6 +70,7 @@ class Mesh {
   int dp_ = 1;
   int device_ = 0;
   Timeout timeout_ = kDefaultTimeout;
+  mutable int group_depth_ = 0;
   std::unique_ptr<Comms> comms_;
 };
 
