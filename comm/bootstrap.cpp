@@ -54,12 +54,10 @@ void settle(ncclComm_t comm, long timeout_ms, const char* what, int rank) {
     if (query != ncclSuccess) state = query;
     if (state == ncclSuccess) return;
     if (state != ncclInProgress) {
-      (void)ncclCommAbort(comm);
       fail("rank {}: {} failed: NCCL error {} ({})", rank, what, static_cast<int>(state), ncclGetErrorString(state));
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      (void)ncclCommAbort(comm);
-      fail("rank {}: {} did not complete within {} ms; the communicator was aborted", rank, what, timeout_ms);
+      fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank, what, timeout_ms);
     }
     std::this_thread::sleep_for(pause);
   }
@@ -78,7 +76,12 @@ NcclComm NcclComm::from_mpi(MPI_Comm comm, long timeout_ms) {
   config.blocking = 0;
   MOE_CHECK_NCCL(ncclCommInitRankConfig(&handle, size, id, rank, &config));
   NcclComm owner(handle);
-  settle(handle, timeout_ms, "NCCL communicator initialisation", rank);
+  try {
+    settle(handle, timeout_ms, "NCCL communicator initialisation", rank);
+  } catch (...) {
+    owner.abort();  // the owner aborts, once
+    throw;
+  }
   return owner;
 }
 

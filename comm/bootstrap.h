@@ -29,8 +29,9 @@ class MpiSession {
 // Rank among the processes of `comm` on this node: chooses the GPU.
 int node_local_rank(MPI_Comm comm);
 
-// Polls a non-blocking communicator until its pending calls are enqueued. Throws (after aborting
-// it) on an NCCL error or when `timeout_ms` passes; `what` names the operation.
+// Polls a non-blocking communicator until its pending calls are enqueued. Throws on an NCCL error
+// or when `timeout_ms` passes (`what` names the operation); the caller, who owns the
+// communicator, aborts it.
 void settle(ncclComm_t comm, long timeout_ms, const char* what, int rank);
 
 // Owns an NCCL communicator; destroys it, or aborts it after a failure so that no peer hangs on it.

@@ -34,9 +34,10 @@ comm::NcclComm split(ncclComm_t world, int color, int key, long timeout_ms, int 
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // see Mesh::group_end
   MOE_CHECK_NCCL(ncclCommSplit(world, color, key, &out, &config));
+  comm::NcclComm owner(out);
   comm::settle(world, timeout_ms, "NCCL communicator split", rank);
   comm::settle(out, timeout_ms, "NCCL communicator split", rank);
-  return comm::NcclComm(out);
+  return owner;
 }
 }  // namespace
 

@@ -69,15 +69,19 @@ inline void load_params(MoEBlock& block, const reference::Params& p, int first, 
   copy_into(view.w2, reference::concat_rows(w2));
 }
 
-// Redraws x and the gate until no routing score is near a tie (the GPU's fp32 logits then route
-// exactly as the fp64 reference's).
+// Draws x one token row at a time, redrawing a row until none of its routing scores is near a tie
+// (the GPU's fp32 logits then route exactly as the fp64 reference's). Per row, not per batch: a
+// whole batch free of near-ties would be exponentially unlikely.
 inline void draw_separated(const MoEConfig& config, reference::Params& params, reference::Matrix& x,
                            std::int64_t tokens, std::mt19937_64& rng) {
-  for (int attempt = 0;; ++attempt) {
-    x = round_to(random_matrix(tokens, config.hidden, rng), config.dtype);
-    if (well_separated(config, reference::matmul_nt(x, params.gate_weight), params.expert_bias, 2e-3)) return;
-    if (attempt % 8 == 7) {
-      params.gate_weight = round_to(random_matrix(config.num_experts, config.hidden, rng, 1.0 / std::sqrt(config.hidden)), config.dtype);
+  x = reference::Matrix(tokens, config.hidden);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (int attempt = 0;; ++attempt) {
+      if (attempt == 1000) throw Error("draw_separated: no tie-free row in 1000 draws");
+      const reference::Matrix row = round_to(random_matrix(1, config.hidden, rng), config.dtype);
+      if (!well_separated(config, reference::matmul_nt(row, params.gate_weight), params.expert_bias, 1e-4)) continue;
+      std::copy(row.data.begin(), row.data.end(), x.row(t).begin());
+      break;
     }
   }
 }
