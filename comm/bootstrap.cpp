@@ -1,8 +1,5 @@
 #include "bootstrap.h"
 
-#include <chrono>
-#include <thread>
-
 #include "moe/error.h"
 
 namespace moe::comm {
@@ -46,24 +43,7 @@ NcclComm& NcclComm::operator=(NcclComm&& other) noexcept {
   return *this;
 }
 
-void settle(ncclComm_t comm, long timeout_ms, const char* what, int rank) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  for (auto pause = std::chrono::microseconds(1);; pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
-    if (query != ncclSuccess) state = query;
-    if (state == ncclSuccess) return;
-    if (state != ncclInProgress) {
-      fail("rank {}: {} failed: NCCL error {} ({})", rank, what, static_cast<int>(state), ncclGetErrorString(state));
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank, what, timeout_ms);
-    }
-    std::this_thread::sleep_for(pause);
-  }
-}
-
-NcclComm NcclComm::from_mpi(MPI_Comm comm, long timeout_ms) {
+NcclComm NcclComm::from_mpi(MPI_Comm comm) {
   int rank = 0;
   int size = 0;
   MOE_CHECK_MPI(MPI_Comm_rank(comm, &rank));
@@ -72,17 +52,8 @@ NcclComm NcclComm::from_mpi(MPI_Comm comm, long timeout_ms) {
   if (rank == 0) MOE_CHECK_NCCL(ncclGetUniqueId(&id));
   MOE_CHECK_MPI(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm));
   ncclComm_t handle = nullptr;
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  MOE_CHECK_NCCL(ncclCommInitRankConfig(&handle, size, id, rank, &config));
-  NcclComm owner(handle);
-  try {
-    settle(handle, timeout_ms, "NCCL communicator initialisation", rank);
-  } catch (...) {
-    owner.abort();  // the owner aborts, once
-    throw;
-  }
-  return owner;
+  MOE_CHECK_NCCL(ncclCommInitRank(&handle, size, id, rank));
+  return NcclComm(handle);
 }
 
 int NcclComm::rank() const {

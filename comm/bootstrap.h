@@ -29,10 +29,6 @@ class MpiSession {
 // Rank among the processes of `comm` on this node: chooses the GPU.
 int node_local_rank(MPI_Comm comm);
 
-// Polls a non-blocking communicator until its pending calls are enqueued. Throws on an NCCL error
-// or when `timeout_ms` passes (`what` names the operation); the caller, who owns the
-// communicator, aborts it.
-void settle(ncclComm_t comm, long timeout_ms, const char* what, int rank);
 
 // Owns an NCCL communicator; destroys it, or aborts it after a failure so that no peer hangs on it.
 class NcclComm {
@@ -46,10 +42,9 @@ class NcclComm {
   NcclComm& operator=(NcclComm&& other) noexcept;
 
   // Collective over `comm`: rank 0 makes the unique id, MPI broadcasts it. The current CUDA device
-  // must already be this rank's GPU. The communicator is non-blocking (NCCL calls return at once
-  // and are settled by polling, so a missing peer cannot block the host); the initialisation is
-  // settled here, within `timeout_ms`.
-  static NcclComm from_mpi(MPI_Comm comm, long timeout_ms);
+  // must already be this rank's GPU. The communicator is blocking: a call returns once its work
+  // is on the stream, so stream order holds; Mesh bounds blocking calls with a watchdog.
+  static NcclComm from_mpi(MPI_Comm comm);
 
   ncclComm_t get() const { return comm_; }
   int rank() const;

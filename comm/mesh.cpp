@@ -1,5 +1,9 @@
 #include "moe/mesh.h"
 
+#include <functional>
+
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "comm/bootstrap.h"
@@ -8,12 +12,69 @@
 
 namespace moe {
 
+// Aborts the mesh when an armed deadline passes: the one way to release a host thread blocked in
+// an NCCL call whose peer never comes.
+class Watchdog {
+ public:
+  explicit Watchdog(std::function<void()> on_timeout)
+      : on_timeout_(std::move(on_timeout)), thread_([this] { run(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+  void arm(std::chrono::milliseconds timeout) {
+    std::lock_guard lock(mutex_);
+    deadline_ = std::chrono::steady_clock::now() + timeout;
+    armed_ = true;
+    fired_ = false;
+    changed_.notify_all();
+  }
+  // Returns whether the deadline passed (and the mesh was aborted) while armed.
+  bool disarm() {
+    std::lock_guard lock(mutex_);
+    armed_ = false;
+    changed_.notify_all();
+    return fired_;
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mutex_);
+    while (!stop_) {
+      if (!armed_) {
+        changed_.wait(lock);
+        continue;
+      }
+      if (changed_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ && !stop_) {
+        fired_ = true;
+        armed_ = false;
+        lock.unlock();
+        on_timeout_();
+        lock.lock();
+      }
+    }
+  }
+  std::function<void()> on_timeout_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool armed_ = false;
+  bool fired_ = false;
+  bool stop_ = false;
+  std::chrono::steady_clock::time_point deadline_;
+  std::thread thread_;
+};
+
 struct Mesh::Comms {
   comm::NcclComm world_owned;            // when the mesh created the world communicator
   ncclComm_t world = nullptr;            // owned above, or the trainer's
   comm::NcclComm ep;
   comm::NcclComm dp;
   bool aborted = false;
+  std::unique_ptr<Watchdog> watchdog;  // last: stopped before the communicators go
 };
 
 void validate_mesh_shape(int world, int ep, int dp, int num_experts) {
@@ -29,15 +90,10 @@ Mesh Mesh::single() {
 }
 
 namespace {
-comm::NcclComm split(ncclComm_t world, int color, int key, long timeout_ms, int rank) {
+comm::NcclComm split(ncclComm_t world, int color, int key) {
   ncclComm_t out = nullptr;
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;  // see Mesh::group_end
-  MOE_CHECK_NCCL(ncclCommSplit(world, color, key, &out, &config));
-  comm::NcclComm owner(out);
-  comm::settle(world, timeout_ms, "NCCL communicator split", rank);
-  comm::settle(out, timeout_ms, "NCCL communicator split", rank);
-  return owner;
+  MOE_CHECK_NCCL(ncclCommSplit(world, color, key, &out, nullptr));
+  return comm::NcclComm(out);
 }
 }  // namespace
 
@@ -56,10 +112,11 @@ Mesh Mesh::from_mpi(MPI_Comm comm, int ep, int dp, int num_experts, Timeout time
   mesh.timeout_ = timeout;
   MOE_CHECK_CUDA(cudaGetDevice(&mesh.device_));
   mesh.comms_ = std::make_unique<Comms>();
-  mesh.comms_->world_owned = comm::NcclComm::from_mpi(comm, timeout.count());
+  mesh.comms_->world_owned = comm::NcclComm::from_mpi(comm);
   mesh.comms_->world = mesh.comms_->world_owned.get();
-  mesh.comms_->ep = split(mesh.comms_->world, mesh.dp_index(), mesh.ep_index(), timeout.count(), rank);
-  mesh.comms_->dp = split(mesh.comms_->world, mesh.ep_index(), mesh.dp_index(), timeout.count(), rank);
+  mesh.comms_->ep = split(mesh.comms_->world, mesh.dp_index(), mesh.ep_index());
+  mesh.comms_->dp = split(mesh.comms_->world, mesh.ep_index(), mesh.dp_index());
+  mesh.start_watchdog();
   return mesh;
 }
 
@@ -77,9 +134,25 @@ Mesh Mesh::from_nccl(ncclComm_t world, int ep, int dp, int num_experts, Timeout 
   MOE_CHECK_NCCL(ncclCommCuDevice(world, &mesh.device_));
   mesh.comms_ = std::make_unique<Comms>();
   mesh.comms_->world = world;
-  mesh.comms_->ep = split(world, mesh.dp_index(), mesh.ep_index(), timeout.count(), rank);
-  mesh.comms_->dp = split(world, mesh.ep_index(), mesh.dp_index(), timeout.count(), rank);
+  mesh.comms_->ep = split(world, mesh.dp_index(), mesh.ep_index());
+  mesh.comms_->dp = split(world, mesh.ep_index(), mesh.dp_index());
+  mesh.start_watchdog();
   return mesh;
+}
+
+void Mesh::start_watchdog() {
+  Comms* comms = comms_.get();  // stable across moves of the Mesh
+  comms->watchdog = std::make_unique<Watchdog>([comms] {
+    comms->ep.abort();
+    comms->dp.abort();
+    if (comms->world_owned.get() != nullptr) {
+      comms->world_owned.abort();
+    } else if (comms->world != nullptr) {
+      (void)ncclCommAbort(comms->world);
+    }
+    comms->world = nullptr;
+    comms->aborted = true;
+  });
 }
 
 Mesh::Mesh(Mesh&&) noexcept = default;
@@ -128,17 +201,19 @@ void Mesh::group_start() const {
 
 void Mesh::group_end(std::string_view operation) const {
   --group_depth_;
-  const ncclResult_t status = ncclGroupEnd();
-  if (status != ncclSuccess && status != ncclInProgress) MOE_CHECK_NCCL(status);
-  if (group_depth_ > 0 || !comms_ || comms_->aborted) return;
-  const std::string what(operation);
-  try {
-    for (ncclComm_t c : {comms_->world, comms_->ep.get(), comms_->dp.get()}) {
-      if (c != nullptr) comm::settle(c, timeout_.count(), what.c_str(), rank_);
-    }
-  } catch (...) {
+  if (group_depth_ > 0 || !comms_) {
+    MOE_CHECK_NCCL(ncclGroupEnd());
+    return;
+  }
+  comms_->watchdog->arm(timeout_);
+  const ncclResult_t status = ncclGroupEnd();  // blocks until launched, or until aborted
+  if (comms_->watchdog->disarm()) {
+    fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank_, operation,
+         timeout_.count());
+  }
+  if (status != ncclSuccess) {
     const_cast<Mesh*>(this)->abort();
-    throw;
+    fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(status), ncclGetErrorString(status));
   }
 }
 
@@ -169,7 +244,7 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
 }
 
 void Mesh::abort() noexcept {
-  if (!comms_) return;
+  if (!comms_ || comms_->aborted) return;
   comms_->ep.abort();
   comms_->dp.abort();
   if (comms_->world_owned.get() != nullptr) {

@@ -2,8 +2,10 @@
 // MPI (the world or a communicator the trainer passes) or from an NCCL communicator the trainer
 // already has; the EP and DP communicators are split from the world one.
 //
-// Nothing waits forever: waits poll the communicators' asynchronous errors and, past the timeout,
-// abort them and throw a moe::Error that names the rank and the operation.
+// Nothing waits forever: blocking NCCL calls run under a watchdog thread that aborts the
+// communicators past the timeout (NCCL allows ncclCommAbort from another thread to release a
+// blocked call), and waits for device work poll the communicators' asynchronous errors; either
+// way a moe::Error names the rank and the operation.
 #pragma once
 
 #include <mpi.h>
@@ -51,9 +53,8 @@ class Mesh {
 
   // In-place sum over a group (nothing for a group of one).
   void all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group, cudaStream_t stream) const;
-  // Brackets NCCL calls into one group (nestable). The communicators are non-blocking: the
-  // outermost group_end settles them, with the timeout, so a missing peer raises instead of
-  // blocking the host.
+  // Brackets NCCL calls into one group (nestable); the outermost group_end launches them under
+  // the watchdog, so a missing peer raises after the timeout instead of blocking the host.
   void group_start() const;
   void group_end(std::string_view operation) const;
   // Blocks until `event` completes, polling NCCL errors; after the timeout aborts every
@@ -64,6 +65,7 @@ class Mesh {
 
  private:
   Mesh() = default;
+  void start_watchdog();
   struct Comms;
   int rank_ = 0;
   int ep_ = 1;
