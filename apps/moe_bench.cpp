@@ -1,7 +1,7 @@
 // moe_bench: the expert-parallel benchmark. Until MoEBlock exists this is a stand-in: under mpirun
 // it starts MPI, gives each rank its GPU, and prints the GPUs and the configured layer.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <filesystem>
@@ -16,7 +16,8 @@ int main(int argc, char** argv) {
   std::string config_path = std::string(MOE_SOURCE_DIR) + "/configs/small.yaml";
   int tokens = 0;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
-  app.add_option("--tokens", tokens, "tokens per GPU (default: the config's)")->check(CLI::NonNegativeNumber);
+  app.add_option("--tokens", tokens, "tokens per GPU (default: the config's)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -37,7 +38,8 @@ int main(int argc, char** argv) {
       fmt::print("config {}: {}\n", std::filesystem::path(config_path).filename().string(),
                  config.describe());
       fmt::print("ranks: {}, tokens per GPU: {}\n", mpi.size(), config.bench_tokens);
-      fmt::print("moe_bench: the layer benchmark arrives with MoEBlock (issue 8); nothing timed.\n");
+      fmt::print(
+          "moe_bench: the layer benchmark arrives with MoEBlock (issue 8); nothing timed.\n");
     }
     return 0;
   } catch (const std::exception& e) {

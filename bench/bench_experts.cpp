@@ -15,11 +15,13 @@ namespace {
 double dense_rate(cudaStream_t stream) {
   const std::int64_t n = 8192;
   DeviceBuffer a(n * n * 2), b(n * n * 2), c(n * n * 2);
-  MOE_CHECK_CUDA(cudaMemsetAsync(a.data(), 0x3c, n * n * 2, stream));  // non-zero data: zeros run faster
+  MOE_CHECK_CUDA(
+      cudaMemsetAsync(a.data(), 0x3c, n * n * 2, stream));  // non-zero data: zeros run faster
   MOE_CHECK_CUDA(cudaMemsetAsync(b.data(), 0x3c, n * n * 2, stream));
   GemmRunner gemm;
   const GemmShape shape{n, n, n, false, true, DType::kBF16, DType::kBF16, DType::kBF16};
-  const double ms = bench::median_ms([&](int) { gemm.run(shape, a.data(), b.data(), c.data(), stream); }, stream, 3, 10);
+  const double ms = bench::median_ms(
+      [&](int) { gemm.run(shape, a.data(), b.data(), c.data(), stream); }, stream, 3, 10);
   return 2.0 * n * n * n / (ms * 1e-3);
 }
 
@@ -30,12 +32,16 @@ int main(int argc, char** argv) try {
   Stream stream;
   const double rate = dense_rate(stream.get());
   const std::int64_t T = 8192;
-  nlohmann::json report = {{"bench", "experts"}, {"device", bench::device_name()}, {"tokens", T},
-                           {"dense_TFLOPs", rate / 1e12}, {"results", nlohmann::json::array()}};
-  fmt::print("expert FFN fwd+bwd, T={} routed, bf16, bf16 grads; dense bf16 GEMM {:.0f} TFLOP/s ({})\n", T,
-             rate / 1e12, bench::device_name());
-  fmt::print("{:<16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>7}\n", "shape", "schedule", "rows/expert", "fwd us",
-             "bwd us", "TFLOP/s", "dense%");
+  nlohmann::json report = {{"bench", "experts"},
+                           {"device", bench::device_name()},
+                           {"tokens", T},
+                           {"dense_TFLOPs", rate / 1e12},
+                           {"results", nlohmann::json::array()}};
+  fmt::print(
+      "expert FFN fwd+bwd, T={} routed, bf16, bf16 grads; dense bf16 GEMM {:.0f} TFLOP/s ({})\n", T,
+      rate / 1e12, bench::device_name());
+  fmt::print("{:<16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>7}\n", "shape", "schedule", "rows/expert",
+             "fwd us", "bwd us", "TFLOP/s", "dense%");
   for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
     const auto config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
     const std::int64_t H = config.hidden, F = config.ffn_hidden, E = config.num_experts;
@@ -43,31 +49,39 @@ int main(int argc, char** argv) try {
     const std::int64_t rows = per_expert * E;
     std::vector<std::int64_t> offsets(E + 1);
     for (std::int64_t e = 0; e <= E; ++e) offsets[e] = e * per_expert;
-    DeviceBuffer X(rows * H * 2), dY(rows * H * 2), y(rows * H * 2), dX(rows * H * 2), h(rows * 2 * F * 2),
-        a(rows * F * 2), dA(rows * F * 2), dh(rows * 2 * F * 2), w13(E * 2 * F * H * 2), w2(E * H * F * 2),
-        dw13(E * 2 * F * H * 2), dw2(E * H * F * 2);
-    for (const auto* b : {&X, &dY, &w13, &w2}) MOE_CHECK_CUDA(cudaMemsetAsync(b->data(), 0x3c, b->bytes(), stream.get()));
+    DeviceBuffer X(rows * H * 2), dY(rows * H * 2), y(rows * H * 2), dX(rows * H * 2),
+        h(rows * 2 * F * 2), a(rows * F * 2), dA(rows * F * 2), dh(rows * 2 * F * 2),
+        w13(E * 2 * F * H * 2), w2(E * H * F * 2), dw13(E * 2 * F * H * 2), dw2(E * H * F * 2);
+    for (const auto* b : {&X, &dY, &w13, &w2})
+      MOE_CHECK_CUDA(cudaMemsetAsync(b->data(), 0x3c, b->bytes(), stream.get()));
     const DType d = DType::kBF16;
     const ExpertActivations act{Tensor(h.data(), d, {rows, 2 * F}), Tensor(a.data(), d, {rows, F}),
-                                Tensor(dA.data(), d, {rows, F}), Tensor(dh.data(), d, {rows, 2 * F})};
-    const Tensor X_t(X.data(), d, {rows, H}), w13_t(w13.data(), d, {E, 2 * F, H}), w2_t(w2.data(), d, {E, H, F});
+                                Tensor(dA.data(), d, {rows, F}),
+                                Tensor(dh.data(), d, {rows, 2 * F})};
+    const Tensor X_t(X.data(), d, {rows, H}), w13_t(w13.data(), d, {E, 2 * F, H}),
+        w2_t(w2.data(), d, {E, H, F});
     const double flops_fwd = 6.0 * rows * H * F;
     nlohmann::json entry = {{"name", name}, {"rows_per_expert", per_expert}};
     double best_us = 1e30;
     for (const ExpertSchedule schedule : {ExpertSchedule::kStreams, ExpertSchedule::kGrouped}) {
       ExpertFFN ffn(static_cast<int>(H), static_cast<int>(F), static_cast<int>(E), d, schedule, 4);
-      auto forward = [&](int) { ffn.forward(X_t, offsets, w13_t, w2_t, act, Tensor(y.data(), d, {rows, H}), stream.get()); };
+      auto forward = [&](int) {
+        ffn.forward(X_t, offsets, w13_t, w2_t, act, Tensor(y.data(), d, {rows, H}), stream.get());
+      };
       auto backward = [&](int) {
-        ffn.backward(Tensor(dY.data(), d, {rows, H}), X_t, offsets, w13_t, w2_t, act, false, Tensor(dX.data(), d, {rows, H}),
-                     Tensor(dw13.data(), d, {E, 2 * F, H}), Tensor(dw2.data(), d, {E, H, F}), stream.get());
+        ffn.backward(Tensor(dY.data(), d, {rows, H}), X_t, offsets, w13_t, w2_t, act, false,
+                     Tensor(dX.data(), d, {rows, H}), Tensor(dw13.data(), d, {E, 2 * F, H}),
+                     Tensor(dw2.data(), d, {E, H, F}), stream.get());
       };
       const int warmup = options.quick ? 2 : 5, repeats = options.quick ? 5 : 20;
       const double fwd_us = bench::median_ms(forward, stream.get(), warmup, repeats) * 1e3;
       const double bwd_us = bench::median_ms(backward, stream.get(), warmup, repeats) * 1e3;
       const double tflops = 3.0 * flops_fwd / ((fwd_us + bwd_us) * 1e-6) / 1e12;
-      fmt::print("{:<16} {:>9} {:>12} {:>9.0f} {:>9.0f} {:>9.0f} {:>6.0f}%\n", name, expert_schedule_name(schedule),
-                 per_expert, fwd_us, bwd_us, tflops, 100 * tflops * 1e12 / rate);
-      entry[std::string(expert_schedule_name(schedule))] = {{"forward_us", fwd_us}, {"backward_us", bwd_us}, {"TFLOPs", tflops}};
+      fmt::print("{:<16} {:>9} {:>12} {:>9.0f} {:>9.0f} {:>9.0f} {:>6.0f}%\n", name,
+                 expert_schedule_name(schedule), per_expert, fwd_us, bwd_us, tflops,
+                 100 * tflops * 1e12 / rate);
+      entry[std::string(expert_schedule_name(schedule))] = {
+          {"forward_us", fwd_us}, {"backward_us", bwd_us}, {"TFLOPs", tflops}};
       best_us = std::min(best_us, fwd_us + bwd_us);
     }
     entry["total_us"] = best_us;

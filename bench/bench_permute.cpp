@@ -17,12 +17,15 @@ int main(int argc, char** argv) try {
   const std::int64_t T = 8192;
   const int E = 64;
   const int align = 16;
-  nlohmann::json report = {{"bench", "permute"}, {"device", bench::device_name()}, {"tokens", T},
-                           {"copy_bandwidth_GBps", bandwidth / 1e9}, {"results", nlohmann::json::array()}};
-  fmt::print("permute stages, T={}, E={}, bf16, align {}; copy bandwidth {:.0f} GB/s ({})\n", T, E, align,
-             bandwidth / 1e9, bench::device_name());
-  fmt::print("{:<14} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}\n", "shape", "permute", "combine", "comb.bwd",
-             "perm.bwd", "total us", "floor%");
+  nlohmann::json report = {{"bench", "permute"},
+                           {"device", bench::device_name()},
+                           {"tokens", T},
+                           {"copy_bandwidth_GBps", bandwidth / 1e9},
+                           {"results", nlohmann::json::array()}};
+  fmt::print("permute stages, T={}, E={}, bf16, align {}; copy bandwidth {:.0f} GB/s ({})\n", T, E,
+             align, bandwidth / 1e9, bench::device_name());
+  fmt::print("{:<14} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}\n", "shape", "permute", "combine",
+             "comb.bwd", "perm.bwd", "total us", "floor%");
   for (const int H : {2048, 4096, 7168}) {
     for (const int K : {2, 8}) {
       std::mt19937 rng(7);
@@ -34,12 +37,13 @@ int main(int argc, char** argv) try {
         idx.insert(idx.end(), all.begin(), all.begin() + K);
       }
       std::vector<float> prob(idx.size(), 0.5f);
-      DeviceBuffer idx_dev(idx.size() * 4), prob_dev(prob.size() * 4), counts(E * 4), offsets((E + 1) * 4),
-          row_map(idx.size() * 4), workspace(layout_workspace_bytes(T, K, E)), dprob(prob.size() * 4);
+      DeviceBuffer idx_dev(idx.size() * 4), prob_dev(prob.size() * 4), counts(E * 4),
+          offsets((E + 1) * 4), row_map(idx.size() * 4), workspace(layout_workspace_bytes(T, K, E)),
+          dprob(prob.size() * 4);
       copy_to_device(idx_dev.data(), idx.data(), idx.size() * 4);
       copy_to_device(prob_dev.data(), prob.data(), prob.size() * 4);
-      build_layout({idx_dev.as<std::int32_t>(), T, K, E, align, counts.as<std::int32_t>(), offsets.as<std::int32_t>(),
-                    row_map.as<std::int32_t>(), workspace.data()},
+      build_layout({idx_dev.as<std::int32_t>(), T, K, E, align, counts.as<std::int32_t>(),
+                    offsets.as<std::int32_t>(), row_map.as<std::int32_t>(), workspace.data()},
                    stream.get());
       std::int32_t rows = 0;
       copy_to_host(&rows, offsets.as<std::int32_t>() + E, 4);
@@ -50,7 +54,8 @@ int main(int argc, char** argv) try {
       for (int s = 0; s < sets; ++s) {
         x.emplace_back(token_bytes);
         X.emplace_back(row_bytes);
-        MOE_CHECK_CUDA(cudaMemsetAsync(x.back().data(), 0x3c, token_bytes, stream.get()));  // 1.17 in bf16
+        MOE_CHECK_CUDA(
+            cudaMemsetAsync(x.back().data(), 0x3c, token_bytes, stream.get()));  // 1.17 in bf16
         MOE_CHECK_CUDA(cudaMemsetAsync(X.back().data(), 0x3c, row_bytes, stream.get()));
       }
       DeviceBuffer out(token_bytes), dY(row_bytes);
@@ -60,28 +65,45 @@ int main(int argc, char** argv) try {
       const auto* off = offsets.as<std::int32_t>();
       const auto* cnt = counts.as<std::int32_t>();
       const int warmup = options.quick ? 3 : 10, repeats = options.quick ? 20 : 50;
-      auto time = [&](auto body) { return bench::median_ms(body, stream.get(), warmup, repeats) * 1e3; };
-      const double permute_us = time([&](int i) { permute_rows(tok(x[i % sets]), rm, K, off, cnt, E, row(X[i % sets]), stream.get()); });
-      const double combine_us = time([&](int i) { unpermute_combine(row(X[i % sets]), rm, prob_dev.as<float>(), K, tok(out), stream.get()); });
-      const double backward_us = time([&](int i) {
-        combine_backward(tok(x[i % sets]), row(X[i % sets]), rm, prob_dev.as<float>(), K, off, cnt, E, row(dY), dprob.as<float>(), stream.get());
+      auto time = [&](auto body) {
+        return bench::median_ms(body, stream.get(), warmup, repeats) * 1e3;
+      };
+      const double permute_us = time([&](int i) {
+        permute_rows(tok(x[i % sets]), rm, K, off, cnt, E, row(X[i % sets]), stream.get());
       });
-      const double permute_bwd_us = time([&](int i) { unpermute_combine(row(X[i % sets]), rm, nullptr, K, tok(out), stream.get()); });
+      const double combine_us = time([&](int i) {
+        unpermute_combine(row(X[i % sets]), rm, prob_dev.as<float>(), K, tok(out), stream.get());
+      });
+      const double backward_us = time([&](int i) {
+        combine_backward(tok(x[i % sets]), row(X[i % sets]), rm, prob_dev.as<float>(), K, off, cnt,
+                         E, row(dY), dprob.as<float>(), stream.get());
+      });
+      const double permute_bwd_us = time([&](int i) {
+        unpermute_combine(row(X[i % sets]), rm, nullptr, K, tok(out), stream.get());
+      });
       const double total_us = permute_us + combine_us + backward_us + permute_bwd_us;
       // Bytes each stage must move: permute reads x and writes the rows; the combine (and the
       // permute backward) reads the rows and writes a token matrix; the combine backward reads dy
       // and the rows and writes dY.
       const double routed = static_cast<double>(T) * K * H * 2;
       const double tokens = static_cast<double>(token_bytes);
-      const double bytes = (tokens + routed) + (routed + tokens) + (tokens + 2 * routed) + (routed + tokens);
+      const double bytes =
+          (tokens + routed) + (routed + tokens) + (tokens + 2 * routed) + (routed + tokens);
       const double floor_us = bytes / bandwidth * 1e6;
       const std::string name = fmt::format("H{} K{}", H, K);
-      fmt::print("{:<14} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f} {:>6.0f}%\n", name, permute_us, combine_us,
-                 backward_us, permute_bwd_us, total_us, 100 * floor_us / total_us);
-      report["results"].push_back({{"name", name}, {"hidden", H}, {"topk", K}, {"permute_us", permute_us},
-                                   {"combine_us", combine_us}, {"combine_backward_us", backward_us},
-                                   {"permute_backward_us", permute_bwd_us}, {"total_us", total_us},
-                                   {"floor_us", floor_us}, {"fraction_of_floor", floor_us / total_us}});
+      fmt::print("{:<14} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f} {:>6.0f}%\n", name,
+                 permute_us, combine_us, backward_us, permute_bwd_us, total_us,
+                 100 * floor_us / total_us);
+      report["results"].push_back({{"name", name},
+                                   {"hidden", H},
+                                   {"topk", K},
+                                   {"permute_us", permute_us},
+                                   {"combine_us", combine_us},
+                                   {"combine_backward_us", backward_us},
+                                   {"permute_backward_us", permute_bwd_us},
+                                   {"total_us", total_us},
+                                   {"floor_us", floor_us},
+                                   {"fraction_of_floor", floor_us / total_us}});
     }
   }
   bench::write_json(options, report);

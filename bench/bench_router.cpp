@@ -17,7 +17,8 @@ struct Shape {
   MoEConfig config;
 };
 
-MoEConfig make(int experts, int topk, ScoreFunction f, bool bias, int groups, int group_topk, double scale) {
+MoEConfig make(int experts, int topk, ScoreFunction f, bool bias, int groups, int group_topk,
+               double scale) {
   MoEConfig c;
   c.hidden = 8;
   c.ffn_hidden = 8;
@@ -44,14 +45,20 @@ int main(int argc, char** argv) try {
   const std::vector<Shape> shapes = {
       {"E8 K2 softmax (mixtral)", make(8, 2, ScoreFunction::kSoftmax, false, 0, 0, 1.0)},
       {"E128 K8 softmax (qwen3)", make(128, 8, ScoreFunction::kSoftmax, false, 0, 0, 1.0)},
-      {"E256 K8 sigmoid+bias 8/4 groups (deepseek-v3)", make(256, 8, ScoreFunction::kSigmoid, true, 8, 4, 2.5)},
+      {"E256 K8 sigmoid+bias 8/4 groups (deepseek-v3)",
+       make(256, 8, ScoreFunction::kSigmoid, true, 8, 4, 2.5)},
       {"E1024 K8 sigmoid", make(1024, 8, ScoreFunction::kSigmoid, false, 0, 0, 1.0)},
   };
-  nlohmann::json report = {{"bench", "router"}, {"device", bench::device_name()}, {"tokens", T},
-                           {"copy_bandwidth_GBps", bandwidth / 1e9}, {"results", nlohmann::json::array()}};
-  fmt::print("router fwd+bwd, T={}, fp32 logits, aux + z losses on; copy bandwidth {:.0f} GB/s ({})\n", T,
-             bandwidth / 1e9, bench::device_name());
-  fmt::print("{:<48} {:>9} {:>9} {:>9} {:>9} {:>8}\n", "shape", "fwd us", "bwd us", "total us", "floor us", "floor%");
+  nlohmann::json report = {{"bench", "router"},
+                           {"device", bench::device_name()},
+                           {"tokens", T},
+                           {"copy_bandwidth_GBps", bandwidth / 1e9},
+                           {"results", nlohmann::json::array()}};
+  fmt::print(
+      "router fwd+bwd, T={}, fp32 logits, aux + z losses on; copy bandwidth {:.0f} GB/s ({})\n", T,
+      bandwidth / 1e9, bench::device_name());
+  fmt::print("{:<48} {:>9} {:>9} {:>9} {:>9} {:>8}\n", "shape", "fwd us", "bwd us", "total us",
+             "floor us", "floor%");
   for (const auto& shape : shapes) {
     const auto& c = shape.config;
     const int E = c.num_experts;
@@ -72,9 +79,9 @@ int main(int argc, char** argv) try {
     }
     std::vector<float> bias(E, 0.0f), dp(static_cast<std::size_t>(T * K));
     for (auto& v : dp) v = normal(rng);
-    DeviceBuffer bias_dev(E * 4), dp_dev(dp.size() * 4), idx(dp.size() * 4), prob(dp.size() * 4), counts(E * 4),
-        aux_counts(E * 4), score_sum(E * 4), z(16), losses(16), workspace(router_workspace_bytes(params, T)),
-        tokens_dev(8);
+    DeviceBuffer bias_dev(E * 4), dp_dev(dp.size() * 4), idx(dp.size() * 4), prob(dp.size() * 4),
+        counts(E * 4), aux_counts(E * 4), score_sum(E * 4), z(16), losses(16),
+        workspace(router_workspace_bytes(params, T)), tokens_dev(8);
     copy_to_device(tokens_dev.data(), &T, 8);
     copy_to_device(bias_dev.data(), bias.data(), E * 4);
     copy_to_device(dp_dev.data(), dp.data(), dp.size() * 4);
@@ -112,16 +119,26 @@ int main(int argc, char** argv) try {
     const int repeats = options.quick ? 20 : 100;
     const double fwd_ms = bench::median_ms(forward, stream.get(), warmup, repeats);
     const double bwd_ms = bench::median_ms(backward, stream.get(), warmup, repeats);
-    const double total_ms = bench::median_ms([&](int i) { forward(i); backward(i); }, stream.get(), warmup, repeats);
+    const double total_ms = bench::median_ms(
+        [&](int i) {
+          forward(i);
+          backward(i);
+        },
+        stream.get(), warmup, repeats);
     // Must move: forward reads the logits and writes idx and p; backward reads the logits, idx,
     // p and dp and writes dlogits (the loss statistics are O(E)).
-    const double bytes = 3.0 * static_cast<double>(logits_bytes) + 5.0 * static_cast<double>(T * K) * 4;
+    const double bytes =
+        3.0 * static_cast<double>(logits_bytes) + 5.0 * static_cast<double>(T * K) * 4;
     const double floor_ms = bytes / bandwidth * 1e3;
-    fmt::print("{:<48} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>7.0f}%\n", shape.name, fwd_ms * 1e3, bwd_ms * 1e3,
-               total_ms * 1e3, floor_ms * 1e3, 100 * floor_ms / total_ms);
-    report["results"].push_back({{"name", shape.name}, {"experts", E}, {"topk", K},
-                                 {"forward_us", fwd_ms * 1e3}, {"backward_us", bwd_ms * 1e3},
-                                 {"total_us", total_ms * 1e3}, {"floor_us", floor_ms * 1e3},
+    fmt::print("{:<48} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>7.0f}%\n", shape.name, fwd_ms * 1e3,
+               bwd_ms * 1e3, total_ms * 1e3, floor_ms * 1e3, 100 * floor_ms / total_ms);
+    report["results"].push_back({{"name", shape.name},
+                                 {"experts", E},
+                                 {"topk", K},
+                                 {"forward_us", fwd_ms * 1e3},
+                                 {"backward_us", bwd_ms * 1e3},
+                                 {"total_us", total_ms * 1e3},
+                                 {"floor_us", floor_ms * 1e3},
                                  {"fraction_of_floor", floor_ms / total_ms}});
   }
   bench::write_json(options, report);

@@ -38,7 +38,8 @@ inline Options parse_options(int argc, char** argv) {
 
 // Median milliseconds of `body` over `repeats` runs after `warmup` runs, timed with events.
 // `body(i)` gets the run index so that it can rotate among input sets.
-inline double median_ms(const std::function<void(int)>& body, cudaStream_t stream, int warmup, int repeats) {
+inline double median_ms(const std::function<void(int)>& body, cudaStream_t stream, int warmup,
+                        int repeats) {
   for (int i = 0; i < warmup; ++i) body(i);
   std::vector<double> times;
   Event start(true), stop(true);
@@ -59,7 +60,10 @@ inline double copy_bandwidth(cudaStream_t stream) {
   DeviceBuffer a(bytes), b(bytes);
   MOE_CHECK_CUDA(cudaMemsetAsync(a.data(), 1, bytes, stream));
   const double ms = median_ms(
-      [&](int) { MOE_CHECK_CUDA(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, stream)); },
+      [&](int) {
+        MOE_CHECK_CUDA(
+            cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, stream));
+      },
       stream, 3, 10);
   return 2.0 * static_cast<double>(bytes) / (ms * 1e-3);
 }
@@ -75,7 +79,8 @@ inline std::string device_name() {
 // Enough copies of an input of `bytes` that cycling through them streams from HBM, not L2.
 inline int rotation_sets(std::size_t bytes) {
   const std::size_t l2_span = std::size_t{256} << 20;  // several times the 50-60 MB L2
-  return static_cast<int>(std::clamp<std::size_t>(l2_span / std::max<std::size_t>(bytes, 1), 1, 16));
+  return static_cast<int>(
+      std::clamp<std::size_t>(l2_span / std::max<std::size_t>(bytes, 1), 1, 16));
 }
 
 inline void write_json(const Options& options, const nlohmann::json& report) {

@@ -29,7 +29,6 @@ class MpiSession {
 // Rank among the processes of `comm` on this node: chooses the GPU.
 int node_local_rank(MPI_Comm comm);
 
-
 // Owns an NCCL communicator; destroys it, or aborts it after a failure so that no peer hangs on it.
 class NcclComm {
  public:

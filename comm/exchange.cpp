@@ -16,32 +16,40 @@ ExpertExchange::ExpertExchange(const Mesh& mesh, int num_experts)
   validate_mesh_shape(mesh.world_size(), mesh.ep(), mesh.dp(), num_experts);
 }
 
-const ExchangeCounts& ExpertExchange::exchange_counts(const std::int32_t* counts, std::int32_t* received_counts,
+const ExchangeCounts& ExpertExchange::exchange_counts(const std::int32_t* counts,
+                                                      std::int32_t* received_counts,
                                                       const void* extra_device, void* extra_host,
-                                                      std::size_t extra_bytes, cudaStream_t stream) {
+                                                      std::size_t extra_bytes,
+                                                      cudaStream_t stream) {
   const int EP = mesh_.ep();
   const std::size_t counts_bytes = static_cast<std::size_t>(experts_) * sizeof(std::int32_t);
   // Each peer j gets this rank's counts for j's experts; this rank gets each peer's for its own.
   if (ncclComm_t ep = mesh_.comm(MeshGroup::kExpertParallel)) {
     mesh_.group_start();
     for (int peer = 0; peer < EP; ++peer) {
-      MOE_CHECK_NCCL(ncclSend(counts + peer * local_experts_, local_experts_, ncclInt32, peer, ep, stream));
-      MOE_CHECK_NCCL(ncclRecv(received_counts + peer * local_experts_, local_experts_, ncclInt32, peer, ep, stream));
+      MOE_CHECK_NCCL(
+          ncclSend(counts + peer * local_experts_, local_experts_, ncclInt32, peer, ep, stream));
+      MOE_CHECK_NCCL(ncclRecv(received_counts + peer * local_experts_, local_experts_, ncclInt32,
+                              peer, ep, stream));
     }
     mesh_.group_end("the dispatch counts exchange");
   } else {
-    MOE_CHECK_CUDA(cudaMemcpyAsync(received_counts, counts, counts_bytes, cudaMemcpyDeviceToDevice, stream));
+    MOE_CHECK_CUDA(
+        cudaMemcpyAsync(received_counts, counts, counts_bytes, cudaMemcpyDeviceToDevice, stream));
   }
   MOE_CHECK_CUDA(cudaEventSynchronize(copied_.get()));  // the pinned buffer is free again
   host_.reserve(2 * counts_bytes + extra_bytes);
   auto* bytes = host_.as<char>();
   MOE_CHECK_CUDA(cudaMemcpyAsync(bytes, counts, counts_bytes, cudaMemcpyDeviceToHost, stream));
-  MOE_CHECK_CUDA(cudaMemcpyAsync(bytes + counts_bytes, received_counts, counts_bytes, cudaMemcpyDeviceToHost, stream));
+  MOE_CHECK_CUDA(cudaMemcpyAsync(bytes + counts_bytes, received_counts, counts_bytes,
+                                 cudaMemcpyDeviceToHost, stream));
   if (extra_bytes > 0) {
-    MOE_CHECK_CUDA(cudaMemcpyAsync(bytes + 2 * counts_bytes, extra_device, extra_bytes, cudaMemcpyDeviceToHost, stream));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(bytes + 2 * counts_bytes, extra_device, extra_bytes,
+                                   cudaMemcpyDeviceToHost, stream));
   }
   copied_.record(stream);
-  mesh_.wait(copied_.get(), "the dispatch counts exchange");  // the forward's one host synchronisation
+  mesh_.wait(copied_.get(),
+             "the dispatch counts exchange");  // the forward's one host synchronisation
 
   const auto* sent = reinterpret_cast<const std::int32_t*>(bytes);
   const auto* received = sent + experts_;
@@ -59,12 +67,13 @@ const ExchangeCounts& ExpertExchange::exchange_counts(const std::int32_t* counts
   return counts_;
 }
 
-void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int64_t>& send_rows, void* recv,
-                                   const std::vector<std::int64_t>& recv_rows, std::size_t row_bytes,
-                                   cudaStream_t stream) const {
+void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int64_t>& send_rows,
+                                   void* recv, const std::vector<std::int64_t>& recv_rows,
+                                   std::size_t row_bytes, cudaStream_t stream) const {
   const int EP = mesh_.ep();
   if (std::ssize(send_rows) != EP || std::ssize(recv_rows) != EP) {
-    fail("exchange_rows: {} send and {} receive counts for {} EP peers", send_rows.size(), recv_rows.size(), EP);
+    fail("exchange_rows: {} send and {} receive counts for {} EP peers", send_rows.size(),
+         recv_rows.size(), EP);
   }
   const int me = mesh_.ep_index();
   std::vector<std::size_t> send_offset(EP + 1, 0), recv_offset(EP + 1, 0);
@@ -72,12 +81,14 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
     send_offset[p + 1] = send_offset[p] + static_cast<std::size_t>(send_rows[p]) * row_bytes;
     recv_offset[p + 1] = recv_offset[p] + static_cast<std::size_t>(recv_rows[p]) * row_bytes;
   }
-  if (send_rows[me] != recv_rows[me]) fail("exchange_rows: {} rows to self but {} from self", send_rows[me], recv_rows[me]);
+  if (send_rows[me] != recv_rows[me])
+    fail("exchange_rows: {} rows to self but {} from self", send_rows[me], recv_rows[me]);
   const auto* src = static_cast<const char*>(send);
   auto* dst = static_cast<char*>(recv);
   if (send_rows[me] > 0) {  // this rank's own rows: a device copy, not the network
-    MOE_CHECK_CUDA(cudaMemcpyAsync(dst + recv_offset[me], src + send_offset[me], send_offset[me + 1] - send_offset[me],
-                                   cudaMemcpyDeviceToDevice, stream));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(dst + recv_offset[me], src + send_offset[me],
+                                   send_offset[me + 1] - send_offset[me], cudaMemcpyDeviceToDevice,
+                                   stream));
   }
   ncclComm_t ep = mesh_.comm(MeshGroup::kExpertParallel);
   if (ep == nullptr) return;
@@ -85,10 +96,12 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
   for (int peer = 0; peer < EP; ++peer) {
     if (peer == me) continue;
     if (send_rows[peer] > 0) {
-      MOE_CHECK_NCCL(ncclSend(src + send_offset[peer], send_offset[peer + 1] - send_offset[peer], ncclInt8, peer, ep, stream));
+      MOE_CHECK_NCCL(ncclSend(src + send_offset[peer], send_offset[peer + 1] - send_offset[peer],
+                              ncclInt8, peer, ep, stream));
     }
     if (recv_rows[peer] > 0) {
-      MOE_CHECK_NCCL(ncclRecv(dst + recv_offset[peer], recv_offset[peer + 1] - recv_offset[peer], ncclInt8, peer, ep, stream));
+      MOE_CHECK_NCCL(ncclRecv(dst + recv_offset[peer], recv_offset[peer + 1] - recv_offset[peer],
+                              ncclInt8, peer, ep, stream));
     }
   }
   mesh_.group_end("the rows all-to-allv");

@@ -14,8 +14,8 @@
 namespace moe {
 
 struct ExchangeCounts {
-  std::vector<std::int32_t> sent;      // [E] this rank's rows per global expert
-  std::vector<std::int32_t> received;  // [EP · E_loc] rows from source s for local expert e
+  std::vector<std::int32_t> sent;       // [E] this rank's rows per global expert
+  std::vector<std::int32_t> received;   // [EP · E_loc] rows from source s for local expert e
   std::vector<std::int64_t> send_rows;  // [EP] rows to each EP peer
   std::vector<std::int64_t> recv_rows;  // [EP] rows from each EP peer
   std::int64_t total_received() const;
@@ -29,13 +29,14 @@ class ExpertExchange {
   // to `received_counts` (device) and copies both to the host; `extra_bytes` of `extra_device`
   // (may be 0) ride along in the same copy into `extra_host`. Blocks once, with the mesh timeout.
   const ExchangeCounts& exchange_counts(const std::int32_t* counts, std::int32_t* received_counts,
-                                        const void* extra_device, void* extra_host, std::size_t extra_bytes,
-                                        cudaStream_t stream);
+                                        const void* extra_device, void* extra_host,
+                                        std::size_t extra_bytes, cudaStream_t stream);
 
   // all-to-allv of rows of `row_bytes`: send holds the rows for EP peer 0, then 1, ...; recv gets
   // those from peer 0, then 1, ...
   void exchange_rows(const void* send, const std::vector<std::int64_t>& send_rows, void* recv,
-                     const std::vector<std::int64_t>& recv_rows, std::size_t row_bytes, cudaStream_t stream) const;
+                     const std::vector<std::int64_t>& recv_rows, std::size_t row_bytes,
+                     cudaStream_t stream) const;
 
   const ExchangeCounts& counts() const { return counts_; }
 

@@ -69,8 +69,8 @@ class Watchdog {
 };
 
 struct Mesh::Comms {
-  comm::NcclComm world_owned;            // when the mesh created the world communicator
-  ncclComm_t world = nullptr;            // owned above, or the trainer's
+  comm::NcclComm world_owned;  // when the mesh created the world communicator
+  ncclComm_t world = nullptr;  // owned above, or the trainer's
   comm::NcclComm ep;
   comm::NcclComm dp;
   bool aborted = false;
@@ -79,8 +79,10 @@ struct Mesh::Comms {
 
 void validate_mesh_shape(int world, int ep, int dp, int num_experts) {
   if (ep < 1 || dp < 1) fail("invalid mesh: ep = {} and dp = {} must be >= 1", ep, dp);
-  if (ep * dp != world) fail("invalid mesh: ep = {} times dp = {} must equal the world size {}", ep, dp, world);
-  if (num_experts % ep != 0) fail("invalid mesh: ep = {} must divide num_experts = {}", ep, num_experts);
+  if (ep * dp != world)
+    fail("invalid mesh: ep = {} times dp = {} must equal the world size {}", ep, dp, world);
+  if (num_experts % ep != 0)
+    fail("invalid mesh: ep = {} must divide num_experts = {}", ep, num_experts);
 }
 
 Mesh Mesh::single() {
@@ -172,7 +174,8 @@ int Mesh::group_size(MeshGroup group) const {
 }
 
 ncclComm_t Mesh::comm(MeshGroup group) const {
-  if (comms_ && comms_->aborted) fail("rank {}: the mesh's communicators were aborted after an earlier failure", rank_);
+  if (comms_ && comms_->aborted)
+    fail("rank {}: the mesh's communicators were aborted after an earlier failure", rank_);
   if (!comms_ || group_size(group) == 1) return nullptr;
   switch (group) {
     case MeshGroup::kWorld:
@@ -208,18 +211,20 @@ void Mesh::group_end(std::string_view operation) const {
   comms_->watchdog->arm(timeout_);
   const ncclResult_t status = ncclGroupEnd();  // blocks until launched, or until aborted
   if (comms_->watchdog->disarm()) {
-    fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank_, operation,
-         timeout_.count());
+    fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank_,
+         operation, timeout_.count());
   }
   if (status != ncclSuccess) {
     const_cast<Mesh*>(this)->abort();
-    fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(status), ncclGetErrorString(status));
+    fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(status),
+         ncclGetErrorString(status));
   }
 }
 
 void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
-  for (auto pause = std::chrono::microseconds(1);; pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
+  for (auto pause = std::chrono::microseconds(1);;
+       pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
     const cudaError_t status = cudaEventQuery(event);
     if (status == cudaSuccess) return;
     if (status != cudaErrorNotReady) {
@@ -228,16 +233,18 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
     if (comms_) {
       for (ncclComm_t c : {comms_->world, comms_->ep.get(), comms_->dp.get()}) {
         ncclResult_t async = ncclSuccess;
-        if (c != nullptr && ncclCommGetAsyncError(c, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+        if (c != nullptr && ncclCommGetAsyncError(c, &async) == ncclSuccess &&
+            async != ncclSuccess && async != ncclInProgress) {
           const_cast<Mesh*>(this)->abort();
-          fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(async), ncclGetErrorString(async));
+          fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(async),
+               ncclGetErrorString(async));
         }
       }
     }
     if (std::chrono::steady_clock::now() > deadline) {
       const_cast<Mesh*>(this)->abort();
-      fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank_, operation,
-           timeout_.count());
+      fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank_,
+           operation, timeout_.count());
     }
     std::this_thread::sleep_for(pause);
   }

@@ -22,7 +22,8 @@ __device__ Out convert_value(In value) {
 template <typename In, typename Out>
 __global__ void convert_kernel(const In* __restrict__ in, Out* __restrict__ out, std::int64_t n) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += stride) {
     out[i] = convert_value<In, Out>(in[i]);
   }
 }
@@ -31,7 +32,8 @@ template <typename In, typename Out>
 void launch(const Tensor& in, const Tensor& out, cudaStream_t stream) {
   const std::int64_t n = in.numel();
   constexpr int kThreads = 256;
-  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535));
+  const auto blocks =
+      static_cast<unsigned>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535));
   convert_kernel<In, Out><<<blocks, kThreads, 0, stream>>>(in.as<const In>(), out.as<Out>(), n);
   MOE_CHECK_LAUNCH();
 }
@@ -45,9 +47,11 @@ __device__ __forceinline__ std::uint64_t mix(std::uint64_t x) {
 }
 
 template <typename Out>
-__global__ void init_normal_kernel(Out* out, std::int64_t n, std::uint64_t seed, std::uint64_t first, float stddev) {
+__global__ void init_normal_kernel(Out* out, std::int64_t n, std::uint64_t seed,
+                                   std::uint64_t first, float stddev) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += stride) {
     const std::uint64_t bits = mix(seed ^ mix(first + static_cast<std::uint64_t>(i)));
     // Box-Muller on two 24-bit uniforms in (0, 1].
     const float u1 = (static_cast<float>(bits >> 40) + 1.0f) * (1.0f / 16777216.0f);
@@ -61,23 +65,27 @@ template <typename In>
 __global__ void count_nonfinite_kernel(const In* in, std::int64_t n, int* count) {
   int local = 0;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += stride) {
     local += !isfinite(convert_value<In, float>(in[i]));
   }
   if (local > 0) atomicAdd(count, local);
 }
 
 unsigned grid_for(std::int64_t n) {
-  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min<std::int64_t>((n + 255) / 256, 4096)));
+  return static_cast<unsigned>(
+      std::max<std::int64_t>(1, std::min<std::int64_t>((n + 255) / 256, 4096)));
 }
 
 }  // namespace
 
-void init_normal(const Tensor& out, std::uint64_t seed, std::uint64_t first, float stddev, cudaStream_t stream) {
+void init_normal(const Tensor& out, std::uint64_t seed, std::uint64_t first, float stddev,
+                 cudaStream_t stream) {
   const std::int64_t n = out.numel();
   if (n == 0) return;
   if (out.dtype == DType::kBF16) {
-    init_normal_kernel<<<grid_for(n), 256, 0, stream>>>(out.as<__nv_bfloat16>(), n, seed, first, stddev);
+    init_normal_kernel<<<grid_for(n), 256, 0, stream>>>(out.as<__nv_bfloat16>(), n, seed, first,
+                                                        stddev);
   } else if (out.dtype == DType::kFP32) {
     init_normal_kernel<<<grid_for(n), 256, 0, stream>>>(out.as<float>(), n, seed, first, stddev);
   } else {

@@ -14,7 +14,8 @@ void convert(const Tensor& in, const Tensor& out, cudaStream_t stream);
 
 // Fills a bf16 or fp32 tensor with N(0, stddev²) values that depend only on (seed, first + i) for
 // element i: the same global slice gets the same values on every rank.
-void init_normal(const Tensor& out, std::uint64_t seed, std::uint64_t first, float stddev, cudaStream_t stream);
+void init_normal(const Tensor& out, std::uint64_t seed, std::uint64_t first, float stddev,
+                 cudaStream_t stream);
 
 // Counts the NaN and Inf elements of a bf16 or fp32 tensor into *count (device, int32).
 void count_nonfinite(const Tensor& t, int* count, cudaStream_t stream);

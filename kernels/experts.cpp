@@ -14,10 +14,13 @@ std::string_view expert_schedule_name(ExpertSchedule schedule) {
 namespace {
 
 void check_cublas_status(cublasStatus_t status, const char* call) {
-  if (status != CUBLAS_STATUS_SUCCESS) fail("cuBLAS error {} in {}", static_cast<int>(status), call);
+  if (status != CUBLAS_STATUS_SUCCESS)
+    fail("cuBLAS error {} in {}", static_cast<int>(status), call);
 }
 
-cudaDataType_t cuda_type(DType dtype) { return dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F; }
+cudaDataType_t cuda_type(DType dtype) {
+  return dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
 
 }  // namespace
 
@@ -45,13 +48,15 @@ struct ExpertFFN::Grouped {
   }
 };
 
-ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, ExpertSchedule schedule, int streams)
+ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, ExpertSchedule schedule,
+                     int streams)
     : hidden_(hidden), ffn_(ffn), experts_(local_experts), dtype_(dtype), schedule_(schedule) {
   if (hidden < 1 || ffn < 1 || local_experts < 1) {
-    fail("ExpertFFN: hidden = {}, ffn_hidden = {}, local experts = {} must all be positive", hidden, ffn,
-         local_experts);
+    fail("ExpertFFN: hidden = {}, ffn_hidden = {}, local experts = {} must all be positive", hidden,
+         ffn, local_experts);
   }
-  if (dtype != DType::kBF16 && dtype != DType::kFP32) fail("ExpertFFN: dtype = {} must be bf16 or fp32", dtype_name(dtype));
+  if (dtype != DType::kBF16 && dtype != DType::kFP32)
+    fail("ExpertFFN: dtype = {} must be bf16 or fp32", dtype_name(dtype));
   if (streams < 1) fail("ExpertFFN: streams = {} must be >= 1", streams);
   for (int i = 0; i < streams; ++i) {
     streams_.emplace_back();
@@ -63,13 +68,16 @@ ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, Expert
 
 ExpertFFN::~ExpertFFN() = default;
 
-void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
-                             const Tensor& w2, const ExpertActivations& act) const {
+void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offsets,
+                             const Tensor& w13, const Tensor& w2,
+                             const ExpertActivations& act) const {
   if (std::ssize(offsets) != experts_ + 1) {
-    fail("ExpertFFN: {} offsets for {} local experts (expected {})", offsets.size(), experts_, experts_ + 1);
+    fail("ExpertFFN: {} offsets for {} local experts (expected {})", offsets.size(), experts_,
+         experts_ + 1);
   }
   for (int e = 0; e < experts_; ++e) {
-    if (offsets[e] < 0 || offsets[e + 1] < offsets[e]) fail("ExpertFFN: offsets[{}..{}] = {}, {} decrease", e, e + 1, offsets[e], offsets[e + 1]);
+    if (offsets[e] < 0 || offsets[e + 1] < offsets[e])
+      fail("ExpertFFN: offsets[{}..{}] = {}, {} decrease", e, e + 1, offsets[e], offsets[e + 1]);
   }
   const std::int64_t rows = offsets.back();
   const std::int64_t H = hidden_, F = ffn_, E = experts_;
@@ -80,8 +88,8 @@ void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offs
   expect_tensor(act.a, "ExpertFFN a", dtype_, {rows, F});
 }
 
-void ExpertFFN::up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
-                            const Tensor& h, std::vector<Product>& out) const {
+void ExpertFFN::up_products(const Tensor& X, std::span<const std::int64_t> offsets,
+                            const Tensor& w13, const Tensor& h, std::vector<Product>& out) const {
   const std::int64_t H = hidden_, F = ffn_;
   const std::size_t elem = dtype_size(dtype_);
   for (int e = 0; e < experts_; ++e) {
@@ -94,8 +102,9 @@ void ExpertFFN::up_products(const Tensor& X, std::span<const std::int64_t> offse
   }
 }
 
-void ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13, const Tensor& w2,
-                        const ExpertActivations& act, const Tensor& y, cudaStream_t stream) {
+void ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
+                        const Tensor& w2, const ExpertActivations& act, const Tensor& y,
+                        cudaStream_t stream) {
   check_shapes(X, offsets, w13, w2, act);
   const std::int64_t H = hidden_, F = ffn_;
   expect_tensor(y, "ExpertFFN y", dtype_, {offsets.back(), H});
@@ -103,8 +112,8 @@ void ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets, 
 
   std::vector<Product> products;
   up_products(X, offsets, w13, act.h, products);
-  run(products, stream);                   // h = X·w13ᵀ
-  swiglu_forward(act.h, act.a, stream);    // a = silu(h_gate) ⊙ h_up
+  run(products, stream);                 // h = X·w13ᵀ
+  swiglu_forward(act.h, act.a, stream);  // a = silu(h_gate) ⊙ h_up
   products.clear();
   for (int e = 0; e < experts_; ++e) {
     const std::int64_t m = offsets[e + 1] - offsets[e];
@@ -114,12 +123,13 @@ void ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets, 
                         w2.as<char>() + e * H * F * elem,
                         y.as<char>() + offsets[e] * H * elem});
   }
-  run(products, stream);                   // y = a·w2ᵀ
+  run(products, stream);  // y = a·w2ᵀ
 }
 
-void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
-                         const Tensor& w2, const ExpertActivations& act, bool recompute_h, const Tensor& dX,
-                         const Tensor& dw13, const Tensor& dw2, cudaStream_t stream) {
+void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
+                         const Tensor& w13, const Tensor& w2, const ExpertActivations& act,
+                         bool recompute_h, const Tensor& dX, const Tensor& dw13, const Tensor& dw2,
+                         cudaStream_t stream) {
   check_shapes(X, offsets, w13, w2, act);
   const std::int64_t rows = offsets.back();
   const std::int64_t H = hidden_, F = ffn_, E = experts_;
@@ -128,7 +138,8 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   expect_tensor(act.dA, "ExpertFFN dA", dtype_, {rows, F});
   expect_tensor(act.dh, "ExpertFFN dh", dtype_, {rows, 2 * F});
   const DType grad_type = dw13.dtype;
-  if (grad_type != DType::kBF16 && grad_type != DType::kFP32) fail("ExpertFFN: dw13 dtype {} must be bf16 or fp32", dtype_name(grad_type));
+  if (grad_type != DType::kBF16 && grad_type != DType::kFP32)
+    fail("ExpertFFN: dw13 dtype {} must be bf16 or fp32", dtype_name(grad_type));
   expect_tensor(dw13, "ExpertFFN dw13", grad_type, {E, 2 * F, H});
   expect_tensor(dw2, "ExpertFFN dw2", grad_type, {E, H, F});
   const std::size_t elem = dtype_size(dtype_);
@@ -156,13 +167,19 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
     const char* dY_e = dY.as<char>() + offsets[e] * H * elem;
     const char* dh_e = act.dh.as<char>() + offsets[e] * 2 * F * elem;
     // dw2 = dYᵀ·a and dw13 = dhᵀ·X; with no rows (K = 0) these write zeros.
-    products.push_back({{H, F, m, true, false, dtype_, dtype_, grad_type}, dY_e,
-                        act.a.as<char>() + offsets[e] * F * elem, dw2.as<char>() + e * H * F * grad_elem});
-    products.push_back({{2 * F, H, m, true, false, dtype_, dtype_, grad_type}, dh_e,
-                        X.as<char>() + offsets[e] * H * elem, dw13.as<char>() + e * 2 * F * H * grad_elem});
+    products.push_back({{H, F, m, true, false, dtype_, dtype_, grad_type},
+                        dY_e,
+                        act.a.as<char>() + offsets[e] * F * elem,
+                        dw2.as<char>() + e * H * F * grad_elem});
+    products.push_back({{2 * F, H, m, true, false, dtype_, dtype_, grad_type},
+                        dh_e,
+                        X.as<char>() + offsets[e] * H * elem,
+                        dw13.as<char>() + e * 2 * F * H * grad_elem});
     if (m > 0) {  // dX = dh·w13
-      products.push_back({{m, H, 2 * F, false, false, dtype_, dtype_, dtype_}, dh_e,
-                          w13.as<char>() + e * 2 * F * H * elem, dX.as<char>() + offsets[e] * H * elem});
+      products.push_back({{m, H, 2 * F, false, false, dtype_, dtype_, dtype_},
+                          dh_e,
+                          w13.as<char>() + e * 2 * F * H * elem,
+                          dX.as<char>() + offsets[e] * H * elem});
     }
   }
   run(products, stream);
@@ -177,7 +194,8 @@ void ExpertFFN::run(const std::vector<Product>& products, cudaStream_t stream) {
 void ExpertFFN::run_on_streams(const std::vector<Product>& products, cudaStream_t stream) {
   const std::size_t lanes = std::min(streams_.size(), products.size());
   fork_.record(stream);
-  for (std::size_t s = 0; s < lanes; ++s) MOE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s].get(), fork_.get(), 0));
+  for (std::size_t s = 0; s < lanes; ++s)
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s].get(), fork_.get(), 0));
   for (std::size_t i = 0; i < products.size(); ++i) {
     const auto& p = products[i];
     runners_[i % lanes].run(p.shape, p.a, p.b, p.c, streams_[i % lanes].get());
@@ -195,7 +213,9 @@ void ExpertFFN::run_grouped(const std::vector<Product>& products, cudaStream_t s
   for (const auto& p : products) {
     if (p.shape.m == 0 || p.shape.n == 0) continue;
     if (p.shape.k == 0) {
-      MOE_CHECK_CUDA(cudaMemsetAsync(p.c, 0, static_cast<std::size_t>(p.shape.m * p.shape.n) * dtype_size(p.shape.c_type), stream));
+      MOE_CHECK_CUDA(cudaMemsetAsync(
+          p.c, 0, static_cast<std::size_t>(p.shape.m * p.shape.n) * dtype_size(p.shape.c_type),
+          stream));
     } else {
       work.push_back(&p);
     }
@@ -203,7 +223,8 @@ void ExpertFFN::run_grouped(const std::vector<Product>& products, cudaStream_t s
   if (work.empty()) return;
   const std::size_t n = work.size();
   auto& g = *grouped_;
-  MOE_CHECK_CUDA(cudaEventSynchronize(g.staged.get()));  // the previous upload has left the pinned buffer
+  MOE_CHECK_CUDA(
+      cudaEventSynchronize(g.staged.get()));  // the previous upload has left the pinned buffer
   g.reserve(n);
   std::vector<cublasOperation_t> trans_first(n), trans_second(n);
   std::vector<int> m(n), nn(n), k(n), ld_first(n), ld_second(n), ld_out(n), group_size(n, 1);
@@ -213,7 +234,8 @@ void ExpertFFN::run_grouped(const std::vector<Product>& products, cudaStream_t s
   const DType c_type = work.front()->shape.c_type;
   for (std::size_t i = 0; i < n; ++i) {
     const GemmShape& s = work[i]->shape;
-    if (s.a_type != a_type || s.b_type != a_type || s.c_type != c_type) fail("ExpertFFN: a grouped call mixes dtypes");
+    if (s.a_type != a_type || s.b_type != a_type || s.c_type != c_type)
+      fail("ExpertFFN: a grouped call mixes dtypes");
     trans_first[i] = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     trans_second[i] = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     m[i] = static_cast<int>(s.n);
@@ -226,16 +248,18 @@ void ExpertFFN::run_grouped(const std::vector<Product>& products, cudaStream_t s
     host[n + i] = work[i]->a;
     host[2 * n + i] = work[i]->c;
   }
-  MOE_CHECK_CUDA(cudaMemcpyAsync(g.pointers.data(), g.pinned, 3 * n * sizeof(void*), cudaMemcpyHostToDevice, stream));
+  MOE_CHECK_CUDA(cudaMemcpyAsync(g.pointers.data(), g.pinned, 3 * n * sizeof(void*),
+                                 cudaMemcpyHostToDevice, stream));
   g.staged.record(stream);
   const auto* const* device = g.pointers.as<const void* const>();
   check_cublas_status(cublasSetStream(g.handle, stream), "cublasSetStream");
   check_cublas_status(
-      cublasGemmGroupedBatchedEx(g.handle, trans_first.data(), trans_second.data(), m.data(), nn.data(), k.data(),
-                                 alpha.data(), device, cuda_type(a_type), ld_first.data(), device + n,
-                                 cuda_type(a_type), ld_second.data(), beta.data(),
-                                 const_cast<void* const*>(device + 2 * n), cuda_type(c_type), ld_out.data(),
-                                 static_cast<int>(n), group_size.data(), CUBLAS_COMPUTE_32F),
+      cublasGemmGroupedBatchedEx(g.handle, trans_first.data(), trans_second.data(), m.data(),
+                                 nn.data(), k.data(), alpha.data(), device, cuda_type(a_type),
+                                 ld_first.data(), device + n, cuda_type(a_type), ld_second.data(),
+                                 beta.data(), const_cast<void* const*>(device + 2 * n),
+                                 cuda_type(c_type), ld_out.data(), static_cast<int>(n),
+                                 group_size.data(), CUBLAS_COMPUTE_32F),
       "cublasGemmGroupedBatchedEx");
 }
 

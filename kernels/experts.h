@@ -40,19 +40,21 @@ struct ExpertActivations {
 
 class ExpertFFN {
  public:
-  ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, ExpertSchedule schedule = ExpertSchedule::kStreams,
-            int streams = 4);
+  ExpertFFN(int hidden, int ffn, int local_experts, DType dtype,
+            ExpertSchedule schedule = ExpertSchedule::kStreams, int streams = 4);
   ~ExpertFFN();
   ExpertFFN(const ExpertFFN&) = delete;
   ExpertFFN& operator=(const ExpertFFN&) = delete;
 
-  // offsets: host [E_loc + 1], expert e owns rows [offsets[e], offsets[e + 1]) of X (padding incl.).
-  void forward(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13, const Tensor& w2,
-               const ExpertActivations& act, const Tensor& y, cudaStream_t stream);
+  // offsets: host [E_loc + 1], expert e owns rows [offsets[e], offsets[e + 1]) of X (padding
+  // incl.).
+  void forward(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
+               const Tensor& w2, const ExpertActivations& act, const Tensor& y,
+               cudaStream_t stream);
   // recompute_h: act.h was not kept, so the first GEMM runs again (memory against time).
-  void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
-                const Tensor& w2, const ExpertActivations& act, bool recompute_h, const Tensor& dX,
-                const Tensor& dw13, const Tensor& dw2, cudaStream_t stream);
+  void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
+                const Tensor& w13, const Tensor& w2, const ExpertActivations& act, bool recompute_h,
+                const Tensor& dX, const Tensor& dw13, const Tensor& dw2, cudaStream_t stream);
 
   ExpertSchedule schedule() const { return schedule_; }
 
@@ -63,10 +65,10 @@ class ExpertFFN {
     const void* b;
     void* c;
   };
-  void check_shapes(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13, const Tensor& w2,
-                    const ExpertActivations& act) const;
-  void up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13, const Tensor& h,
-                   std::vector<Product>& out) const;
+  void check_shapes(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
+                    const Tensor& w2, const ExpertActivations& act) const;
+  void up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
+                   const Tensor& h, std::vector<Product>& out) const;
   void run(const std::vector<Product>& products, cudaStream_t stream);
   void run_on_streams(const std::vector<Product>& products, cudaStream_t stream);
   void run_grouped(const std::vector<Product>& products, cudaStream_t stream);

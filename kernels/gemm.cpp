@@ -52,8 +52,10 @@ struct GemmRunner::Plan {
   cublasLtMatmulAlgo_t algo{};
 
   Plan(const GemmShape& s, cublasLtHandle_t handle, std::size_t workspace_bytes)
-      : first(cuda_type(s.b_type), s.trans_b ? s.k : s.n, s.trans_b ? s.n : s.k, s.trans_b ? s.k : s.n),
-        second(cuda_type(s.a_type), s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m, s.trans_a ? s.m : s.k),
+      : first(cuda_type(s.b_type), s.trans_b ? s.k : s.n, s.trans_b ? s.n : s.k,
+              s.trans_b ? s.k : s.n),
+        second(cuda_type(s.a_type), s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m,
+               s.trans_a ? s.m : s.k),
         out(cuda_type(s.c_type), s.n, s.m, s.n) {
     const cublasOperation_t op_first = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_second = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -89,7 +91,8 @@ GemmRunner::GemmRunner(std::size_t workspace_bytes) : workspace_(workspace_bytes
 const GemmRunner::Plan& GemmRunner::plan(const GemmShape& shape) {
   auto found = plans_.find(shape);
   if (found == plans_.end()) {
-    found = plans_.emplace(shape, std::make_shared<Plan>(shape, handle_.get(), workspace_.bytes())).first;
+    found = plans_.emplace(shape, std::make_shared<Plan>(shape, handle_.get(), workspace_.bytes()))
+                .first;
   }
   return *found->second;
 }
@@ -103,7 +106,8 @@ void GemmRunner::run(const GemmShape& shape, const void* a, const void* b, void*
   if (shape.k == 0) {
     // cuBLASLt rejects K = 0; the product is empty, so C = beta·C. Only beta = 0 is needed here.
     if (beta != 0.0f) fail("GemmRunner: K = 0 with beta = {} is not supported", beta);
-    MOE_CHECK_CUDA(cudaMemsetAsync(c, 0, static_cast<std::size_t>(shape.m * shape.n) * dtype_size(shape.c_type), stream));
+    MOE_CHECK_CUDA(cudaMemsetAsync(
+        c, 0, static_cast<std::size_t>(shape.m * shape.n) * dtype_size(shape.c_type), stream));
     return;
   }
   const Plan& p = plan(shape);

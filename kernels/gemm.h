@@ -1,4 +1,5 @@
-// Row-major matrix products on cuBLASLt, with the algorithm cached per shape and an owned workspace.
+// Row-major matrix products on cuBLASLt, with the algorithm cached per shape and an owned
+// workspace.
 //
 // C[M,N] = alpha · op(A) · op(B) + beta · C, all row-major: op(A) is [M,K] (A stored [M,K], or
 // [K,M] when transposed), op(B) is [K,N]. Accumulation is fp32; fp32 inputs use true fp32 math

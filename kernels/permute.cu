@@ -17,12 +17,13 @@ constexpr int kLayoutTokens = 128;  // tokens per block when building the layout
 constexpr int kRowWarps = 4;        // warps per block of the row kernels: one token (or row) each
 constexpr int kScanThreads = 1024;
 
-// ---- Layout --------------------------------------------------------------------------------------
+// ---- Layout
+// --------------------------------------------------------------------------------------
 
 // Per-block histograms of the experts chosen by each block's tokens.
 __global__ void __launch_bounds__(kLayoutTokens)
-    layout_histogram_kernel(const std::int32_t* __restrict__ topk_idx, std::int64_t tokens, int topk, int experts,
-                            std::int32_t* __restrict__ histogram) {
+    layout_histogram_kernel(const std::int32_t* __restrict__ topk_idx, std::int64_t tokens,
+                            int topk, int experts, std::int32_t* __restrict__ histogram) {
   extern __shared__ int counts[];
   for (int e = threadIdx.x; e < experts; e += kLayoutTokens) counts[e] = 0;
   __syncthreads();
@@ -66,8 +67,8 @@ __device__ int block_exclusive_scan(int* values, int n, int* totals) {
 // Expert counts, padded group offsets, and each layout block's base row per expert (in place of
 // its histogram): base[b][e] = offsets[e] + Σ_{b' < b} histogram[b'][e].
 __global__ void __launch_bounds__(kScanThreads)
-    layout_scan_kernel(std::int32_t* histogram, int blocks, int experts, int align, std::int32_t* counts,
-                       std::int32_t* offsets) {
+    layout_scan_kernel(std::int32_t* histogram, int blocks, int experts, int align,
+                       std::int32_t* counts, std::int32_t* offsets) {
   __shared__ int padded[kMaxExperts];
   __shared__ int totals[kScanThreads];
   for (int e = threadIdx.x; e < experts; e += kScanThreads) {
@@ -86,15 +87,17 @@ __global__ void __launch_bounds__(kScanThreads)
   for (int e = threadIdx.x; e < experts; e += kScanThreads) offsets[e] = padded[e];
   if (threadIdx.x == 0) offsets[experts] = total;
   for (int e = threadIdx.x; e < experts; e += kScanThreads) {
-    for (int b = 0; b < blocks; ++b) histogram[static_cast<std::int64_t>(b) * experts + e] += padded[e];
+    for (int b = 0; b < blocks; ++b)
+      histogram[static_cast<std::int64_t>(b) * experts + e] += padded[e];
   }
 }
 
 // Row of every (t, k): its block's base for the expert plus the number of earlier tokens of the
 // block that chose the same expert, read off a per-block bitmap [expert][token].
 __global__ void __launch_bounds__(kLayoutTokens)
-    layout_rank_kernel(const std::int32_t* __restrict__ topk_idx, std::int64_t tokens, int topk, int experts,
-                       const std::int32_t* __restrict__ base, std::int32_t* __restrict__ row_map) {
+    layout_rank_kernel(const std::int32_t* __restrict__ topk_idx, std::int64_t tokens, int topk,
+                       int experts, const std::int32_t* __restrict__ base,
+                       std::int32_t* __restrict__ row_map) {
   constexpr int kWords = kLayoutTokens / 32;
   extern __shared__ unsigned bitmap[];  // [experts][kWords]
   for (int i = threadIdx.x; i < experts * kWords; i += kLayoutTokens) bitmap[i] = 0;
@@ -124,14 +127,22 @@ struct alignas(sizeof(T) * kElems) Pack {
   T v[kElems];
 };
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) {
+  return v;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 // A token's K slots, broadcast from lane k to every lane. kSlots (2, 4, 8 or 16, at least K)
 // sizes the register arrays: a top-2 layer must not pay a top-16 layer's registers, which would
@@ -142,8 +153,8 @@ struct Slots {
   float prob[kSlots];
 };
 template <int kSlots>
-__device__ __forceinline__ Slots<kSlots> load_slots(const std::int32_t* row_map, const float* prob, std::int64_t t,
-                                                    int topk, int lane) {
+__device__ __forceinline__ Slots<kSlots> load_slots(const std::int32_t* row_map, const float* prob,
+                                                    std::int64_t t, int topk, int lane) {
   const int my_row = lane < topk ? row_map[t * topk + lane] : 0;
   const float my_prob = (lane < topk && prob != nullptr) ? prob[t * topk + lane] : 1.0f;
   Slots<kSlots> slots;
@@ -163,13 +174,14 @@ constexpr int column_unroll() {
 }
 
 template <typename T, int kElems, int kSlots>
-__global__ void __launch_bounds__(kRowWarps * kWarpSize)
-    permute_kernel(const T* __restrict__ x, const std::int32_t* __restrict__ row_map, int topk, std::int64_t tokens,
-                   int hidden, T* __restrict__ out) {
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    permute_kernel(const T* __restrict__ x, const std::int32_t* __restrict__ row_map, int topk,
+                   std::int64_t tokens, int hidden, T* __restrict__ out) {
   using P = Pack<T, kElems>;
   constexpr int kUnroll = column_unroll<kSlots>();
   const int lane = threadIdx.x % kWarpSize;
-  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  const std::int64_t t =
+      static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
   const auto slots = load_slots<kSlots>(row_map, nullptr, t, topk, lane);
   const int units = hidden / kElems;
@@ -185,21 +197,24 @@ __global__ void __launch_bounds__(kRowWarps * kWarpSize)
       const int u = base + i * kWarpSize;
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
-        if (k < topk && u < units) reinterpret_cast<P*>(out + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] = value[i];
+        if (k < topk && u < units)
+          reinterpret_cast<P*>(out + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] =
+              value[i];
       }
     }
   }
 }
 
 template <typename T, int kElems, int kSlots>
-__global__ void __launch_bounds__(kRowWarps * kWarpSize)
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
     unpermute_combine_kernel(const T* __restrict__ y, const std::int32_t* __restrict__ row_map,
-                             const float* __restrict__ prob, int topk, std::int64_t tokens, int hidden,
-                             T* __restrict__ out) {
+                             const float* __restrict__ prob, int topk, std::int64_t tokens,
+                             int hidden, T* __restrict__ out) {
   using P = Pack<T, kElems>;
   constexpr int kUnroll = column_unroll<kSlots>();
   const int lane = threadIdx.x % kWarpSize;
-  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  const std::int64_t t =
+      static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
   const auto slots = load_slots<kSlots>(row_map, prob, t, topk, lane);
   const int units = hidden / kElems;
@@ -211,7 +226,8 @@ __global__ void __launch_bounds__(kRowWarps * kWarpSize)
       for (int k = 0; k < kSlots; ++k) {
         const int u = base + i * kWarpSize;
         if (k < topk && u < units) {
-          rows[i][k] = reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
+          rows[i][k] =
+              reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
         }
       }
     }
@@ -236,14 +252,16 @@ __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 }
 
 template <typename T, int kElems, int kSlots>
-__global__ void __launch_bounds__(kRowWarps * kWarpSize)
-    combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, const std::int32_t* __restrict__ row_map,
-                            const float* __restrict__ prob, int topk, std::int64_t tokens, int hidden,
-                            T* __restrict__ dY, float* __restrict__ dprob) {
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y,
+                            const std::int32_t* __restrict__ row_map,
+                            const float* __restrict__ prob, int topk, std::int64_t tokens,
+                            int hidden, T* __restrict__ dY, float* __restrict__ dprob) {
   using P = Pack<T, kElems>;
   constexpr int kUnroll = column_unroll<kSlots>();
   const int lane = threadIdx.x % kWarpSize;
-  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  const std::int64_t t =
+      static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
   const auto slots = load_slots<kSlots>(row_map, prob, t, topk, lane);
   const int units = hidden / kElems;
@@ -258,7 +276,8 @@ __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         if (k < topk && u < units) {
-          rows[i][k] = reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
+          rows[i][k] =
+              reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
         }
       }
     }
@@ -294,18 +313,21 @@ __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 
 // Zeroes rows [offsets[g] + counts[g], offsets[g + 1]) of every group g: the alignment padding.
 template <typename T>
-__global__ void zero_padding_kernel(const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ counts,
-                                    int hidden, T* __restrict__ out) {
+__global__ void zero_padding_kernel(const std::int32_t* __restrict__ offsets,
+                                    const std::int32_t* __restrict__ counts, int hidden,
+                                    T* __restrict__ out) {
   const int g = blockIdx.x;
   const std::int64_t begin = static_cast<std::int64_t>(offsets[g] + counts[g]) * hidden;
   const std::int64_t end = static_cast<std::int64_t>(offsets[g + 1]) * hidden;
   for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) out[i] = from_float<T>(0.0f);
 }
 
-// ---- Chunk sort ----------------------------------------------------------------------------------
+// ---- Chunk sort
+// ----------------------------------------------------------------------------------
 
-// Chunk table of the EP receiver: chunk c = s·E_loc + e starts at source_start[c] in the source-major
-// rows and at expert_start[c] in the padded expert-major rows; group offsets and counts per expert.
+// Chunk table of the EP receiver: chunk c = s·E_loc + e starts at source_start[c] in the
+// source-major rows and at expert_start[c] in the padded expert-major rows; group offsets and
+// counts per expert.
 struct ChunkTable {
   std::int32_t* source_start;   // [C + 1]
   std::int32_t* expert_start;   // [C]
@@ -320,8 +342,8 @@ ChunkTable chunk_table(void* workspace, int sources, int local_experts) {
 }
 
 __global__ void __launch_bounds__(kScanThreads)
-    chunk_table_kernel(const std::int32_t* __restrict__ counts, int sources, int local_experts, int align,
-                       ChunkTable table) {
+    chunk_table_kernel(const std::int32_t* __restrict__ counts, int sources, int local_experts,
+                       int align, ChunkTable table) {
   extern __shared__ int scan[];  // [chunks] then [local_experts]
   __shared__ int totals[kScanThreads];
   const int chunks = sources * local_experts;
@@ -354,17 +376,22 @@ __global__ void __launch_bounds__(kScanThreads)
 // One warp per source-major row: finds its chunk by binary search and copies the row to or from
 // its expert-major place.
 template <typename T, int kElems, bool kToExpertMajor>
-__global__ void __launch_bounds__(kRowWarps * kWarpSize)
-    chunk_copy_kernel(const T* __restrict__ from, T* __restrict__ to, std::int64_t rows, int hidden, int chunks,
-                      const std::int32_t* __restrict__ source_start, const std::int32_t* __restrict__ expert_start) {
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    chunk_copy_kernel(const T* __restrict__ from, T* __restrict__ to, std::int64_t rows, int hidden,
+                      int chunks, const std::int32_t* __restrict__ source_start,
+                      const std::int32_t* __restrict__ expert_start) {
   using P = Pack<T, kElems>;
   const int lane = threadIdx.x % kWarpSize;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  const std::int64_t row =
+      static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (row >= rows) return;
   int lo = 0, hi = chunks;  // last chunk with source_start <= row (empty chunks share starts)
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (source_start[mid] <= row) lo = mid; else hi = mid;
+    if (source_start[mid] <= row)
+      lo = mid;
+    else
+      hi = mid;
   }
   const std::int64_t expert_row = expert_start[lo] + (row - source_start[lo]);
   const std::int64_t src_row = kToExpertMajor ? row : expert_row;
@@ -378,26 +405,30 @@ __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 
 void check_activation(const Tensor& t, const char* what) {
   if (t.dtype != DType::kBF16 && t.dtype != DType::kFP32) {
-    fail(std::string(what) + ": dtype " + std::string(dtype_name(t.dtype)) + " must be bf16 or fp32");
+    fail(std::string(what) + ": dtype " + std::string(dtype_name(t.dtype)) +
+         " must be bf16 or fp32");
   }
   if (t.rank() != 2) fail(std::string(what) + ": expected a [rows, H] matrix, got " + t.describe());
 }
 
 void check_same_width(const Tensor& a, const Tensor& b, const char* what) {
   if (a.dtype != b.dtype || a.dim(1) != b.dim(1)) {
-    fail(std::string(what) + ": " + a.describe() + " and " + b.describe() + " differ in dtype or H");
+    fail(std::string(what) + ": " + a.describe() + " and " + b.describe() +
+         " differ in dtype or H");
   }
 }
 
 void check_topk(int topk, const char* what) {
   if (topk < 1 || topk > kMaxTopK) {
-    fail(std::string(what) + ": topk = " + std::to_string(topk) + " must be in [1, " + std::to_string(kMaxTopK) + "]");
+    fail(std::string(what) + ": topk = " + std::to_string(topk) + " must be in [1, " +
+         std::to_string(kMaxTopK) + "]");
   }
 }
 
 // Calls launch.operator()<T, kElems>() with 16-byte packs when every row allows them.
 template <typename Launch>
-void dispatch_rows(const Tensor& reference, std::initializer_list<const void*> pointers, Launch&& launch) {
+void dispatch_rows(const Tensor& reference, std::initializer_list<const void*> pointers,
+                   Launch&& launch) {
   const auto hidden = reference.dim(1);
   const bool bf16 = reference.dtype == DType::kBF16;
   const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(reference.dtype);
@@ -425,17 +456,18 @@ unsigned row_blocks(std::int64_t rows) {
 }
 
 template <typename T>
-void zero_padding(const std::int32_t* offsets, const std::int32_t* counts, int groups, int hidden, void* out,
-                  cudaStream_t stream) {
+void zero_padding(const std::int32_t* offsets, const std::int32_t* counts, int groups, int hidden,
+                  void* out, cudaStream_t stream) {
   zero_padding_kernel<T><<<groups, 256, 0, stream>>>(offsets, counts, hidden, static_cast<T*>(out));
   MOE_CHECK_LAUNCH();
 }
 
-void zero_padding(const Tensor& out, const std::int32_t* offsets, const std::int32_t* counts, int groups,
-                  cudaStream_t stream) {
+void zero_padding(const Tensor& out, const std::int32_t* offsets, const std::int32_t* counts,
+                  int groups, cudaStream_t stream) {
   if (groups == 0) return;
   const int hidden = static_cast<int>(out.dim(1));
-  if (out.dtype == DType::kBF16) return zero_padding<__nv_bfloat16>(offsets, counts, groups, hidden, out.data, stream);
+  if (out.dtype == DType::kBF16)
+    return zero_padding<__nv_bfloat16>(offsets, counts, groups, hidden, out.data, stream);
   zero_padding<float>(offsets, counts, groups, hidden, out.data, stream);
 }
 
@@ -452,34 +484,42 @@ std::size_t layout_workspace_bytes(std::int64_t tokens, int topk, int experts) {
 
 void build_layout(const LayoutArgs& a, cudaStream_t stream) {
   if (a.experts < 1 || a.experts > kMaxExperts) {
-    fail("build_layout: experts = " + std::to_string(a.experts) + " must be in [1, " + std::to_string(kMaxExperts) + "]");
+    fail("build_layout: experts = " + std::to_string(a.experts) + " must be in [1, " +
+         std::to_string(kMaxExperts) + "]");
   }
   check_topk(a.topk, "build_layout");
   if (a.align < 0) fail("build_layout: align = " + std::to_string(a.align) + " must be >= 0");
-  if (a.tokens < 0 || a.tokens * a.topk > INT_MAX) fail("build_layout: tokens = " + std::to_string(a.tokens) + " out of range");
-  if (a.counts == nullptr || a.offsets == nullptr || a.workspace == nullptr || (a.tokens > 0 && (a.topk_idx == nullptr || a.row_map == nullptr))) {
+  if (a.tokens < 0 || a.tokens * a.topk > INT_MAX)
+    fail("build_layout: tokens = " + std::to_string(a.tokens) + " out of range");
+  if (a.counts == nullptr || a.offsets == nullptr || a.workspace == nullptr ||
+      (a.tokens > 0 && (a.topk_idx == nullptr || a.row_map == nullptr))) {
     fail("build_layout: topk_idx, counts, offsets, row_map and workspace are required");
   }
   const int blocks = layout_blocks(a.tokens);
   auto* histogram = static_cast<std::int32_t*>(a.workspace);
-  if (a.tokens == 0) MOE_CHECK_CUDA(cudaMemsetAsync(histogram, 0, layout_workspace_bytes(0, a.topk, a.experts), stream));
+  if (a.tokens == 0)
+    MOE_CHECK_CUDA(
+        cudaMemsetAsync(histogram, 0, layout_workspace_bytes(0, a.topk, a.experts), stream));
   if (a.tokens > 0) {
-    layout_histogram_kernel<<<blocks, kLayoutTokens, a.experts * sizeof(int), stream>>>(a.topk_idx, a.tokens, a.topk,
-                                                                                       a.experts, histogram);
+    layout_histogram_kernel<<<blocks, kLayoutTokens, a.experts * sizeof(int), stream>>>(
+        a.topk_idx, a.tokens, a.topk, a.experts, histogram);
     MOE_CHECK_LAUNCH();
   }
-  layout_scan_kernel<<<1, kScanThreads, 0, stream>>>(histogram, blocks, a.experts, a.align, a.counts, a.offsets);
+  layout_scan_kernel<<<1, kScanThreads, 0, stream>>>(histogram, blocks, a.experts, a.align,
+                                                     a.counts, a.offsets);
   MOE_CHECK_LAUNCH();
   if (a.tokens > 0) {
-    const std::size_t bitmap = static_cast<std::size_t>(a.experts) * (kLayoutTokens / 32) * sizeof(unsigned);
-    layout_rank_kernel<<<blocks, kLayoutTokens, bitmap, stream>>>(a.topk_idx, a.tokens, a.topk, a.experts, histogram,
-                                                                  a.row_map);
+    const std::size_t bitmap =
+        static_cast<std::size_t>(a.experts) * (kLayoutTokens / 32) * sizeof(unsigned);
+    layout_rank_kernel<<<blocks, kLayoutTokens, bitmap, stream>>>(a.topk_idx, a.tokens, a.topk,
+                                                                  a.experts, histogram, a.row_map);
     MOE_CHECK_LAUNCH();
   }
 }
 
-void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk, const std::int32_t* offsets,
-                  const std::int32_t* counts, int experts, const Tensor& out, cudaStream_t stream) {
+void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk,
+                  const std::int32_t* offsets, const std::int32_t* counts, int experts,
+                  const Tensor& out, cudaStream_t stream) {
   check_activation(x, "permute_rows x");
   check_activation(out, "permute_rows out");
   check_same_width(x, out, "permute_rows");
@@ -498,8 +538,8 @@ void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk, const 
   zero_padding(out, offsets, counts, experts, stream);
 }
 
-void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float* prob, int topk, const Tensor& out,
-                       cudaStream_t stream) {
+void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float* prob, int topk,
+                       const Tensor& out, cudaStream_t stream) {
   check_activation(y, "unpermute_combine y");
   check_activation(out, "unpermute_combine out");
   check_same_width(y, out, "unpermute_combine");
@@ -509,16 +549,18 @@ void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float
   const int hidden = static_cast<int>(out.dim(1));
   dispatch_rows(out, {y.data, out.data}, [&]<typename T, int kElems>() {
     dispatch_slots(topk, [&]<int kSlots>() {
-      unpermute_combine_kernel<T, kElems, kSlots><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
-          y.as<const T>(), row_map, prob, topk, tokens, hidden, out.as<T>());
+      unpermute_combine_kernel<T, kElems, kSlots>
+          <<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
+              y.as<const T>(), row_map, prob, topk, tokens, hidden, out.as<T>());
       MOE_CHECK_LAUNCH();
     });
   });
 }
 
-void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row_map, const float* prob, int topk,
-                      const std::int32_t* offsets, const std::int32_t* counts, int experts, const Tensor& dY,
-                      float* dprob, cudaStream_t stream) {
+void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row_map,
+                      const float* prob, int topk, const std::int32_t* offsets,
+                      const std::int32_t* counts, int experts, const Tensor& dY, float* dprob,
+                      cudaStream_t stream) {
   check_activation(dy, "combine_backward dy");
   check_activation(y, "combine_backward y");
   check_activation(dY, "combine_backward dY");
@@ -531,8 +573,10 @@ void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row
   if (tokens > 0) {
     dispatch_rows(dy, {dy.data, y.data, dY.data}, [&]<typename T, int kElems>() {
       dispatch_slots(topk, [&]<int kSlots>() {
-        combine_backward_kernel<T, kElems, kSlots><<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
-            dy.as<const T>(), y.as<const T>(), row_map, prob, topk, tokens, hidden, dY.as<T>(), dprob);
+        combine_backward_kernel<T, kElems, kSlots>
+            <<<row_blocks(tokens), kRowWarps * kWarpSize, 0, stream>>>(
+                dy.as<const T>(), y.as<const T>(), row_map, prob, topk, tokens, hidden, dY.as<T>(),
+                dprob);
         MOE_CHECK_LAUNCH();
       });
     });
@@ -547,11 +591,11 @@ std::size_t chunk_workspace_bytes(int sources, int local_experts) {
 
 namespace {
 template <bool kToExpertMajor>
-void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to, const Tensor& source_major,
-                 const Tensor& expert_major, cudaStream_t stream) {
+void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
+                 const Tensor& source_major, const Tensor& expert_major, cudaStream_t stream) {
   if (c.sources < 1 || c.local_experts < 1 || c.counts == nullptr || c.workspace == nullptr) {
-    fail("chunk sort: sources = " + std::to_string(c.sources) + ", local_experts = " + std::to_string(c.local_experts) +
-         "; counts and workspace are required");
+    fail("chunk sort: sources = " + std::to_string(c.sources) + ", local_experts = " +
+         std::to_string(c.local_experts) + "; counts and workspace are required");
   }
   check_activation(source_major, "chunk sort source-major rows");
   check_activation(expert_major, "chunk sort expert-major rows");
@@ -559,23 +603,30 @@ void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to, const
   const int chunks = c.sources * c.local_experts;
   const ChunkTable table = chunk_table(c.workspace, c.sources, c.local_experts);
   const std::size_t shared = (static_cast<std::size_t>(chunks) + c.local_experts) * sizeof(int);
-  if (shared > 48 * 1024) fail("chunk sort: " + std::to_string(chunks) + " chunks exceed the table kernel's shared memory");
-  chunk_table_kernel<<<1, kScanThreads, shared, stream>>>(c.counts, c.sources, c.local_experts, c.align, table);
+  if (shared > 48 * 1024)
+    fail("chunk sort: " + std::to_string(chunks) +
+         " chunks exceed the table kernel's shared memory");
+  chunk_table_kernel<<<1, kScanThreads, shared, stream>>>(c.counts, c.sources, c.local_experts,
+                                                          c.align, table);
   MOE_CHECK_LAUNCH();
   const std::int64_t rows = source_major.dim(0);
   const int hidden = static_cast<int>(source_major.dim(1));
   if (rows > 0) {
     dispatch_rows(source_major, {from.data, to.data}, [&]<typename T, int kElems>() {
-      chunk_copy_kernel<T, kElems, kToExpertMajor><<<row_blocks(rows), kRowWarps * kWarpSize, 0, stream>>>(
-          from.as<const T>(), to.as<T>(), rows, hidden, chunks, table.source_start, table.expert_start);
+      chunk_copy_kernel<T, kElems, kToExpertMajor>
+          <<<row_blocks(rows), kRowWarps * kWarpSize, 0, stream>>>(
+              from.as<const T>(), to.as<T>(), rows, hidden, chunks, table.source_start,
+              table.expert_start);
       MOE_CHECK_LAUNCH();
     });
   }
-  if (kToExpertMajor) zero_padding(expert_major, table.group_offsets, table.group_counts, c.local_experts, stream);
+  if (kToExpertMajor)
+    zero_padding(expert_major, table.group_offsets, table.group_counts, c.local_experts, stream);
 }
 }  // namespace
 
-void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tensor& expert_major, cudaStream_t stream) {
+void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tensor& expert_major,
+                 cudaStream_t stream) {
   copy_chunks<true>(chunks, source_major, expert_major, source_major, expert_major, stream);
 }
 

@@ -21,19 +21,20 @@ struct LayoutArgs {
   std::int64_t tokens = 0;
   int topk = 0;
   int experts = 0;
-  int align = 0;                      // 0 or 1: no padding
-  std::int32_t* counts = nullptr;     // [E] out: rows routed to each expert
-  std::int32_t* offsets = nullptr;    // [E + 1] out: start of each padded group; [E] = total rows
-  std::int32_t* row_map = nullptr;    // [T, K] out: (t, k) -> row; inside a group, token order
-  void* workspace = nullptr;          // layout_workspace_bytes()
+  int align = 0;                    // 0 or 1: no padding
+  std::int32_t* counts = nullptr;   // [E] out: rows routed to each expert
+  std::int32_t* offsets = nullptr;  // [E + 1] out: start of each padded group; [E] = total rows
+  std::int32_t* row_map = nullptr;  // [T, K] out: (t, k) -> row; inside a group, token order
+  void* workspace = nullptr;        // layout_workspace_bytes()
 };
 
 std::size_t layout_workspace_bytes(std::int64_t tokens, int topk, int experts);
 void build_layout(const LayoutArgs& args, cudaStream_t stream);
 
 // out[row(t, k)] = x[t]; padding rows (offsets/counts of `experts` groups) are written as zeros.
-void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk, const std::int32_t* offsets,
-                  const std::int32_t* counts, int experts, const Tensor& out, cudaStream_t stream);
+void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk,
+                  const std::int32_t* offsets, const std::int32_t* counts, int experts,
+                  const Tensor& out, cudaStream_t stream);
 
 // out[t] = Σ_k prob[t, k]·y[row(t, k)] (prob null: plain sum, the permute backward), accumulated in
 // fp32 in slot order, written in out's dtype.
@@ -42,9 +43,10 @@ void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float
 
 // Combine backward: dY[row(t, k)] = prob[t, k]·dy[t] (padding rows zero) and
 // dprob[t, k] = <dy[t], y[row(t, k)]>, with y the tensor the combine consumed.
-void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row_map, const float* prob,
-                      int topk, const std::int32_t* offsets, const std::int32_t* counts, int experts,
-                      const Tensor& dY, float* dprob, cudaStream_t stream);
+void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row_map,
+                      const float* prob, int topk, const std::int32_t* offsets,
+                      const std::int32_t* counts, int experts, const Tensor& dY, float* dprob,
+                      cudaStream_t stream);
 
 // The EP receiver: rows ordered by (source, local expert) with counts[s · E_loc + e], unpadded,
 // moved to or from the expert-major layout padded to `align` (padding rows zero when writing it).

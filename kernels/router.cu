@@ -17,9 +17,12 @@ constexpr int kMaxBlocksPerSm = 16;  // 64 warps: the most an SM holds
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kNormEpsilon = 1e-20f;
 
-// ---- Device helpers ------------------------------------------------------------------------------
+// ---- Device helpers
+// ------------------------------------------------------------------------------
 
-__device__ __forceinline__ float load_value(const float* p, std::int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_value(const float* p, std::int64_t i) {
+  return p[i];
+}
 __device__ __forceinline__ float load_value(const __nv_bfloat16* p, std::int64_t i) {
   return __bfloat162float(p[i]);
 }
@@ -45,8 +48,12 @@ __device__ __forceinline__ float warp_max(float v) {
   return from_order_key(__reduce_max_sync(kFullMask, order_key(v)));
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.0f) + log1pf(__expf(-fabsf(x))); }
+__device__ __forceinline__ float sigmoid(float x) {
+  return 1.0f / (1.0f + __expf(-x));
+}
+__device__ __forceinline__ float softplus(float x) {
+  return fmaxf(x, 0.0f) + log1pf(__expf(-fabsf(x)));
+}
 
 // The elementwise score g(l) of sigmoid / sqrtsoftplus, and g'(l) given s = g(l).
 __device__ __forceinline__ float elementwise_score(ScoreFunction f, float l) {
@@ -65,8 +72,12 @@ struct Candidate {
   float value;
   int index;
 };
-__device__ __forceinline__ Candidate no_candidate() { return {-INFINITY, INT_MAX}; }
-__device__ __forceinline__ Candidate before_all() { return {INFINITY, -1}; }
+__device__ __forceinline__ Candidate no_candidate() {
+  return {-INFINITY, INT_MAX};
+}
+__device__ __forceinline__ Candidate before_all() {
+  return {INFINITY, -1};
+}
 
 // The warp's best candidate: the largest value, then among its holders the lowest index.
 __device__ __forceinline__ Candidate warp_best(Candidate c) {
@@ -79,13 +90,15 @@ __device__ __forceinline__ Candidate warp_best(Candidate c) {
 // The best entry of the row (lane-strided registers) that ranks after `previous`. Taking the next
 // in order, rather than masking the winner, never picks an entry twice, even among equal values.
 template <int N>
-__device__ __forceinline__ Candidate next_best(const float (&row)[N], int lane, Candidate previous) {
+__device__ __forceinline__ Candidate next_best(const float (&row)[N], int lane,
+                                               Candidate previous) {
   Candidate best = no_candidate();
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int e = lane + kWarpSize * j;
     const float v = row[j] + 0.0f;  // -0 as +0, as in order_key
-    if (ranks_before(previous.value, previous.index, v, e) && ranks_before(v, e, best.value, best.index)) {
+    if (ranks_before(previous.value, previous.index, v, e) &&
+        ranks_before(v, e, best.value, best.index)) {
       best = {v, e};
     }
   }
@@ -105,7 +118,8 @@ __device__ __forceinline__ float broadcast_entry(const float (&row)[N], int expe
 
 // Adds each active slot's value (lane k holds slot k's expert and value) into the row.
 template <int N>
-__device__ __forceinline__ void scatter_add(float (&row)[N], int lane, int topk, int slot_expert, float slot_value) {
+__device__ __forceinline__ void scatter_add(float (&row)[N], int lane, int topk, int slot_expert,
+                                            float slot_value) {
   for (int k = 0; k < topk; ++k) {
     const int e = __shfl_sync(kFullMask, slot_expert, k);
     const float v = __shfl_sync(kFullMask, slot_value, k);
@@ -119,8 +133,8 @@ __device__ __forceinline__ void scatter_add(float (&row)[N], int lane, int topk,
 }
 
 template <int N, typename In>
-__device__ __forceinline__ void load_row(float (&row)[N], const In* logits, std::int64_t t, std::int64_t tokens,
-                                         int experts, int lane) {
+__device__ __forceinline__ void load_row(float (&row)[N], const In* logits, std::int64_t t,
+                                         std::int64_t tokens, int experts, int lane) {
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int e = lane + kWarpSize * j;
@@ -130,7 +144,8 @@ __device__ __forceinline__ void load_row(float (&row)[N], const In* logits, std:
 
 // Max and Σ exp(l − max) of a row; padding lanes hold −∞ and add nothing.
 template <int N>
-__device__ __forceinline__ void row_softmax_stats(const float (&l)[N], float& row_max, float& row_sum) {
+__device__ __forceinline__ void row_softmax_stats(const float (&l)[N], float& row_max,
+                                                  float& row_sum) {
   float m = -INFINITY;
 #pragma unroll
   for (int j = 0; j < N; ++j) m = fmaxf(m, l[j]);
@@ -144,7 +159,8 @@ __device__ __forceinline__ void row_softmax_stats(const float (&l)[N], float& ro
 // Group-limited selection: keeps the top group_topk groups (a group scores the sum of its top
 // K/GK entries) and sets the others' entries to −∞. `scratch` holds E + 2G floats for this warp.
 template <int N>
-__device__ __forceinline__ void mask_groups(float (&r)[N], const RouterParams& p, int lane, float* scratch) {
+__device__ __forceinline__ void mask_groups(float (&r)[N], const RouterParams& p, int lane,
+                                            float* scratch) {
   const int E = p.num_experts;
   const int G = p.num_groups;
   const int per_group = E / G;
@@ -165,7 +181,8 @@ __device__ __forceinline__ void mask_groups(float (&r)[N], const RouterParams& p
       for (int i = 0; i < per_group; ++i) {
         const int e = g * per_group + i;
         const float v = scratch[e];
-        if (ranks_before(previous.value, previous.index, v, e) && ranks_before(v, e, best.value, best.index)) {
+        if (ranks_before(previous.value, previous.index, v, e) &&
+            ranks_before(v, e, best.value, best.index)) {
           best = {v, e};
         }
       }
@@ -181,7 +198,8 @@ __device__ __forceinline__ void mask_groups(float (&r)[N], const RouterParams& p
     Candidate best = no_candidate();
     for (int g = lane; g < G; g += kWarpSize) {
       const float v = group_score[g];
-      if (ranks_before(previous.value, previous.index, v, g) && ranks_before(v, g, best.value, best.index)) {
+      if (ranks_before(previous.value, previous.index, v, g) &&
+          ranks_before(v, g, best.value, best.index)) {
         best = {v, g};
       }
     }
@@ -198,7 +216,8 @@ __device__ __forceinline__ void mask_groups(float (&r)[N], const RouterParams& p
   __syncwarp();  // the next token reuses the scratch
 }
 
-// ---- Forward -------------------------------------------------------------------------------------
+// ---- Forward
+// -------------------------------------------------------------------------------------
 
 template <typename In>
 struct ForwardKernelArgs {
@@ -267,7 +286,8 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
       } else if (softmax) {
         r[j] = p.pre_softmax ? __expf(l[j] - row_max) / row_sum : l[j];
       } else {
-        r[j] = elementwise_score(p.score_function, l[j]) + (p.expert_bias ? a.expert_bias[e] : 0.0f);
+        r[j] =
+            elementwise_score(p.score_function, l[j]) + (p.expert_bias ? a.expert_bias[e] : 0.0f);
       }
     }
     if (p.num_groups > 0) mask_groups(r, p, lane, scratch);
@@ -365,23 +385,25 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
   }
   for (int e = threadIdx.x; e < E; e += kThreads) {
     if (block_counts[e] != 0) atomicAdd(&a.tokens_per_expert[e], block_counts[e]);
-    if (p.aux_loss && block_aux_counts[e] != 0) atomicAdd(&a.aux_tokens_per_expert[e], block_aux_counts[e]);
+    if (p.aux_loss && block_aux_counts[e] != 0)
+      atomicAdd(&a.aux_tokens_per_expert[e], block_aux_counts[e]);
   }
 }
 
 // Sums the per-block partials in a fixed order: block x of the grid takes experts
 // [32x, 32x + 32); its warps stride over the partial rows, then warp 0 adds the warps' sums.
 constexpr int kFinalizeWarps = 8;
-__global__ void __launch_bounds__(kFinalizeWarps * kWarpSize)
-    router_finalize_kernel(int experts, int blocks, const float* score_sum_partials, const float* z_partials,
-                           float* score_sum, float* z_sum) {
+__global__ void __launch_bounds__(kFinalizeWarps* kWarpSize)
+    router_finalize_kernel(int experts, int blocks, const float* score_sum_partials,
+                           const float* z_partials, float* score_sum, float* z_sum) {
   __shared__ float warp_sums[kFinalizeWarps][kWarpSize];
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int e = blockIdx.x * kWarpSize + lane;
   float sum = 0.0f;
   for (int b = warp; b < blocks; b += kFinalizeWarps) {
-    if (score_sum != nullptr && e < experts) sum += score_sum_partials[static_cast<std::int64_t>(b) * experts + e];
+    if (score_sum != nullptr && e < experts)
+      sum += score_sum_partials[static_cast<std::int64_t>(b) * experts + e];
   }
   warp_sums[warp][lane] = sum;
   float z = 0.0f;
@@ -408,7 +430,8 @@ __global__ void __launch_bounds__(kFinalizeWarps * kWarpSize)
   }
 }
 
-// ---- Backward ------------------------------------------------------------------------------------
+// ---- Backward
+// ------------------------------------------------------------------------------------
 
 template <typename In>
 struct BackwardKernelArgs {
@@ -444,11 +467,13 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int e = lane + kWarpSize * j;
-    aux_grad[j] = (aux && e < E) ? a.aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
+    aux_grad[j] =
+        (aux && e < E) ? a.aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
   }
 
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < a.tokens; t += stride) {
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < a.tokens;
+       t += stride) {
     const int slot_expert = active ? a.topk_idx[t * K + lane] : 0;
     const float slot_p = active ? a.topk_p[t * K + lane] : 0.0f;
     const float slot_dp = (active && a.dprob != nullptr) ? a.dprob[t * K + lane] : 0.0f;
@@ -548,13 +573,15 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
 
 constexpr int kReduceThreads = 256;
 
-__global__ void router_losses_kernel(int experts, int topk, const std::int32_t* f, const float* score_sum,
-                                     const float* z_sum, const std::int64_t* global_tokens, double aux_coeff,
+__global__ void router_losses_kernel(int experts, int topk, const std::int32_t* f,
+                                     const float* score_sum, const float* z_sum,
+                                     const std::int64_t* global_tokens, double aux_coeff,
                                      double z_coeff, float* losses) {
   __shared__ float partial[kReduceThreads];
   float sum = 0.0f;
   if (f != nullptr) {
-    for (int e = threadIdx.x; e < experts; e += kReduceThreads) sum += score_sum[e] * static_cast<float>(f[e]);
+    for (int e = threadIdx.x; e < experts; e += kReduceThreads)
+      sum += score_sum[e] * static_cast<float>(f[e]);
   }
   partial[threadIdx.x] = sum;
   __syncthreads();
@@ -565,13 +592,14 @@ __global__ void router_losses_kernel(int experts, int topk, const std::int32_t* 
   if (threadIdx.x == 0) {
     const double T = static_cast<double>(*global_tokens);
     const double aux_factor = T > 0 ? aux_coeff * experts / (topk * T * T) : 0.0;  // α·E/(K·T²)
-    const double z_factor = T > 0 ? z_coeff / T : 0.0;                              // β/T
+    const double z_factor = T > 0 ? z_coeff / T : 0.0;                             // β/T
     losses[0] = f != nullptr ? static_cast<float>(aux_factor * partial[0]) : 0.0f;
     losses[1] = z_sum != nullptr ? static_cast<float>(z_factor * *z_sum) : 0.0f;
   }
 }
 
-__global__ void update_expert_bias_kernel(float* bias, const std::int32_t* load, int experts, float rate) {
+__global__ void update_expert_bias_kernel(float* bias, const std::int32_t* load, int experts,
+                                          float rate) {
   __shared__ long long partial[kReduceThreads];
   long long sum = 0;
   for (int e = threadIdx.x; e < experts; e += kReduceThreads) sum += load[e];
@@ -604,14 +632,19 @@ int sm_count() {
 template <typename Kernel>
 int forward_blocks(Kernel kernel, std::size_t shared_bytes, std::int64_t tokens) {
   int per_sm = 0;
-  MOE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared_bytes));
+  MOE_CHECK_CUDA(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared_bytes));
   per_sm = std::clamp(per_sm, 1, kMaxBlocksPerSm);
   const std::int64_t needed = (tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(needed, sm_count() * per_sm)));
+  return static_cast<int>(
+      std::max<std::int64_t>(1, std::min<std::int64_t>(needed, sm_count() * per_sm)));
 }
-int max_forward_blocks() { return sm_count() * kMaxBlocksPerSm; }
+int max_forward_blocks() {
+  return sm_count() * kMaxBlocksPerSm;
+}
 int backward_blocks(std::int64_t tokens) {
-  return static_cast<int>(std::clamp<std::int64_t>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, INT_MAX));
+  return static_cast<int>(
+      std::clamp<std::int64_t>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, INT_MAX));
 }
 
 // Registers per lane: the smallest power of two with 32·N ≥ E.
@@ -624,18 +657,23 @@ void dispatch_width(int experts, Launch&& launch) {
   if (experts <= 512) return launch.template operator()<16>();
   if (experts <= 1024) return launch.template operator()<32>();
   if (experts <= 2048) return launch.template operator()<64>();
-  fail("router: num_experts = " + std::to_string(experts) + " exceeds " + std::to_string(kMaxExperts));
+  fail("router: num_experts = " + std::to_string(experts) + " exceeds " +
+       std::to_string(kMaxExperts));
 }
 
 void check_params(const RouterParams& p) {
   if (p.num_experts < 1 || p.num_experts > kMaxExperts) {
-    fail("router: num_experts = " + std::to_string(p.num_experts) + " must be in [1, " + std::to_string(kMaxExperts) + "]");
+    fail("router: num_experts = " + std::to_string(p.num_experts) + " must be in [1, " +
+         std::to_string(kMaxExperts) + "]");
   }
   if (p.topk < 1 || p.topk > std::min(p.num_experts, kMaxTopK)) {
-    fail("router: topk = " + std::to_string(p.topk) + " must be in [1, min(num_experts, " + std::to_string(kMaxTopK) + ")]");
+    fail("router: topk = " + std::to_string(p.topk) + " must be in [1, min(num_experts, " +
+         std::to_string(kMaxTopK) + ")]");
   }
-  if (p.num_groups > 0 && (p.group_topk < 1 || p.num_experts % p.num_groups != 0 || p.topk % p.group_topk != 0)) {
-    fail("router: invalid grouping num_groups = " + std::to_string(p.num_groups) + ", group_topk = " + std::to_string(p.group_topk));
+  if (p.num_groups > 0 &&
+      (p.group_topk < 1 || p.num_experts % p.num_groups != 0 || p.topk % p.group_topk != 0)) {
+    fail("router: invalid grouping num_groups = " + std::to_string(p.num_groups) +
+         ", group_topk = " + std::to_string(p.group_topk));
   }
 }
 
@@ -648,18 +686,28 @@ void check_logits_dtype(DType dtype) {
 template <typename Kernel>
 void allow_shared_memory(Kernel kernel, std::size_t bytes) {
   if (bytes > 48 * 1024) {
-    MOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    MOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
   }
 }
 
 // Launches the forward kernel; returns its grid size (the number of partial rows written).
 template <typename In>
-int launch_forward(const RouterParams& p, const RouterForwardArgs& args, float* partials, float* z_partials,
-                   cudaStream_t stream) {
-  ForwardKernelArgs<In> k{p, static_cast<const In*>(args.logits), args.tokens, args.expert_bias, args.topk_idx,
-                          args.topk_p, args.tokens_per_expert, args.aux_tokens_per_expert, partials, z_partials};
-  const std::size_t shared = (static_cast<std::size_t>(scratch_floats_per_warp(p)) + 1) * kWarpsPerBlock * sizeof(float) +
-                             2 * static_cast<std::size_t>(p.num_experts) * sizeof(int);
+int launch_forward(const RouterParams& p, const RouterForwardArgs& args, float* partials,
+                   float* z_partials, cudaStream_t stream) {
+  ForwardKernelArgs<In> k{p,
+                          static_cast<const In*>(args.logits),
+                          args.tokens,
+                          args.expert_bias,
+                          args.topk_idx,
+                          args.topk_p,
+                          args.tokens_per_expert,
+                          args.aux_tokens_per_expert,
+                          partials,
+                          z_partials};
+  const std::size_t shared =
+      (static_cast<std::size_t>(scratch_floats_per_warp(p)) + 1) * kWarpsPerBlock * sizeof(float) +
+      2 * static_cast<std::size_t>(p.num_experts) * sizeof(int);
   int blocks = 0;
   dispatch_width(p.num_experts, [&]<int N>() {
     allow_shared_memory(router_forward_kernel<N, In>, shared);
@@ -672,8 +720,16 @@ int launch_forward(const RouterParams& p, const RouterForwardArgs& args, float* 
 
 template <typename In>
 void launch_backward(const RouterParams& p, const RouterBackwardArgs& args, cudaStream_t stream) {
-  BackwardKernelArgs<In> k{p, static_cast<const In*>(args.logits), args.tokens, args.topk_idx, args.topk_p,
-                           args.dprob, args.aux_tokens_per_expert, args.aux_factor, args.z_factor, args.dlogits};
+  BackwardKernelArgs<In> k{p,
+                           static_cast<const In*>(args.logits),
+                           args.tokens,
+                           args.topk_idx,
+                           args.topk_p,
+                           args.dprob,
+                           args.aux_tokens_per_expert,
+                           args.aux_factor,
+                           args.z_factor,
+                           args.dlogits};
   const int blocks = backward_blocks(args.tokens);
   dispatch_width(p.num_experts, [&]<int N>() {
     router_backward_kernel<N, In><<<blocks, kThreads, 0, stream>>>(k);
@@ -700,40 +756,49 @@ RouterParams RouterParams::from(const MoEConfig& config) {
 
 std::size_t router_workspace_bytes(const RouterParams& params, std::int64_t tokens) {
   (void)tokens;  // one wave at most, whatever the token count
-  return static_cast<std::size_t>(max_forward_blocks()) * (static_cast<std::size_t>(params.num_experts) + 1) *
-         sizeof(float);
+  return static_cast<std::size_t>(max_forward_blocks()) *
+         (static_cast<std::size_t>(params.num_experts) + 1) * sizeof(float);
 }
 
 void router_forward(const RouterParams& p, const RouterForwardArgs& args, cudaStream_t stream) {
   check_params(p);
   check_logits_dtype(args.logits_dtype);
-  if (args.tokens < 0) fail("router_forward: tokens = " + std::to_string(args.tokens) + " must be >= 0");
-  if (args.tokens > 0 && (args.logits == nullptr || args.topk_idx == nullptr || args.topk_p == nullptr)) {
+  if (args.tokens < 0)
+    fail("router_forward: tokens = " + std::to_string(args.tokens) + " must be >= 0");
+  if (args.tokens > 0 &&
+      (args.logits == nullptr || args.topk_idx == nullptr || args.topk_p == nullptr)) {
     fail("router_forward: logits, topk_idx and topk_p are required");
   }
   if (args.tokens_per_expert == nullptr) fail("router_forward: tokens_per_expert is required");
-  if (p.expert_bias && args.expert_bias == nullptr) fail("router_forward: expert_bias is on but no bias was given");
+  if (p.expert_bias && args.expert_bias == nullptr)
+    fail("router_forward: expert_bias is on but no bias was given");
   if (p.aux_loss && (args.aux_tokens_per_expert == nullptr || args.aux_score_sum == nullptr)) {
     fail("router_forward: aux_loss needs aux_tokens_per_expert and aux_score_sum");
   }
   if (p.z_loss && args.z_sum == nullptr) fail("router_forward: z_loss needs z_sum");
-  if ((p.aux_loss || p.z_loss) && args.workspace == nullptr) fail("router_forward: workspace is required");
+  if ((p.aux_loss || p.z_loss) && args.workspace == nullptr)
+    fail("router_forward: workspace is required");
 
   const std::size_t count_bytes = static_cast<std::size_t>(p.num_experts) * sizeof(std::int32_t);
   MOE_CHECK_CUDA(cudaMemsetAsync(args.tokens_per_expert, 0, count_bytes, stream));
-  if (p.aux_loss) MOE_CHECK_CUDA(cudaMemsetAsync(args.aux_tokens_per_expert, 0, count_bytes, stream));
+  if (p.aux_loss)
+    MOE_CHECK_CUDA(cudaMemsetAsync(args.aux_tokens_per_expert, 0, count_bytes, stream));
   auto* partials = static_cast<float*>(args.workspace);
   float* z_partials =
-      partials == nullptr ? nullptr : partials + static_cast<std::size_t>(max_forward_blocks()) * p.num_experts;
+      partials == nullptr
+          ? nullptr
+          : partials + static_cast<std::size_t>(max_forward_blocks()) * p.num_experts;
   int blocks = 1;
   if (args.tokens > 0) {
-    blocks = args.logits_dtype == DType::kBF16 ? launch_forward<__nv_bfloat16>(p, args, partials, z_partials, stream)
-                                               : launch_forward<float>(p, args, partials, z_partials, stream);
+    blocks = args.logits_dtype == DType::kBF16
+                 ? launch_forward<__nv_bfloat16>(p, args, partials, z_partials, stream)
+                 : launch_forward<float>(p, args, partials, z_partials, stream);
   } else if (partials != nullptr) {
     MOE_CHECK_CUDA(cudaMemsetAsync(partials, 0, router_workspace_bytes(p, 0), stream));
   }
   if (p.aux_loss || p.z_loss) {
-    router_finalize_kernel<<<(p.num_experts + kWarpSize - 1) / kWarpSize, kFinalizeWarps * kWarpSize, 0, stream>>>(
+    router_finalize_kernel<<<(p.num_experts + kWarpSize - 1) / kWarpSize,
+                             kFinalizeWarps * kWarpSize, 0, stream>>>(
         p.num_experts, blocks, partials, z_partials, p.aux_loss ? args.aux_score_sum : nullptr,
         p.z_loss ? args.z_sum : nullptr);
     MOE_CHECK_LAUNCH();
@@ -751,21 +816,25 @@ float z_loss_factor(const MoEConfig& config, std::int64_t global_tokens) {
   return static_cast<float>(config.z_loss_coeff / static_cast<double>(global_tokens));
 }
 
-void router_losses(const RouterParams& params, const MoEConfig& config, const std::int32_t* aux_tokens_per_expert,
-                   const float* aux_score_sum, const float* z_sum, const std::int64_t* global_tokens, float* losses,
+void router_losses(const RouterParams& params, const MoEConfig& config,
+                   const std::int32_t* aux_tokens_per_expert, const float* aux_score_sum,
+                   const float* z_sum, const std::int64_t* global_tokens, float* losses,
                    cudaStream_t stream) {
   router_losses_kernel<<<1, kReduceThreads, 0, stream>>>(
-      params.num_experts, params.topk, params.aux_loss ? aux_tokens_per_expert : nullptr, aux_score_sum,
-      params.z_loss ? z_sum : nullptr, global_tokens, config.aux_loss_coeff, config.z_loss_coeff, losses);
+      params.num_experts, params.topk, params.aux_loss ? aux_tokens_per_expert : nullptr,
+      aux_score_sum, params.z_loss ? z_sum : nullptr, global_tokens, config.aux_loss_coeff,
+      config.z_loss_coeff, losses);
   MOE_CHECK_LAUNCH();
 }
 
 void router_backward(const RouterParams& p, const RouterBackwardArgs& args, cudaStream_t stream) {
   check_params(p);
   check_logits_dtype(args.logits_dtype);
-  if (args.tokens < 0) fail("router_backward: tokens = " + std::to_string(args.tokens) + " must be >= 0");
+  if (args.tokens < 0)
+    fail("router_backward: tokens = " + std::to_string(args.tokens) + " must be >= 0");
   if (args.tokens == 0) return;
-  if (args.logits == nullptr || args.topk_idx == nullptr || args.topk_p == nullptr || args.dlogits == nullptr) {
+  if (args.logits == nullptr || args.topk_idx == nullptr || args.topk_p == nullptr ||
+      args.dlogits == nullptr) {
     fail("router_backward: logits, topk_idx, topk_p and dlogits are required");
   }
   if (args.aux_factor != 0.0f && args.aux_tokens_per_expert == nullptr) {

@@ -47,7 +47,7 @@ struct RouterForwardArgs {
   // With params.aux_loss: f [E] (aux routing counts) and P [E] (Σ_t aux scores).
   std::int32_t* aux_tokens_per_expert = nullptr;
   float* aux_score_sum = nullptr;
-  float* z_sum = nullptr;  // [1] out with params.z_loss: Σ_t logsumexp(logits[t])²
+  float* z_sum = nullptr;     // [1] out with params.z_loss: Σ_t logsumexp(logits[t])²
   void* workspace = nullptr;  // router_workspace_bytes()
 };
 
@@ -74,11 +74,12 @@ struct RouterBackwardArgs {
   // Aux-loss gradient: the mesh-wide f [E], and α·E/(K·T_glob²); null / 0 = none.
   const std::int32_t* aux_tokens_per_expert = nullptr;
   float aux_factor = 0.0f;
-  float z_factor = 0.0f;   // β / T_glob; 0 = none
+  float z_factor = 0.0f;     // β / T_glob; 0 = none
   float* dlogits = nullptr;  // [T, E] out, fp32, every element written
 };
 
-void router_backward(const RouterParams& params, const RouterBackwardArgs& args, cudaStream_t stream);
+void router_backward(const RouterParams& params, const RouterBackwardArgs& args,
+                     cudaStream_t stream);
 
 // α·E/(K·T²) and β/T: the factors the backward takes (0 when T = 0).
 float aux_loss_factor(const MoEConfig& config, std::int64_t global_tokens);

@@ -8,25 +8,36 @@
 namespace moe {
 namespace {
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) {
+  return v;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 template <typename T, int kElems>
 struct alignas(sizeof(T) * kElems) Pack {
   T v[kElems];
 };
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) {
+  return 1.0f / (1.0f + __expf(-x));
+}
 
 // Grid-stride over (row, column pack) of the [rows, F] output.
 template <typename T, int kElems>
-__global__ void swiglu_forward_kernel(const T* __restrict__ h, T* __restrict__ a, std::int64_t rows, int ffn) {
+__global__ void swiglu_forward_kernel(const T* __restrict__ h, T* __restrict__ a, std::int64_t rows,
+                                      int ffn) {
   using P = Pack<T, kElems>;
   const int packs = ffn / kElems;
   const std::int64_t total = rows * packs;
@@ -47,8 +58,9 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ h, T* __restrict__ a
 }
 
 template <typename T, int kElems>
-__global__ void swiglu_backward_kernel(const T* __restrict__ h, const T* __restrict__ dA, T* __restrict__ dh,
-                                       T* __restrict__ a, std::int64_t rows, int ffn) {
+__global__ void swiglu_backward_kernel(const T* __restrict__ h, const T* __restrict__ dA,
+                                       T* __restrict__ dh, T* __restrict__ a, std::int64_t rows,
+                                       int ffn) {
   using P = Pack<T, kElems>;
   const int packs = ffn / kElems;
   const std::int64_t total = rows * packs;
@@ -67,7 +79,8 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ h, const T* __restr
       const float d = to_float(grad.v[e]);
       const float s = sigmoid(g);
       const float silu = g * s;
-      dgate.v[e] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // silu'(g) = σ(g)(1 + g(1 − σ(g)))
+      dgate.v[e] =
+          from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // silu'(g) = σ(g)(1 + g(1 − σ(g)))
       dup.v[e] = from_float<T>(d * silu);
       act.v[e] = from_float<T>(silu * u);
     }
@@ -91,7 +104,8 @@ void dispatch(DType dtype, int ffn, Launch&& launch) {
     if (ffn % 8 == 0) return launch.template operator()<__nv_bfloat16, 8>();
     return launch.template operator()<__nv_bfloat16, 1>();
   }
-  if (dtype != DType::kFP32) fail("swiglu: dtype " + std::string(dtype_name(dtype)) + " must be bf16 or fp32");
+  if (dtype != DType::kFP32)
+    fail("swiglu: dtype " + std::string(dtype_name(dtype)) + " must be bf16 or fp32");
   if (ffn % 4 == 0) return launch.template operator()<float, 4>();
   launch.template operator()<float, 1>();
 }
@@ -109,12 +123,14 @@ void swiglu_forward(const Tensor& h, const Tensor& a, cudaStream_t stream) {
   check(a, rows, ffn, a.dtype, "a");
   if (rows == 0) return;
   dispatch(a.dtype, ffn, [&]<typename T, int kElems>() {
-    swiglu_forward_kernel<T, kElems><<<blocks_for(rows * ffn / kElems), 256, 0, stream>>>(h.as<const T>(), a.as<T>(), rows, ffn);
+    swiglu_forward_kernel<T, kElems><<<blocks_for(rows * ffn / kElems), 256, 0, stream>>>(
+        h.as<const T>(), a.as<T>(), rows, ffn);
     MOE_CHECK_LAUNCH();
   });
 }
 
-void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const Tensor& a, cudaStream_t stream) {
+void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const Tensor& a,
+                     cudaStream_t stream) {
   const std::int64_t rows = h.dim(0);
   const int ffn = static_cast<int>(h.dim(1) / 2);
   check(h, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "h");

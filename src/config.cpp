@@ -52,48 +52,54 @@ std::int64_t MoEConfig::padded_rows(std::int64_t count) const {
 void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(hidden > 0, "hidden = {} must be positive", hidden);
   MOE_CONFIG_REQUIRE(ffn_hidden > 0, "ffn_hidden = {} must be positive", ffn_hidden);
-  MOE_CONFIG_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts = {} must be in [1, {}]",
-          num_experts, kMaxExperts);
-  MOE_CONFIG_REQUIRE(topk >= 1 && topk <= num_experts, "topk = {} must be in [1, num_experts = {}]", topk,
-          num_experts);
-  MOE_CONFIG_REQUIRE(topk <= kMaxTopK, "topk = {} exceeds the supported maximum {}", topk, kMaxTopK);
+  MOE_CONFIG_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts,
+                     "num_experts = {} must be in [1, {}]", num_experts, kMaxExperts);
+  MOE_CONFIG_REQUIRE(topk >= 1 && topk <= num_experts, "topk = {} must be in [1, num_experts = {}]",
+                     topk, num_experts);
+  MOE_CONFIG_REQUIRE(topk <= kMaxTopK, "topk = {} exceeds the supported maximum {}", topk,
+                     kMaxTopK);
 
   MOE_CONFIG_REQUIRE(score_function == ScoreFunction::kSoftmax || !pre_softmax,
-          "pre_softmax = true needs score_function = softmax, not {}",
-          score_function_name(score_function));
-  MOE_CONFIG_REQUIRE(!expert_bias || score_function != ScoreFunction::kSoftmax,
-          "expert_bias = true needs score_function = sigmoid or sqrtsoftplus, not softmax");
+                     "pre_softmax = true needs score_function = softmax, not {}",
+                     score_function_name(score_function));
+  MOE_CONFIG_REQUIRE(
+      !expert_bias || score_function != ScoreFunction::kSoftmax,
+      "expert_bias = true needs score_function = sigmoid or sqrtsoftplus, not softmax");
 
   // Group-limited routing: both zero means off; anything else must be a complete, valid setting.
   MOE_CONFIG_REQUIRE(num_groups >= 0, "num_groups = {} must be >= 0", num_groups);
   MOE_CONFIG_REQUIRE(group_topk >= 0, "group_topk = {} must be >= 0", group_topk);
   MOE_CONFIG_REQUIRE((num_groups == 0) == (group_topk == 0),
-          "num_groups = {} and group_topk = {}: set both (grouped routing) or neither", num_groups,
-          group_topk);
+                     "num_groups = {} and group_topk = {}: set both (grouped routing) or neither",
+                     num_groups, group_topk);
   if (num_groups > 0) {
-    MOE_CONFIG_REQUIRE(num_experts % num_groups == 0, "num_groups = {} must divide num_experts = {}",
-            num_groups, num_experts);
+    MOE_CONFIG_REQUIRE(num_experts % num_groups == 0,
+                       "num_groups = {} must divide num_experts = {}", num_groups, num_experts);
     MOE_CONFIG_REQUIRE(group_topk <= num_groups, "group_topk = {} must be in [1, num_groups = {}]",
-            group_topk, num_groups);
-    MOE_CONFIG_REQUIRE(topk % group_topk == 0, "group_topk = {} must divide topk = {}", group_topk, topk);
-    MOE_CONFIG_REQUIRE(topk / group_topk <= num_experts / num_groups,
-            "topk / group_topk = {} must not exceed the experts per group, num_experts / "
-            "num_groups = {}",
-            topk / group_topk, num_experts / num_groups);
+                       group_topk, num_groups);
+    MOE_CONFIG_REQUIRE(topk % group_topk == 0, "group_topk = {} must divide topk = {}", group_topk,
+                       topk);
+    MOE_CONFIG_REQUIRE(
+        topk / group_topk <= num_experts / num_groups,
+        "topk / group_topk = {} must not exceed the experts per group, num_experts / "
+        "num_groups = {}",
+        topk / group_topk, num_experts / num_groups);
   }
 
   MOE_CONFIG_REQUIRE(std::isfinite(scaling_factor) && scaling_factor > 0,
-          "scaling_factor = {} must be positive and finite", scaling_factor);
+                     "scaling_factor = {} must be positive and finite", scaling_factor);
   MOE_CONFIG_REQUIRE(std::isfinite(aux_loss_coeff) && aux_loss_coeff >= 0,
-          "aux_loss_coeff = {} must be >= 0 and finite", aux_loss_coeff);
+                     "aux_loss_coeff = {} must be >= 0 and finite", aux_loss_coeff);
   MOE_CONFIG_REQUIRE(std::isfinite(z_loss_coeff) && z_loss_coeff >= 0,
-          "z_loss_coeff = {} must be >= 0 and finite", z_loss_coeff);
-  MOE_CONFIG_REQUIRE(align_size >= 0, "align_size = {} must be >= 0 (0 or 1 = no padding)", align_size);
-  MOE_CONFIG_REQUIRE(dtype == DType::kBF16 || dtype == DType::kFP32, "dtype = {} must be bf16 or fp32",
-          dtype_name(dtype));
+                     "z_loss_coeff = {} must be >= 0 and finite", z_loss_coeff);
+  MOE_CONFIG_REQUIRE(align_size >= 0, "align_size = {} must be >= 0 (0 or 1 = no padding)",
+                     align_size);
+  MOE_CONFIG_REQUIRE(dtype == DType::kBF16 || dtype == DType::kFP32,
+                     "dtype = {} must be bf16 or fp32", dtype_name(dtype));
   MOE_CONFIG_REQUIRE(ep >= 1, "ep = {} must be >= 1", ep);
   MOE_CONFIG_REQUIRE(dp >= 1, "dp = {} must be >= 1", dp);
-  MOE_CONFIG_REQUIRE(num_experts % ep == 0, "ep = {} must divide num_experts = {}", ep, num_experts);
+  MOE_CONFIG_REQUIRE(num_experts % ep == 0, "ep = {} must divide num_experts = {}", ep,
+                     num_experts);
   MOE_CONFIG_REQUIRE(bench_tokens >= 0, "tokens = {} must be >= 0", bench_tokens);
 }
 
@@ -102,10 +108,9 @@ std::string MoEConfig::describe() const {
   if (score_function == ScoreFunction::kSoftmax) router += pre_softmax ? "(pre)" : "(post)";
   if (expert_bias) router += "+bias";
   if (num_groups > 0) router += fmt::format(" groups={}/top{}", num_groups, group_topk);
-  return fmt::format(
-      "H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} EP={} DP={}", hidden, ffn_hidden,
-      num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff, align_size,
-      dtype_name(dtype), ep, dp);
+  return fmt::format("H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} EP={} DP={}", hidden,
+                     ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff,
+                     z_loss_coeff, align_size, dtype_name(dtype), ep, dp);
 }
 
 namespace {

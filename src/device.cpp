@@ -20,8 +20,8 @@ std::string describe_devices() {
   for (int device = 0; device < count; ++device) {
     cudaDeviceProp prop{};
     MOE_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
-    text += fmt::format("GPU {}: {} (sm_{}{}), {:.1f} GiB, {} SMs\n", device, prop.name,
-                        prop.major, prop.minor, static_cast<double>(prop.totalGlobalMem) / (1 << 30),
+    text += fmt::format("GPU {}: {} (sm_{}{}), {:.1f} GiB, {} SMs\n", device, prop.name, prop.major,
+                        prop.minor, static_cast<double>(prop.totalGlobalMem) / (1 << 30),
                         prop.multiProcessorCount);
   }
   return text;
@@ -53,7 +53,9 @@ void PinnedBuffer::release() noexcept {
   bytes_ = 0;
 }
 
-Stream::Stream() { MOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+Stream::Stream() {
+  MOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
 Stream::~Stream() {
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
 }
@@ -64,10 +66,13 @@ Stream& Stream::operator=(Stream&& other) noexcept {
   }
   return *this;
 }
-void Stream::synchronize() const { MOE_CHECK_CUDA(cudaStreamSynchronize(stream_)); }
+void Stream::synchronize() const {
+  MOE_CHECK_CUDA(cudaStreamSynchronize(stream_));
+}
 
 Event::Event(bool timing) {
-  MOE_CHECK_CUDA(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+  MOE_CHECK_CUDA(
+      cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
 }
 Event::~Event() {
   if (event_ != nullptr) (void)cudaEventDestroy(event_);
@@ -79,14 +84,18 @@ Event& Event::operator=(Event&& other) noexcept {
   }
   return *this;
 }
-void Event::record(cudaStream_t stream) const { MOE_CHECK_CUDA(cudaEventRecord(event_, stream)); }
+void Event::record(cudaStream_t stream) const {
+  MOE_CHECK_CUDA(cudaEventRecord(event_, stream));
+}
 float Event::elapsed_ms_since(const Event& start) const {
   float ms = 0.0f;
   MOE_CHECK_CUDA(cudaEventElapsedTime(&ms, start.event_, event_));
   return ms;
 }
 
-CublasLtHandle::CublasLtHandle() { MOE_CHECK_CUBLAS(cublasLtCreate(&handle_)); }
+CublasLtHandle::CublasLtHandle() {
+  MOE_CHECK_CUBLAS(cublasLtCreate(&handle_));
+}
 CublasLtHandle::~CublasLtHandle() {
   if (handle_ != nullptr) (void)cublasLtDestroy(handle_);
 }

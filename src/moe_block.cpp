@@ -60,7 +60,8 @@ struct MoEBlock::State {
   MoEGradients grads;
 
   // Forward buffers, grow-only.
-  DeviceBuffer logits, topk_idx, topk_p, counts, aux_counts, score_sum, z_sum, global_load, router_ws, scalars;
+  DeviceBuffer logits, topk_idx, topk_p, counts, aux_counts, score_sum, z_sum, global_load,
+      router_ws, scalars;
   DeviceBuffer layout_counts, layout_offsets, row_map, layout_ws, recv_counts, chunk_ws;
   DeviceBuffer send_rows, recv_rows, X, h, a, Y, out;
   PinnedBuffer host_scalars;
@@ -100,14 +101,17 @@ struct MoEBlock::State {
     int host = 0;
     MOE_CHECK_CUDA(cudaMemcpyAsync(&host, count, sizeof(int), cudaMemcpyDeviceToHost, stream));
     MOE_CHECK_CUDA(cudaStreamSynchronize(stream));
-    if (host > 0) fail("rank {}: stage '{}' produced {} NaN or Inf values in {}", mesh.rank(), stage, host, t.describe());
+    if (host > 0)
+      fail("rank {}: stage '{}' produced {} NaN or Inf values in {}", mesh.rank(), stage, host,
+           t.describe());
   }
 };
 
 MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream) {
   config.validate();
   if (config.ep != mesh.ep() || config.dp != mesh.dp()) {
-    fail("MoEBlock: config has ep = {}, dp = {} but the mesh is {} x {}", config.ep, config.dp, mesh.ep(), mesh.dp());
+    fail("MoEBlock: config has ep = {}, dp = {} but the mesh is {} x {}", config.ep, config.dp,
+         mesh.ep(), mesh.dp());
   }
   validate_mesh_shape(mesh.world_size(), mesh.ep(), mesh.dp(), config.num_experts);
   s_ = std::make_unique<State>(config, mesh, stream);
@@ -116,17 +120,26 @@ MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t strea
   const std::int64_t E = s.E, E_loc = s.E_loc, H = s.H, F = s.F;
   s.params = {view(s.own_gate, s.dtype, {E, H}), view(s.own_w13, s.dtype, {E_loc, 2 * F, H}),
               view(s.own_w2, s.dtype, {E_loc, H, F}), view(s.own_bias, DType::kFP32, {E})};
-  s.grads = {view(s.own_dgate, DType::kFP32, {E, H}), view(s.own_dw13, DType::kFP32, {E_loc, 2 * F, H}),
+  s.grads = {view(s.own_dgate, DType::kFP32, {E, H}),
+             view(s.own_dw13, DType::kFP32, {E_loc, 2 * F, H}),
              view(s.own_dw2, DType::kFP32, {E_loc, H, F})};
   initialize(0);
 }
 
 MoEBlock::~MoEBlock() = default;
 
-const MoEConfig& MoEBlock::config() const { return s_->config; }
-const MoEParameters& MoEBlock::parameters() const { return s_->params; }
-const MoEGradients& MoEBlock::gradients() const { return s_->grads; }
-void MoEBlock::set_check_finite(bool on) { s_->check_finite = on; }
+const MoEConfig& MoEBlock::config() const {
+  return s_->config;
+}
+const MoEParameters& MoEBlock::parameters() const {
+  return s_->params;
+}
+const MoEGradients& MoEBlock::gradients() const {
+  return s_->grads;
+}
+void MoEBlock::set_check_finite(bool on) {
+  s_->check_finite = on;
+}
 
 void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
   auto& s = *s_;
@@ -149,13 +162,20 @@ void MoEBlock::initialize(std::uint64_t seed) {
   const auto w2_size = static_cast<std::uint64_t>(s.H * s.F);
   // Distinct streams of numbers per tensor; a global expert's slice is the same on every rank.
   init_normal(s.params.gate_weight, seed, 0, 1.0f / std::sqrt(static_cast<float>(s.H)), s.stream);
-  init_normal(s.params.w13, seed ^ 0x13, first_expert * w13_size, 1.0f / std::sqrt(static_cast<float>(s.H)), s.stream);
-  init_normal(s.params.w2, seed ^ 0x2, first_expert * w2_size, 1.0f / std::sqrt(static_cast<float>(s.F)), s.stream);
-  MOE_CHECK_CUDA(cudaMemsetAsync(s.params.expert_bias.data, 0, s.params.expert_bias.bytes(), s.stream));
+  init_normal(s.params.w13, seed ^ 0x13, first_expert * w13_size,
+              1.0f / std::sqrt(static_cast<float>(s.H)), s.stream);
+  init_normal(s.params.w2, seed ^ 0x2, first_expert * w2_size,
+              1.0f / std::sqrt(static_cast<float>(s.F)), s.stream);
+  MOE_CHECK_CUDA(
+      cudaMemsetAsync(s.params.expert_bias.data, 0, s.params.expert_bias.bytes(), s.stream));
 }
 
-MoEForward MoEBlock::forward(const Tensor& x) { return run_forward(x, true); }
-MoEForward MoEBlock::infer(const Tensor& x) { return run_forward(x, false); }
+MoEForward MoEBlock::forward(const Tensor& x) {
+  return run_forward(x, true);
+}
+MoEForward MoEBlock::infer(const Tensor& x) {
+  return run_forward(x, false);
+}
 
 MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   auto& s = *s_;
@@ -174,7 +194,8 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   const Tensor logits = view(s.logits, DType::kFP32, {T, E});
   {
     Range r("moe gate");
-    s.gemm.run({T, E, H, false, true, s.dtype, s.dtype, DType::kFP32}, x.data, s.params.gate_weight.data, logits.data, stream);
+    s.gemm.run({T, E, H, false, true, s.dtype, s.dtype, DType::kFP32}, x.data,
+               s.params.gate_weight.data, logits.data, stream);
     s.check("gate", logits);
   }
 
@@ -212,9 +233,10 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     s.host_scalars.reserve(16 + (E + 1) * sizeof(std::int32_t));
     MOE_CHECK_CUDA(cudaEventSynchronize(s.copied.get()));
     *s.host_scalars.as<std::int64_t>() = T;
-    MOE_CHECK_CUDA(cudaMemcpyAsync(global_tokens, s.host_scalars.as<std::int64_t>(), sizeof(std::int64_t),
-                                   cudaMemcpyHostToDevice, stream));
-    MOE_CHECK_CUDA(cudaMemcpyAsync(global_load, counts, E * sizeof(std::int32_t), cudaMemcpyDeviceToDevice, stream));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(global_tokens, s.host_scalars.as<std::int64_t>(),
+                                   sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(global_load, counts, E * sizeof(std::int32_t),
+                                   cudaMemcpyDeviceToDevice, stream));
     s.mesh.group_start();
     s.mesh.all_reduce_sum(global_tokens, 1, ncclInt64, MeshGroup::kWorld, stream);
     s.mesh.all_reduce_sum(global_load, E, ncclInt32, MeshGroup::kWorld, stream);
@@ -227,7 +249,8 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     router_losses(s.router, s.config, aux_counts, score_sum, z_sum, global_tokens, losses, stream);
   }
 
-  // 4. Dispatch: layout (padded expert-major on one rank; by global expert, unpadded, when sending),
+  // 4. Dispatch: layout (padded expert-major on one rank; by global expert, unpadded, when
+  // sending),
   //    the counts (the one host synchronisation), the rows.
   auto* layout_counts = typed<std::int32_t>(s.layout_counts, E);
   auto* layout_offsets = typed<std::int32_t>(s.layout_offsets, E + 1);
@@ -240,11 +263,15 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     Range r("moe dispatch");
     const int align = s.expert_parallel() ? 1 : s.config.align_size;
     s.layout_ws.reserve(layout_workspace_bytes(T, K, E));
-    build_layout({topk_idx, T, K, E, align, layout_counts, layout_offsets, row_map, s.layout_ws.data()}, stream);
+    build_layout(
+        {topk_idx, T, K, E, align, layout_counts, layout_offsets, row_map, s.layout_ws.data()},
+        stream);
     if (!s.expert_parallel()) {
-      MOE_CHECK_CUDA(cudaMemcpyAsync(s.host_scalars.as<char>(), global_tokens, 16, cudaMemcpyDeviceToHost, stream));
-      MOE_CHECK_CUDA(cudaMemcpyAsync(s.host_scalars.as<char>() + 16, layout_offsets, (E + 1) * sizeof(std::int32_t),
+      MOE_CHECK_CUDA(cudaMemcpyAsync(s.host_scalars.as<char>(), global_tokens, 16,
                                      cudaMemcpyDeviceToHost, stream));
+      MOE_CHECK_CUDA(cudaMemcpyAsync(s.host_scalars.as<char>() + 16, layout_offsets,
+                                     (E + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
+                                     stream));
       s.copied.record(stream);
       s.mesh.wait(s.copied.get(), "the forward's row counts");  // the one host synchronisation
       std::memcpy(&host, s.host_scalars.as<char>(), 16);
@@ -252,21 +279,25 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
       s.expert_offsets.assign(off, off + E + 1);
       s.rows = s.expert_offsets.back();
       s.X.reserve(std::max<std::int64_t>(s.rows * H, 1) * dtype_size(s.dtype));
-      permute_rows(x, row_map, K, layout_offsets, layout_counts, E, Tensor(s.X.data(), s.dtype, {s.rows, H}), stream);
+      permute_rows(x, row_map, K, layout_offsets, layout_counts, E,
+                   Tensor(s.X.data(), s.dtype, {s.rows, H}), stream);
     } else {
       const Tensor sent = view(s.send_rows, s.dtype, {T * K, H});
       permute_rows(x, row_map, K, layout_offsets, layout_counts, E, sent, stream);
       auto* recv_counts = typed<std::int32_t>(s.recv_counts, E);
-      const auto& c = s.exchange->exchange_counts(layout_counts, recv_counts, global_tokens, &host, 16, stream);
+      const auto& c =
+          s.exchange->exchange_counts(layout_counts, recv_counts, global_tokens, &host, 16, stream);
       const std::int64_t received = c.total_received();
       const Tensor recv = view(s.recv_rows, s.dtype, {received, H});
-      s.exchange->exchange_rows(sent.data, c.send_rows, recv.data, c.recv_rows, H * dtype_size(s.dtype), stream);
+      s.exchange->exchange_rows(sent.data, c.send_rows, recv.data, c.recv_rows,
+                                H * dtype_size(s.dtype), stream);
       std::vector<std::int64_t> per_expert(s.E_loc, 0);
       for (int src = 0; src < s.mesh.ep(); ++src) {
         for (int e = 0; e < s.E_loc; ++e) per_expert[e] += c.received[src * s.E_loc + e];
       }
       s.expert_offsets.assign(s.E_loc + 1, 0);
-      for (int e = 0; e < s.E_loc; ++e) s.expert_offsets[e + 1] = s.expert_offsets[e] + s.config.padded_rows(per_expert[e]);
+      for (int e = 0; e < s.E_loc; ++e)
+        s.expert_offsets[e + 1] = s.expert_offsets[e] + s.config.padded_rows(per_expert[e]);
       s.rows = s.expert_offsets.back();
       s.chunk_ws.reserve(chunk_workspace_bytes(s.mesh.ep(), s.E_loc));
       sort_chunks({recv_counts, s.mesh.ep(), s.E_loc, s.config.align_size, s.chunk_ws.data()}, recv,
@@ -281,7 +312,8 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   const Tensor Y = view(s.Y, s.dtype, {s.rows, H});
   {
     Range r("moe experts");
-    const ExpertActivations act{view(s.h, s.dtype, {s.rows, 2 * s.F}), view(s.a, s.dtype, {s.rows, s.F}), {}, {}};
+    const ExpertActivations act{
+        view(s.h, s.dtype, {s.rows, 2 * s.F}), view(s.a, s.dtype, {s.rows, s.F}), {}, {}};
     s.experts.forward(X, s.expert_offsets, s.params.w13, s.params.w2, act, Y, stream);
     s.check("experts", Y);
   }
@@ -295,10 +327,13 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
       const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
-      unsort_chunks({typed<std::int32_t>(s.recv_counts, E), s.mesh.ep(), s.E_loc, s.config.align_size, s.chunk_ws.data()},
+      unsort_chunks({typed<std::int32_t>(s.recv_counts, E), s.mesh.ep(), s.E_loc,
+                     s.config.align_size, s.chunk_ws.data()},
                     Y, recv, stream);
-      returned = Tensor(s.send_rows.data(), s.dtype, {T * K, H});  // the sender's layout, kept for backward
-      s.exchange->exchange_rows(recv.data, c.recv_rows, returned.data, c.send_rows, H * dtype_size(s.dtype), stream);
+      returned = Tensor(s.send_rows.data(), s.dtype,
+                        {T * K, H});  // the sender's layout, kept for backward
+      s.exchange->exchange_rows(recv.data, c.recv_rows, returned.data, c.send_rows,
+                                H * dtype_size(s.dtype), stream);
       combined = &returned;
     }
     unpermute_combine(*combined, row_map, topk_p, K, out, stream);
@@ -313,7 +348,10 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
 
 Tensor MoEBlock::backward(const Tensor& dy) {
   auto& s = *s_;
-  if (!s.has_context) fail("MoEBlock::backward: no forward context (call forward first; backward runs once per forward)");
+  if (!s.has_context)
+    fail(
+        "MoEBlock::backward: no forward context (call forward first; backward runs once per "
+        "forward)");
   expect_tensor(dy, "MoEBlock::backward dy", s.dtype, {s.T, s.H});
   s.has_context = false;
   const cudaStream_t stream = s.stream;
@@ -332,17 +370,21 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   {
     Range r("moe combine backward");
     if (!s.expert_parallel()) {
-      combine_backward(dy, Tensor(s.Y.data(), s.dtype, {rows, H}), row_map, topk_p, K, s.layout_offsets.as<std::int32_t>(),
-                       s.layout_counts.as<std::int32_t>(), E, dY, dprob, stream);
+      combine_backward(dy, Tensor(s.Y.data(), s.dtype, {rows, H}), row_map, topk_p, K,
+                       s.layout_offsets.as<std::int32_t>(), s.layout_counts.as<std::int32_t>(), E,
+                       dY, dprob, stream);
     } else {
       const auto& c = s.exchange->counts();
       const Tensor dY_sent = view(s.dY_rows, s.dtype, {T * K, H});
       combine_backward(dy, Tensor(s.send_rows.data(), s.dtype, {T * K, H}), row_map, topk_p, K,
-                       s.layout_offsets.as<std::int32_t>(), s.layout_counts.as<std::int32_t>(), E, dY_sent, dprob, stream);
+                       s.layout_offsets.as<std::int32_t>(), s.layout_counts.as<std::int32_t>(), E,
+                       dY_sent, dprob, stream);
       const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
-      s.exchange->exchange_rows(dY_sent.data, c.send_rows, recv.data, c.recv_rows, row_bytes, stream);
-      sort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size, s.chunk_ws.data()}, recv,
-                  dY, stream);
+      s.exchange->exchange_rows(dY_sent.data, c.send_rows, recv.data, c.recv_rows, row_bytes,
+                                stream);
+      sort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size,
+                   s.chunk_ws.data()},
+                  recv, dY, stream);
     }
     s.check("combine backward", dY);
   }
@@ -350,10 +392,11 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   // 5'. Experts backward.
   {
     Range r("moe experts backward");
-    const ExpertActivations act{Tensor(s.h.data(), s.dtype, {rows, 2 * F}), Tensor(s.a.data(), s.dtype, {rows, F}),
+    const ExpertActivations act{Tensor(s.h.data(), s.dtype, {rows, 2 * F}),
+                                Tensor(s.a.data(), s.dtype, {rows, F}),
                                 view(s.dA, s.dtype, {rows, F}), view(s.dh, s.dtype, {rows, 2 * F})};
-    s.experts.backward(dY, Tensor(s.X.data(), s.dtype, {rows, H}), s.expert_offsets, s.params.w13, s.params.w2, act,
-                       false, dX, s.grads.w13, s.grads.w2, stream);
+    s.experts.backward(dY, Tensor(s.X.data(), s.dtype, {rows, H}), s.expert_offsets, s.params.w13,
+                       s.params.w2, act, false, dX, s.grads.w13, s.grads.w2, stream);
     s.check("experts backward", dX);
   }
 
@@ -365,10 +408,12 @@ Tensor MoEBlock::backward(const Tensor& dy) {
     if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
       const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
-      unsort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size, s.chunk_ws.data()}, dX,
-                    recv, stream);
+      unsort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size,
+                     s.chunk_ws.data()},
+                    dX, recv, stream);
       returned = Tensor(s.dY_rows.data(), s.dtype, {T * K, H});
-      s.exchange->exchange_rows(recv.data, c.recv_rows, returned.data, c.send_rows, row_bytes, stream);
+      s.exchange->exchange_rows(recv.data, c.recv_rows, returned.data, c.send_rows, row_bytes,
+                                stream);
       rows_in = &returned;
     }
     unpermute_combine(*rows_in, row_map, nullptr, K, dx, stream);
@@ -400,9 +445,10 @@ Tensor MoEBlock::backward(const Tensor& dy) {
       dl = view(s.dlogits_low, DType::kBF16, {T, E});
       convert(dlogits, dl, stream);
     }
-    s.gemm.run({T, H, E, false, false, s.dtype, s.dtype, s.dtype}, dl.data, s.params.gate_weight.data, dx.data, stream,
-               1.0f, 1.0f);
-    s.gemm.run({E, H, T, true, false, s.dtype, s.dtype, DType::kFP32}, dl.data, s.x.data, s.grads.gate_weight.data, stream);
+    s.gemm.run({T, H, E, false, false, s.dtype, s.dtype, s.dtype}, dl.data,
+               s.params.gate_weight.data, dx.data, stream, 1.0f, 1.0f);
+    s.gemm.run({E, H, T, true, false, s.dtype, s.dtype, DType::kFP32}, dl.data, s.x.data,
+               s.grads.gate_weight.data, stream);
     s.check("gate backward", dx);
   }
   return dx;
@@ -412,17 +458,23 @@ void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   Range r("moe gradient reduction");
   s.mesh.group_start();
-  s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), ncclFloat32, MeshGroup::kDataParallel, s.stream);
-  s.mesh.all_reduce_sum(s.grads.w2.data, s.grads.w2.numel(), ncclFloat32, MeshGroup::kDataParallel, s.stream);
+  s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), ncclFloat32,
+                        MeshGroup::kDataParallel, s.stream);
+  s.mesh.all_reduce_sum(s.grads.w2.data, s.grads.w2.numel(), ncclFloat32, MeshGroup::kDataParallel,
+                        s.stream);
   s.mesh.group_end("the expert gradient reduction");
-  s.mesh.all_reduce_sum(s.grads.gate_weight.data, s.grads.gate_weight.numel(), ncclFloat32, MeshGroup::kWorld, s.stream);
+  s.mesh.all_reduce_sum(s.grads.gate_weight.data, s.grads.gate_weight.numel(), ncclFloat32,
+                        MeshGroup::kWorld, s.stream);
 }
 
 void MoEBlock::update_expert_bias(float rate) {
   auto& s = *s_;
-  if (!s.config.expert_bias) fail("MoEBlock::update_expert_bias: the config has expert_bias = false");
-  if (s.global_load.data() == nullptr) fail("MoEBlock::update_expert_bias: no forward has counted the loads yet");
-  moe::update_expert_bias(s.params.expert_bias.as<float>(), s.global_load.as<std::int32_t>(), s.E, rate, s.stream);
+  if (!s.config.expert_bias)
+    fail("MoEBlock::update_expert_bias: the config has expert_bias = false");
+  if (s.global_load.data() == nullptr)
+    fail("MoEBlock::update_expert_bias: no forward has counted the loads yet");
+  moe::update_expert_bias(s.params.expert_bias.as<float>(), s.global_load.as<std::int32_t>(), s.E,
+                          rate, s.stream);
 }
 
 }  // namespace moe

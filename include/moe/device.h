@@ -120,7 +120,8 @@ class CublasLtHandle {
   ~CublasLtHandle();
   CublasLtHandle(const CublasLtHandle&) = delete;
   CublasLtHandle& operator=(const CublasLtHandle&) = delete;
-  CublasLtHandle(CublasLtHandle&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  CublasLtHandle(CublasLtHandle&& other) noexcept
+      : handle_(std::exchange(other.handle_, nullptr)) {}
   CublasLtHandle& operator=(CublasLtHandle&& other) noexcept;
 
   cublasLtHandle_t get() const { return handle_; }

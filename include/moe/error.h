@@ -19,7 +19,9 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
 
-[[noreturn]] inline void fail(const std::string& message) { throw Error(message); }
+[[noreturn]] inline void fail(const std::string& message) {
+  throw Error(message);
+}
 
 }  // namespace moe
 
@@ -54,4 +56,5 @@ void check_mpi(int status, std::string_view call, const char* file, int line);
 #define MOE_CHECK_NCCL(call) ::moe::detail::check_nccl((call), #call, __FILE__, __LINE__)
 #define MOE_CHECK_MPI(call) ::moe::detail::check_mpi((call), #call, __FILE__, __LINE__)
 // After a kernel launch: catches bad launch configurations at the launch site.
-#define MOE_CHECK_LAUNCH() ::moe::detail::check_cuda(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+#define MOE_CHECK_LAUNCH() \
+  ::moe::detail::check_cuda(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)

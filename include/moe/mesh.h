@@ -31,9 +31,11 @@ class Mesh {
   // Collective over `comm`: validates ep·dp = size and num_experts % ep = 0 on every rank (the same
   // error everywhere, before any communication), chooses the GPU by node-local rank, creates the
   // world communicator and splits the EP and DP ones.
-  static Mesh from_mpi(MPI_Comm comm, int ep, int dp, int num_experts, Timeout timeout = kDefaultTimeout);
+  static Mesh from_mpi(MPI_Comm comm, int ep, int dp, int num_experts,
+                       Timeout timeout = kDefaultTimeout);
   // Over the trainer's communicator (not owned; its GPU must be current): splits EP and DP groups.
-  static Mesh from_nccl(ncclComm_t world, int ep, int dp, int num_experts, Timeout timeout = kDefaultTimeout);
+  static Mesh from_nccl(ncclComm_t world, int ep, int dp, int num_experts,
+                        Timeout timeout = kDefaultTimeout);
 
   Mesh(Mesh&&) noexcept;
   Mesh& operator=(Mesh&&) noexcept;
@@ -52,7 +54,8 @@ class Mesh {
   ncclComm_t comm(MeshGroup group) const;
 
   // In-place sum over a group (nothing for a group of one).
-  void all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group, cudaStream_t stream) const;
+  void all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group,
+                      cudaStream_t stream) const;
   // Brackets NCCL calls into one group (nestable); the outermost group_end launches them under
   // the watchdog, so a missing peer raises after the timeout instead of blocking the host.
   void group_start() const;

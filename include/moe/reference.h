@@ -24,7 +24,9 @@ struct Matrix {
 
   double& operator()(std::int64_t r, std::int64_t c) { return data[index(r, c)]; }
   double operator()(std::int64_t r, std::int64_t c) const { return data[index(r, c)]; }
-  std::span<double> row(std::int64_t r) { return {data.data() + r * cols, static_cast<std::size_t>(cols)}; }
+  std::span<double> row(std::int64_t r) {
+    return {data.data() + r * cols, static_cast<std::size_t>(cols)};
+  }
   std::span<const double> row(std::int64_t r) const {
     return {data.data() + r * cols, static_cast<std::size_t>(cols)};
   }
@@ -44,7 +46,8 @@ Matrix slice_rows(const Matrix& m, std::int64_t begin, std::int64_t end);
 // Rows of every part, in order.
 Matrix concat_rows(std::span<const Matrix> parts);
 
-// ---- Step 2: router ------------------------------------------------------------------------------
+// ---- Step 2: router
+// ------------------------------------------------------------------------------
 
 // Top-K per token, in descending score order: topk_idx and topk_p (scaled) of SPEC.md.
 struct Routing {
@@ -53,8 +56,12 @@ struct Routing {
   std::vector<int> expert;   // [T*K]
   std::vector<double> prob;  // [T*K]
 
-  int expert_of(std::int64_t t, int k) const { return expert[static_cast<std::size_t>(t * topk + k)]; }
-  double prob_of(std::int64_t t, int k) const { return prob[static_cast<std::size_t>(t * topk + k)]; }
+  int expert_of(std::int64_t t, int k) const {
+    return expert[static_cast<std::size_t>(t * topk + k)];
+  }
+  double prob_of(std::int64_t t, int k) const {
+    return prob[static_cast<std::size_t>(t * topk + k)];
+  }
 };
 
 // The score s = score_function(logits) of one token row (softmax over the row, or elementwise).
@@ -64,7 +71,8 @@ std::vector<double> router_scores(const MoEConfig& config, std::span<const doubl
 // elementwise score plus the expert bias (sigmoid, sqrtsoftplus).
 std::vector<double> selection_scores(const MoEConfig& config, std::span<const double> logits,
                                      std::span<const double> expert_bias);
-// SPEC.md's plain or group-limited top-K over selection scores; descending, ties to the lower index.
+// SPEC.md's plain or group-limited top-K over selection scores; descending, ties to the lower
+// index.
 std::vector<int> select_experts(const MoEConfig& config, std::span<const double> scores);
 
 // `expert_bias` has E entries when config.expert_bias, otherwise it is ignored (may be empty).
@@ -148,7 +156,8 @@ struct ChunkLayout {
 Matrix sort_chunks(const Matrix& source_major, const ChunkLayout& chunks, int align);
 Matrix unsort_chunks(const Matrix& expert_major, const ChunkLayout& chunks, int align);
 
-// ---- Step 5: experts ------------------------------------------------------------------------------
+// ---- Step 5: experts
+// ------------------------------------------------------------------------------
 
 struct ExpertWeights {
   std::vector<Matrix> w13;  // per expert [H, 2F]: columns [0, F) gate, [F, 2F) up
@@ -177,9 +186,9 @@ ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, cons
 // ---- The whole layer --------------------------------------------------------------------------
 
 struct Params {
-  Matrix gate_weight;                // Wg [E, H]
-  std::vector<double> expert_bias;   // [E] (used with config.expert_bias)
-  ExpertWeights experts;             // all E experts
+  Matrix gate_weight;               // Wg [E, H]
+  std::vector<double> expert_bias;  // [E] (used with config.expert_bias)
+  ExpertWeights experts;            // all E experts
 };
 
 // What one run of forward then backward(dy) yields: what a GPU rank must hold afterwards.
@@ -192,7 +201,7 @@ struct LayerResult {
   std::vector<double> tokens_per_expert;  // main routing, this rank's tokens
   Matrix dlogits;
   Matrix dx;
-  Matrix d_gate_weight;  // summed over the world
+  Matrix d_gate_weight;      // summed over the world
   ExpertGrads expert_grads;  // dw13 / dw2 of this rank's experts, summed over its DP group
 };
 
@@ -202,7 +211,8 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Matri
 
 // An EP×DP mesh (config.ep, config.dp), simulated exchange by exchange: x[r] and dy[r] are world
 // rank r's batch (r = dp_index·EP + ep_index), all ranks share params. Element r of the result is
-// what rank r must hold, its expert gradients those of experts [ep_index·E_loc, (ep_index+1)·E_loc).
+// what rank r must hold, its expert gradients those of experts [ep_index·E_loc,
+// (ep_index+1)·E_loc).
 std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
                                   std::span<const Matrix> x, std::span<const Matrix> dy);
 

@@ -6,10 +6,14 @@
 
 namespace moe::reference {
 namespace {
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+double sigmoid(double v) {
+  return 1.0 / (1.0 + std::exp(-v));
+}
 }  // namespace
 
-double silu(double v) { return v * sigmoid(v); }
+double silu(double v) {
+  return v * sigmoid(v);
+}
 
 ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t> offsets,
                                   const ExpertWeights& weights) {
@@ -18,7 +22,8 @@ ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t>
     fail("experts_forward: {} row groups, {} / {} weight matrices", experts, weights.w13.size(),
          weights.w2.size());
   }
-  if (offsets.back() != X.rows) fail("experts_forward: offsets end at {}, X has {} rows", offsets.back(), X.rows);
+  if (offsets.back() != X.rows)
+    fail("experts_forward: offsets end at {}, X has {} rows", offsets.back(), X.rows);
   ExpertActivations parts;
   std::vector<Matrix> hs, as, ys;
   for (std::size_t e = 0; e < experts; ++e) {
@@ -55,7 +60,7 @@ ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, cons
     const Matrix dYe = slice_rows(dY, begin, end);
 
     const Matrix dA = matmul_nt(dYe, weights.w2[e]);  // dY · W2ᵀ
-    grads.dw2.push_back(matmul_tn(ae, dYe));         // Aᵀ · dY
+    grads.dw2.push_back(matmul_tn(ae, dYe));          // Aᵀ · dY
     const std::int64_t F = dA.cols;
     Matrix dh(he.rows, 2 * F);
     for (std::int64_t r = 0; r < he.rows; ++r) {
@@ -63,12 +68,13 @@ ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, cons
         const double gate = he(r, j);
         const double up = he(r, F + j);
         const double s = sigmoid(gate);
-        dh(r, j) = dA(r, j) * up * s * (1.0 + gate * (1.0 - s));  // silu'(g) = σ(g)(1 + g(1 − σ(g)))
-        dh(r, F + j) = dA(r, j) * gate * s;                        // silu(g)
+        dh(r, j) =
+            dA(r, j) * up * s * (1.0 + gate * (1.0 - s));  // silu'(g) = σ(g)(1 + g(1 − σ(g)))
+        dh(r, F + j) = dA(r, j) * gate * s;                // silu(g)
       }
     }
     dXs.push_back(matmul_nt(dh, weights.w13[e]));  // dh · W13ᵀ
-    grads.dw13.push_back(matmul_tn(Xe, dh));      // Xᵀ · dh
+    grads.dw13.push_back(matmul_tn(Xe, dh));       // Xᵀ · dh
   }
   grads.dX = dXs.empty() ? Matrix(0, X.cols) : concat_rows(dXs);
   return grads;

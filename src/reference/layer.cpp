@@ -30,13 +30,15 @@ RouterFront router_front(const MoEConfig& config, const Params& params, const Ma
 }
 
 void router_back(const MoEConfig& config, const Params& params, const Matrix& x,
-                 const RouterFront& front, const AuxStats& global_aux, std::span<const double> dprob,
-                 LayerResult& result) {
+                 const RouterFront& front, const AuxStats& global_aux,
+                 std::span<const double> dprob, LayerResult& result) {
   result.dlogits = route_backward(config, front.logits, front.routing, dprob);
-  if (config.aux_loss_coeff > 0) aux_loss_backward(config, front.logits, global_aux, result.dlogits);
-  if (config.z_loss_coeff > 0) z_loss_backward(config, front.logits, global_aux.tokens, result.dlogits);
+  if (config.aux_loss_coeff > 0)
+    aux_loss_backward(config, front.logits, global_aux, result.dlogits);
+  if (config.z_loss_coeff > 0)
+    z_loss_backward(config, front.logits, global_aux.tokens, result.dlogits);
   add_into(result.dx, matmul(result.dlogits, params.gate_weight));  // dx += dlogits · Wg
-  result.d_gate_weight = matmul_tn(result.dlogits, x);                // dWg = dlogitsᵀ · x
+  result.d_gate_weight = matmul_tn(result.dlogits, x);              // dWg = dlogitsᵀ · x
 }
 
 void fill_forward_result(const MoEConfig& config, const RouterFront& front,
@@ -61,11 +63,11 @@ struct Forward {
 Forward forward(const MoEConfig& config, const Params& params, const Matrix& x) {
   check_params(config, params, x.cols);
   Forward f;
-  f.front = router_front(config, params, x);                                   // steps 1-3
+  f.front = router_front(config, params, x);                                       // steps 1-3
   f.layout = make_layout(f.front.routing, config.num_experts, config.align_size);  // step 4
   f.X = permute(x, f.layout, f.front.routing);
-  f.act = experts_forward(f.X, f.layout.offsets, params.experts);              // step 5
-  f.out = unpermute_combine(f.act.y, f.layout, f.front.routing);               // step 6
+  f.act = experts_forward(f.X, f.layout.offsets, params.experts);  // step 5
+  f.out = unpermute_combine(f.act.y, f.layout, f.front.routing);   // step 6
   return f;
 }
 

@@ -25,7 +25,8 @@ Layout make_layout(const Routing& routing, int num_experts, int align) {
   // Visiting (t, k) in ascending order fills each group in (token, slot) order.
   std::vector<std::int64_t> cursor(layout.offsets.begin(), layout.offsets.end() - 1);
   layout.row.resize(routing.expert.size());
-  for (std::size_t i = 0; i < routing.expert.size(); ++i) layout.row[i] = cursor[routing.expert[i]]++;
+  for (std::size_t i = 0; i < routing.expert.size(); ++i)
+    layout.row[i] = cursor[routing.expert[i]]++;
   return layout;
 }
 

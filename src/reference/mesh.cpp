@@ -68,7 +68,8 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
   const int E_loc = config.local_experts();
   const int align = config.align_size;
   if (std::ssize(x) != world || std::ssize(dy) != world) {
-    fail("run_mesh: {} batches and {} gradients for a mesh of {} ranks", x.size(), dy.size(), world);
+    fail("run_mesh: {} batches and {} gradients for a mesh of {} ranks", x.size(), dy.size(),
+         world);
   }
   const std::int64_t H = params.gate_weight.cols;
   for (int r = 0; r < world; ++r) check_params(config, params, x[r].cols);
@@ -83,7 +84,8 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
     global_z_sum += front[r].z_sum;
   }
   std::vector<LayerResult> result(world);
-  for (int r = 0; r < world; ++r) fill_forward_result(config, front[r], global_aux, global_z_sum, result[r]);
+  for (int r = 0; r < world; ++r)
+    fill_forward_result(config, front[r], global_aux, global_z_sum, result[r]);
 
   // Step 4, sender side: rows by global expert, unpadded.
   std::vector<Layout> send_layout(world);
@@ -135,7 +137,8 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
       result[rank(i)].out = unpermute_combine(y_send_layout[i], send_layout[rank(i)], routing);
       dy_send_layout[i] = combine_backward_rows(dy[rank(i)], send_layout[rank(i)], routing);
       // The combine consumed Y in the sender's layout: dp is taken there (SPEC.md pitfall 3).
-      dprob[i] = combine_backward_prob(dy[rank(i)], y_send_layout[i], send_layout[rank(i)], routing);
+      dprob[i] =
+          combine_backward_prob(dy[rank(i)], y_send_layout[i], send_layout[rank(i)], routing);
     }
 
     // Backward through the exchange and the experts.
@@ -160,7 +163,8 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
   for (int r = 0; r < world; ++r) add_into(gate_total, result[r].d_gate_weight);
   for (int ep_index = 0; ep_index < EP; ++ep_index) {
     ExpertGrads total;
-    for (int dp_index = 0; dp_index < DP; ++dp_index) add_grads(total, local_grads[dp_index * EP + ep_index]);
+    for (int dp_index = 0; dp_index < DP; ++dp_index)
+      add_grads(total, local_grads[dp_index * EP + ep_index]);
     for (int dp_index = 0; dp_index < DP; ++dp_index) {
       auto& r = result[dp_index * EP + ep_index];
       r.d_gate_weight = gate_total;

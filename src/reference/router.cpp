@@ -13,8 +13,12 @@ namespace {
 
 constexpr double kNormEpsilon = 1e-20;  // SPEC.md's guard in the sigmoid normalisations
 
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double softplus(double v) { return std::max(v, 0.0) + std::log1p(std::exp(-std::abs(v))); }
+double sigmoid(double v) {
+  return 1.0 / (1.0 + std::exp(-v));
+}
+double softplus(double v) {
+  return std::max(v, 0.0) + std::log1p(std::exp(-std::abs(v)));
+}
 
 std::vector<double> softmax(std::span<const double> v) {
   const double peak = *std::max_element(v.begin(), v.end());
@@ -162,7 +166,8 @@ Routing route(const MoEConfig& config, const Matrix& logits, std::span<const dou
   std::vector<int> experts;
   experts.reserve(static_cast<std::size_t>(logits.rows * config.topk));
   for (std::int64_t t = 0; t < logits.rows; ++t) {
-    const auto chosen = select_experts(config, selection_scores(config, logits.row(t), expert_bias));
+    const auto chosen =
+        select_experts(config, selection_scores(config, logits.row(t), expert_bias));
     experts.insert(experts.end(), chosen.begin(), chosen.end());
   }
   return route_given(config, logits, experts);
@@ -330,7 +335,8 @@ void update_expert_bias(std::span<double> expert_bias, std::span<const double> l
     fail("update_expert_bias: {} biases, {} loads", expert_bias.size(), load.size());
   }
   if (load.empty()) return;
-  const double mean = std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(load.size());
+  const double mean =
+      std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(load.size());
   for (std::size_t i = 0; i < load.size(); ++i) {
     const double gap = mean - load[i];
     expert_bias[i] += rate * static_cast<double>((gap > 0) - (gap < 0));

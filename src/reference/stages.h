@@ -21,7 +21,7 @@ void fill_forward_result(const MoEConfig& config, const RouterFront& front,
 // Router and gate backward: dlogits from dprob plus the loss gradients, then dx += dlogits·Wg and
 // dWg = dlogitsᵀ·x. result.dx must already hold the permute backward.
 void router_back(const MoEConfig& config, const Params& params, const Matrix& x,
-                 const RouterFront& front, const AuxStats& global_aux, std::span<const double> dprob,
-                 LayerResult& result);
+                 const RouterFront& front, const AuxStats& global_aux,
+                 std::span<const double> dprob, LayerResult& result);
 
 }  // namespace moe::reference

@@ -95,7 +95,8 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
        "group_topk = 3 must divide topk = 4"},
       {{{"num_groups", "4"}, {"group_topk", "1"}, {"topk", "4"}},
        "topk / group_topk = 4 must not exceed the experts per group, num_experts / num_groups = 2"},
-      {{{"expert_bias", "true"}}, "expert_bias = true needs score_function = sigmoid or sqrtsoftplus"},
+      {{{"expert_bias", "true"}},
+       "expert_bias = true needs score_function = sigmoid or sqrtsoftplus"},
       {{{"score_function", "sigmoid"}, {"pre_softmax", "true"}},
        "pre_softmax = true needs score_function = softmax, not sigmoid"},
       {{{"scaling_factor", "0"}}, "scaling_factor = 0 must be positive"},
@@ -112,7 +113,8 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"top_k", "2"}}, "unknown key 'top_k'"},
   };
   for (const auto& [overrides, expected] : cases) {
-    Overrides fields = {{"hidden", "64"}, {"ffn_hidden", "32"}, {"num_experts", "8"}, {"topk", "2"}};
+    Overrides fields = {
+        {"hidden", "64"}, {"ffn_hidden", "32"}, {"num_experts", "8"}, {"topk", "2"}};
     for (const auto& [key, value] : overrides) fields[key] = value;
     std::string yaml;
     for (const auto& [key, value] : fields) yaml += key + ": " + value + "\n";

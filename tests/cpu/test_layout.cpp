@@ -19,12 +19,14 @@ Routing make_routing(std::int64_t tokens, int topk, std::vector<int> experts) {
   routing.topk = topk;
   routing.expert = std::move(experts);
   routing.prob.resize(routing.expert.size());
-  for (std::size_t i = 0; i < routing.prob.size(); ++i) routing.prob[i] = 0.5 + 0.1 * static_cast<double>(i);
+  for (std::size_t i = 0; i < routing.prob.size(); ++i)
+    routing.prob[i] = 0.5 + 0.1 * static_cast<double>(i);
   return routing;
 }
 
 // Random routing: K distinct experts per token; `skew` sends every token to experts 0..K-1.
-Routing random_routing(std::int64_t tokens, int experts, int topk, bool skew, std::mt19937_64& rng) {
+Routing random_routing(std::int64_t tokens, int experts, int topk, bool skew,
+                       std::mt19937_64& rng) {
   std::vector<int> chosen;
   std::vector<int> all(experts);
   std::iota(all.begin(), all.end(), 0);
@@ -84,7 +86,8 @@ TEST_CASE("random layouts: aligned groups, token order inside groups, zero paddi
       for (const auto& [tokens, experts, topk] :
            {std::tuple{0, 4, 1}, std::tuple{1, 8, 2}, std::tuple{37, 8, 2}, std::tuple{50, 16, 8},
             std::tuple{20, 4, 4}}) {
-        INFO("align " << align << " skew " << skew << " T " << tokens << " E " << experts << " K " << topk);
+        INFO("align " << align << " skew " << skew << " T " << tokens << " E " << experts << " K "
+                      << topk);
         const Routing routing = random_routing(tokens, experts, topk, skew, rng);
         const Layout layout = make_layout(routing, experts, align);
         std::set<std::int64_t> used;
@@ -92,7 +95,8 @@ TEST_CASE("random layouts: aligned groups, token order inside groups, zero paddi
           const auto begin = layout.offsets[e];
           const auto size = layout.offsets[e + 1] - begin;
           if (align > 1) CHECK(begin % align == 0);
-          CHECK(size == (align > 1 ? (layout.counts[e] + align - 1) / align * align : layout.counts[e]));
+          CHECK(size ==
+                (align > 1 ? (layout.counts[e] + align - 1) / align * align : layout.counts[e]));
         }
         const Matrix x = test::random_matrix(tokens, 3, rng);
         const Matrix X = permute(x, layout, routing);

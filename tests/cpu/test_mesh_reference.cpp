@@ -25,11 +25,14 @@ void check_mesh_equals_single(const MoEConfig& config, const Params& params,
   const int E_loc = config.local_experts();
   std::int64_t first_token = 0;
   for (std::size_t r = 0; r < ranks.size(); ++r) {
-    INFO("rank " << r << " of EP " << config.ep << " x DP " << config.dp << ", " << x[r].rows << " tokens");
+    INFO("rank " << r << " of EP " << config.ep << " x DP " << config.dp << ", " << x[r].rows
+                 << " tokens");
     const auto& got = ranks[r];
     const auto last_token = first_token + x[r].rows;
-    CHECK(test::relative_error(got.out, slice_rows(single.out, first_token, last_token)) <= kTolerance);
-    CHECK(test::relative_error(got.dx, slice_rows(single.dx, first_token, last_token)) <= kTolerance);
+    CHECK(test::relative_error(got.out, slice_rows(single.out, first_token, last_token)) <=
+          kTolerance);
+    CHECK(test::relative_error(got.dx, slice_rows(single.dx, first_token, last_token)) <=
+          kTolerance);
     CHECK(got.aux_loss == Approx(single.aux_loss).epsilon(1e-12));
     CHECK(got.z_loss == Approx(single.z_loss).epsilon(1e-12));
     CHECK(test::relative_error(got.d_gate_weight, single.d_gate_weight) <= kTolerance);
@@ -38,8 +41,10 @@ void check_mesh_equals_single(const MoEConfig& config, const Params& params,
     for (int le = 0; le < E_loc; ++le) {
       INFO("local expert " << le);
       const int e = ep_index * E_loc + le;
-      CHECK(test::relative_error(got.expert_grads.dw13[le], single.expert_grads.dw13[e]) <= kTolerance);
-      CHECK(test::relative_error(got.expert_grads.dw2[le], single.expert_grads.dw2[e]) <= kTolerance);
+      CHECK(test::relative_error(got.expert_grads.dw13[le], single.expert_grads.dw13[e]) <=
+            kTolerance);
+      CHECK(test::relative_error(got.expert_grads.dw2[le], single.expert_grads.dw2[e]) <=
+            kTolerance);
     }
     first_token = last_token;
   }
@@ -47,12 +52,14 @@ void check_mesh_equals_single(const MoEConfig& config, const Params& params,
 
 }  // namespace
 
-TEST_CASE("mesh reference equals the single run on the concatenated batch", "[cpu][reference][mesh]") {
+TEST_CASE("mesh reference equals the single run on the concatenated batch",
+          "[cpu][reference][mesh]") {
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> tokens(1, 7);
-  for (const auto& [ep, dp] : {std::pair{2, 2}, std::pair{4, 1}, std::pair{1, 2}, std::pair{2, 1}, std::pair{1, 1}}) {
+  for (const auto& [ep, dp] :
+       {std::pair{2, 2}, std::pair{4, 1}, std::pair{1, 2}, std::pair{2, 1}, std::pair{1, 1}}) {
     for (const bool sigmoid_grouped : {false, true}) {
       MoEConfig config = test::small_config(6, 4, 8, 2);
       config.ep = ep;

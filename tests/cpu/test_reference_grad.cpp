@@ -16,7 +16,8 @@ constexpr double kStep = 1e-5;
 constexpr double kTolerance = 1e-6;  // central differences: O(step²) truncation, ~1e-11 rounding
 
 // Central differences of f over every entry of `values`.
-std::vector<double> finite_differences(std::vector<double>& values, const std::function<double()>& f) {
+std::vector<double> finite_differences(std::vector<double>& values,
+                                       const std::function<double()>& f) {
   std::vector<double> grad(values.size());
   for (std::size_t i = 0; i < values.size(); ++i) {
     const double saved = values[i];
@@ -47,7 +48,11 @@ std::vector<RouterCase> router_cases() {
   add("softmax post", [](MoEConfig&) {});
   add("softmax pre", [](MoEConfig& c) { c.pre_softmax = true; });
   add("softmax post K=1", [](MoEConfig& c) { c.topk = 1; });
-  add("softmax pre K=1 scaled", [](MoEConfig& c) { c.topk = 1; c.pre_softmax = true; c.scaling_factor = 2.5; });
+  add("softmax pre K=1 scaled", [](MoEConfig& c) {
+    c.topk = 1;
+    c.pre_softmax = true;
+    c.scaling_factor = 2.5;
+  });
   add("sigmoid", [](MoEConfig& c) { c.score_function = ScoreFunction::kSigmoid; });
   add("sigmoid + bias", [](MoEConfig& c) {
     c.score_function = ScoreFunction::kSigmoid;
@@ -169,20 +174,25 @@ TEST_CASE("layer backward equals finite differences, every router mode", "[cpu][
     do {  // redraw until no routing is within reach of the finite-difference steps
       params = test::random_params(config, rng);
       x = test::random_matrix(5, config.hidden, rng);
-    } while (!test::well_separated(config, matmul_nt(x, params.gate_weight), params.expert_bias, 1e-3));
+    } while (
+        !test::well_separated(config, matmul_nt(x, params.gate_weight), params.expert_bias, 1e-3));
     const Matrix dy = test::random_matrix(5, config.hidden, rng);
     const LayerResult result = run_layer(config, params, x, dy);
     auto objective = [&] { return layer_objective(config, params, x, dy); };
 
-    CHECK(test::relative_error(result.dx.data, finite_differences(x.data, objective)) <= kTolerance);
+    CHECK(test::relative_error(result.dx.data, finite_differences(x.data, objective)) <=
+          kTolerance);
     CHECK(test::relative_error(result.d_gate_weight.data,
-                               finite_differences(params.gate_weight.data, objective)) <= kTolerance);
+                               finite_differences(params.gate_weight.data, objective)) <=
+          kTolerance);
     for (int e = 0; e < config.num_experts; ++e) {
       INFO("expert " << e);
       CHECK(test::relative_error(result.expert_grads.dw13[e].data,
-                                 finite_differences(params.experts.w13[e].data, objective)) <= kTolerance);
+                                 finite_differences(params.experts.w13[e].data, objective)) <=
+            kTolerance);
       CHECK(test::relative_error(result.expert_grads.dw2[e].data,
-                                 finite_differences(params.experts.w2[e].data, objective)) <= kTolerance);
+                                 finite_differences(params.experts.w2[e].data, objective)) <=
+            kTolerance);
     }
   }
 }
@@ -191,7 +201,8 @@ TEST_CASE("aux and z losses alone: values and gradients", "[cpu][reference][loss
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  for (const auto score : {ScoreFunction::kSoftmax, ScoreFunction::kSigmoid, ScoreFunction::kSqrtSoftplus}) {
+  for (const auto score :
+       {ScoreFunction::kSoftmax, ScoreFunction::kSigmoid, ScoreFunction::kSqrtSoftplus}) {
     MoEConfig config = test::small_config(6, 3, 16, 4);
     config.score_function = score;
     config.aux_loss_coeff = 0.7;
@@ -222,6 +233,7 @@ TEST_CASE("aux and z losses alone: values and gradients", "[cpu][reference][loss
     Matrix dlogits(11, config.num_experts);
     aux_loss_backward(config, logits, stats, dlogits);
     z_loss_backward(config, logits, 11, dlogits);
-    CHECK(test::relative_error(dlogits.data, finite_differences(logits.data, objective)) <= kTolerance);
+    CHECK(test::relative_error(dlogits.data, finite_differences(logits.data, objective)) <=
+          kTolerance);
   }
 }

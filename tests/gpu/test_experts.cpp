@@ -23,7 +23,9 @@ Matrix transpose(const Matrix& m) {
 }
 
 // Per-expert matrices stacked into one [E, rows, cols] upload.
-Matrix stack(const std::vector<Matrix>& parts) { return reference::concat_rows(parts); }
+Matrix stack(const std::vector<Matrix>& parts) {
+  return reference::concat_rows(parts);
+}
 
 Matrix download_matrix(const DeviceBuffer& b, std::int64_t rows, std::int64_t cols, DType dtype) {
   Matrix m(rows, cols);
@@ -50,10 +52,13 @@ struct Case {
   bool recompute;
   std::string describe() const {
     std::ostringstream s;
-    s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert << " "
-      << (rows == Rows::kUniform ? "uniform" : rows == Rows::kSkewed ? "skewed" : "some empty") << " "
-      << dtype_name(dtype) << " grads " << dtype_name(grad_dtype) << " " << expert_schedule_name(schedule)
-      << (recompute ? " recompute h" : " keep h");
+    s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert
+      << " "
+      << (rows == Rows::kUniform  ? "uniform"
+          : rows == Rows::kSkewed ? "skewed"
+                                  : "some empty")
+      << " " << dtype_name(dtype) << " grads " << dtype_name(grad_dtype) << " "
+      << expert_schedule_name(schedule) << (recompute ? " recompute h" : " keep h");
     return s.str();
   }
 };
@@ -65,18 +70,27 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   std::uniform_int_distribution<std::int64_t> jitter(0, c.rows_per_expert);
   for (int e = 0; e < E; ++e) {
     switch (c.rows) {
-      case Rows::kUniform: counts[e] = c.rows_per_expert / 2 + jitter(rng); break;
-      case Rows::kSkewed: counts[e] = e == 0 ? c.rows_per_expert * E : 0; break;  // one expert takes all
-      case Rows::kSomeEmpty: counts[e] = e % 3 == 1 ? 0 : jitter(rng) + 1; break;
+      case Rows::kUniform:
+        counts[e] = c.rows_per_expert / 2 + jitter(rng);
+        break;
+      case Rows::kSkewed:
+        counts[e] = e == 0 ? c.rows_per_expert * E : 0;
+        break;  // one expert takes all
+      case Rows::kSomeEmpty:
+        counts[e] = e % 3 == 1 ? 0 : jitter(rng) + 1;
+        break;
     }
   }
-  const auto offsets = reference::padded_offsets(counts, 8);  // padding rows are zero, as the layout makes them
+  const auto offsets =
+      reference::padded_offsets(counts, 8);  // padding rows are zero, as the layout makes them
   const std::int64_t rows = offsets.back();
 
   reference::ExpertWeights weights;
   for (int e = 0; e < E; ++e) {
-    weights.w13.push_back(test::round_to(test::random_matrix(H, 2 * F, rng, 1.0 / std::sqrt(H)), c.dtype));
-    weights.w2.push_back(test::round_to(test::random_matrix(F, H, rng, 1.0 / std::sqrt(F)), c.dtype));
+    weights.w13.push_back(
+        test::round_to(test::random_matrix(H, 2 * F, rng, 1.0 / std::sqrt(H)), c.dtype));
+    weights.w2.push_back(
+        test::round_to(test::random_matrix(F, H, rng, 1.0 / std::sqrt(F)), c.dtype));
   }
   Matrix X = test::random_matrix(rows, H, rng);
   Matrix dY = test::random_matrix(rows, H, rng);
@@ -101,8 +115,9 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const auto w13_dev = test::upload_as(stack(w13_t), c.dtype);
   const auto w2_dev = test::upload_as(stack(w2_t), c.dtype);
   const std::size_t elem = dtype_size(c.dtype), gelem = dtype_size(c.grad_dtype);
-  DeviceBuffer h(rows * 2 * F * elem + 16), a(rows * F * elem + 16), dA(rows * F * elem + 16), dh(rows * 2 * F * elem + 16),
-      y(rows * H * elem + 16), dX(rows * H * elem + 16), dw13(static_cast<std::size_t>(E) * 2 * F * H * gelem),
+  DeviceBuffer h(rows * 2 * F * elem + 16), a(rows * F * elem + 16), dA(rows * F * elem + 16),
+      dh(rows * 2 * F * elem + 16), y(rows * H * elem + 16), dX(rows * H * elem + 16),
+      dw13(static_cast<std::size_t>(E) * 2 * F * H * gelem),
       dw2(static_cast<std::size_t>(E) * H * F * gelem);
   for (const auto* b : {&h, &a, &dA, &dh, &y, &dX, &dw13, &dw2}) test::poison(*b);
 
@@ -111,7 +126,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
                               Tensor(dA.data(), d, {rows, F}), Tensor(dh.data(), d, {rows, 2 * F})};
   ExpertFFN ffn(H, F, E, d, c.schedule, 3);
   Stream stream;
-  const Tensor X_t(X_dev.data(), d, {rows, H}), w13_t_(w13_dev.data(), d, {E, 2 * F, H}), w2_t_(w2_dev.data(), d, {E, H, F});
+  const Tensor X_t(X_dev.data(), d, {rows, H}), w13_t_(w13_dev.data(), d, {E, 2 * F, H}),
+      w2_t_(w2_dev.data(), d, {E, H, F});
   ffn.forward(X_t, offsets, w13_t_, w2_t_, act, Tensor(y.data(), d, {rows, H}), stream.get());
   if (c.recompute) {
     stream.synchronize();
@@ -125,7 +141,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const double tolerance = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
   CHECK(test::relative_error(download_matrix(y, rows, H, d), want.y) <= tolerance);
   CHECK(test::relative_error(download_matrix(dX, rows, H, d), grads.dX) <= tolerance);
-  const Matrix got_dw13 = download_matrix(dw13, static_cast<std::int64_t>(E) * 2 * F, H, c.grad_dtype);
+  const Matrix got_dw13 =
+      download_matrix(dw13, static_cast<std::int64_t>(E) * 2 * F, H, c.grad_dtype);
   const Matrix got_dw2 = download_matrix(dw2, static_cast<std::int64_t>(E) * H, F, c.grad_dtype);
   for (int e = 0; e < E; ++e) {
     INFO("expert " << e << " with " << counts[e] << " rows");
@@ -154,7 +171,8 @@ TEST_CASE("expert FFN forward and backward against the reference", "[gpu][expert
         ++index;
         const DType dtype = index % 2 ? DType::kBF16 : DType::kFP32;
         const DType grad = index % 3 == 0 ? DType::kFP32 : dtype;
-        const int H = E >= 64 ? 64 : 96, F = E >= 64 ? 40 : 72;  // F = 40: odd for 16-byte packs of bf16
+        const int H = E >= 64 ? 64 : 96,
+                  F = E >= 64 ? 40 : 72;  // F = 40: odd for 16-byte packs of bf16
         run_case({H, F, E, E >= 64 ? 6 : 24, rows, dtype, grad, schedule, index % 4 == 0}, rng);
       }
     }
@@ -167,10 +185,18 @@ TEST_CASE("expert FFN at the model shapes, scaled down", "[gpu][experts]") {
   std::mt19937_64 rng(seed);
   // mixtral-8x7b (H 4096, F 14336), qwen3-30b-a3b (2048, 768), deepseek-v3 (7168, 2048): widths
   // divided so that the fp64 reference stays within seconds, row counts as top-K routing gives.
-  run_case({512, 1792, 8, 64, Rows::kUniform, DType::kBF16, DType::kFP32, ExpertSchedule::kStreams, false}, rng);
-  run_case({512, 192, 32, 16, Rows::kSomeEmpty, DType::kBF16, DType::kBF16, ExpertSchedule::kGrouped, false}, rng);
-  run_case({448, 128, 16, 16, Rows::kUniform, DType::kFP32, DType::kFP32, ExpertSchedule::kGrouped, true}, rng);
-  run_case({448, 128, 16, 16, Rows::kSkewed, DType::kBF16, DType::kFP32, ExpertSchedule::kStreams, true}, rng);
+  run_case({512, 1792, 8, 64, Rows::kUniform, DType::kBF16, DType::kFP32, ExpertSchedule::kStreams,
+            false},
+           rng);
+  run_case({512, 192, 32, 16, Rows::kSomeEmpty, DType::kBF16, DType::kBF16,
+            ExpertSchedule::kGrouped, false},
+           rng);
+  run_case({448, 128, 16, 16, Rows::kUniform, DType::kFP32, DType::kFP32, ExpertSchedule::kGrouped,
+            true},
+           rng);
+  run_case(
+      {448, 128, 16, 16, Rows::kSkewed, DType::kBF16, DType::kFP32, ExpertSchedule::kStreams, true},
+      rng);
 }
 
 TEST_CASE("expert FFN rejects bad shapes", "[gpu][experts]") {
@@ -178,5 +204,6 @@ TEST_CASE("expert FFN rejects bad shapes", "[gpu][experts]") {
   ExpertFFN ffn(8, 8, 2, DType::kBF16);
   const std::vector<std::int64_t> offsets = {0, 4};  // one expert short
   const Tensor t(nullptr, DType::kBF16, {4, 8});
-  CHECK_THROWS_WITH(ffn.forward(t, offsets, t, t, {t, t, t, t}, t, nullptr), test::contains_text("2 offsets for 2 local experts"));
+  CHECK_THROWS_WITH(ffn.forward(t, offsets, t, t, {t, t, t, t}, t, nullptr),
+                    test::contains_text("2 offsets for 2 local experts"));
 }

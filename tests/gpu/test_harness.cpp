@@ -127,14 +127,17 @@ TEST_CASE("cuBLASLt row-major products against the fp64 reference", "[gpu][harne
   };
   // Inputs are rounded to their dtype before the reference sees them, so only accumulation
   // order and the output's rounding remain: fp32 out ≤ 1e-5, bf16 out ≤ 1e-2 (SPEC.md).
-  for (const Types types : {Types{DType::kFP32, DType::kFP32, 1e-5}, Types{DType::kBF16, DType::kFP32, 1e-5},
-                            Types{DType::kBF16, DType::kBF16, 1e-2}}) {
-    for (const auto& [m, n, k] : {std::tuple{1, 8, 64}, std::tuple{7, 13, 33}, std::tuple{128, 256, 96},
-                                 std::tuple{257, 64, 1000}, std::tuple{64, 48, 0}}) {
+  for (const Types types :
+       {Types{DType::kFP32, DType::kFP32, 1e-5}, Types{DType::kBF16, DType::kFP32, 1e-5},
+        Types{DType::kBF16, DType::kBF16, 1e-2}}) {
+    for (const auto& [m, n, k] :
+         {std::tuple{1, 8, 64}, std::tuple{7, 13, 33}, std::tuple{128, 256, 96},
+          std::tuple{257, 64, 1000}, std::tuple{64, 48, 0}}) {
       for (const bool trans_a : {false, true}) {
         for (const bool trans_b : {false, true}) {
-          INFO(dtype_name(types.in) << "->" << dtype_name(types.out) << " M=" << m << " N=" << n
-                                    << " K=" << k << " transA=" << trans_a << " transB=" << trans_b);
+          INFO(dtype_name(types.in)
+               << "->" << dtype_name(types.out) << " M=" << m << " N=" << n << " K=" << k
+               << " transA=" << trans_a << " transB=" << trans_b);
           const Matrix a = rounded(test::random_matrix(m, k, rng), types.in);  // op(A)
           const Matrix b = rounded(test::random_matrix(k, n, rng), types.in);  // op(B)
           const DeviceBuffer a_dev = upload(a, types.in, trans_a);

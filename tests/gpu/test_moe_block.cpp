@@ -39,13 +39,16 @@ Results run_block(MoEBlock& block, const MoEConfig& c, const Matrix& x, const Ma
   const Matrix all13 = test::read(g.w13, E_loc * 2 * c.ffn_hidden, c.hidden);
   const Matrix all2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
   for (int e = 0; e < E_loc; ++e) {
-    r.dw13.push_back(reference::slice_rows(all13, e * 2 * c.ffn_hidden, (e + 1) * 2 * c.ffn_hidden));
-    r.dw2.push_back(reference::slice_rows(all2, static_cast<std::int64_t>(e) * c.hidden, (e + 1) * c.hidden));
+    r.dw13.push_back(
+        reference::slice_rows(all13, e * 2 * c.ffn_hidden, (e + 1) * 2 * c.ffn_hidden));
+    r.dw2.push_back(
+        reference::slice_rows(all2, static_cast<std::int64_t>(e) * c.hidden, (e + 1) * c.hidden));
   }
   return r;
 }
 
-void check_against_reference(const MoEConfig& c, const Results& got, const reference::LayerResult& want) {
+void check_against_reference(const MoEConfig& c, const Results& got,
+                             const reference::LayerResult& want) {
   const double tol = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
   CHECK(test::relative_error(got.out, want.out) <= tol);
   CHECK(test::relative_error(got.dx, want.dx) <= tol);
@@ -167,7 +170,8 @@ TEST_CASE("two steps in a row equal two fresh runs", "[gpu][block]") {
   test::draw_separated(c, params, big, 60, rng);
   test::draw_separated(c, params, small, 20, rng);
   test::load_params(block, params, 0, c.num_experts);
-  const Matrix dy_big = test::random_matrix(60, c.hidden, rng), dy_small = test::random_matrix(20, c.hidden, rng);
+  const Matrix dy_big = test::random_matrix(60, c.hidden, rng),
+               dy_small = test::random_matrix(20, c.hidden, rng);
   const auto first_big = run_block(block, c, big, dy_big);
   const auto then_small = run_block(block, c, small, dy_small);  // smaller batch after a larger one
   const auto again_big = run_block(block, c, big, dy_big);
@@ -186,23 +190,31 @@ TEST_CASE("MoEBlock bad use gets clear errors and leaves the block usable", "[gp
   DeviceBuffer x(10 * 64 * 2), dy(10 * 64 * 2);
   MOE_CHECK_CUDA(cudaMemset(x.data(), 0, x.bytes()));
   const Tensor good(x.data(), DType::kBF16, {10, 64});
-  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})), test::contains_text("no forward context"));
-  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kFP32, {10, 64})), test::contains_text("x must be bf16[T, 64], got fp32[10, 64]"));
-  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kBF16, {10, 32})), test::contains_text("got bf16[10, 32]"));
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})),
+                    test::contains_text("no forward context"));
+  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kFP32, {10, 64})),
+                    test::contains_text("x must be bf16[T, 64], got fp32[10, 64]"));
+  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kBF16, {10, 32})),
+                    test::contains_text("got bf16[10, 32]"));
   block.forward(good);
-  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {9, 64})), test::contains_text("expected bf16[10, 64], got bf16[9, 64]"));
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {9, 64})),
+                    test::contains_text("expected bf16[10, 64], got bf16[9, 64]"));
   MOE_CHECK_CUDA(cudaMemset(dy.data(), 0, dy.bytes()));
   CHECK_NOTHROW(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})));
-  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})), test::contains_text("no forward context"));
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})),
+                    test::contains_text("no forward context"));
   block.infer(good);
-  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})), test::contains_text("no forward context"));
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})),
+                    test::contains_text("no forward context"));
   MoEParameters wrong = block.parameters();
   wrong.w2 = Tensor(wrong.w2.data, DType::kBF16, {8, 48, 64});
-  CHECK_THROWS_WITH(block.bind(wrong, block.gradients()), test::contains_text("w2: expected bf16[8, 64, 48], got bf16[8, 48, 64]"));
+  CHECK_THROWS_WITH(block.bind(wrong, block.gradients()),
+                    test::contains_text("w2: expected bf16[8, 64, 48], got bf16[8, 48, 64]"));
   CHECK_THROWS_WITH(block.update_expert_bias(0.1f), test::contains_text("expert_bias = false"));
   MoEConfig mismatched = c;
   mismatched.ep = 2;
-  CHECK_THROWS_WITH(MoEBlock(mismatched, mesh, stream.get()), test::contains_text("config has ep = 2, dp = 1 but the mesh is 1 x 1"));
+  CHECK_THROWS_WITH(MoEBlock(mismatched, mesh, stream.get()),
+                    test::contains_text("config has ep = 2, dp = 1 but the mesh is 1 x 1"));
 }
 
 TEST_CASE("check mode names the stage that produced a NaN", "[gpu][block]") {
@@ -214,5 +226,6 @@ TEST_CASE("check mode names the stage that produced a NaN", "[gpu][block]") {
   std::vector<float> values(4 * 64, 0.5f);
   values[70] = std::nanf("");
   const auto x = test::upload(values);
-  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kFP32, {4, 64})), test::contains_text("stage 'gate'"));
+  CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kFP32, {4, 64})),
+                    test::contains_text("stage 'gate'"));
 }

@@ -16,7 +16,8 @@ using reference::Matrix;
 
 namespace {
 
-reference::Routing draw_routing(std::int64_t tokens, int experts, int topk, bool skewed, std::mt19937_64& rng) {
+reference::Routing draw_routing(std::int64_t tokens, int experts, int topk, bool skewed,
+                                std::mt19937_64& rng) {
   reference::Routing routing;
   routing.tokens = tokens;
   routing.topk = topk;
@@ -24,7 +25,8 @@ reference::Routing draw_routing(std::int64_t tokens, int experts, int topk, bool
   std::iota(all.begin(), all.end(), 0);
   std::uniform_real_distribution<double> prob(0.05, 1.0);
   for (std::int64_t t = 0; t < tokens; ++t) {
-    if (!skewed) std::shuffle(all.begin(), all.end(), rng);  // skewed: every token to experts 0..K-1
+    if (!skewed)
+      std::shuffle(all.begin(), all.end(), rng);  // skewed: every token to experts 0..K-1
     for (int k = 0; k < topk; ++k) {
       routing.expert.push_back(all[k]);
       routing.prob.push_back(prob(rng));
@@ -34,7 +36,8 @@ reference::Routing draw_routing(std::int64_t tokens, int experts, int topk, bool
 }
 
 // Values as the device holds them, back in fp64.
-Matrix download_matrix(const DeviceBuffer& buffer, std::int64_t rows, std::int64_t cols, DType dtype) {
+Matrix download_matrix(const DeviceBuffer& buffer, std::int64_t rows, std::int64_t cols,
+                       DType dtype) {
   Matrix m(rows, cols);
   const auto n = static_cast<std::size_t>(rows * cols);
   if (dtype == DType::kBF16) {
@@ -54,8 +57,8 @@ struct Case {
   DType dtype;
   std::string describe() const {
     std::ostringstream s;
-    s << "T=" << tokens << " H=" << hidden << " E=" << experts << " K=" << topk << " align=" << align
-      << (skewed ? " skewed" : " uniform") << " " << dtype_name(dtype);
+    s << "T=" << tokens << " H=" << hidden << " E=" << experts << " K=" << topk
+      << " align=" << align << (skewed ? " skewed" : " uniform") << " " << dtype_name(dtype);
     return s.str();
   }
 };
@@ -76,11 +79,11 @@ void run_case(const Case& c, std::mt19937_64& rng) {
 
   // Layout.
   const auto idx_dev = test::upload(routing.expert);
-  DeviceBuffer counts(E * 4 + 16), offsets((E + 1) * 4 + 16), row_map(static_cast<std::size_t>(T * K) * 4 + 16),
-      workspace(layout_workspace_bytes(T, K, E));
+  DeviceBuffer counts(E * 4 + 16), offsets((E + 1) * 4 + 16),
+      row_map(static_cast<std::size_t>(T * K) * 4 + 16), workspace(layout_workspace_bytes(T, K, E));
   for (const auto* b : {&counts, &offsets, &row_map}) test::poison(*b);
-  build_layout({idx_dev.as<std::int32_t>(), T, K, E, c.align, counts.as<std::int32_t>(), offsets.as<std::int32_t>(),
-                row_map.as<std::int32_t>(), workspace.data()},
+  build_layout({idx_dev.as<std::int32_t>(), T, K, E, c.align, counts.as<std::int32_t>(),
+                offsets.as<std::int32_t>(), row_map.as<std::int32_t>(), workspace.data()},
                stream.get());
   stream.synchronize();
   const auto got_counts = test::download<std::int32_t>(counts, E);
@@ -98,36 +101,42 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const auto y_dev = test::upload_as(y, c.dtype);
   const auto dy_dev = test::upload_as(dy, c.dtype);
   const std::size_t elem = dtype_size(c.dtype);
-  DeviceBuffer X(static_cast<std::size_t>(rows * H) * elem + 16), out(static_cast<std::size_t>(T * H) * elem + 16),
-      dY(static_cast<std::size_t>(rows * H) * elem + 16), dprob(static_cast<std::size_t>(T * K) * 4 + 16),
+  DeviceBuffer X(static_cast<std::size_t>(rows * H) * elem + 16),
+      out(static_cast<std::size_t>(T * H) * elem + 16),
+      dY(static_cast<std::size_t>(rows * H) * elem + 16),
+      dprob(static_cast<std::size_t>(T * K) * 4 + 16),
       dx(static_cast<std::size_t>(T * H) * elem + 16);
   for (const auto* b : {&X, &out, &dY, &dprob, &dx}) test::poison(*b);
-  const Tensor x_t(x_dev.data(), c.dtype, {T, H}), X_t(X.data(), c.dtype, {rows, H}), y_t(y_dev.data(), c.dtype, {rows, H}),
-      out_t(out.data(), c.dtype, {T, H}), dy_t(dy_dev.data(), c.dtype, {T, H}), dY_t(dY.data(), c.dtype, {rows, H}),
+  const Tensor x_t(x_dev.data(), c.dtype, {T, H}), X_t(X.data(), c.dtype, {rows, H}),
+      y_t(y_dev.data(), c.dtype, {rows, H}), out_t(out.data(), c.dtype, {T, H}),
+      dy_t(dy_dev.data(), c.dtype, {T, H}), dY_t(dY.data(), c.dtype, {rows, H}),
       dx_t(dx.data(), c.dtype, {T, H});
   const auto* rm = row_map.as<std::int32_t>();
-  permute_rows(x_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E, X_t, stream.get());
+  permute_rows(x_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E, X_t,
+               stream.get());
   unpermute_combine(y_t, rm, prob_dev.as<float>(), K, out_t, stream.get());
-  combine_backward(dy_t, y_t, rm, prob_dev.as<float>(), K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E,
-                   dY_t, dprob.as<float>(), stream.get());
+  combine_backward(dy_t, y_t, rm, prob_dev.as<float>(), K, offsets.as<std::int32_t>(),
+                   counts.as<std::int32_t>(), E, dY_t, dprob.as<float>(), stream.get());
   unpermute_combine(y_t, rm, nullptr, K, dx_t, stream.get());  // the permute backward: plain sum
   stream.synchronize();
 
   // Permute is a copy: exact, padding rows exactly zero.
   const Matrix got_X = download_matrix(X, rows, H, c.dtype);
   CHECK(got_X.data == reference::permute(x, layout, routing).data);
-  CHECK(test::relative_error(download_matrix(out, T, H, c.dtype), reference::unpermute_combine(y, layout, routing32)) <=
-        tolerance);
+  CHECK(test::relative_error(download_matrix(out, T, H, c.dtype),
+                             reference::unpermute_combine(y, layout, routing32)) <= tolerance);
   const Matrix want_dY = reference::combine_backward_rows(dy, layout, routing32);
   const Matrix got_dY = download_matrix(dY, rows, H, c.dtype);
   CHECK(test::relative_error(got_dY, want_dY) <= tolerance);
   for (std::int64_t i = 0; i < rows * H; ++i) {
-    if (want_dY.data[i] == 0.0 && got_dY.data[i] != 0.0) FAIL("a padding row of dY is not zero at " << i);
+    if (want_dY.data[i] == 0.0 && got_dY.data[i] != 0.0)
+      FAIL("a padding row of dY is not zero at " << i);
   }
-  CHECK(test::relative_error(test::to_double(test::download<float>(dprob, static_cast<std::size_t>(T * K))),
-                             reference::combine_backward_prob(dy, y, layout, routing32)) <= 1e-5);
-  CHECK(test::relative_error(download_matrix(dx, T, H, c.dtype), reference::permute_backward(y, layout, routing)) <=
-        tolerance);
+  CHECK(test::relative_error(
+            test::to_double(test::download<float>(dprob, static_cast<std::size_t>(T * K))),
+            reference::combine_backward_prob(dy, y, layout, routing32)) <= 1e-5);
+  CHECK(test::relative_error(download_matrix(dx, T, H, c.dtype),
+                             reference::permute_backward(y, layout, routing)) <= tolerance);
 }
 
 }  // namespace
@@ -137,7 +146,8 @@ TEST_CASE("layout, permute, combine and their backward over the grid", "[gpu][pe
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   const std::int64_t token_counts[] = {0, 1, 7, 4096};
-  const int hiddens[] = {128, 2048, 7168, 100};  // 100: bf16 rows of 200 bytes take the element path
+  const int hiddens[] = {128, 2048, 7168,
+                         100};  // 100: bf16 rows of 200 bytes take the element path
   int index = 0;
   for (const int E : {1, 8, 128, 256}) {
     for (const int K : {1, 2, 8}) {
@@ -147,7 +157,8 @@ TEST_CASE("layout, permute, combine and their backward over the grid", "[gpu][pe
           ++index;
           const std::int64_t T = token_counts[index % 4];
           int H = hiddens[(index / 4) % 4];
-          while (H > 128 && T * K * H > (std::int64_t{1} << 24)) H /= 2;  // keep the fp64 reference small
+          while (H > 128 && T * K * H > (std::int64_t{1} << 24))
+            H /= 2;  // keep the fp64 reference small
           const DType dtype = index % 3 == 0 ? DType::kFP32 : DType::kBF16;
           run_case({T, H, E, K, align, skewed, dtype}, rng);
         }
@@ -162,7 +173,7 @@ TEST_CASE("permute at T = 65536 and odd widths", "[gpu][permute]") {
   std::mt19937_64 rng(seed);
   run_case({65536, 128, 256, 8, 128, false, DType::kBF16}, rng);
   run_case({65536, 128, 8, 2, 16, true, DType::kFP32}, rng);
-  run_case({300, 7, 8, 2, 8, false, DType::kFP32}, rng);   // fp32 rows of 28 bytes: element path
+  run_case({300, 7, 8, 2, 8, false, DType::kFP32}, rng);  // fp32 rows of 28 bytes: element path
   run_case({300, 7168, 256, 8, 64, false, DType::kBF16}, rng);
 }
 
@@ -171,13 +182,15 @@ TEST_CASE("EP chunk sort to and from the padded expert-major layout", "[gpu][per
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   for (const auto& [sources, local_experts, align, dtype] :
-       {std::tuple{1, 1, 0, DType::kFP32}, std::tuple{2, 4, 16, DType::kBF16}, std::tuple{8, 32, 128, DType::kBF16},
-        std::tuple{4, 128, 8, DType::kFP32}, std::tuple{2, 8, 1, DType::kBF16}}) {
+       {std::tuple{1, 1, 0, DType::kFP32}, std::tuple{2, 4, 16, DType::kBF16},
+        std::tuple{8, 32, 128, DType::kBF16}, std::tuple{4, 128, 8, DType::kFP32},
+        std::tuple{2, 8, 1, DType::kBF16}}) {
     INFO("sources " << sources << " local experts " << local_experts << " align " << align);
     const int H = 256;
     std::uniform_int_distribution<int> count(0, 40);
     reference::ChunkLayout chunks{sources, local_experts, {}};
-    for (int i = 0; i < sources * local_experts; ++i) chunks.counts.push_back(i % 7 == 3 ? 0 : count(rng));
+    for (int i = 0; i < sources * local_experts; ++i)
+      chunks.counts.push_back(i % 7 == 3 ? 0 : count(rng));
     std::int64_t rows = 0;
     for (const auto c : chunks.counts) rows += c;
     const Matrix source_major = test::round_to(test::random_matrix(rows, H, rng), dtype);
@@ -192,9 +205,10 @@ TEST_CASE("EP chunk sort to and from the padded expert-major layout", "[gpu][per
         back(static_cast<std::size_t>(rows * H) * elem + 16);
     test::poison(expert_major);
     test::poison(back);
-    const ChunkArgs args{counts_dev.as<std::int32_t>(), sources, local_experts, align, workspace.data()};
-    const Tensor src_t(src_dev.data(), dtype, {rows, H}), em_t(expert_major.data(), dtype, {want.rows, H}),
-        back_t(back.data(), dtype, {rows, H});
+    const ChunkArgs args{counts_dev.as<std::int32_t>(), sources, local_experts, align,
+                         workspace.data()};
+    const Tensor src_t(src_dev.data(), dtype, {rows, H}),
+        em_t(expert_major.data(), dtype, {want.rows, H}), back_t(back.data(), dtype, {rows, H});
     sort_chunks(args, src_t, em_t, nullptr);
     unsort_chunks(args, em_t, back_t, nullptr);
     MOE_CHECK_CUDA(cudaDeviceSynchronize());
@@ -207,8 +221,10 @@ TEST_CASE("permute kernels reject bad arguments", "[gpu][permute]") {
   float storage[4] = {};
   const Tensor ints(storage, DType::kInt32, {1, 4});
   const Tensor floats(storage, DType::kFP32, {1, 4});
-  CHECK_THROWS_WITH(permute_rows(ints, nullptr, 1, nullptr, nullptr, 1, floats, nullptr), test::contains_text("dtype int32"));
-  CHECK_THROWS_WITH(permute_rows(floats, nullptr, 17, nullptr, nullptr, 1, floats, nullptr), test::contains_text("topk = 17"));
+  CHECK_THROWS_WITH(permute_rows(ints, nullptr, 1, nullptr, nullptr, 1, floats, nullptr),
+                    test::contains_text("dtype int32"));
+  CHECK_THROWS_WITH(permute_rows(floats, nullptr, 17, nullptr, nullptr, 1, floats, nullptr),
+                    test::contains_text("topk = 17"));
   LayoutArgs args;
   args.experts = 0;
   args.topk = 1;

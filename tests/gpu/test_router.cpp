@@ -19,8 +19,8 @@ using reference::Matrix;
 
 namespace {
 
-constexpr double kTolerance = 1e-5;      // fp32 math on identical inputs
-constexpr double kNearTie = 1e-5;        // score gaps below this may flip under fp32 rounding
+constexpr double kTolerance = 1e-5;  // fp32 math on identical inputs
+constexpr double kNearTie = 1e-5;    // score gaps below this may flip under fp32 rounding
 
 // Logits drawn without near-ties: each row a random permutation of an evenly spaced grid, shifted
 // by a random offset, then rounded to the dtype (exact ties after rounding are fine: both sides
@@ -48,8 +48,9 @@ std::vector<double> draw_bias(int experts, std::mt19937_64& rng) {
 }
 
 // Whether two selections of one token differ only by near-ties of the reference's scores.
-bool near_tie_equivalent(const MoEConfig& config, std::span<const double> logits, std::span<const double> bias,
-                         std::span<const int> gpu, std::span<const int> ref) {
+bool near_tie_equivalent(const MoEConfig& config, std::span<const double> logits,
+                         std::span<const double> bias, std::span<const int> gpu,
+                         std::span<const int> ref) {
   const auto r = reference::selection_scores(config, logits, bias);
   bool same_scores = true;
   for (std::size_t k = 0; k < gpu.size(); ++k) {
@@ -67,7 +68,8 @@ bool near_tie_equivalent(const MoEConfig& config, std::span<const double> logits
     group_score.push_back(std::accumulate(members.begin(), members.begin() + per_group_k, 0.0));
   }
   std::sort(group_score.rbegin(), group_score.rend());
-  return group_score[config.group_topk - 1] - group_score[config.group_topk] <= kNearTie * std::max(1.0, std::abs(group_score[0]));
+  return group_score[config.group_topk - 1] - group_score[config.group_topk] <=
+         kNearTie * std::max(1.0, std::abs(group_score[0]));
 }
 
 struct Outputs {
@@ -102,14 +104,15 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const auto bias_dev = test::upload(std::vector<float>(bias.begin(), bias.end()));
   const auto dprob_dev = test::upload(std::vector<float>(dprob.data.begin(), dprob.data.end()));
   const auto TK = static_cast<std::size_t>(T * K);
-  DeviceBuffer idx(TK * 4 + 16), prob(TK * 4 + 16), counts(E * 4), aux_counts(E * 4), score_sum(E * 4), z(16),
-      losses(16), dlogits(static_cast<std::size_t>(T * E) * 4 + 16);
+  DeviceBuffer idx(TK * 4 + 16), prob(TK * 4 + 16), counts(E * 4), aux_counts(E * 4),
+      score_sum(E * 4), z(16), losses(16), dlogits(static_cast<std::size_t>(T * E) * 4 + 16);
   DeviceBuffer workspace(router_workspace_bytes(params, T));
   const auto tokens_dev = test::upload(std::vector<std::int64_t>{T});
   Stream stream;
 
   auto run = [&] {
-    for (const auto* b : {&idx, &prob, &counts, &aux_counts, &score_sum, &z, &losses, &dlogits}) test::poison(*b);
+    for (const auto* b : {&idx, &prob, &counts, &aux_counts, &score_sum, &z, &losses, &dlogits})
+      test::poison(*b);
     RouterForwardArgs fwd;
     fwd.logits = logits_dev.data();
     fwd.logits_dtype = c.dtype;
@@ -123,8 +126,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     fwd.z_sum = z.as<float>();
     fwd.workspace = workspace.data();
     router_forward(params, fwd, stream.get());
-    router_losses(params, config, aux_counts.as<std::int32_t>(), score_sum.as<float>(), z.as<float>(),
-                  tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
+    router_losses(params, config, aux_counts.as<std::int32_t>(), score_sum.as<float>(),
+                  z.as<float>(), tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
 
     RouterBackwardArgs bwd;
     bwd.logits = logits_dev.data();
@@ -166,7 +169,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   CHECK(near_ties <= std::max<std::int64_t>(2, T / 1000));
 
   // Probabilities and counts of the GPU's selection.
-  const auto routing = reference::route_given(config, logits, std::vector<int>(gpu.idx.begin(), gpu.idx.end()));
+  const auto routing =
+      reference::route_given(config, logits, std::vector<int>(gpu.idx.begin(), gpu.idx.end()));
   CHECK(test::relative_error(test::to_double(gpu.prob), routing.prob) <= kTolerance);
   const auto load = reference::tokens_per_expert(routing, E);
   CHECK(std::equal(load.begin(), load.end(), gpu.counts.begin()));
@@ -179,14 +183,16 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     CHECK(f_gap <= 2.0 * K * near_ties);
     CHECK(test::relative_error(test::to_double(gpu.score_sum), stats.score_sum) <= kTolerance);
     stats.tokens_per_expert.assign(gpu.aux_counts.begin(), gpu.aux_counts.end());
-    CHECK(gpu.losses[0] == Approx(reference::aux_loss(config, stats)).epsilon(kTolerance).margin(1e-12));
+    CHECK(gpu.losses[0] ==
+          Approx(reference::aux_loss(config, stats)).epsilon(kTolerance).margin(1e-12));
   } else {
     CHECK(gpu.losses[0] == 0.0f);
   }
   if (params.z_loss) {
     const double z_sum = reference::z_loss_sum(logits);
     CHECK(gpu.z[0] == Approx(z_sum).epsilon(kTolerance).margin(1e-12));
-    CHECK(gpu.losses[1] == Approx(reference::z_loss(config, z_sum, T)).epsilon(kTolerance).margin(1e-12));
+    CHECK(gpu.losses[1] ==
+          Approx(reference::z_loss(config, z_sum, T)).epsilon(kTolerance).margin(1e-12));
   } else {
     CHECK(gpu.losses[1] == 0.0f);
   }
@@ -208,8 +214,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   CHECK(std::memcmp(again.dlogits.data(), gpu.dlogits.data(), gpu.dlogits.size() * 4) == 0);
 }
 
-MoEConfig router_config(int experts, int topk, ScoreFunction f, bool pre, bool bias, bool grouped, double scale,
-                        bool losses) {
+MoEConfig router_config(int experts, int topk, ScoreFunction f, bool pre, bool bias, bool grouped,
+                        double scale, bool losses) {
   MoEConfig config = test::small_config(8, 8, experts, topk);
   config.score_function = f;
   config.pre_softmax = pre;
@@ -234,9 +240,10 @@ TEST_CASE("router forward and backward over the grid of modes and shapes", "[gpu
     ScoreFunction f;
     bool pre, bias;
   };
-  const std::vector<Mode> modes = {{ScoreFunction::kSoftmax, false, false}, {ScoreFunction::kSoftmax, true, false},
-                                   {ScoreFunction::kSigmoid, false, false}, {ScoreFunction::kSigmoid, false, true},
-                                   {ScoreFunction::kSqrtSoftplus, false, false}, {ScoreFunction::kSqrtSoftplus, false, true}};
+  const std::vector<Mode> modes = {
+      {ScoreFunction::kSoftmax, false, false},      {ScoreFunction::kSoftmax, true, false},
+      {ScoreFunction::kSigmoid, false, false},      {ScoreFunction::kSigmoid, false, true},
+      {ScoreFunction::kSqrtSoftplus, false, false}, {ScoreFunction::kSqrtSoftplus, false, true}};
   const std::int64_t token_counts[] = {0, 1, 7, 4096};
   int case_index = 0;
   for (const auto& mode : modes) {
@@ -264,15 +271,28 @@ TEST_CASE("router at T = 65536 for the model shapes", "[gpu][router]") {
   std::mt19937_64 rng(seed);
   const std::int64_t T = 65536;
   // deepseek-v3, mixtral, qwen3, a large sqrtsoftplus layer, pre-softmax top-1.
-  run_case({router_config(256, 8, ScoreFunction::kSigmoid, false, true, true, 2.5, true), T, DType::kBF16}, rng);
-  run_case({router_config(8, 2, ScoreFunction::kSoftmax, false, false, false, 1.0, true), T, DType::kFP32}, rng);
-  run_case({router_config(128, 8, ScoreFunction::kSoftmax, false, false, false, 1.0, true), T, DType::kBF16}, rng);
-  run_case({router_config(1024, 6, ScoreFunction::kSqrtSoftplus, false, true, false, 1.0, true), T, DType::kFP32}, rng);
-  run_case({router_config(64, 1, ScoreFunction::kSoftmax, true, false, false, 1.0, false), T, DType::kBF16}, rng);
-  run_case({router_config(2048, 16, ScoreFunction::kSigmoid, false, false, false, 1.0, true), 4096, DType::kFP32}, rng);
+  run_case({router_config(256, 8, ScoreFunction::kSigmoid, false, true, true, 2.5, true), T,
+            DType::kBF16},
+           rng);
+  run_case({router_config(8, 2, ScoreFunction::kSoftmax, false, false, false, 1.0, true), T,
+            DType::kFP32},
+           rng);
+  run_case({router_config(128, 8, ScoreFunction::kSoftmax, false, false, false, 1.0, true), T,
+            DType::kBF16},
+           rng);
+  run_case({router_config(1024, 6, ScoreFunction::kSqrtSoftplus, false, true, false, 1.0, true), T,
+            DType::kFP32},
+           rng);
+  run_case({router_config(64, 1, ScoreFunction::kSoftmax, true, false, false, 1.0, false), T,
+            DType::kBF16},
+           rng);
+  run_case({router_config(2048, 16, ScoreFunction::kSigmoid, false, false, false, 1.0, true), 4096,
+            DType::kFP32},
+           rng);
 }
 
-TEST_CASE("hard routing: every token to the same experts; experts with no tokens", "[gpu][router]") {
+TEST_CASE("hard routing: every token to the same experts; experts with no tokens",
+          "[gpu][router]") {
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
@@ -288,8 +308,8 @@ TEST_CASE("hard routing: every token to the same experts; experts with no tokens
   const RouterParams params = RouterParams::from(config);
   const auto logits_dev = test::upload_as(logits, DType::kFP32);
   const auto bias_dev = test::upload(std::vector<float>(bias.begin(), bias.end()));
-  DeviceBuffer idx(1000 * 4 * 4), prob(1000 * 4 * 4), counts(64 * 4), aux_counts(64 * 4), score_sum(64 * 4), z(16),
-      workspace(router_workspace_bytes(params, 1000));
+  DeviceBuffer idx(1000 * 4 * 4), prob(1000 * 4 * 4), counts(64 * 4), aux_counts(64 * 4),
+      score_sum(64 * 4), z(16), workspace(router_workspace_bytes(params, 1000));
   for (const auto* b : {&idx, &prob, &counts}) test::poison(*b);
   RouterForwardArgs fwd;
   fwd.logits = logits_dev.data();
@@ -335,11 +355,13 @@ TEST_CASE("router rejects bad arguments with clear errors", "[gpu][router]") {
   params.num_experts = 4096;
   params.topk = 2;
   RouterForwardArgs args;
-  CHECK_THROWS_WITH(router_forward(params, args, nullptr), test::contains_text("num_experts = 4096"));
+  CHECK_THROWS_WITH(router_forward(params, args, nullptr),
+                    test::contains_text("num_experts = 4096"));
   params.num_experts = 8;
   params.topk = 17;
   CHECK_THROWS_WITH(router_forward(params, args, nullptr), test::contains_text("topk = 17"));
   params.topk = 2;
   args.tokens = 5;
-  CHECK_THROWS_WITH(router_forward(params, args, nullptr), test::contains_text("logits, topk_idx and topk_p are required"));
+  CHECK_THROWS_WITH(router_forward(params, args, nullptr),
+                    test::contains_text("logits, topk_idx and topk_p are required"));
 }

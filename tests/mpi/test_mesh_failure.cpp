@@ -27,9 +27,10 @@ TEST_CASE("a missing peer makes the others fail within the timeout", "[mpi][mesh
   Stream stream;
   if (test::world_rank() != 1) {
     const auto start = std::chrono::steady_clock::now();
-    CHECK_THROWS_WITH(exchange.exchange_counts(counts.as<std::int32_t>(), received.as<std::int32_t>(), nullptr, nullptr, 0,
-                                               stream.get()),
-                      test::contains_text("did not complete within 3000 ms"));
+    CHECK_THROWS_WITH(
+        exchange.exchange_counts(counts.as<std::int32_t>(), received.as<std::int32_t>(), nullptr,
+                                 nullptr, 0, stream.get()),
+        test::contains_text("did not complete within 3000 ms"));
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(20));
     CHECK_THROWS_WITH(mesh.comm(MeshGroup::kWorld), test::contains_text("aborted"));
     MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));

@@ -48,7 +48,8 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   MoEBlock block(c, mesh, stream.get());
   const int E_loc = c.num_experts / ep;
   test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
-  const std::int64_t first = std::accumulate(tokens.begin(), tokens.begin() + rank, std::int64_t{0});
+  const std::int64_t first =
+      std::accumulate(tokens.begin(), tokens.begin() + rank, std::int64_t{0});
   const std::int64_t T = tokens[rank];
   const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
   const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
@@ -59,28 +60,35 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
 
   const double tol = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
   if (T > 0) {
-    CHECK(test::relative_error(test::read(fwd.out, T, c.hidden), reference::slice_rows(want.out, first, first + T)) <= tol);
-    CHECK(test::relative_error(test::read(dx, T, c.hidden), reference::slice_rows(want.dx, first, first + T)) <= tol);
+    CHECK(test::relative_error(test::read(fwd.out, T, c.hidden),
+                               reference::slice_rows(want.out, first, first + T)) <= tol);
+    CHECK(test::relative_error(test::read(dx, T, c.hidden),
+                               reference::slice_rows(want.dx, first, first + T)) <= tol);
   }
   CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5).margin(1e-9));
   CHECK(fwd.z_loss == Approx(want.z_loss).epsilon(1e-5).margin(1e-9));
   const auto& g = block.gradients();
-  CHECK(test::relative_error(test::read(g.gate_weight, c.num_experts, c.hidden), want.d_gate_weight) <= tol);
-  const Matrix dw13 = test::read(g.w13, static_cast<std::int64_t>(E_loc) * 2 * c.ffn_hidden, c.hidden);
+  CHECK(test::relative_error(test::read(g.gate_weight, c.num_experts, c.hidden),
+                             want.d_gate_weight) <= tol);
+  const Matrix dw13 =
+      test::read(g.w13, static_cast<std::int64_t>(E_loc) * 2 * c.ffn_hidden, c.hidden);
   const Matrix dw2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
   for (int le = 0; le < E_loc; ++le) {
     const int e = mesh.ep_index() * E_loc + le;
     INFO("expert " << e);
-    CHECK(test::relative_error(reference::slice_rows(dw13, le * 2 * c.ffn_hidden, (le + 1) * 2 * c.ffn_hidden),
-                               test::transpose(want.expert_grads.dw13[e])) <= tol);
-    CHECK(test::relative_error(reference::slice_rows(dw2, static_cast<std::int64_t>(le) * c.hidden, (le + 1) * c.hidden),
+    CHECK(test::relative_error(
+              reference::slice_rows(dw13, le * 2 * c.ffn_hidden, (le + 1) * 2 * c.ffn_hidden),
+              test::transpose(want.expert_grads.dw13[e])) <= tol);
+    CHECK(test::relative_error(reference::slice_rows(dw2, static_cast<std::int64_t>(le) * c.hidden,
+                                                     (le + 1) * c.hidden),
                                test::transpose(want.expert_grads.dw2[e])) <= tol);
   }
 }
 
 }  // namespace
 
-TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenated batch", "[mpi][block]") {
+TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenated batch",
+          "[mpi][block]") {
   const int world = test::world_size();
   const auto seed = shared_seed();
   INFO("seed " << seed);
@@ -143,7 +151,9 @@ TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[m
   const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
-  CHECK(test::relative_error(test::read(fwd.out, T, c.hidden), reference::slice_rows(want.out, first, first + T)) <= 1e-5);
-  CHECK(test::relative_error(test::read(dx, T, c.hidden), reference::slice_rows(want.dx, first, first + T)) <= 1e-5);
+  CHECK(test::relative_error(test::read(fwd.out, T, c.hidden),
+                             reference::slice_rows(want.out, first, first + T)) <= 1e-5);
+  CHECK(test::relative_error(test::read(dx, T, c.hidden),
+                             reference::slice_rows(want.dx, first, first + T)) <= 1e-5);
   CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5));
 }

@@ -34,7 +34,8 @@ TEST_CASE("NCCL all-reduce over all ranks equals the host sum", "[mpi][harness]"
   copy_to_device(send.data(), inputs[rank].data(), n * 4);
   MOE_CHECK_CUDA(cudaMemset(recv.data(), 0xFF, n * 4));  // poison: NaN
   Stream stream;
-  MOE_CHECK_NCCL(ncclAllReduce(send.data(), recv.data(), n, ncclFloat32, ncclSum, comm.get(), stream.get()));
+  MOE_CHECK_NCCL(
+      ncclAllReduce(send.data(), recv.data(), n, ncclFloat32, ncclSum, comm.get(), stream.get()));
   stream.synchronize();
   std::vector<float> got(n);
   copy_to_host(got.data(), recv.data(), n * 4);

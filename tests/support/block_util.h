@@ -23,8 +23,8 @@ inline reference::Matrix transpose(const reference::Matrix& m) {
 inline void copy_into(const Tensor& dst, const reference::Matrix& m) {
   const auto buffer = upload_as(m, dst.dtype);
   if (static_cast<std::size_t>(m.rows * m.cols) * dtype_size(dst.dtype) != dst.bytes()) {
-    throw Error("copy_into: " + dst.describe() + " does not hold a [" + std::to_string(m.rows) + ", " +
-                std::to_string(m.cols) + "] matrix");
+    throw Error("copy_into: " + dst.describe() + " does not hold a [" + std::to_string(m.rows) +
+                ", " + std::to_string(m.cols) + "] matrix");
   }
   MOE_CHECK_CUDA(cudaMemcpy(dst.data, buffer.data(), dst.bytes(), cudaMemcpyDeviceToDevice));
 }
@@ -79,7 +79,9 @@ inline void draw_separated(const MoEConfig& config, reference::Params& params, r
     for (int attempt = 0;; ++attempt) {
       if (attempt == 1000) throw Error("draw_separated: no tie-free row in 1000 draws");
       const reference::Matrix row = round_to(random_matrix(1, config.hidden, rng), config.dtype);
-      if (!well_separated(config, reference::matmul_nt(row, params.gate_weight), params.expert_bias, 1e-4)) continue;
+      if (!well_separated(config, reference::matmul_nt(row, params.gate_weight), params.expert_bias,
+                          1e-4))
+        continue;
       std::copy(row.data.begin(), row.data.end(), x.row(t).begin());
       break;
     }

@@ -43,7 +43,8 @@ inline reference::Matrix round_to(const reference::Matrix& m, DType dtype) {
 inline DeviceBuffer upload_as(const reference::Matrix& m, DType dtype) {
   if (dtype == DType::kBF16) {
     std::vector<BF16> values(m.data.size());
-    for (std::size_t i = 0; i < values.size(); ++i) values[i] = to_bf16(static_cast<float>(m.data[i]));
+    for (std::size_t i = 0; i < values.size(); ++i)
+      values[i] = to_bf16(static_cast<float>(m.data[i]));
     return upload(values);
   }
   std::vector<float> values(m.data.begin(), m.data.end());

@@ -19,8 +19,12 @@ namespace {
 int g_rank = 0;
 int g_size = 1;
 }  // namespace
-int world_rank() { return g_rank; }
-int world_size() { return g_size; }
+int world_rank() {
+  return g_rank;
+}
+int world_size() {
+  return g_size;
+}
 }  // namespace moe::test
 
 int main(int argc, char** argv) {

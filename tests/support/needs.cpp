@@ -2,5 +2,7 @@
 #include "support/test_main.h"
 
 namespace moe::test {
-Needs test_needs() { return static_cast<Needs>(MOE_TEST_NEEDS); }
+Needs test_needs() {
+  return static_cast<Needs>(MOE_TEST_NEEDS);
+}
 }  // namespace moe::test

@@ -3,10 +3,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
-#include <span>
 #include <cstdint>
+#include <numeric>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "moe/config.h"
