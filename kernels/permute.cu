@@ -7,6 +7,7 @@
 #include "moe/config.h"
 #include "moe/error.h"
 #include "permute.cuh"
+#include "vector_access.cuh"
 
 namespace moe {
 namespace {
@@ -121,28 +122,9 @@ __global__ void __launch_bounds__(kLayoutTokens)
 
 // ---- Row movement ----------------------------------------------------------------------------
 
-// kElems elements of T moved as one access (16 bytes when the rows allow it).
-template <typename T, int kElems>
-struct alignas(sizeof(T) * kElems) Pack {
-  T v[kElems];
-};
-
-__device__ __forceinline__ float to_float(float v) {
-  return v;
-}
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using device::from_float;
+using device::Pack;
+using device::to_float;
 
 // A token's K slots, broadcast from lane k to every lane. kSlots (2, 4, 8 or 16, at least K)
 // sizes the register arrays: a top-2 layer must not pay a top-16 layer's registers, which would

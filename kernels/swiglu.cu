@@ -4,31 +4,14 @@
 
 #include "moe/error.h"
 #include "swiglu.cuh"
+#include "vector_access.cuh"
 
 namespace moe {
 namespace {
 
-__device__ __forceinline__ float to_float(float v) {
-  return v;
-}
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T, int kElems>
-struct alignas(sizeof(T) * kElems) Pack {
-  T v[kElems];
-};
+using device::from_float;
+using device::Pack;
+using device::to_float;
 
 __device__ __forceinline__ float sigmoid(float x) {
   return 1.0f / (1.0f + __expf(-x));
