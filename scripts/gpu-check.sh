@@ -96,8 +96,9 @@ if [ $bench -eq 1 ]; then
       note "$name: FAILED"
     fi
   done
-  if mpirun -np "$gpus" --bind-to none -x NCCL_NVLS_ENABLE "$MOE_BUILD_DIR/apps/moe_bench" >"$logs/moe_bench.txt" 2>&1; then
-    note "moe_bench (all GPUs, small config): ok"
+  if mpirun -np "$gpus" --bind-to none -x NCCL_NVLS_ENABLE "$MOE_BUILD_DIR/apps/moe_bench" --json "$logs/moe_bench.json" \
+       >"$logs/moe_bench.txt" 2>&1; then
+    note "moe_bench (all GPUs, small config): $(grep -m1 "^throughput" "$logs/moe_bench.txt")"
   else
     status=1
     note "moe_bench: FAILED"

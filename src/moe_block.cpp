@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "comm/exchange.h"
 #include "kernels/elementwise.cuh"
@@ -19,12 +21,40 @@
 namespace moe {
 namespace {
 
-// An NVTX range around a stage, visible in Nsight Systems.
-struct Range {
-  explicit Range(const char* name) { nvtxRangePushA(name); }
-  ~Range() { nvtxRangePop(); }
+// Per-stage CUDA events of the last forward and backward, when stage timing is on.
+struct StageTimes {
+  bool on = false;
+  struct Stage {
+    std::string name;
+    Event start{true};
+    Event stop{true};
+  };
+  std::vector<Stage> stages;  // reused: events are created once
+  std::size_t used = 0;
+};
+
+// A stage: an NVTX range (visible in Nsight Systems) and, with timing on, a pair of events.
+class Range {
+ public:
+  Range(const char* name, StageTimes& times, cudaStream_t stream) : times_(times), stream_(stream) {
+    nvtxRangePushA(name);
+    if (!times_.on) return;
+    if (times_.used == times_.stages.size()) times_.stages.emplace_back();
+    stage_ = &times_.stages[times_.used++];
+    stage_->name = name;
+    stage_->start.record(stream_);
+  }
+  ~Range() {
+    if (stage_ != nullptr) (void)cudaEventRecord(stage_->stop.get(), stream_);
+    nvtxRangePop();
+  }
   Range(const Range&) = delete;
   Range& operator=(const Range&) = delete;
+
+ private:
+  StageTimes& times_;
+  cudaStream_t stream_;
+  StageTimes::Stage* stage_ = nullptr;
 };
 
 // Grow-only device buffer viewed as a tensor of the requested shape.
@@ -78,6 +108,7 @@ struct MoEBlock::State {
   std::vector<std::int64_t> expert_offsets;
   std::int64_t global_tokens = 0;
   bool check_finite = false;
+  StageTimes times;
 
   State(const MoEConfig& c, const Mesh& m, cudaStream_t s)
       : config(c),
@@ -186,6 +217,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   if (x.data == nullptr && T > 0) fail("MoEBlock::forward: x has no data");
   if (T * s.K > INT32_MAX) fail("MoEBlock::forward: T = {} tokens exceed the int32 row index", T);
   s.has_context = false;  // a failure below leaves no half-built context
+  s.times.used = 0;       // stage times restart with each forward; backward appends
   const cudaStream_t stream = s.stream;
   const int E = s.E, K = s.K;
   const std::int64_t H = s.H;
@@ -193,7 +225,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   // 1. Gate GEMM: logits[T, E] = x · Wgᵀ, fp32.
   const Tensor logits = view(s.logits, DType::kFP32, {T, E});
   {
-    Range r("moe gate");
+    Range r("moe gate", s.times, stream);
     s.gemm.run({T, E, H, false, true, s.dtype, s.dtype, DType::kFP32}, x.data,
                s.params.gate_weight.data, logits.data, stream);
     s.check("gate", logits);
@@ -210,7 +242,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   auto* global_tokens = typed<std::int64_t>(s.scalars, 2);  // [T_glob, losses as two floats]
   auto* losses = reinterpret_cast<float*>(global_tokens + 1);
   {
-    Range r("moe router");
+    Range r("moe router", s.times, stream);
     RouterForwardArgs a;
     a.logits = logits.data;
     a.tokens = T;
@@ -228,7 +260,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
 
   // 3. Aux losses over the whole mesh: statistics, loads and the token count summed over the world.
   {
-    Range r("moe losses");
+    Range r("moe losses", s.times, stream);
     // Sized once for everything the forward copies to the host: never reallocated under a copy.
     s.host_scalars.reserve(16 + (E + 1) * sizeof(std::int32_t));
     MOE_CHECK_CUDA(cudaEventSynchronize(s.copied.get()));
@@ -260,7 +292,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     float losses[2];
   } host{};
   {
-    Range r("moe dispatch");
+    Range r("moe dispatch", s.times, stream);
     const int align = s.expert_parallel() ? 1 : s.config.align_size;
     s.layout_ws.reserve(layout_workspace_bytes(T, K, E));
     build_layout(
@@ -311,7 +343,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   // 5. Experts: h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ.
   const Tensor Y = view(s.Y, s.dtype, {s.rows, H});
   {
-    Range r("moe experts");
+    Range r("moe experts", s.times, stream);
     const ExpertActivations act{
         view(s.h, s.dtype, {s.rows, 2 * s.F}), view(s.a, s.dtype, {s.rows, s.F}), {}, {}};
     s.experts.forward(X, s.expert_offsets, s.params.w13, s.params.w2, act, Y, stream);
@@ -321,7 +353,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   // 6. Combine: back to the senders (EP), then out[t] = Σ_k p[t,k] · Y_row(t,k).
   const Tensor out = view(s.out, s.dtype, {T, H});
   {
-    Range r("moe combine");
+    Range r("moe combine", s.times, stream);
     const Tensor* combined = &Y;
     Tensor returned;
     if (s.expert_parallel()) {
@@ -368,7 +400,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   // 6'. Combine backward, against the Y the combine consumed in the layout it consumed it; EP:
   //     back to the experts' ranks and into their padded layout.
   {
-    Range r("moe combine backward");
+    Range r("moe combine backward", s.times, stream);
     if (!s.expert_parallel()) {
       combine_backward(dy, Tensor(s.Y.data(), s.dtype, {rows, H}), row_map, topk_p, K,
                        s.layout_offsets.as<std::int32_t>(), s.layout_counts.as<std::int32_t>(), E,
@@ -391,7 +423,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 
   // 5'. Experts backward.
   {
-    Range r("moe experts backward");
+    Range r("moe experts backward", s.times, stream);
     const ExpertActivations act{Tensor(s.h.data(), s.dtype, {rows, 2 * F}),
                                 Tensor(s.a.data(), s.dtype, {rows, F}),
                                 view(s.dA, s.dtype, {rows, F}), view(s.dh, s.dtype, {rows, 2 * F})};
@@ -402,7 +434,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 
   // 4'. Dispatch backward: EP back to the senders; dx[t] = Σ_k dX_row(t,k).
   {
-    Range r("moe dispatch backward");
+    Range r("moe dispatch backward", s.times, stream);
     const Tensor* rows_in = &dX;
     Tensor returned;
     if (s.expert_parallel()) {
@@ -422,7 +454,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   // 2'-3'. Router backward with the loss gradients (mesh-wide f and T).
   const Tensor dlogits = view(s.dlogits, DType::kFP32, {T, E});
   {
-    Range r("moe router backward");
+    Range r("moe router backward", s.times, stream);
     RouterBackwardArgs a;
     a.logits = s.logits.data();
     a.tokens = T;
@@ -439,7 +471,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 
   // 1'. Gate backward: dx += dlogits · Wg, dWg = dlogitsᵀ · x (fp32 accumulation).
   {
-    Range r("moe gate backward");
+    Range r("moe gate backward", s.times, stream);
     Tensor dl = dlogits;
     if (s.dtype == DType::kBF16) {  // the GEMM takes both operands in one dtype
       dl = view(s.dlogits_low, DType::kBF16, {T, E});
@@ -456,7 +488,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
-  Range r("moe gradient reduction");
+  Range r("moe gradient reduction", s.times, s.stream);
   s.mesh.group_start();
   s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), ncclFloat32,
                         MeshGroup::kDataParallel, s.stream);
@@ -465,6 +497,21 @@ void MoEBlock::reduce_gradients() {
   s.mesh.group_end("the expert gradient reduction");
   s.mesh.all_reduce_sum(s.grads.gate_weight.data, s.grads.gate_weight.numel(), ncclFloat32,
                         MeshGroup::kWorld, s.stream);
+}
+
+void MoEBlock::set_stage_timing(bool on) {
+  s_->times.on = on;
+  s_->times.used = 0;
+}
+
+std::vector<MoEBlock::StageTime> MoEBlock::stage_times() const {
+  std::vector<StageTime> out;
+  for (std::size_t i = 0; i < s_->times.used; ++i) {
+    const auto& stage = s_->times.stages[i];
+    MOE_CHECK_CUDA(cudaEventSynchronize(stage.stop.get()));
+    out.push_back({stage.name, stage.stop.elapsed_ms_since(stage.start)});
+  }
+  return out;
 }
 
 void MoEBlock::update_expert_bias(float rate) {

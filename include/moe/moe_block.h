@@ -16,6 +16,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "moe/config.h"
 #include "moe/mesh.h"
@@ -75,6 +77,14 @@ class MoEBlock {
   // Check mode: after each stage, raise a moe::Error naming the first stage (and rank) whose
   // output holds NaN or Inf. Off by default (it synchronises).
   void set_check_finite(bool on);
+  // Stage timing for benchmarks: with it on, every stage records a pair of CUDA events;
+  // stage_times() waits for them and returns the last forward's stages, then the backward's.
+  struct StageTime {
+    std::string name;
+    float ms = 0.0f;
+  };
+  void set_stage_timing(bool on);
+  std::vector<StageTime> stage_times() const;
 
  private:
   struct State;
