@@ -6,8 +6,8 @@
 // Measures the ceilings first (dense bf16 GEMM rate, copy bandwidth, p2p rate inside the EP
 // group), then times the layer with CUDA events: per-stage breakdown, total, TFLOP/s, fractions
 // of the GEMM and NVLink floors, and device memory. A table on rank 0; --json for the numbers.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -16,9 +16,9 @@
 #include <fstream>
 #include <map>
 
+#include "bench/bench_util.h"
 #include "comm/bootstrap.h"
 #include "kernels/elementwise.cuh"
-#include "kernels/gemm.h"
 #include "moe/config.h"
 #include "moe/device.h"
 #include "moe/error.h"
@@ -32,42 +32,6 @@ namespace {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-template <typename Body>
-double median_ms(Body&& body, cudaStream_t stream, int warmup, int repeats) {
-  for (int i = 0; i < warmup; ++i) body();
-  Event start(true), stop(true);
-  std::vector<double> times;
-  for (int i = 0; i < repeats; ++i) {
-    start.record(stream);
-    body();
-    stop.record(stream);
-    MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
-    times.push_back(stop.elapsed_ms_since(start));
-  }
-  return median(times);
-}
-
-double dense_rate(cudaStream_t stream) {
-  const std::int64_t n = 8192;
-  DeviceBuffer a(n * n * 2), b(n * n * 2), c(n * n * 2);
-  init_normal(Tensor(a.data(), DType::kBF16, {n, n}), 1, 0, 1.0f, stream);  // non-zero data
-  init_normal(Tensor(b.data(), DType::kBF16, {n, n}), 2, 0, 1.0f, stream);
-  GemmRunner gemm;
-  const GemmShape shape{n, n, n, false, true, DType::kBF16, DType::kBF16, DType::kBF16};
-  const double ms = median_ms([&] { gemm.run(shape, a.data(), b.data(), c.data(), stream); }, stream, 3, 10);
-  return 2.0 * n * n * n / (ms * 1e-3);
-}
-
-double copy_bandwidth(cudaStream_t stream) {
-  const std::size_t bytes = std::size_t{1} << 30;
-  DeviceBuffer a(bytes), b(bytes);
-  MOE_CHECK_CUDA(cudaMemsetAsync(a.data(), 1, bytes, stream));
-  const double ms = median_ms(
-      [&] { MOE_CHECK_CUDA(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, stream)); }, stream, 3,
-      10);
-  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3);
 }
 
 // Bytes per second one rank sends to its EP peers when all send at once (grouped send/recv).
@@ -85,7 +49,7 @@ double p2p_rate(const Mesh& mesh, cudaStream_t stream) {
     }
     mesh.group_end("the p2p bandwidth measurement");
   };
-  const double ms = median_ms(exchange, stream, 2, 5);
+  const double ms = bench::median_ms([&](int) { exchange(); }, stream, 2, 5);
   return static_cast<double>(bytes) * (mesh.ep() - 1) / (ms * 1e-3);
 }
 
@@ -103,9 +67,12 @@ int main(int argc, char** argv) {
   int ep = 0, dp = 0, tokens = 0, iters = 20, warmup = 5;
   std::string json_path;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
-  app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")->check(CLI::PositiveNumber);
-  app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")->check(CLI::PositiveNumber);
-  app.add_option("--tokens", tokens, "tokens per GPU (default: the config's)")->check(CLI::PositiveNumber);
+  app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--tokens", tokens, "tokens per GPU (default: the config's)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--iters", iters, "timed iterations")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
@@ -116,7 +83,8 @@ int main(int argc, char** argv) {
     const int world = mpi.size();
     const bool root = mpi.rank() == 0;
     if (cuda_device_count() == 0) {
-      if (root) std::fprintf(stderr, "moe_bench: no CUDA GPU on this machine; it needs at least one.\n");
+      if (root)
+        std::fprintf(stderr, "moe_bench: no CUDA GPU on this machine; it needs at least one.\n");
       return 2;
     }
     auto config = load_config(config_path);
@@ -131,8 +99,8 @@ int main(int argc, char** argv) {
 
     const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, config.num_experts);
     Stream stream;
-    const double gemm_rate = dense_rate(stream.get());
-    const double copy_rate = copy_bandwidth(stream.get());
+    const double gemm_rate = bench::dense_gemm_rate(stream.get());
+    const double copy_rate = bench::copy_bandwidth(stream.get());
     const double link_rate = p2p_rate(mesh, stream.get());
 
     const std::size_t memory_before = used_device_memory();
@@ -163,23 +131,26 @@ int main(int argc, char** argv) {
       stop.record(stream.get());
       MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
       double ms = stop.elapsed_ms_since(start);
-      MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));  // the slowest rank
+      MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX,
+                                  MPI_COMM_WORLD));  // the slowest rank
       totals.push_back(ms);
       for (const auto& s : block.stage_times()) {
         if (!stage_sum.count(s.name)) stage_order.push_back(s.name);
         stage_sum[s.name] += s.ms;
       }
-      if (root && iters > 20 && (i + 1) % 10 == 0) std::fprintf(stderr, "moe_bench: %d / %d iterations\n", i + 1, iters);
+      if (root && iters > 20 && (i + 1) % 10 == 0)
+        std::fprintf(stderr, "moe_bench: %d / %d iterations\n", i + 1, iters);
     }
-    const double reduce_ms =
-        median_ms([&] { block.reduce_gradients(); }, stream.get(), 1, std::max(3, iters / 4));
+    const double reduce_ms = bench::median_ms([&](int) { block.reduce_gradients(); }, stream.get(),
+                                              1, std::max(3, iters / 4));
 
     // Useful work: gate 6·T·E·H, experts 18·(T·K)·H·F (forward + backward, padding excluded).
     const double E = config.num_experts, K = config.topk, F = config.ffn_hidden;
     const double flops = 6.0 * T * E * H + 18.0 * T * K * H * F;
     const double total_ms = median(totals);
     const double tflops = flops / (total_ms * 1e-3) / 1e12;
-    // Rows leaving this rank per step (uniform routing): dispatch and combine, forward and backward.
+    // Rows leaving this rank per step (uniform routing): dispatch and combine, forward and
+    // backward.
     const double link_bytes = 4.0 * T * K * H * dtype_size(config.dtype) * (ep - 1) / ep;
     const double link_floor_ms = link_rate > 0 ? link_bytes / link_rate * 1e3 : 0.0;
 
@@ -187,8 +158,9 @@ int main(int argc, char** argv) {
       fmt::print("moe_bench {} on {} rank(s), EP={} DP={}, {} tokens per GPU\n",
                  std::filesystem::path(config_path).filename().string(), world, ep, dp, T);
       fmt::print("{}\n{}", config.describe(), describe_devices());
-      fmt::print("ceilings per GPU: dense bf16 GEMM {:.0f} TFLOP/s, copy {:.0f} GB/s, p2p {:.0f} GB/s\n",
-                 gemm_rate / 1e12, copy_rate / 1e9, link_rate / 1e9);
+      fmt::print(
+          "ceilings per GPU: dense bf16 GEMM {:.0f} TFLOP/s, copy {:.0f} GB/s, p2p {:.0f} GB/s\n",
+          gemm_rate / 1e12, copy_rate / 1e9, link_rate / 1e9);
       fmt::print("{:<26} {:>10} {:>7}\n", "stage (rank 0, mean)", "ms", "share");
       for (const auto& name : stage_order) {
         const double ms = stage_sum[name] / iters;
@@ -196,17 +168,30 @@ int main(int argc, char** argv) {
       }
       fmt::print("{:<26} {:>10.3f}\n", "forward + backward", total_ms);
       fmt::print("{:<26} {:>10.3f}\n", "gradient reduction", reduce_ms);
-      fmt::print("throughput: {:.0f} TFLOP/s per GPU, {:.0f}% of the dense GEMM rate; {:.0f} tokens/s per GPU\n",
-                 tflops, 100.0 * tflops * 1e12 / gemm_rate, T / (total_ms * 1e-3));
-      if (link_floor_ms > 0) fmt::print("NVLink floor {:.3f} ms ({:.0f}% of the step)\n", link_floor_ms, 100 * link_floor_ms / total_ms);
+      fmt::print(
+          "throughput: {:.0f} TFLOP/s per GPU, {:.0f}% of the dense GEMM rate; {:.0f} tokens/s per "
+          "GPU\n",
+          tflops, 100.0 * tflops * 1e12 / gemm_rate, T / (total_ms * 1e-3));
+      if (link_floor_ms > 0)
+        fmt::print("NVLink floor {:.3f} ms ({:.0f}% of the step)\n", link_floor_ms,
+                   100 * link_floor_ms / total_ms);
       fmt::print("device memory of the layer: {:.2f} GiB ({:.1f} KiB per token)\n",
-                 static_cast<double>(memory_peak) / (1 << 30), static_cast<double>(memory_peak) / 1024 / T);
+                 static_cast<double>(memory_peak) / (1 << 30),
+                 static_cast<double>(memory_peak) / 1024 / T);
       if (!json_path.empty()) {
-        nlohmann::json report = {{"config", config.describe()}, {"ranks", world}, {"ep", ep}, {"dp", dp},
-                                 {"tokens_per_gpu", T}, {"dense_TFLOPs", gemm_rate / 1e12},
-                                 {"copy_GBps", copy_rate / 1e9}, {"p2p_GBps", link_rate / 1e9},
-                                 {"total_ms", total_ms}, {"reduce_ms", reduce_ms}, {"TFLOPs_per_gpu", tflops},
-                                 {"fraction_of_dense", tflops * 1e12 / gemm_rate}, {"link_floor_ms", link_floor_ms},
+        nlohmann::json report = {{"config", config.describe()},
+                                 {"ranks", world},
+                                 {"ep", ep},
+                                 {"dp", dp},
+                                 {"tokens_per_gpu", T},
+                                 {"dense_TFLOPs", gemm_rate / 1e12},
+                                 {"copy_GBps", copy_rate / 1e9},
+                                 {"p2p_GBps", link_rate / 1e9},
+                                 {"total_ms", total_ms},
+                                 {"reduce_ms", reduce_ms},
+                                 {"TFLOPs_per_gpu", tflops},
+                                 {"fraction_of_dense", tflops * 1e12 / gemm_rate},
+                                 {"link_floor_ms", link_floor_ms},
                                  {"memory_bytes", memory_peak}};
         for (const auto& name : stage_order) report["stages_ms"][name] = stage_sum[name] / iters;
         std::ofstream(json_path) << report.dump(2) << "\n";

@@ -10,27 +10,10 @@
 
 using namespace moe;
 
-namespace {
-
-double dense_rate(cudaStream_t stream) {
-  const std::int64_t n = 8192;
-  DeviceBuffer a(n * n * 2), b(n * n * 2), c(n * n * 2);
-  MOE_CHECK_CUDA(
-      cudaMemsetAsync(a.data(), 0x3c, n * n * 2, stream));  // non-zero data: zeros run faster
-  MOE_CHECK_CUDA(cudaMemsetAsync(b.data(), 0x3c, n * n * 2, stream));
-  GemmRunner gemm;
-  const GemmShape shape{n, n, n, false, true, DType::kBF16, DType::kBF16, DType::kBF16};
-  const double ms = bench::median_ms(
-      [&](int) { gemm.run(shape, a.data(), b.data(), c.data(), stream); }, stream, 3, 10);
-  return 2.0 * n * n * n / (ms * 1e-3);
-}
-
-}  // namespace
-
 int main(int argc, char** argv) try {
   const auto options = bench::parse_options(argc, argv);
   Stream stream;
-  const double rate = dense_rate(stream.get());
+  const double rate = bench::dense_gemm_rate(stream.get());
   const std::int64_t T = 8192;
   nlohmann::json report = {{"bench", "experts"},
                            {"device", bench::device_name()},
