@@ -19,6 +19,9 @@ done
 logs=$MOE_BUILD_DIR/gpu-check
 rm -rf "$logs"
 mkdir -p "$logs"
+# On the device machine everything printed also goes to $OUT as it happens, so a call that is
+# killed at its time limit still brings back how far it got.
+if [ -n "${OUT:-}" ]; then exec > >(tee "$OUT/gpu-check.txt") 2>&1; fi
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared hosts
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 summary=()
@@ -44,8 +47,10 @@ note "gpus: $gpus ($(head -1 "$logs/gpus.txt" | cut -d, -f2 | xargs))"
 
 run_label() {  # run_label LABEL: ctest over one label, one summary line
   local label=$1
-  (cd "$MOE_BUILD_DIR" && ctest -L "^$label\$" --output-on-failure) >"$logs/ctest-$label.log" 2>&1
-  local rc=$?
+  # Each test has a 240 s TIMEOUT (tests/CMakeLists.txt): a hang costs one test, not the run.
+  (cd "$MOE_BUILD_DIR" && ctest -L "^$label\$" --output-on-failure) 2>&1 | tee "$logs/ctest-$label.log" |
+    grep -E "Test +#|tests passed|tests failed"
+  local rc=${PIPESTATUS[0]}
   local line
   line=$(grep -E "tests passed|tests failed" "$logs/ctest-$label.log" | tail -1)
   local skipped
