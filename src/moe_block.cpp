@@ -499,6 +499,13 @@ void MoEBlock::reduce_gradients() {
                         MeshGroup::kWorld, s.stream);
 }
 
+MoERouting MoEBlock::routing() const {
+  auto& s = *s_;
+  return {Tensor(s.topk_idx.data(), DType::kInt32, {s.T, s.K}),
+          Tensor(s.topk_p.data(), DType::kFP32, {s.T, s.K}),
+          Tensor(s.counts.data(), DType::kInt32, {s.E})};
+}
+
 void MoEBlock::set_stage_timing(bool on) {
   s_->times.on = on;
   s_->times.used = 0;

@@ -40,6 +40,13 @@ struct MoEGradients {
   Tensor w2;
 };
 
+// The last forward's routing on this rank (views valid until the next forward).
+struct MoERouting {
+  Tensor topk_idx;           // [T, K] int32, descending score order
+  Tensor topk_p;             // [T, K] fp32, scaled
+  Tensor tokens_per_expert;  // [E] int32, this rank's tokens
+};
+
 struct MoEForward {
   Tensor out;  // [T, H], x's dtype, owned by the block until the next forward
   float aux_loss = 0.0f;
@@ -72,6 +79,7 @@ class MoEBlock {
   Tensor backward(const Tensor& dy);
   // Sums the gradients over the mesh: experts over the DP group, the gate over the world.
   void reduce_gradients();
+  MoERouting routing() const;
   // Aux-loss-free balancing with the mesh-wide loads of the last forward.
   void update_expert_bias(float rate);
   // Check mode: after each stage, raise a moe::Error naming the first stage (and rank) whose

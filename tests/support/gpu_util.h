@@ -7,6 +7,7 @@
 #include "moe/device.h"
 #include "moe/reference.h"
 #include "moe/tensor.h"
+#include "support/test_util.h"
 
 namespace moe::test {
 
@@ -30,16 +31,7 @@ inline void poison(const DeviceBuffer& buffer) {
   MOE_CHECK_CUDA(cudaMemset(buffer.data(), 0xFF, buffer.bytes()));
 }
 
-// A matrix rounded to the values `dtype` can hold (what the GPU sees), and its device copy.
-inline reference::Matrix round_to(const reference::Matrix& m, DType dtype) {
-  reference::Matrix out = m;
-  for (auto& v : out.data) {
-    const auto f = static_cast<float>(v);
-    v = dtype == DType::kBF16 ? from_bf16(to_bf16(f)) : f;
-  }
-  return out;
-}
-
+// A matrix's device copy in `dtype`.
 inline DeviceBuffer upload_as(const reference::Matrix& m, DType dtype) {
   if (dtype == DType::kBF16) {
     std::vector<BF16> values(m.data.size());

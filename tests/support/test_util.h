@@ -47,6 +47,16 @@ inline double relative_error(const Matrix& got, const Matrix& want) {
   return relative_error(got.data, want.data);
 }
 
+// A matrix rounded to the values `dtype` can hold (what a GPU tensor of that dtype sees).
+inline Matrix round_to(const Matrix& m, DType dtype) {
+  Matrix out = m;
+  for (auto& v : out.data) {
+    const auto f = static_cast<float>(v);
+    v = dtype == DType::kBF16 ? from_bf16(to_bf16(f)) : f;
+  }
+  return out;
+}
+
 // Weights scaled like a trained layer's (1/sqrt(fan-in)), so activations stay O(1).
 inline reference::Params random_params(const MoEConfig& config, std::mt19937_64& rng) {
   reference::Params params;

@@ -1,0 +1,39 @@
+// The layer's tensors in safetensors files: what moe_run reads and writes (names and layouts in
+// README.md). Weights use the nn.Linear layout of docs/design.md and hold all E experts.
+//
+// weights:  gate_weight [E, H], w13 [E, 2F, H], w2 [E, H, F] (BF16 or F32),
+//           expert_bias [E] (F32, needed when the config has expert_bias)
+// inputs:   x [T, H], dy [T, H] (BF16 or F32), optionally tokens_per_rank [world] (I64)
+// results:  out, dx [T, H]; topk_idx [T, K] (I32); topk_p [T, K]; aux_loss, z_loss [1];
+//           tokens_per_expert [E] (I32); grad.gate_weight [E, H], grad.w13 [E, 2F, H],
+//           grad.w2 [E, H, F] — all F32 but topk_idx and tokens_per_expert.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moe/config.h"
+#include "moe/reference.h"
+#include "moe/safetensors.h"
+
+namespace moe {
+
+struct LayerInputs {
+  reference::Params params;  // the reference's math layout (w13 [H, 2F], w2 [F, H] per expert)
+  reference::Matrix x;
+  reference::Matrix dy;
+  std::vector<std::int64_t> tokens_per_rank;  // empty when the file does not say
+};
+
+// Checks every tensor's presence, dtype and shape against the config (errors name the tensor,
+// what was expected and what came).
+LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights,
+                              const TensorFile& inputs);
+
+// The results file of a single run over the whole batch (the fp64 reference's, or gathered).
+TensorFile layer_results_file(const MoEConfig& config, const reference::LayerResult& result);
+
+// Element values of a BF16 or F32 file tensor, as doubles.
+std::vector<double> file_values(const FileTensor& tensor);
+
+}  // namespace moe

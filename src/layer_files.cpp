@@ -1,0 +1,132 @@
+#include "moe/layer_files.h"
+
+#include <fmt/ranges.h>
+
+#include <cstring>
+
+#include "moe/error.h"
+
+namespace moe {
+namespace {
+
+const FileTensor& expect(const TensorFile& file, const std::string& name,
+                         std::vector<std::int64_t> shape, bool float_only = true) {
+  const FileTensor& t = file.get(name);
+  if (float_only && t.dtype != FileDType::kBF16 && t.dtype != FileDType::kF32) {
+    fail("tensor '{}' is {}; expected BF16 or F32", name, file_dtype_name(t.dtype));
+  }
+  if (t.shape != shape)
+    fail("tensor '{}' has shape [{}]; expected [{}]", name, fmt::join(t.shape, ", "),
+         fmt::join(shape, ", "));
+  return t;
+}
+
+reference::Matrix matrix(const FileTensor& t, std::int64_t rows, std::int64_t cols,
+                         std::int64_t first_row = 0) {
+  const auto values = file_values(t);
+  reference::Matrix m(rows, cols);
+  std::copy(values.begin() + first_row * cols, values.begin() + (first_row + rows) * cols,
+            m.data.begin());
+  return m;
+}
+
+reference::Matrix transpose(const reference::Matrix& m) {
+  reference::Matrix t(m.cols, m.rows);
+  for (std::int64_t r = 0; r < m.rows; ++r) {
+    for (std::int64_t c = 0; c < m.cols; ++c) t(c, r) = m(r, c);
+  }
+  return t;
+}
+
+void add_f32(TensorFile& file, const std::string& name, std::vector<std::int64_t> shape,
+             const std::vector<double>& values) {
+  const std::vector<float> data(values.begin(), values.end());
+  file.add(name, FileDType::kF32, std::move(shape), data.data());
+}
+
+}  // namespace
+
+std::vector<double> file_values(const FileTensor& t) {
+  const auto n = static_cast<std::size_t>(t.numel());
+  std::vector<double> values(n);
+  if (t.dtype == FileDType::kBF16) {
+    std::vector<BF16> raw(n);
+    std::memcpy(raw.data(), t.data.data(), n * 2);
+    for (std::size_t i = 0; i < n; ++i) values[i] = from_bf16(raw[i]);
+  } else if (t.dtype == FileDType::kF32) {
+    std::vector<float> raw(n);
+    std::memcpy(raw.data(), t.data.data(), n * 4);
+    for (std::size_t i = 0; i < n; ++i) values[i] = raw[i];
+  } else {
+    fail("file_values: {} is not a floating-point type", file_dtype_name(t.dtype));
+  }
+  return values;
+}
+
+LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights,
+                              const TensorFile& inputs) {
+  const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
+  LayerInputs in;
+  in.params.gate_weight = matrix(expect(weights, "gate_weight", {E, H}), E, H);
+  const auto& w13 = expect(weights, "w13", {E, 2 * F, H});
+  const auto& w2 = expect(weights, "w2", {E, H, F});
+  for (std::int64_t e = 0; e < E; ++e) {
+    in.params.experts.w13.push_back(transpose(matrix(w13, 2 * F, H, e * 2 * F)));
+    in.params.experts.w2.push_back(transpose(matrix(w2, H, F, e * H)));
+  }
+  if (config.expert_bias) {
+    in.params.expert_bias = file_values(expect(weights, "expert_bias", {E}));
+  } else {
+    in.params.expert_bias.assign(E, 0.0);
+  }
+  const auto& x = inputs.get("x");
+  if (x.shape.size() != 2 || x.shape[1] != H)
+    fail("tensor 'x' has shape [{}]; expected [T, {}]", fmt::join(x.shape, ", "), H);
+  const std::int64_t T = x.shape[0];
+  in.x = matrix(expect(inputs, "x", {T, H}), T, H);
+  in.dy = matrix(expect(inputs, "dy", {T, H}), T, H);
+  if (inputs.contains("tokens_per_rank")) {
+    const auto& split = inputs.get("tokens_per_rank");
+    if (split.dtype != FileDType::kI64 || split.shape.size() != 1)
+      fail("tensor 'tokens_per_rank' must be I64 [world]");
+    in.tokens_per_rank.resize(static_cast<std::size_t>(split.shape[0]));
+    std::memcpy(in.tokens_per_rank.data(), split.data.data(), in.tokens_per_rank.size() * 8);
+    std::int64_t sum = 0;
+    for (const auto t : in.tokens_per_rank) {
+      if (t < 0) fail("tokens_per_rank holds a negative count {}", t);
+      sum += t;
+    }
+    if (sum != T) fail("tokens_per_rank sums to {} but x has {} tokens", sum, T);
+  }
+  return in;
+}
+
+TensorFile layer_results_file(const MoEConfig& config, const reference::LayerResult& r) {
+  const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden,
+                     K = config.topk;
+  const std::int64_t T = r.out.rows;
+  TensorFile file;
+  add_f32(file, "out", {T, H}, r.out.data);
+  add_f32(file, "dx", {T, H}, r.dx.data);
+  add_f32(file, "topk_p", {T, K}, r.routing.prob);
+  file.add("topk_idx", FileDType::kI32, {T, K}, r.routing.expert.data());
+  add_f32(file, "aux_loss", {1}, {r.aux_loss});
+  add_f32(file, "z_loss", {1}, {r.z_loss});
+  const std::vector<std::int32_t> load(r.tokens_per_expert.begin(), r.tokens_per_expert.end());
+  file.add("tokens_per_expert", FileDType::kI32, {E}, load.data());
+  add_f32(file, "grad.gate_weight", {E, H}, r.d_gate_weight.data);
+  std::vector<double> w13, w2;
+  for (std::int64_t e = 0; e < E; ++e) {
+    const auto a = transpose(r.expert_grads.dw13[e]);
+    const auto b = transpose(r.expert_grads.dw2[e]);
+    w13.insert(w13.end(), a.data.begin(), a.data.end());
+    w2.insert(w2.end(), b.data.begin(), b.data.end());
+  }
+  add_f32(file, "grad.w13", {E, 2 * F, H}, w13);
+  add_f32(file, "grad.w2", {E, H, F}, w2);
+  file.metadata["producer"] = "moe-runtime";
+  file.metadata["config"] = config.describe();
+  return file;
+}
+
+}  // namespace moe
