@@ -1,0 +1,105 @@
+// layer_files_tool: the two ends of the moe_run integration test.
+//   layer_files_tool make DIR SEED      writes DIR/config.yaml, weights.safetensors,
+//   inputs.safetensors
+//                                        (fp32, routing free of near-ties)
+//   layer_files_tool compare A B TOL    every result tensor of A equals B's: routing exactly, the
+//                                        rest within relative L2 error TOL
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "moe/layer_files.h"
+#include "support/test_util.h"
+
+using namespace moe;
+
+namespace {
+
+void add(TensorFile& file, const std::string& name, std::vector<std::int64_t> shape,
+         const std::vector<double>& v) {
+  const std::vector<float> f(v.begin(), v.end());
+  file.add(name, FileDType::kF32, std::move(shape), f.data());
+}
+
+int make(const std::string& dir, std::uint64_t seed) {
+  const std::string yaml =
+      "hidden: 64\nffn_hidden: 48\nnum_experts: 8\ntopk: 2\nscore_function: sigmoid\nexpert_bias: "
+      "true\n"
+      "num_groups: 4\ngroup_topk: 2\nscaling_factor: 2.5\naux_loss_coeff: 0.05\nz_loss_coeff: "
+      "0.01\n"
+      "align_size: 16\ndtype: fp32\n";
+  std::ofstream(dir + "/config.yaml") << yaml;
+  const MoEConfig c = parse_config(yaml);
+  std::mt19937_64 rng(seed);
+  auto p = test::random_params(c, rng);
+  p.gate_weight = test::round_to(p.gate_weight, DType::kFP32);
+  for (auto& b : p.expert_bias) b = static_cast<float>(b);
+  const std::int64_t T = 100, E = c.num_experts, H = c.hidden, F = c.ffn_hidden;
+  reference::Matrix x(T, H);
+  for (std::int64_t t = 0; t < T; ++t) {  // each row redrawn until no routing score is near a tie
+    for (;;) {
+      const auto row = test::round_to(test::random_matrix(1, H, rng), DType::kFP32);
+      if (!test::well_separated(c, reference::matmul_nt(row, p.gate_weight), p.expert_bias, 1e-4))
+        continue;
+      std::copy(row.data.begin(), row.data.end(), x.row(t).begin());
+      break;
+    }
+  }
+  TensorFile weights, inputs;
+  add(weights, "gate_weight", {E, H}, p.gate_weight.data);
+  std::vector<double> w13, w2;
+  for (std::int64_t e = 0; e < E; ++e) {
+    for (std::int64_t r = 0; r < 2 * F; ++r) {
+      for (std::int64_t k = 0; k < H; ++k) w13.push_back(p.experts.w13[e](k, r));
+    }
+    for (std::int64_t r = 0; r < H; ++r) {
+      for (std::int64_t k = 0; k < F; ++k) w2.push_back(p.experts.w2[e](k, r));
+    }
+  }
+  add(weights, "w13", {E, 2 * F, H}, w13);
+  add(weights, "w2", {E, H, F}, w2);
+  add(weights, "expert_bias", {E}, p.expert_bias);
+  add(inputs, "x", {T, H}, x.data);
+  add(inputs, "dy", {T, H}, test::random_matrix(T, H, rng).data);
+  weights.write(dir + "/weights.safetensors");
+  inputs.write(dir + "/inputs.safetensors");
+  return 0;
+}
+
+int compare(const std::string& a_path, const std::string& b_path, double tolerance) {
+  const auto a = TensorFile::read(a_path);
+  const auto b = TensorFile::read(b_path);
+  int failures = 0;
+  for (const auto& [name, want] : b.tensors()) {
+    const auto& got = a.get(name);
+    bool ok = got.shape == want.shape && got.dtype == want.dtype;
+    double error = 0.0;
+    if (ok && (want.dtype == FileDType::kI32 || want.dtype == FileDType::kI64)) {
+      ok = got.data == want.data;
+    } else if (ok) {
+      error = test::relative_error(file_values(got), file_values(want));
+      ok = error <= tolerance;
+    }
+    std::printf("%-20s %s (relative error %.3g)\n", name.c_str(), ok ? "equal" : "DIFFERENT",
+                error);
+    failures += !ok;
+  }
+  std::printf("%d of %zu tensors differ\n", failures, b.tensors().size());
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::string verb = argc > 1 ? argv[1] : "";
+    if (verb == "make" && argc == 4) return make(argv[2], std::stoull(argv[3]));
+    if (verb == "compare" && argc == 5) return compare(argv[2], argv[3], std::stod(argv[4]));
+    std::fprintf(stderr, "usage: layer_files_tool make DIR SEED | compare A B TOLERANCE\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "layer_files_tool: %s\n", e.what());
+    return 1;
+  }
+}
