@@ -9,6 +9,8 @@
 namespace moe {
 namespace {
 
+using reference::transpose;
+
 const FileTensor& expect(const TensorFile& file, const std::string& name,
                          std::vector<std::int64_t> shape, bool float_only = true) {
   const FileTensor& t = file.get(name);
@@ -30,18 +32,20 @@ reference::Matrix matrix(const FileTensor& t, std::int64_t rows, std::int64_t co
   return m;
 }
 
-reference::Matrix transpose(const reference::Matrix& m) {
-  reference::Matrix t(m.cols, m.rows);
-  for (std::int64_t r = 0; r < m.rows; ++r) {
-    for (std::int64_t c = 0; c < m.cols; ++c) t(c, r) = m(r, c);
-  }
-  return t;
-}
-
 void add_f32(TensorFile& file, const std::string& name, std::vector<std::int64_t> shape,
              const std::vector<double>& values) {
   const std::vector<float> data(values.begin(), values.end());
   file.add(name, FileDType::kF32, std::move(shape), data.data());
+}
+
+// Per-expert matrices in the reference's math layout, stacked in the files' nn.Linear layout.
+std::vector<double> stacked_transposed(const std::vector<reference::Matrix>& experts) {
+  std::vector<double> out;
+  for (const auto& m : experts) {
+    const auto t = transpose(m);
+    out.insert(out.end(), t.data.begin(), t.data.end());
+  }
+  return out;
 }
 
 }  // namespace
@@ -101,6 +105,23 @@ LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights
   return in;
 }
 
+TensorFile layer_weights_file(const MoEConfig& config, const reference::Params& p) {
+  const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
+  TensorFile file;
+  add_f32(file, "gate_weight", {E, H}, p.gate_weight.data);
+  add_f32(file, "w13", {E, 2 * F, H}, stacked_transposed(p.experts.w13));
+  add_f32(file, "w2", {E, H, F}, stacked_transposed(p.experts.w2));
+  if (config.expert_bias) add_f32(file, "expert_bias", {E}, p.expert_bias);
+  return file;
+}
+
+TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix& dy) {
+  TensorFile file;
+  add_f32(file, "x", {x.rows, x.cols}, x.data);
+  add_f32(file, "dy", {dy.rows, dy.cols}, dy.data);
+  return file;
+}
+
 TensorFile layer_results_file(const MoEConfig& config, const reference::LayerResult& r) {
   const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden,
                      K = config.topk;
@@ -115,15 +136,8 @@ TensorFile layer_results_file(const MoEConfig& config, const reference::LayerRes
   const std::vector<std::int32_t> load(r.tokens_per_expert.begin(), r.tokens_per_expert.end());
   file.add("tokens_per_expert", FileDType::kI32, {E}, load.data());
   add_f32(file, "grad.gate_weight", {E, H}, r.d_gate_weight.data);
-  std::vector<double> w13, w2;
-  for (std::int64_t e = 0; e < E; ++e) {
-    const auto a = transpose(r.expert_grads.dw13[e]);
-    const auto b = transpose(r.expert_grads.dw2[e]);
-    w13.insert(w13.end(), a.data.begin(), a.data.end());
-    w2.insert(w2.end(), b.data.begin(), b.data.end());
-  }
-  add_f32(file, "grad.w13", {E, 2 * F, H}, w13);
-  add_f32(file, "grad.w2", {E, H, F}, w2);
+  add_f32(file, "grad.w13", {E, 2 * F, H}, stacked_transposed(r.expert_grads.dw13));
+  add_f32(file, "grad.w2", {E, H, F}, stacked_transposed(r.expert_grads.dw2));
   file.metadata["producer"] = "moe-runtime";
   file.metadata["config"] = config.describe();
   return file;

@@ -30,6 +30,10 @@ struct LayerInputs {
 LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights,
                               const TensorFile& inputs);
 
+// The weights and inputs files of a layer (the inverse of read_layer_inputs), values stored as F32.
+TensorFile layer_weights_file(const MoEConfig& config, const reference::Params& params);
+TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix& dy);
+
 // The results file of a single run over the whole batch (the fp64 reference's, or gathered).
 TensorFile layer_results_file(const MoEConfig& config, const reference::LayerResult& result);
 

@@ -40,6 +40,7 @@ struct Matrix {
 Matrix matmul(const Matrix& a, const Matrix& b);     // a · b
 Matrix matmul_nt(const Matrix& a, const Matrix& b);  // a · bᵀ
 Matrix matmul_tn(const Matrix& a, const Matrix& b);  // aᵀ · b
+Matrix transpose(const Matrix& m);
 void add_into(Matrix& target, const Matrix& addend);
 // Rows [begin, end) of m.
 Matrix slice_rows(const Matrix& m, std::int64_t begin, std::int64_t end);

@@ -42,6 +42,14 @@ Matrix matmul_tn(const Matrix& a, const Matrix& b) {
   return c;
 }
 
+Matrix transpose(const Matrix& m) {
+  Matrix t(m.cols, m.rows);
+  for (std::int64_t r = 0; r < m.rows; ++r) {
+    for (std::int64_t c = 0; c < m.cols; ++c) t(c, r) = m(r, c);
+  }
+  return t;
+}
+
 void add_into(Matrix& target, const Matrix& addend) {
   if (target.rows != addend.rows || target.cols != addend.cols) {
     fail("add_into: [{},{}] += [{},{}]", target.rows, target.cols, addend.rows, addend.cols);

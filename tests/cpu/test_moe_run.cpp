@@ -14,14 +14,6 @@ using reference::Matrix;
 
 namespace {
 
-Matrix transpose(const Matrix& m) {
-  Matrix t(m.cols, m.rows);
-  for (std::int64_t r = 0; r < m.rows; ++r) {
-    for (std::int64_t c = 0; c < m.cols; ++c) t(c, r) = m(r, c);
-  }
-  return t;
-}
-
 // Values stored as F32 exactly, so the files and the direct computation see the same numbers.
 void add(TensorFile& file, const std::string& name, std::vector<std::int64_t> shape,
          const std::vector<double>& values) {
@@ -35,21 +27,7 @@ struct Files {
 
 Files make_files(const MoEConfig& c, const reference::Params& p, const Matrix& x,
                  const Matrix& dy) {
-  Files files;
-  const std::int64_t E = c.num_experts, H = c.hidden, F = c.ffn_hidden;
-  add(files.weights, "gate_weight", {E, H}, p.gate_weight.data);
-  std::vector<double> w13, w2;
-  for (std::int64_t e = 0; e < E; ++e) {
-    const auto a = transpose(p.experts.w13[e]), b = transpose(p.experts.w2[e]);
-    w13.insert(w13.end(), a.data.begin(), a.data.end());
-    w2.insert(w2.end(), b.data.begin(), b.data.end());
-  }
-  add(files.weights, "w13", {E, 2 * F, H}, w13);
-  add(files.weights, "w2", {E, H, F}, w2);
-  add(files.weights, "expert_bias", {E}, p.expert_bias);
-  add(files.inputs, "x", {x.rows, H}, x.data);
-  add(files.inputs, "dy", {dy.rows, H}, dy.data);
-  return files;
+  return {layer_weights_file(c, p), layer_inputs_file(x, dy)};
 }
 
 reference::Params float_params(reference::Params p) {

@@ -14,13 +14,7 @@ using reference::Matrix;
 
 namespace {
 
-Matrix transpose(const Matrix& m) {
-  Matrix t(m.cols, m.rows);
-  for (std::int64_t r = 0; r < m.rows; ++r) {
-    for (std::int64_t c = 0; c < m.cols; ++c) t(c, r) = m(r, c);
-  }
-  return t;
-}
+using reference::transpose;
 
 // Per-expert matrices stacked into one [E, rows, cols] upload.
 Matrix stack(const std::vector<Matrix>& parts) {

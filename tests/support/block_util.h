@@ -12,13 +12,7 @@
 
 namespace moe::test {
 
-inline reference::Matrix transpose(const reference::Matrix& m) {
-  reference::Matrix t(m.cols, m.rows);
-  for (std::int64_t r = 0; r < m.rows; ++r) {
-    for (std::int64_t c = 0; c < m.cols; ++c) t(c, r) = m(r, c);
-  }
-  return t;
-}
+using reference::transpose;
 
 inline void copy_into(const Tensor& dst, const reference::Matrix& m) {
   const auto buffer = upload_as(m, dst.dtype);

@@ -16,12 +16,6 @@ using namespace moe;
 
 namespace {
 
-void add(TensorFile& file, const std::string& name, std::vector<std::int64_t> shape,
-         const std::vector<double>& v) {
-  const std::vector<float> f(v.begin(), v.end());
-  file.add(name, FileDType::kF32, std::move(shape), f.data());
-}
-
 int make(const std::string& dir, std::uint64_t seed) {
   const std::string yaml =
       "hidden: 64\nffn_hidden: 48\nnum_experts: 8\ntopk: 2\nscore_function: sigmoid\nexpert_bias: "
@@ -35,7 +29,7 @@ int make(const std::string& dir, std::uint64_t seed) {
   auto p = test::random_params(c, rng);
   p.gate_weight = test::round_to(p.gate_weight, DType::kFP32);
   for (auto& b : p.expert_bias) b = static_cast<float>(b);
-  const std::int64_t T = 100, E = c.num_experts, H = c.hidden, F = c.ffn_hidden;
+  const std::int64_t T = 100, H = c.hidden;
   reference::Matrix x(T, H);
   for (std::int64_t t = 0; t < T; ++t) {  // each row redrawn until no routing score is near a tie
     for (;;) {
@@ -46,22 +40,8 @@ int make(const std::string& dir, std::uint64_t seed) {
       break;
     }
   }
-  TensorFile weights, inputs;
-  add(weights, "gate_weight", {E, H}, p.gate_weight.data);
-  std::vector<double> w13, w2;
-  for (std::int64_t e = 0; e < E; ++e) {
-    for (std::int64_t r = 0; r < 2 * F; ++r) {
-      for (std::int64_t k = 0; k < H; ++k) w13.push_back(p.experts.w13[e](k, r));
-    }
-    for (std::int64_t r = 0; r < H; ++r) {
-      for (std::int64_t k = 0; k < F; ++k) w2.push_back(p.experts.w2[e](k, r));
-    }
-  }
-  add(weights, "w13", {E, 2 * F, H}, w13);
-  add(weights, "w2", {E, H, F}, w2);
-  add(weights, "expert_bias", {E}, p.expert_bias);
-  add(inputs, "x", {T, H}, x.data);
-  add(inputs, "dy", {T, H}, test::random_matrix(T, H, rng).data);
+  const TensorFile weights = layer_weights_file(c, p);
+  const TensorFile inputs = layer_inputs_file(x, test::random_matrix(T, H, rng));
   weights.write(dir + "/weights.safetensors");
   inputs.write(dir + "/inputs.safetensors");
   return 0;
