@@ -85,13 +85,21 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
     fail("exchange_rows: {} rows to self but {} from self", send_rows[me], recv_rows[me]);
   const auto* src = static_cast<const char*>(send);
   auto* dst = static_cast<char*>(recv);
-  if (send_rows[me] > 0) {  // this rank's own rows: a device copy, not the network
-    MOE_CHECK_CUDA(cudaMemcpyAsync(dst + recv_offset[me], src + send_offset[me],
-                                   send_offset[me + 1] - send_offset[me], cudaMemcpyDeviceToDevice,
-                                   stream));
-  }
+  const std::size_t self_bytes = send_offset[me + 1] - send_offset[me];
   ncclComm_t ep = mesh_.comm(MeshGroup::kExpertParallel);
-  if (ep == nullptr) return;
+  if (ep == nullptr) {
+    MOE_CHECK_CUDA(cudaMemcpyAsync(dst + recv_offset[me], src + send_offset[me], self_bytes,
+                                   cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  // This rank's own rows: a device copy, not the network, running beside the transfers.
+  if (self_bytes > 0) {
+    fork_.record(stream);
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(self_copy_.get(), fork_.get()));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(dst + recv_offset[me], src + send_offset[me], self_bytes,
+                                   cudaMemcpyDeviceToDevice, self_copy_.get()));
+    join_.record(self_copy_.get());
+  }
   mesh_.group_start();
   for (int peer = 0; peer < EP; ++peer) {
     if (peer == me) continue;
@@ -105,6 +113,7 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
     }
   }
   mesh_.group_end("the rows all-to-allv");
+  if (self_bytes > 0) MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, join_.get()));
 }
 
 }  // namespace moe

@@ -33,11 +33,14 @@ class Watchdog {
     fired_ = false;
     changed_.notify_all();
   }
-  // Returns whether the deadline passed (and the mesh was aborted) while armed.
+  // Returns whether the deadline passed (and the mesh was aborted) while armed. The abort releases
+  // the blocked NCCL call before it has finished with every communicator, so this waits for the
+  // callback to return: the caller then sees the whole mesh aborted, never half of it.
   bool disarm() {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     armed_ = false;
     changed_.notify_all();
+    changed_.wait(lock, [this] { return !in_callback_; });
     return fired_;
   }
 
@@ -52,9 +55,12 @@ class Watchdog {
       if (changed_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ && !stop_) {
         fired_ = true;
         armed_ = false;
+        in_callback_ = true;
         lock.unlock();
         on_timeout_();
         lock.lock();
+        in_callback_ = false;
+        changed_.notify_all();
       }
     }
   }
@@ -63,6 +69,7 @@ class Watchdog {
   std::condition_variable changed_;
   bool armed_ = false;
   bool fired_ = false;
+  bool in_callback_ = false;
   bool stop_ = false;
   std::chrono::steady_clock::time_point deadline_;
   std::thread thread_;

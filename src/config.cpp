@@ -96,6 +96,8 @@ void MoEConfig::validate() const {
                      align_size);
   MOE_CONFIG_REQUIRE(dtype == DType::kBF16 || dtype == DType::kFP32,
                      "dtype = {} must be bf16 or fp32", dtype_name(dtype));
+  MOE_CONFIG_REQUIRE(grad_dtype == DType::kBF16 || grad_dtype == DType::kFP32,
+                     "grad_dtype = {} must be bf16 or fp32", dtype_name(grad_dtype));
   MOE_CONFIG_REQUIRE(ep >= 1, "ep = {} must be >= 1", ep);
   MOE_CONFIG_REQUIRE(dp >= 1, "dp = {} must be >= 1", dp);
   MOE_CONFIG_REQUIRE(num_experts % ep == 0, "ep = {} must divide num_experts = {}", ep,
@@ -108,9 +110,10 @@ std::string MoEConfig::describe() const {
   if (score_function == ScoreFunction::kSoftmax) router += pre_softmax ? "(pre)" : "(post)";
   if (expert_bias) router += "+bias";
   if (num_groups > 0) router += fmt::format(" groups={}/top{}", num_groups, group_topk);
-  return fmt::format("H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} EP={} DP={}", hidden,
-                     ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff,
-                     z_loss_coeff, align_size, dtype_name(dtype), ep, dp);
+  return fmt::format(
+      "H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} (grads {}) EP={} DP={}", hidden,
+      ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff,
+      align_size, dtype_name(dtype), dtype_name(grad_dtype), ep, dp);
 }
 
 namespace {
@@ -174,6 +177,10 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"dtype",
        [&](const YAML::Node& n, const std::string& k) {
          config.dtype = parse_dtype(read_scalar<std::string>(n, k, source), "dtype");
+       }},
+      {"grad_dtype",
+       [&](const YAML::Node& n, const std::string& k) {
+         config.grad_dtype = parse_dtype(read_scalar<std::string>(n, k, source), "grad_dtype");
        }},
       {"ep", integer(&MoEConfig::ep)},
       {"dp", integer(&MoEConfig::dp)},

@@ -97,7 +97,7 @@ struct MoEBlock::State {
   PinnedBuffer host_scalars;
   Event copied;
   // Backward buffers.
-  DeviceBuffer dprob, dY_rows, dY, dA, dh, dX, dx, dlogits, dlogits_low;
+  DeviceBuffer dprob, dY_rows, dY, dA, dX, dx, dlogits, dlogits_low;
   DeviceBuffer nonfinite;
 
   // The context of the last forward.
@@ -151,9 +151,9 @@ MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t strea
   const std::int64_t E = s.E, E_loc = s.E_loc, H = s.H, F = s.F;
   s.params = {view(s.own_gate, s.dtype, {E, H}), view(s.own_w13, s.dtype, {E_loc, 2 * F, H}),
               view(s.own_w2, s.dtype, {E_loc, H, F}), view(s.own_bias, DType::kFP32, {E})};
-  s.grads = {view(s.own_dgate, DType::kFP32, {E, H}),
-             view(s.own_dw13, DType::kFP32, {E_loc, 2 * F, H}),
-             view(s.own_dw2, DType::kFP32, {E_loc, H, F})};
+  const DType grad = config.grad_dtype;
+  s.grads = {view(s.own_dgate, DType::kFP32, {E, H}), view(s.own_dw13, grad, {E_loc, 2 * F, H}),
+             view(s.own_dw2, grad, {E_loc, H, F})};
   initialize(0);
 }
 
@@ -180,8 +180,9 @@ void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
   expect_tensor(p.w2, "MoEBlock::bind w2", s.dtype, {E_loc, H, F});
   expect_tensor(p.expert_bias, "MoEBlock::bind expert_bias", DType::kFP32, {E});
   expect_tensor(g.gate_weight, "MoEBlock::bind gradient of gate_weight", DType::kFP32, {E, H});
-  expect_tensor(g.w13, "MoEBlock::bind gradient of w13", DType::kFP32, {E_loc, 2 * F, H});
-  expect_tensor(g.w2, "MoEBlock::bind gradient of w2", DType::kFP32, {E_loc, H, F});
+  const DType grad = s.config.grad_dtype;
+  expect_tensor(g.w13, "MoEBlock::bind gradient of w13", grad, {E_loc, 2 * F, H});
+  expect_tensor(g.w2, "MoEBlock::bind gradient of w2", grad, {E_loc, H, F});
   s.params = p;
   s.grads = g;
 }
@@ -424,9 +425,10 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   // 5'. Experts backward.
   {
     Range r("moe experts backward", s.times, stream);
-    const ExpertActivations act{Tensor(s.h.data(), s.dtype, {rows, 2 * F}),
-                                Tensor(s.a.data(), s.dtype, {rows, F}),
-                                view(s.dA, s.dtype, {rows, F}), view(s.dh, s.dtype, {rows, 2 * F})};
+    // dh overwrites h in place: nothing reads h after the SwiGLU backward.
+    const Tensor h(s.h.data(), s.dtype, {rows, 2 * F});
+    const ExpertActivations act{h, Tensor(s.a.data(), s.dtype, {rows, F}),
+                                view(s.dA, s.dtype, {rows, F}), h};
     s.experts.backward(dY, Tensor(s.X.data(), s.dtype, {rows, H}), s.expert_offsets, s.params.w13,
                        s.params.w2, act, false, dX, s.grads.w13, s.grads.w2, stream);
     s.check("experts backward", dX);
@@ -489,10 +491,12 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   Range r("moe gradient reduction", s.times, s.stream);
+  const ncclDataType_t grad =
+      s.config.grad_dtype == DType::kBF16 ? ncclBfloat16 : ncclFloat32;
   s.mesh.group_start();
-  s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), ncclFloat32,
-                        MeshGroup::kDataParallel, s.stream);
-  s.mesh.all_reduce_sum(s.grads.w2.data, s.grads.w2.numel(), ncclFloat32, MeshGroup::kDataParallel,
+  s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), grad, MeshGroup::kDataParallel,
+                        s.stream);
+  s.mesh.all_reduce_sum(s.grads.w2.data, s.grads.w2.numel(), grad, MeshGroup::kDataParallel,
                         s.stream);
   s.mesh.group_end("the expert gradient reduction");
   s.mesh.all_reduce_sum(s.grads.gate_weight.data, s.grads.gate_weight.numel(), ncclFloat32,

@@ -64,6 +64,8 @@ TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][c
   CHECK(config.ep == 1);
   CHECK(config.dp == 1);
   CHECK(config.local_experts() == 8);
+  CHECK(config.grad_dtype == DType::kFP32);
+  CHECK(parse_config(kBase + "grad_dtype: bf16\n").grad_dtype == DType::kBF16);
 }
 
 TEST_CASE("padded rows round each group up to align_size", "[cpu][config]") {
@@ -108,6 +110,7 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"dp", "0"}}, "dp = 0 must be >= 1"},
       {{{"dtype", "int32"}}, "dtype = int32 must be bf16 or fp32"},
       {{{"dtype", "fp16"}}, "dtype = 'fp16' is not a dtype"},
+      {{{"grad_dtype", "int32"}}, "grad_dtype = int32 must be bf16 or fp32"},
       {{{"score_function", "relu"}}, "score_function = 'relu' is not one of"},
       {{{"topk", "two"}}, "topk = 'two' is not a valid value"},
       {{{"top_k", "2"}}, "unknown key 'top_k'"},

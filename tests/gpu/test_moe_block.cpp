@@ -116,6 +116,11 @@ TEST_CASE("MoEBlock on one GPU equals the fp64 reference", "[gpu][block]") {
       }
     }
   }
+  // bf16 weight gradients (fp32 accumulation, rounded once): within bf16 tolerance.
+  MoEConfig half_grads = base_config(DType::kBF16);
+  half_grads.grad_dtype = DType::kBF16;
+  half_grads.align_size = 16;
+  run_case(half_grads, 45, rng);
 }
 
 TEST_CASE("MoEBlock edge cases: T = 1, K = E, zero tokens, hard routing", "[gpu][block]") {
