@@ -1,7 +1,8 @@
 // moe_bench: forward + backward of the MoE layer over an EP×DP mesh, one MPI rank per GPU.
 //
 //   mpirun -np N build/apps/moe_bench [--config configs/X.yaml] [--ep E --dp D] [--tokens T]
-//                                      [--iters I] [--warmup W] [--json FILE]
+//                                      [--iters I] [--warmup W] [--grad-dtype bf16|fp32]
+//                                      [--json FILE]
 //
 // Measures the ceilings first (dense bf16 GEMM rate, copy bandwidth, p2p rate inside the EP
 // group), then times the layer with CUDA events: per-stage breakdown, total, TFLOP/s, fractions
@@ -65,7 +66,7 @@ int main(int argc, char** argv) {
   CLI::App app{"moe_bench: forward and backward of the MoE layer over an EP x DP mesh"};
   std::string config_path = std::string(MOE_SOURCE_DIR) + "/configs/small.yaml";
   int ep = 0, dp = 0, tokens = 0, iters = 20, warmup = 5;
-  std::string json_path;
+  std::string json_path, grad_dtype;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(CLI::PositiveNumber);
@@ -75,6 +76,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--iters", iters, "timed iterations")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
+  app.add_option("--grad-dtype", grad_dtype,
+                 "expert weight gradients: bf16 or fp32 (default: the config's)")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   CLI11_PARSE(app, argc, argv);
 
@@ -94,6 +98,7 @@ int main(int argc, char** argv) {
     config.ep = ep;
     config.dp = dp;
     if (tokens > 0) config.bench_tokens = tokens;
+    if (!grad_dtype.empty()) config.grad_dtype = parse_dtype(grad_dtype, "--grad-dtype");
     if (config.bench_tokens <= 0) fail("moe_bench: the config sets no token count; pass --tokens");
     config.validate();
 
@@ -180,6 +185,9 @@ int main(int argc, char** argv) {
                  static_cast<double>(memory_peak) / 1024 / T);
       if (!json_path.empty()) {
         nlohmann::json report = {{"config", config.describe()},
+                                 {"config_file",
+                                  std::filesystem::path(config_path).filename().string()},
+                                 {"device", bench::device_name()},
                                  {"ranks", world},
                                  {"ep", ep},
                                  {"dp", dp},

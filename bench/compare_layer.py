@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""The whole layer, ours against PyTorch, on the same configs and meshes in one run: moe_bench and
+bench/peer_layer.py (torchtitan style) under mpirun, one rank per GPU. Prints the ratio table and
+writes every number to one JSON that bench/plot.py draws.
+
+    python3 bench/compare_layer.py [--build build] [--configs mixtral-8x7b qwen3-30b-a3b ...]
+                                   [--ranks 1 2] [--out DIR]
+
+Both sides keep bf16 weight gradients (moe_bench --grad-dtype bf16), as autograd does for bf16
+weights, so that the memory columns compare like with like.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpirun(ranks, command, timeout):
+    launcher = ["mpirun", "-np", str(ranks), "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE=0"]
+    result = subprocess.run(launcher + command, capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
+
+
+def run_one(kind, ranks, command, path):
+    try:
+        code, text = mpirun(ranks, command, 300)
+    except subprocess.TimeoutExpired:
+        code, text = -1, "timed out after 300 s"
+    if code != 0 or not os.path.exists(path):
+        print(f"  {kind} failed ({code}):\n" + "\n".join(text.splitlines()[-15:]), file=sys.stderr)
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default="layer-compare")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import torch  # only to count the GPUs here; the runs are separate processes
+
+    gpus = torch.cuda.device_count()
+    rows = []
+    for name in args.configs:
+        config = os.path.join(ROOT, "configs", name + ".yaml")
+        for ranks in [r for r in args.ranks if r <= gpus]:
+            print(f"== {name}, {ranks} GPU(s)", flush=True)
+            ours_path = os.path.join(args.out, f"ours_{name}_{ranks}.json")
+            peer_path = os.path.join(args.out, f"peer_{name}_{ranks}.json")
+            ours = run_one("moe_bench", ranks,
+                           [os.path.join(args.build, "apps", "moe_bench"), "--config", config, "--grad-dtype",
+                            "bf16", "--iters", str(args.iters), "--json", ours_path], ours_path)
+            peer = run_one("peer_layer.py", ranks,
+                           [sys.executable, os.path.join(ROOT, "bench", "peer_layer.py"), "--config", config,
+                            "--iters", str(args.iters), "--json", peer_path], peer_path)
+            rows.append({"config": name, "ranks": ranks, "ours": ours, "peer": peer})
+
+    print(f"\n{'config':<16} {'GPUs':>4} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'dense%':>7} "
+          f"{'ours GiB':>9} {'torch GiB':>9}")
+    for r in rows:
+        o, p = r["ours"], r["peer"]
+        ours_ms = o["total_ms"] if o else float("nan")
+        peer_ms = p["total_ms"] if p else float("nan")
+        dense = 100 * o["fraction_of_dense"] if o else float("nan")
+        ours_gib = o["memory_bytes"] / 2**30 if o else float("nan")
+        peer_gib = p["memory_bytes"] / 2**30 if p else float("nan")
+        print(f"{r['config']:<16} {r['ranks']:>4} {ours_ms:9.3f} {peer_ms:9.3f} {ours_ms / peer_ms:5.2f}x "
+              f"{dense:6.0f}% {ours_gib:9.2f} {peer_gib:9.2f}")
+    with open(os.path.join(args.out, "layer_compare.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

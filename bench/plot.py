@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Draws bench/compare_layer.py's results: our per-stage times beside PyTorch's total for each
+config and mesh, and the time ratio. PNGs into the output folder (docs/ by default).
+
+    python3 bench/plot.py layer-compare/layer_compare.json [--out docs]
+"""
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      "docs"))
+    args = parser.parse_args()
+    with open(args.results) as f:
+        rows = [r for r in json.load(f) if r["ours"] and r["peer"]]
+    labels = [f"{r['config']}\n{r['ranks']} GPU" for r in rows]
+    stages = []
+    for r in rows:
+        for name in r["ours"]["stages_ms"]:
+            if name not in stages:
+                stages.append(name)
+    device = rows[0]["ours"].get("device", "") if rows else ""
+
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(rows)), 5))
+    width = 0.38
+    positions = range(len(rows))
+    bottom = [0.0] * len(rows)
+    colors = plt.cm.tab20.colors
+    for i, stage in enumerate(stages):
+        values = [r["ours"]["stages_ms"].get(stage, 0.0) for r in rows]
+        ax.bar([p - width / 2 for p in positions], values, width, bottom=bottom, color=colors[i % 20],
+               label=stage.replace("moe ", ""))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar([p + width / 2 for p in positions], [r["peer"]["total_ms"] for r in rows], width, color="0.6",
+           label="PyTorch (total)")
+    ax.set_xticks(list(positions), labels)
+    ax.set_ylabel("forward + backward, ms")
+    ax.set_title(f"moe-runtime stages (left) and the PyTorch layer (right), bf16, {device}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "layer_stages.png"), dpi=120)
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    ratios = [r["ours"]["total_ms"] / r["peer"]["total_ms"] for r in rows]
+    ax.bar(list(positions), ratios, color="tab:blue")
+    ax.axhline(1.0, color="0.3", linewidth=1)
+    for p, v in zip(positions, ratios):
+        ax.text(p, v + 0.02, f"{v:.2f}x", ha="center")
+    ax.set_xticks(list(positions), labels)
+    ax.set_ylabel("our time / PyTorch time (lower is better)")
+    ax.set_title(f"Whole layer, forward + backward, T = 8192 per GPU, {device}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "layer_vs_pytorch.png"), dpi=120)
+    print("wrote", os.path.join(args.out, "layer_stages.png"), "and layer_vs_pytorch.png")
+
+
+if __name__ == "__main__":
+    main()
