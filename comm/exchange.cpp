@@ -85,24 +85,15 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
     fail("exchange_rows: {} rows to self but {} from self", send_rows[me], recv_rows[me]);
   const auto* src = static_cast<const char*>(send);
   auto* dst = static_cast<char*>(recv);
-  const std::size_t self_bytes = send_offset[me + 1] - send_offset[me];
   ncclComm_t ep = mesh_.comm(MeshGroup::kExpertParallel);
-  if (ep == nullptr) {
-    MOE_CHECK_CUDA(cudaMemcpyAsync(dst + recv_offset[me], src + send_offset[me], self_bytes,
-                                   cudaMemcpyDeviceToDevice, stream));
+  if (ep == nullptr) {  // one EP rank: its own rows are a device copy
+    MOE_CHECK_CUDA(cudaMemcpyAsync(dst, src, send_offset[1], cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  // This rank's own rows: a device copy, not the network, running beside the transfers.
-  if (self_bytes > 0) {
-    fork_.record(stream);
-    MOE_CHECK_CUDA(cudaStreamWaitEvent(self_copy_.get(), fork_.get()));
-    MOE_CHECK_CUDA(cudaMemcpyAsync(dst + recv_offset[me], src + send_offset[me], self_bytes,
-                                   cudaMemcpyDeviceToDevice, self_copy_.get()));
-    join_.record(self_copy_.get());
-  }
+  // Own rows go through NCCL too: its kernel copies them while the links carry the rest, which
+  // measured faster than a device copy beside it (bench_exchange, docs/performance.md).
   mesh_.group_start();
   for (int peer = 0; peer < EP; ++peer) {
-    if (peer == me) continue;
     if (send_rows[peer] > 0) {
       MOE_CHECK_NCCL(ncclSend(src + send_offset[peer], send_offset[peer + 1] - send_offset[peer],
                               ncclInt8, peer, ep, stream));
@@ -113,7 +104,6 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
     }
   }
   mesh_.group_end("the rows all-to-allv");
-  if (self_bytes > 0) MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, join_.get()));
 }
 
 }  // namespace moe

@@ -46,9 +46,6 @@ class ExpertExchange {
   int local_experts_;
   PinnedBuffer host_;
   Event copied_;
-  // The own rows are copied on a side stream so that the copy overlaps the network transfer.
-  Stream self_copy_;
-  Event fork_, join_;
   ExchangeCounts counts_;
 };
 

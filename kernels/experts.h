@@ -34,7 +34,7 @@ std::string_view expert_schedule_name(ExpertSchedule schedule);
 struct ExpertActivations {
   Tensor h;   // [rows, 2F]: written by forward, read by backward (or recomputed there)
   Tensor a;   // [rows, F]:  scratch
-  Tensor dA;  // [rows, F]:  scratch of backward
+  Tensor dA;  // [rows, F]:  scratch of backward; may be a itself
   Tensor dh;  // [rows, 2F]: scratch of backward; may be h itself (h is dead after SwiGLU's backward)
 };
 

@@ -41,10 +41,10 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ h, T* __restrict__ a
 }
 
 template <typename T, int kElems>
-// h and dh may be the same buffer: each thread reads its gate and up elements before it writes
-// their gradients, and no other thread touches them.
-__global__ void swiglu_backward_kernel(const T* h, const T* __restrict__ dA, T* dh,
-                                       T* __restrict__ a, std::int64_t rows, int ffn) {
+// In place allowed: dh may be h and a may be dA. Each thread reads its gate, up and dA elements
+// before it writes dh and a there, and no other thread touches them.
+__global__ void swiglu_backward_kernel(const T* h, const T* dA, T* dh, T* a, std::int64_t rows,
+                                       int ffn) {
   using P = Pack<T, kElems>;
   const int packs = ffn / kElems;
   const std::int64_t total = rows * packs;

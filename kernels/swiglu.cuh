@@ -12,7 +12,8 @@ namespace moe {
 void swiglu_forward(const Tensor& h, const Tensor& a, cudaStream_t stream);
 
 // From h and dA [rows, F]: dh [rows, 2F] (dgate = dA·up·silu'(gate), dup = dA·silu(gate)) and
-// a = silu(gate)·up again (the down GEMM's weight gradient needs it), in one pass.
+// a = silu(gate)·up again (the down GEMM's weight gradient needs it), in one pass. In place
+// allowed: dh may be h and a may be dA.
 void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const Tensor& a,
                      cudaStream_t stream);
 

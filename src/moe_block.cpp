@@ -93,11 +93,14 @@ struct MoEBlock::State {
   DeviceBuffer logits, topk_idx, topk_p, counts, aux_counts, score_sum, z_sum, global_load,
       router_ws, scalars;
   DeviceBuffer layout_counts, layout_offsets, row_map, layout_ws, recv_counts, chunk_ws;
-  DeviceBuffer send_rows, recv_rows, X, h, a, Y, out;
+  // Each buffer serves several roles whose contents never live at the same time (docs/design.md,
+  // "Buffers"): Y also stages received rows and holds dX; dY stages rows in the forward; a holds
+  // dA; h holds dh. A role takes its buffer (view) only once the previous role's content is dead.
+  DeviceBuffer send_rows, X, h, a, Y, out;
   PinnedBuffer host_scalars;
   Event copied;
   // Backward buffers.
-  DeviceBuffer dprob, dY_rows, dY, dA, dX, dx, dlogits, dlogits_low;
+  DeviceBuffer dprob, dY, dx, dlogits, dlogits_low;
   DeviceBuffer nonfinite;
 
   // The context of the last forward.
@@ -321,7 +324,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
       const auto& c =
           s.exchange->exchange_counts(layout_counts, recv_counts, global_tokens, &host, 16, stream);
       const std::int64_t received = c.total_received();
-      const Tensor recv = view(s.recv_rows, s.dtype, {received, H});
+      const Tensor recv = view(s.Y, s.dtype, {received, H});  // Y is not written yet
       s.exchange->exchange_rows(sent.data, c.send_rows, recv.data, c.recv_rows,
                                 H * dtype_size(s.dtype), stream);
       std::vector<std::int64_t> per_expert(s.E_loc, 0);
@@ -359,7 +362,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     Tensor returned;
     if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
-      const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
+      const Tensor recv = view(s.dY, s.dtype, {c.total_received(), H});  // backward's, free now
       unsort_chunks({typed<std::int32_t>(s.recv_counts, E), s.mesh.ep(), s.E_loc,
                      s.config.align_size, s.chunk_ws.data()},
                     Y, recv, stream);
@@ -395,7 +398,6 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   auto* topk_p = s.topk_p.as<float>();
   auto* dprob = typed<float>(s.dprob, T * K);
   const Tensor dY = view(s.dY, s.dtype, {rows, H});
-  const Tensor dX = view(s.dX, s.dtype, {rows, H});
   const Tensor dx = view(s.dx, s.dtype, {T, H});
 
   // 6'. Combine backward, against the Y the combine consumed in the layout it consumed it; EP:
@@ -408,11 +410,12 @@ Tensor MoEBlock::backward(const Tensor& dy) {
                        dY, dprob, stream);
     } else {
       const auto& c = s.exchange->counts();
-      const Tensor dY_sent = view(s.dY_rows, s.dtype, {T * K, H});
+      const Tensor dY_sent = view(s.Y, s.dtype, {T * K, H});  // Y is dead: the combine kept its own
       combine_backward(dy, Tensor(s.send_rows.data(), s.dtype, {T * K, H}), row_map, topk_p, K,
                        s.layout_offsets.as<std::int32_t>(), s.layout_counts.as<std::int32_t>(), E,
                        dY_sent, dprob, stream);
-      const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
+      // The returned Y in send_rows is dead once the combine backward has read it.
+      const Tensor recv = view(s.send_rows, s.dtype, {c.total_received(), H});
       s.exchange->exchange_rows(dY_sent.data, c.send_rows, recv.data, c.recv_rows, row_bytes,
                                 stream);
       sort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size,
@@ -425,10 +428,12 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   // 5'. Experts backward.
   {
     Range r("moe experts backward", s.times, stream);
-    // dh overwrites h in place: nothing reads h after the SwiGLU backward.
+    // In place: dh over h, dA over a (the SwiGLU backward reads each element before writing its
+    // gradient, and writes a there again for dw2); dX into Y, dead since the combine backward.
     const Tensor h(s.h.data(), s.dtype, {rows, 2 * F});
-    const ExpertActivations act{h, Tensor(s.a.data(), s.dtype, {rows, F}),
-                                view(s.dA, s.dtype, {rows, F}), h};
+    const Tensor a(s.a.data(), s.dtype, {rows, F});
+    const ExpertActivations act{h, a, a, h};
+    const Tensor dX(s.Y.data(), s.dtype, {rows, H});
     s.experts.backward(dY, Tensor(s.X.data(), s.dtype, {rows, H}), s.expert_offsets, s.params.w13,
                        s.params.w2, act, false, dX, s.grads.w13, s.grads.w2, stream);
     s.check("experts backward", dX);
@@ -437,15 +442,16 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   // 4'. Dispatch backward: EP back to the senders; dx[t] = Σ_k dX_row(t,k).
   {
     Range r("moe dispatch backward", s.times, stream);
+    const Tensor dX(s.Y.data(), s.dtype, {rows, H});
     const Tensor* rows_in = &dX;
     Tensor returned;
     if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
-      const Tensor recv(s.recv_rows.data(), s.dtype, {c.total_received(), H});
+      const Tensor recv = view(s.dY, s.dtype, {c.total_received(), H});  // dead after the experts
       unsort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size,
                      s.chunk_ws.data()},
                     dX, recv, stream);
-      returned = Tensor(s.dY_rows.data(), s.dtype, {T * K, H});
+      returned = view(s.send_rows, s.dtype, {T * K, H});
       s.exchange->exchange_rows(recv.data, c.recv_rows, returned.data, c.send_rows, row_bytes,
                                 stream);
       rows_in = &returned;

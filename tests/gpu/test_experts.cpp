@@ -44,6 +44,7 @@ struct Case {
   DType grad_dtype;
   ExpertSchedule schedule;
   bool recompute;
+  bool in_place = false;  // dh over h and dA over a, as MoEBlock runs it
   std::string describe() const {
     std::ostringstream s;
     s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert
@@ -52,7 +53,8 @@ struct Case {
           : rows == Rows::kSkewed ? "skewed"
                                   : "some empty")
       << " " << dtype_name(dtype) << " grads " << dtype_name(grad_dtype) << " "
-      << expert_schedule_name(schedule) << (recompute ? " recompute h" : " keep h");
+      << expert_schedule_name(schedule) << (recompute ? " recompute h" : " keep h")
+      << (in_place ? " in place" : "");
     return s.str();
   }
 };
@@ -116,8 +118,11 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   for (const auto* b : {&h, &a, &dA, &dh, &y, &dX, &dw13, &dw2}) test::poison(*b);
 
   const DType d = c.dtype;
-  const ExpertActivations act{Tensor(h.data(), d, {rows, 2 * F}), Tensor(a.data(), d, {rows, F}),
-                              Tensor(dA.data(), d, {rows, F}), Tensor(dh.data(), d, {rows, 2 * F})};
+  const Tensor h_t(h.data(), d, {rows, 2 * F}), a_t(a.data(), d, {rows, F});
+  const ExpertActivations act =
+      c.in_place ? ExpertActivations{h_t, a_t, a_t, h_t}
+                 : ExpertActivations{h_t, a_t, Tensor(dA.data(), d, {rows, F}),
+                                     Tensor(dh.data(), d, {rows, 2 * F})};
   ExpertFFN ffn(H, F, E, d, c.schedule, 3);
   Stream stream;
   const Tensor X_t(X_dev.data(), d, {rows, H}), w13_t_(w13_dev.data(), d, {E, 2 * F, H}),
@@ -182,6 +187,9 @@ TEST_CASE("expert FFN at the model shapes, scaled down", "[gpu][experts]") {
   run_case({512, 1792, 8, 64, Rows::kUniform, DType::kBF16, DType::kFP32, ExpertSchedule::kStreams,
             false},
            rng);
+  run_case({512, 1792, 8, 64, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kStreams,
+            false, true},
+           rng);
   run_case({512, 192, 32, 16, Rows::kSomeEmpty, DType::kBF16, DType::kBF16,
             ExpertSchedule::kGrouped, false},
            rng);
@@ -191,6 +199,9 @@ TEST_CASE("expert FFN at the model shapes, scaled down", "[gpu][experts]") {
   run_case(
       {448, 128, 16, 16, Rows::kSkewed, DType::kBF16, DType::kFP32, ExpertSchedule::kStreams, true},
       rng);
+  run_case({448, 129, 16, 16, Rows::kSomeEmpty, DType::kFP32, DType::kFP32,
+            ExpertSchedule::kGrouped, true, true},
+           rng);
 }
 
 TEST_CASE("expert FFN rejects bad shapes", "[gpu][experts]") {
