@@ -138,7 +138,7 @@ def main():
     torch.manual_seed(1234 + rank)
 
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    base = torch.cuda.memory_allocated()  # 0: nothing allocated yet, so reserved starts at 0 too
     torch.cuda.reset_peak_memory_stats()
     layer = TorchtitanStyleMoE(cfg, world, rank)
     x = torch.randn(T, layer.H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -160,11 +160,13 @@ def main():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ms = t.item()
     peak = torch.cuda.max_memory_allocated() - base
+    reserved = torch.cuda.max_memory_reserved() - base  # what the caching allocator took
     H, Fh, E, K = layer.H, layer.F, layer.E, layer.K
     flops = 6.0 * T * E * H + 18.0 * T * K * H * Fh
     report = {"peer": f"PyTorch {torch.__version__} torchtitan-style layer", "device": torch.cuda.get_device_name(),
               "config": os.path.basename(args.config), "ranks": world, "ep": world, "tokens_per_gpu": T,
-              "total_ms": ms, "TFLOPs_per_gpu": flops / (ms * 1e-3) / 1e12, "memory_bytes": peak}
+              "total_ms": ms, "TFLOPs_per_gpu": flops / (ms * 1e-3) / 1e12, "memory_bytes": peak,
+              "memory_reserved_bytes": reserved}
     if rank == 0:
         print(f"PyTorch layer {report['config']} EP={world}: {ms:.3f} ms, {report['TFLOPs_per_gpu']:.0f} TFLOP/s "
               f"per GPU, peak memory {peak / 2**30:.2f} GiB ({peak / 1024 / T:.1f} KiB per token)")
