@@ -184,23 +184,23 @@ int main(int argc, char** argv) {
                  static_cast<double>(memory_peak) / (1 << 30),
                  static_cast<double>(memory_peak) / 1024 / T);
       if (!json_path.empty()) {
-        nlohmann::json report = {{"config", config.describe()},
-                                 {"config_file",
-                                  std::filesystem::path(config_path).filename().string()},
-                                 {"device", bench::device_name()},
-                                 {"ranks", world},
-                                 {"ep", ep},
-                                 {"dp", dp},
-                                 {"tokens_per_gpu", T},
-                                 {"dense_TFLOPs", gemm_rate / 1e12},
-                                 {"copy_GBps", copy_rate / 1e9},
-                                 {"p2p_GBps", link_rate / 1e9},
-                                 {"total_ms", total_ms},
-                                 {"reduce_ms", reduce_ms},
-                                 {"TFLOPs_per_gpu", tflops},
-                                 {"fraction_of_dense", tflops * 1e12 / gemm_rate},
-                                 {"link_floor_ms", link_floor_ms},
-                                 {"memory_bytes", memory_peak}};
+        nlohmann::json report = {
+            {"config", config.describe()},
+            {"config_file", std::filesystem::path(config_path).filename().string()},
+            {"device", bench::device_name()},
+            {"ranks", world},
+            {"ep", ep},
+            {"dp", dp},
+            {"tokens_per_gpu", T},
+            {"dense_TFLOPs", gemm_rate / 1e12},
+            {"copy_GBps", copy_rate / 1e9},
+            {"p2p_GBps", link_rate / 1e9},
+            {"total_ms", total_ms},
+            {"reduce_ms", reduce_ms},
+            {"TFLOPs_per_gpu", tflops},
+            {"fraction_of_dense", tflops * 1e12 / gemm_rate},
+            {"link_floor_ms", link_floor_ms},
+            {"memory_bytes", memory_peak}};
         for (const auto& name : stage_order) report["stages_ms"][name] = stage_sum[name] / iters;
         std::ofstream(json_path) << report.dump(2) << "\n";
       }

@@ -97,8 +97,7 @@ std::vector<float> download(const void* device, std::int64_t count, cudaStream_t
 class Checkpoint {
  public:
   Checkpoint(const Mesh& mesh, int local_experts) : mesh_(mesh), local_experts_(local_experts) {
-    MOE_CHECK_MPI(
-        MPI_Comm_split(MPI_COMM_WORLD, mesh.dp_index(), mesh.ep_index(), &ep_group_));
+    MOE_CHECK_MPI(MPI_Comm_split(MPI_COMM_WORLD, mesh.dp_index(), mesh.ep_index(), &ep_group_));
   }
   ~Checkpoint() { (void)MPI_Comm_free(&ep_group_); }
   Checkpoint(const Checkpoint&) = delete;
@@ -176,8 +175,8 @@ class Checkpoint {
     std::vector<std::int64_t> shape = slot.param.shape;
     if (slot.expert_sliced) shape[0] *= mesh_.ep();
     if (stored.dtype != FileDType::kF32 || stored.shape != shape)
-      fail("moe_train: checkpoint tensor {} is {}{}, expected F32 of {} elements along dim 0",
-           name, file_dtype_name(stored.dtype), fmt::join(stored.shape, "x"), shape[0]);
+      fail("moe_train: checkpoint tensor {} is {}{}, expected F32 of {} elements along dim 0", name,
+           file_dtype_name(stored.dtype), fmt::join(stored.shape, "x"), shape[0]);
     const std::size_t bytes = static_cast<std::size_t>(slot.param.numel()) * 4;
     const std::size_t first = slot.expert_sliced ? bytes * mesh_.ep_index() : 0;
     copy_to_device(device, stored.data.data() + first, bytes);
@@ -236,18 +235,20 @@ int run_training(const Options& o, comm::MpiSession& mpi) {
   DeviceBuffer target_a(bytes), target_b(bytes), grad_buffer(bytes),
       partial(train::kLossBlocks * 4);
   const Tensor target0(target_a.data(), config.dtype, {T, H}),
-      target1(target_b.data(), config.dtype, {T, H}), grad(grad_buffer.data(), config.dtype, {T, H});
+      target1(target_b.data(), config.dtype, {T, H}),
+      grad(grad_buffer.data(), config.dtype, {T, H});
 
   if (root) {
-    fmt::print("moe_train: {} layers of {}\n  {} GPU(s), EP={} DP={}, {} tokens per GPU, AdamW lr {}\n",
-               o.layers, config.describe(), world, ep, dp, T, o.lr);
+    fmt::print(
+        "moe_train: {} layers of {}\n  {} GPU(s), EP={} DP={}, {} tokens per GPU, AdamW lr {}\n",
+        o.layers, config.describe(), world, ep, dp, T, o.lr);
   }
   double first_loss = -1, last_loss = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int step = first_step; step < first_step + o.steps; ++step) {
     // This step's tokens: a function of (step, rank) alone, so a resumed run sees the same data.
-    init_normal(h[0], o.seed * 7919 + 17, static_cast<std::uint64_t>(step * world + mesh.rank()) * T * H,
-                1.0f, stream.get());
+    init_normal(h[0], o.seed * 7919 + 17,
+                static_cast<std::uint64_t>(step * world + mesh.rank()) * T * H, 1.0f, stream.get());
     // The teacher's output.
     const Tensor* t_in = &h[0];
     for (int l = 0; l < o.layers; ++l) {
@@ -265,8 +266,8 @@ int run_training(const Options& o, comm::MpiSession& mpi) {
     }
     // Loss over the global batch and its gradient.
     const float scale = 1.0f / static_cast<float>(global_tokens * H);
-    const int parts = train::squared_error(h[o.layers], *t_in, scale, grad, partial.as<float>(),
-                                           stream.get());
+    const int parts =
+        train::squared_error(h[o.layers], *t_in, scale, grad, partial.as<float>(), stream.get());
     const auto sums = download(partial.data(), parts, stream.get());  // the step's one wait
     double sse = std::accumulate(sums.begin(), sums.end(), 0.0);
     MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &sse, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
@@ -291,9 +292,10 @@ int run_training(const Options& o, comm::MpiSession& mpi) {
     last_loss = loss;
     if (root && ((step + 1) % o.log_every == 0 || step == first_step)) {
       stream.synchronize();
-      const double ms = std::chrono::duration<double, std::milli>(
-                            std::chrono::steady_clock::now() - start).count() /
-                        (step - first_step + 1);
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count() /
+          (step - first_step + 1);
       fmt::print("step {:>5}  loss {:.6f}  (mse {:.6f}, router losses {:.3e})  {:.1f} ms/step\n",
                  step + 1, loss, mse, router_losses, ms);
       std::fflush(stdout);

@@ -10,11 +10,15 @@
 namespace moe::train {
 namespace {
 
-__device__ __forceinline__ float load(const float* p, std::int64_t i) { return p[i]; }
+__device__ __forceinline__ float load(const float* p, std::int64_t i) {
+  return p[i];
+}
 __device__ __forceinline__ float load(const __nv_bfloat16* p, std::int64_t i) {
   return __bfloat162float(p[i]);
 }
-__device__ __forceinline__ void store(float* p, std::int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(float* p, std::int64_t i, float v) {
+  p[i] = v;
+}
 __device__ __forceinline__ void store(__nv_bfloat16* p, std::int64_t i, float v) {
   p[i] = __float2bfloat16_rn(v);
 }
@@ -93,8 +97,8 @@ void add(const Tensor& a, const Tensor& b, const Tensor& out, cudaStream_t strea
   const std::int64_t n = a.numel();
   if (n == 0) return;
   by_dtype(a.dtype, "train::add", [&]<typename T>() {
-    add_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(a.as<const T>(), b.as<const T>(),
-                                                          out.as<T>(), n);
+    add_kernel<T>
+        <<<blocks_for(n), kThreads, 0, stream>>>(a.as<const T>(), b.as<const T>(), out.as<T>(), n);
     MOE_CHECK_LAUNCH();
   });
 }
@@ -117,7 +121,8 @@ void adamw_step(const AdamWHyper& hyper, const Tensor& grad, float* master, floa
                 const Tensor& param, cudaStream_t stream) {
   if (grad.numel() != param.numel())
     fail("train::adamw_step: gradient " + grad.describe() + " for parameter " + param.describe());
-  if (hyper.step < 1) fail("train::adamw_step: step = " + std::to_string(hyper.step) + " must be >= 1");
+  if (hyper.step < 1)
+    fail("train::adamw_step: step = " + std::to_string(hyper.step) + " must be >= 1");
   const std::int64_t n = param.numel();
   if (n == 0) return;
   const float correction1 = 1.0f - std::pow(hyper.beta1, static_cast<float>(hyper.step));

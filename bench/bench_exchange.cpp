@@ -61,9 +61,9 @@ int main(int argc, char** argv) try {
   const auto counts = uniform_routing(T, E, K, 11 + mpi.rank());
   DeviceBuffer counts_dev(E * 4), received_dev(E * 4);
   copy_to_device(counts_dev.data(), counts.data(), E * 4);
-  const ExchangeCounts c = exchange.exchange_counts(
-      counts_dev.as<std::int32_t>(), received_dev.as<std::int32_t>(), nullptr, nullptr, 0,
-      stream.get());
+  const ExchangeCounts c =
+      exchange.exchange_counts(counts_dev.as<std::int32_t>(), received_dev.as<std::int32_t>(),
+                               nullptr, nullptr, 0, stream.get());
   const std::int64_t sent = std::accumulate(c.send_rows.begin(), c.send_rows.end(), 0L);
   DeviceBuffer send(sent * row_bytes), recv(c.total_received() * row_bytes);
   MOE_CHECK_CUDA(cudaMemsetAsync(send.data(), 0x3c, send.bytes(), stream.get()));
@@ -75,8 +75,8 @@ int main(int argc, char** argv) try {
     std::size_t send_at = 0, recv_at = 0;
     mesh.group_start();
     for (int peer = 0; peer < EP; ++peer) {
-      MOE_CHECK_NCCL(ncclSend(from + send_at, from_rows[peer] * row_bytes, ncclInt8, peer, ep,
-                              stream.get()));
+      MOE_CHECK_NCCL(
+          ncclSend(from + send_at, from_rows[peer] * row_bytes, ncclInt8, peer, ep, stream.get()));
       MOE_CHECK_NCCL(
           ncclRecv(to + recv_at, to_rows[peer] * row_bytes, ncclInt8, peer, ep, stream.get()));
       send_at += from_rows[peer] * row_bytes;

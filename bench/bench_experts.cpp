@@ -44,7 +44,8 @@ int main(int argc, char** argv) try {
     init_normal(Tensor(dY.data(), d, {rows, H}), 2, 0, 1.0f, stream.get());
     init_normal(Tensor(w13.data(), d, {E, 2 * F, H}), 3, 0, 1.0f / std::sqrt(static_cast<float>(H)),
                 stream.get());
-    init_normal(Tensor(w2.data(), d, {E, H, F}), 4, 0, 1.0f / std::sqrt(static_cast<float>(F)), stream.get());
+    init_normal(Tensor(w2.data(), d, {E, H, F}), 4, 0, 1.0f / std::sqrt(static_cast<float>(F)),
+                stream.get());
     const ExpertActivations act{Tensor(h.data(), d, {rows, 2 * F}), Tensor(a.data(), d, {rows, F}),
                                 Tensor(dA.data(), d, {rows, F}),
                                 Tensor(dh.data(), d, {rows, 2 * F})};

@@ -35,7 +35,8 @@ struct ExpertActivations {
   Tensor h;   // [rows, 2F]: written by forward, read by backward (or recomputed there)
   Tensor a;   // [rows, F]:  scratch
   Tensor dA;  // [rows, F]:  scratch of backward; may be a itself
-  Tensor dh;  // [rows, 2F]: scratch of backward; may be h itself (h is dead after SwiGLU's backward)
+  Tensor
+      dh;  // [rows, 2F]: scratch of backward; may be h itself (h is dead after SwiGLU's backward)
 };
 
 class ExpertFFN {

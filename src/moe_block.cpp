@@ -497,8 +497,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   Range r("moe gradient reduction", s.times, s.stream);
-  const ncclDataType_t grad =
-      s.config.grad_dtype == DType::kBF16 ? ncclBfloat16 : ncclFloat32;
+  const ncclDataType_t grad = s.config.grad_dtype == DType::kBF16 ? ncclBfloat16 : ncclFloat32;
   s.mesh.group_start();
   s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), grad, MeshGroup::kDataParallel,
                         s.stream);

@@ -119,10 +119,10 @@ void run_case(const Case& c, std::mt19937_64& rng) {
 
   const DType d = c.dtype;
   const Tensor h_t(h.data(), d, {rows, 2 * F}), a_t(a.data(), d, {rows, F});
-  const ExpertActivations act =
-      c.in_place ? ExpertActivations{h_t, a_t, a_t, h_t}
-                 : ExpertActivations{h_t, a_t, Tensor(dA.data(), d, {rows, F}),
-                                     Tensor(dh.data(), d, {rows, 2 * F})};
+  const ExpertActivations act = c.in_place
+                                    ? ExpertActivations{h_t, a_t, a_t, h_t}
+                                    : ExpertActivations{h_t, a_t, Tensor(dA.data(), d, {rows, F}),
+                                                        Tensor(dh.data(), d, {rows, 2 * F})};
   ExpertFFN ffn(H, F, E, d, c.schedule, 3);
   Stream stream;
   const Tensor X_t(X_dev.data(), d, {rows, H}), w13_t_(w13_dev.data(), d, {E, 2 * F, H}),

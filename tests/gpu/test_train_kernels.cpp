@@ -79,8 +79,8 @@ TEST_CASE("AdamW equals the host formula over several steps", "[gpu][train]") {
         for (std::int64_t i = 0; i < n; ++i) {
           M[i] = 0.9 * M[i] + 0.1 * g(0, i);
           V[i] = 0.999 * V[i] + 0.001 * g(0, i) * g(0, i);
-          const double update =
-              M[i] / (1 - std::pow(0.9, step)) / (std::sqrt(V[i] / (1 - std::pow(0.999, step))) + 1e-8);
+          const double update = M[i] / (1 - std::pow(0.9, step)) /
+                                (std::sqrt(V[i] / (1 - std::pow(0.999, step))) + 1e-8);
           W[i] -= 0.01 * (update + 0.1 * W[i]);
         }
       }
