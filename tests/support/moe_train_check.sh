@@ -4,17 +4,11 @@
 # same losses as one that never stopped. Exits 77 (ctest: skipped) without a GPU.
 set -euo pipefail
 count_bin=$1 moe_train=$2
-gpus=$("$count_bin" 2>/dev/null || echo 0)
-if [ "${gpus:-0}" -eq 0 ]; then
-  echo "SKIPPED: no CUDA GPU visible; moe_train needs at least one."
-  exit 77
-fi
-export NCCL_NVLS_ENABLE=0
-if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+source "$(dirname "$0")/gpu_script.sh"
+require_gpus "$count_bin" "moe_train"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 train() { mpirun -np "$gpus" --bind-to none -x NCCL_NVLS_ENABLE "$moe_train" --tokens 512 --log-every 1 "$@"; }
-losses() { awk '$1 == "step" {print $2, $4}' "$1"; }
 
 train --steps 60 | tee "$dir/straight.txt"
 train --steps 30 --save "$dir/ckpt.safetensors" >"$dir/first.txt"
