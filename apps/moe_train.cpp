@@ -96,7 +96,7 @@ std::vector<float> download(const void* device, std::int64_t count, cudaStream_t
 // DP index 0 (world ranks 0 .. EP-1) to rank 0, which writes the file.
 class Checkpoint {
  public:
-  Checkpoint(const Mesh& mesh, int local_experts) : mesh_(mesh), local_experts_(local_experts) {
+  explicit Checkpoint(const Mesh& mesh) : mesh_(mesh) {
     MOE_CHECK_MPI(MPI_Comm_split(MPI_COMM_WORLD, mesh.dp_index(), mesh.ep_index(), &ep_group_));
   }
   ~Checkpoint() { (void)MPI_Comm_free(&ep_group_); }
@@ -129,7 +129,7 @@ class Checkpoint {
   int load(const std::string& path, std::vector<std::unique_ptr<AdamW>>& optimizers,
            std::vector<std::unique_ptr<MoEBlock>>& blocks, cudaStream_t stream) {
     const TensorFile file = TensorFile::read(path);
-    const auto layers = std::stoul(file.metadata.at("layers"));
+    const auto layers = static_cast<std::size_t>(metadata_int(file, path, "layers"));
     if (layers != optimizers.size())
       fail("moe_train: {} holds {} layers, the model has {}", path, layers, optimizers.size());
     for (std::size_t l = 0; l < optimizers.size(); ++l) {
@@ -146,10 +146,23 @@ class Checkpoint {
         fail("moe_train: {}: layers.{}.expert_bias has the wrong dtype or shape", path, l);
       copy_to_device(bias.data, stored.data.data(), stored.data.size());
     }
-    return std::stoi(file.metadata.at("step"));
+    return metadata_int(file, path, "step");
   }
 
  private:
+  // A non-negative integer the checkpoint's metadata must hold.
+  static int metadata_int(const TensorFile& file, const std::string& path, const char* key) {
+    const auto found = file.metadata.find(key);
+    if (found == file.metadata.end()) fail("moe_train: {} has no '{}' in its metadata", path, key);
+    try {
+      const int value = std::stoi(found->second);
+      if (value >= 0) return value;
+    } catch (const std::exception&) {
+    }
+    fail("moe_train: {}: metadata {} = '{}' is not a non-negative integer", path, key,
+         found->second);
+  }
+
   // Adds the whole tensor (all experts) to the file on rank 0.
   void put(TensorFile& file, const std::string& name, const Slot& slot, const void* device,
            cudaStream_t stream) {
@@ -183,7 +196,6 @@ class Checkpoint {
   }
 
   const Mesh& mesh_;
-  int local_experts_;
   MPI_Comm ep_group_ = MPI_COMM_NULL;
 };
 
@@ -217,7 +229,7 @@ int run_training(const Options& o, comm::MpiSession& mpi) {
     optimizer->add("w2", p.w2, g.w2, true, stream.get());
     optimizers.push_back(std::move(optimizer));
   }
-  Checkpoint checkpoint(mesh, config.local_experts());
+  Checkpoint checkpoint(mesh);
   int first_step = 0;
   if (!o.load_path.empty()) {
     first_step = checkpoint.load(o.load_path, optimizers, student, stream.get());
@@ -321,8 +333,10 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "optimizer steps in this run")->check(CLI::NonNegativeNumber);
   app.add_option("--tokens", o.tokens, "tokens per GPU per step")->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay");
-  app.add_option("--bias-rate", o.bias_rate, "expert-bias update rate (configs with a bias)");
+  app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--bias-rate", o.bias_rate, "expert-bias update rate (configs with a bias)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--ep", o.ep, "expert-parallel degree")->check(CLI::PositiveNumber);
   app.add_option("--dp", o.dp, "data-parallel degree")->check(CLI::PositiveNumber);
   app.add_option("--seed", o.seed, "seed of the weights and data");
