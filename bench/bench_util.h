@@ -56,6 +56,25 @@ inline double median_ms(const std::function<void(int)>& body, cudaStream_t strea
   return times[times.size() / 2];
 }
 
+// Milliseconds per call when `calls` calls go back to back between two events (median of
+// `repeats` such batches): the GPU's time once the host runs ahead, without the host's launch
+// cost that an isolated call (median_ms) includes.
+inline double back_to_back_ms(const std::function<void(int)>& body, cudaStream_t stream,
+                              int warmup, int repeats, int calls) {
+  for (int i = 0; i < warmup; ++i) body(i);
+  std::vector<double> times;
+  Event start(true), stop(true);
+  for (int r = 0; r < repeats; ++r) {
+    start.record(stream);
+    for (int i = 0; i < calls; ++i) body(warmup + r * calls + i);
+    stop.record(stream);
+    MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
+    times.push_back(stop.elapsed_ms_since(start) / calls);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 // Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
 inline double copy_bandwidth(cudaStream_t stream) {
   const std::size_t bytes = std::size_t{1} << 30;

@@ -1,38 +1,35 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <climits>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "moe/error.h"
 #include "router.cuh"
+#include "vector_access.cuh"
 
 namespace moe {
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kWarpsPerBlock = 4;
+constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
-constexpr int kMaxBlocksPerSm = 16;  // 64 warps: the most an SM holds
+constexpr int kMaxBlocksPerSm = 8;  // 64 warps: the most an SM holds
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kNormEpsilon = 1e-20f;
+// The aux score sums cross blocks as 64-bit fixed point with 32 fraction bits: integer addition
+// is associative, so the sum is the same whatever order the blocks finish in (deterministic
+// without a second pass), and each s_aux ≤ 1 keeps 2^31 tokens within range.
+constexpr double kSumScale = 4294967296.0;
 
 // ---- Device helpers
 // ------------------------------------------------------------------------------
 
-__device__ __forceinline__ float load_value(const float* p, std::int64_t i) {
-  return p[i];
-}
-__device__ __forceinline__ float load_value(const __nv_bfloat16* p, std::int64_t i) {
-  return __bfloat162float(p[i]);
-}
-
-// Butterfly reductions: every lane ends with the same value (fp addition is commutative).
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
 // A float's bits turned into an unsigned integer with the same order, so that the warp's
 // integer reductions (one redux.sync instruction instead of five shuffle rounds) order floats.
 // -0 is folded into +0 first, as the float comparisons treat them as equal.
@@ -42,10 +39,6 @@ __device__ __forceinline__ unsigned order_key(float v) {
 }
 __device__ __forceinline__ float from_order_key(unsigned key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  return from_order_key(__reduce_max_sync(kFullMask, order_key(v)));
 }
 
 __device__ __forceinline__ float sigmoid(float x) {
@@ -79,355 +72,544 @@ __device__ __forceinline__ Candidate before_all() {
   return {INFINITY, -1};
 }
 
-// The warp's best candidate: the largest value, then among its holders the lowest index.
-__device__ __forceinline__ Candidate warp_best(Candidate c) {
-  const unsigned key = order_key(c.value);
-  const unsigned best_key = __reduce_max_sync(kFullMask, key);
-  const int index = __reduce_min_sync(kFullMask, key == best_key ? c.index : INT_MAX);
-  return {from_order_key(best_key), index};
+// ---- Teams: the lanes that share one token
+//
+// A token's E logits are spread over a team of S consecutive lanes (S a power of two); lane
+// `rank` of the team holds experts [rank·V, rank·V + V) in registers, so a warp routes 32/S tokens
+// at once. S and V are chosen from E (dispatch_layout): 8 lanes for E ≤ 128, so that many tokens
+// are in flight, up to the whole warp for large E, so that registers stay bounded.
+// Team reductions are xor butterflies within the team: every lane of the team ends with the same
+// value, and the order of additions is fixed (deterministic).
+
+template <int S>
+__device__ __forceinline__ float team_sum(float v) {
+#pragma unroll
+  for (int offset = S / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
 }
 
-// The best entry of the row (lane-strided registers) that ranks after `previous`. Taking the next
-// in order, rather than masking the winner, never picks an entry twice, even among equal values.
-template <int N>
-__device__ __forceinline__ Candidate next_best(const float (&row)[N], int lane,
-                                               Candidate previous) {
-  Candidate best = no_candidate();
+template <int S>
+__device__ __forceinline__ float team_max(float v) {
+  if constexpr (S == kWarpSize) {
+    return from_order_key(__reduce_max_sync(kFullMask, order_key(v)));
+  } else {
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int e = lane + kWarpSize * j;
-    const float v = row[j] + 0.0f;  // -0 as +0, as in order_key
-    if (ranks_before(previous.value, previous.index, v, e) &&
-        ranks_before(v, e, best.value, best.index)) {
-      best = {v, e};
+    for (int offset = S / 2; offset > 0; offset >>= 1)
+      v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+    return v;
+  }
+}
+
+// The best of the candidates of `lanes` consecutive lanes (a power of two ≤ S, aligned).
+__device__ __forceinline__ Candidate lanes_best(Candidate c, int lanes) {
+  for (int offset = lanes / 2; offset > 0; offset >>= 1) {
+    const float v = __shfl_xor_sync(kFullMask, c.value, offset);
+    const int i = __shfl_xor_sync(kFullMask, c.index, offset);
+    if (ranks_before(v, i, c.value, c.index)) c = {v, i};
+  }
+  return c;
+}
+
+// The team's best candidate: the largest value, then among its holders the lowest index.
+template <int S>
+__device__ __forceinline__ Candidate team_best(Candidate c) {
+  if constexpr (S == kWarpSize) {
+    const unsigned key = order_key(c.value);
+    const unsigned best_key = __reduce_max_sync(kFullMask, key);
+    const int index = __reduce_min_sync(kFullMask, key == best_key ? c.index : INT_MAX);
+    return {from_order_key(best_key), index};
+  } else {
+#pragma unroll
+    for (int offset = S / 2; offset > 0; offset >>= 1) {
+      const float v = __shfl_xor_sync(kFullMask, c.value, offset);
+      const int i = __shfl_xor_sync(kFullMask, c.index, offset);
+      if (ranks_before(v, i, c.value, c.index)) c = {v, i};
     }
+    return c;
   }
-  return warp_best(best);
 }
 
-// row[expert] of the lane that holds it, broadcast to every lane.
-template <int N>
-__device__ __forceinline__ float broadcast_entry(const float (&row)[N], int expert) {
-  float mine = 0.0f;
+// Adds `value` at `expert` into the row of the lane that holds it.
+template <int V>
+__device__ __forceinline__ void add_entry(float (&row)[V], int first, int expert, float value) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j == (expert >> 5)) mine = row[j];
+  for (int j = 0; j < V; ++j) {
+    if (first + j == expert) row[j] += value;
   }
-  return __shfl_sync(kFullMask, mine, expert & 31);
 }
 
-// Adds each active slot's value (lane k holds slot k's expert and value) into the row.
-template <int N>
-__device__ __forceinline__ void scatter_add(float (&row)[N], int lane, int topk, int slot_expert,
-                                            float slot_value) {
-  for (int k = 0; k < topk; ++k) {
-    const int e = __shfl_sync(kFullMask, slot_expert, k);
-    const float v = __shfl_sync(kFullMask, slot_value, k);
-    if ((e & 31) == lane) {
+// The lane's V logits of token t (−∞ past E or for a token past the end): 16-byte loads when the
+// rows allow them and the lane's chunk lies inside the row.
+template <int V, typename In>
+__device__ __forceinline__ void load_chunk(float (&l)[V], const In* __restrict__ logits,
+                                           std::int64_t t, bool valid, int first, int experts,
+                                           bool vector_rows) {
+  constexpr int kPack = 16 / static_cast<int>(sizeof(In));
+  const In* row = logits + t * experts + first;
+  if constexpr (V % kPack == 0) {
+    if (valid && vector_rows && first + V <= experts) {
+      const auto* packs = reinterpret_cast<const device::Pack<In, kPack>*>(row);
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        if (j == (e >> 5)) row[j] += v;
+      for (int i = 0; i < V / kPack; ++i) {
+        const auto pack = packs[i];
+#pragma unroll
+        for (int q = 0; q < kPack; ++q) l[i * kPack + q] = device::to_float(pack.v[q]);
       }
+      return;
     }
   }
-}
-
-template <int N, typename In>
-__device__ __forceinline__ void load_row(float (&row)[N], const In* logits, std::int64_t t,
-                                         std::int64_t tokens, int experts, int lane) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int e = lane + kWarpSize * j;
-    row[j] = (t < tokens && e < experts) ? load_value(logits, t * experts + e) : -INFINITY;
-  }
-}
-
-// Max and Σ exp(l − max) of a row; padding lanes hold −∞ and add nothing.
-template <int N>
-__device__ __forceinline__ void row_softmax_stats(const float (&l)[N], float& row_max,
-                                                  float& row_sum) {
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < N; ++j) m = fmaxf(m, l[j]);
-  row_max = warp_max(m);
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < N; ++j) s += __expf(l[j] - row_max);
-  row_sum = warp_sum(s);
+  for (int j = 0; j < V; ++j)
+    l[j] = (valid && first + j < experts) ? device::to_float(row[j]) : -INFINITY;
 }
 
 // Group-limited selection: keeps the top group_topk groups (a group scores the sum of its top
-// K/GK entries) and sets the others' entries to −∞. `scratch` holds E + 2G floats for this warp.
-template <int N>
-__device__ __forceinline__ void mask_groups(float (&r)[N], const RouterParams& p, int lane,
-                                            float* scratch) {
+// K/GK entries) and sets the others' entries to −∞. `group_score` holds this team's G floats.
+// Who scores a group depends on how groups fall on the lanes: when a group spans a power of two
+// of whole lane chunks, those lanes score it together; when a chunk holds whole groups, its lane
+// scores them alone; otherwise (group size and chunk size unrelated) the whole team walks every
+// group, slower but general.
+template <int S, int V>
+__device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p, int rank,
+                                            float* group_score) {
   const int E = p.num_experts;
   const int G = p.num_groups;
   const int per_group = E / G;
   const int per_group_k = p.topk / p.group_topk;
-  float* group_score = scratch + E;
-  float* group_kept = scratch + E + G;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int e = lane + kWarpSize * j;
-    if (e < E) scratch[e] = r[j];
+  const int first = rank * V;
+  const int spanned = per_group / V;
+  int lanes, group_begin, groups;
+  if (per_group % V == 0 && (spanned & (spanned - 1)) == 0 && spanned <= S) {
+    lanes = spanned;
+    group_begin = min(first / per_group, G - 1);
+    groups = 1;
+  } else if (V % per_group == 0) {
+    lanes = 1;
+    group_begin = first / per_group;
+    groups = V / per_group;
+  } else {
+    lanes = S;
+    group_begin = 0;
+    groups = G;
   }
-  __syncwarp();
-  for (int g = lane; g < G; g += kWarpSize) {
+  for (int q = 0; q < groups; ++q) {
+    const int g = group_begin + q;
+    const int lo = g * per_group;
+    const int hi = lo + per_group;
     Candidate previous = before_all();
     float sum = 0.0f;
     for (int m = 0; m < per_group_k; ++m) {
       Candidate best = no_candidate();
-      for (int i = 0; i < per_group; ++i) {
-        const int e = g * per_group + i;
-        const float v = scratch[e];
-        if (ranks_before(previous.value, previous.index, v, e) &&
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int e = first + j;
+        const float v = r[j] + 0.0f;
+        if (e >= lo && e < hi && ranks_before(previous.value, previous.index, v, e) &&
             ranks_before(v, e, best.value, best.index)) {
           best = {v, e};
         }
       }
+      best = lanes_best(best, lanes);
       sum += best.value;
       previous = best;
     }
-    group_score[g] = sum;
-    group_kept[g] = 0.0f;
+    if (g < G && lo < E && (rank % lanes) == 0 && (lanes == S ? rank == 0 : first < E))
+      group_score[g] = sum;
   }
   __syncwarp();
+  // The group_topk-th best group: every group ranking before it or equal to it is kept.
   Candidate previous = before_all();
   for (int m = 0; m < p.group_topk; ++m) {
     Candidate best = no_candidate();
-    for (int g = lane; g < G; g += kWarpSize) {
+    for (int g = rank; g < G; g += S) {
       const float v = group_score[g];
       if (ranks_before(previous.value, previous.index, v, g) &&
           ranks_before(v, g, best.value, best.index)) {
         best = {v, g};
       }
     }
-    best = warp_best(best);
-    if (lane == 0) group_kept[best.index] = 1.0f;
-    previous = best;
+    previous = team_best<S>(best);
   }
-  __syncwarp();
+  int g = first / per_group;
+  int offset = first - g * per_group;
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int e = lane + kWarpSize * j;
-    if (e < E && group_kept[e / per_group] == 0.0f) r[j] = -INFINITY;
+  for (int j = 0; j < V; ++j) {
+    if (first + j < E && ranks_before(previous.value, previous.index, group_score[g], g))
+      r[j] = -INFINITY;
+    if (++offset == per_group) {
+      offset = 0;
+      ++g;
+    }
   }
-  __syncwarp();  // the next token reuses the scratch
+  __syncwarp();  // the team's next token reuses group_score
+}
+
+// ---- Selection
+//
+// Each lane keeps its entries' order keys (a float's order as an unsigned integer). A round of
+// top-K takes the team's largest key, the lowest index holding it (SPEC.md's tie rule), and
+// clears that entry to 0, below every real key (−∞ included): five integer operations per entry
+// and two team reductions per round.
+
+template <int S>
+__device__ __forceinline__ unsigned team_max_u32(unsigned v) {
+  if constexpr (S == kWarpSize) {
+    return __reduce_max_sync(kFullMask, v);
+  } else {
+#pragma unroll
+    for (int offset = S / 2; offset > 0; offset >>= 1)
+      v = max(v, __shfl_xor_sync(kFullMask, v, offset));
+    return v;
+  }
+}
+template <int S>
+__device__ __forceinline__ int team_min_int(int v) {
+  if constexpr (S == kWarpSize) {
+    return __reduce_min_sync(kFullMask, v);
+  } else {
+#pragma unroll
+    for (int offset = S / 2; offset > 0; offset >>= 1)
+      v = min(v, __shfl_xor_sync(kFullMask, v, offset));
+    return v;
+  }
+}
+
+// Takes the team's best remaining entry out of `keys`: returns its index, its key in `key`.
+template <int S, int V>
+__device__ __forceinline__ int team_take_best(unsigned (&keys)[V], int first, unsigned& key) {
+  unsigned best = 0;
+#pragma unroll
+  for (int j = 0; j < V; ++j) best = max(best, keys[j]);
+  best = team_max_u32<S>(best);
+  int index = INT_MAX;
+#pragma unroll
+  for (int j = V - 1; j >= 0; --j) {
+    if (keys[j] == best) index = first + j;
+  }
+  index = team_min_int<S>(index);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (first + j == index) keys[j] = 0;
+  }
+  key = best;
+  return index;
+}
+
+// exp(l − max) of each entry, the row's max and Σ exp(l − max); entries past E hold −∞ and add
+// nothing.
+template <int S, int V>
+__device__ __forceinline__ void row_softmax(const float (&l)[V], float (&ex)[V], float& row_max,
+                                            float& row_sum) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < V; ++j) m = fmaxf(m, l[j]);
+  row_max = team_max<S>(m);
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    ex[j] = __expf(l[j] - row_max);
+    s += ex[j];
+  }
+  row_sum = team_sum<S>(s);
 }
 
 // ---- Forward
 // -------------------------------------------------------------------------------------
+
+// The forward's cross-block state, in the caller's workspace. Zero before the first call; the
+// last block of every call reads the totals out and leaves it zero again.
+struct ForwardState {
+  unsigned* finished_blocks;           // [1]
+  unsigned* tokens_per_expert;         // [E]
+  unsigned* aux_tokens_per_expert;     // [E]
+  unsigned long long* aux_score_sum;   // [E], fixed point (kSumScale)
+  float* z_partials;                   // [max blocks]
+};
+
+struct WorkspaceLayout {
+  std::size_t counts, aux_counts, score_sum, z_partials, bytes;
+  static WorkspaceLayout of(int experts, int max_blocks) {
+    auto round_up = [](std::size_t n) { return (n + 255) / 256 * 256; };
+    WorkspaceLayout w{};
+    w.counts = 256;
+    w.aux_counts = w.counts + round_up(static_cast<std::size_t>(experts) * 4);
+    w.score_sum = w.aux_counts + round_up(static_cast<std::size_t>(experts) * 4);
+    w.z_partials = w.score_sum + round_up(static_cast<std::size_t>(experts) * 8);
+    w.bytes = w.z_partials + round_up(static_cast<std::size_t>(max_blocks) * 4);
+    return w;
+  }
+};
 
 template <typename In>
 struct ForwardKernelArgs {
   RouterParams p;
   const In* logits;
   std::int64_t tokens;
+  bool vector_rows;  // 16-byte row loads allowed
   const float* expert_bias;
   std::int32_t* topk_idx;
   float* topk_p;
   std::int32_t* tokens_per_expert;
   std::int32_t* aux_tokens_per_expert;
-  float* score_sum_partials;  // [gridDim.x, E]
-  float* z_partials;          // [gridDim.x]
+  float* aux_score_sum;
+  float* z_sum;
+  ForwardState state;
 };
 
-__host__ __device__ inline int scratch_floats_per_warp(const RouterParams& p) {
-  return (p.num_groups > 0 || p.aux_loss) ? p.num_experts + 2 * p.num_groups : 0;
+// Shared memory of the forward: per-block totals, then each team's group scores.
+__host__ __device__ inline std::size_t forward_shared_bytes(const RouterParams& p, int teams) {
+  return static_cast<std::size_t>(p.num_experts) * (8 + 4 + 4) + kWarpsPerBlock * 4 +
+         static_cast<std::size_t>(teams) * kWarpsPerBlock * p.num_groups * 4;
 }
 
-template <int N, typename In>
+template <int S, int V, typename In>
 __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelArgs<In> a) {
-  extern __shared__ float shared[];
+  constexpr int kTeams = kWarpSize / S;
+  constexpr int kSlots = (kMaxTopK + S - 1) / S;  // slot k lives on team lane k % S
+  extern __shared__ __align__(16) unsigned char shared[];
+  __shared__ int is_last_block;
+  __shared__ float z_tree[kThreads];
   const RouterParams& p = a.p;
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
   const int E = p.num_experts;
   const int K = p.topk;
-  const int region = scratch_floats_per_warp(p);
-  float* scratch = shared + warp * region;
-  float* z_shared = shared + kWarpsPerBlock * region;
-  // Per-block expert counts: shared-memory atomics, then one global atomic per expert and block
-  // (thousands of tokens hitting a few counters would serialise in L2).
-  auto* block_counts = reinterpret_cast<int*>(z_shared + kWarpsPerBlock);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int rank = lane % S;
+  const int team = lane / S;
+  const int team_base = team * S;
+  const int first = rank * V;
+
+  // Per-block totals: shared-memory atomics (integer, so order-free), then one global atomic per
+  // expert and block.
+  auto* block_sum = reinterpret_cast<unsigned long long*>(shared);
+  auto* block_counts = reinterpret_cast<int*>(block_sum + E);
   int* block_aux_counts = block_counts + E;
-  for (int e = threadIdx.x; e < 2 * E; e += kThreads) block_counts[e] = 0;
+  float* warp_z = reinterpret_cast<float*>(block_aux_counts + E);
+  float* group_score = warp_z + kWarpsPerBlock + (warp * kTeams + team) * p.num_groups;
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    block_sum[e] = 0;
+    block_counts[e] = 0;
+    block_aux_counts[e] = 0;
+  }
   __syncthreads();
+
   const bool softmax = p.score_function == ScoreFunction::kSoftmax;
   const bool need_row_softmax = (softmax && (p.pre_softmax || p.aux_loss)) || p.z_loss;
-  const bool active = lane < K;
 
-  float score_sum[N];
+  float score_sum[V];
 #pragma unroll
-  for (int j = 0; j < N; ++j) score_sum[j] = 0.0f;
+  for (int j = 0; j < V; ++j) score_sum[j] = 0.0f;
   float z_acc = 0.0f;
 
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock;
-  std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  float next[N];
-  load_row(next, a.logits, t, a.tokens, E, lane);
-  for (; t < a.tokens; t += stride) {
-    float l[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) l[j] = next[j];
-    load_row(next, a.logits, t + stride, a.tokens, E, lane);  // in flight while this row is routed
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
+  // The loop bound is the warp's, not the team's: every lane joins every shuffle.
+  for (std::int64_t base = (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
+       base < a.tokens; base += step) {
+    const std::int64_t t = base + team;
+    const bool valid = t < a.tokens;
+    float l[V];
+    load_chunk(l, a.logits, t, valid, first, E, a.vector_rows);
 
+    float ex[V];  // exp(l − max) when a softmax of the row is needed
     float row_max = 0.0f, row_sum = 1.0f;
-    if (need_row_softmax) row_softmax_stats(l, row_max, row_sum);
+    if (need_row_softmax) row_softmax<S>(l, ex, row_max, row_sum);
+    const float inv_row_sum = 1.0f / row_sum;
 
-    // Selection scores: logits (softmax post), softmax (pre), g(l) + bias (sigmoid, sqrtsoftplus).
-    float r[N];
+    // Selection keys from the scores: logits (softmax post), softmax (pre), g(l) + bias
+    // (sigmoid, sqrtsoftplus).
+    unsigned keys[V];
+    {
+      float r[V];
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int e = lane + kWarpSize * j;
-      if (e >= E) {
-        r[j] = -INFINITY;
-      } else if (softmax) {
-        r[j] = p.pre_softmax ? __expf(l[j] - row_max) / row_sum : l[j];
-      } else {
-        r[j] =
-            elementwise_score(p.score_function, l[j]) + (p.expert_bias ? a.expert_bias[e] : 0.0f);
+      for (int j = 0; j < V; ++j) {
+        const int e = first + j;
+        if (e >= E) {
+          r[j] = -INFINITY;
+        } else if (softmax) {
+          r[j] = p.pre_softmax ? ex[j] * inv_row_sum : l[j];
+        } else {
+          r[j] = elementwise_score(p.score_function, l[j]) +
+                 (p.expert_bias ? a.expert_bias[e] : 0.0f);
+        }
       }
-    }
-    if (p.num_groups > 0) mask_groups(r, p, lane, scratch);
-
-    // Top-K: lane k ends with slot k's expert and logit.
-    int slot_expert = 0;
-    float slot_logit = 0.0f;
-    Candidate previous = before_all();
-    for (int k = 0; k < K; ++k) {
-      const Candidate best = next_best(r, lane, previous);
-      const float logit = broadcast_entry(l, best.index);
-      if (lane == k) {
-        slot_expert = best.index;
-        slot_logit = logit;
-      }
-      previous = best;
+      if (p.num_groups > 0) mask_groups<S>(r, p, rank, group_score);
+#pragma unroll
+      for (int j = 0; j < V; ++j) keys[j] = order_key(r[j]);
     }
 
-    float prob;
+    // Top-K by K rounds of taking the best; slot k is kept by team lane k % S with its selection
+    // score.
+    int slot_expert[kSlots];
+    float slot_score[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      slot_expert[i] = 0;
+      slot_score[i] = 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k >= K) break;
+      unsigned key;
+      const int expert = team_take_best<S>(keys, first, key);
+      if (rank == k % S) {
+        slot_expert[k / S] = expert;
+        slot_score[k / S] = from_order_key(key);
+      }
+    }
+
+    // Probabilities. The selection score is the logit (softmax post) or the probability itself
+    // (softmax pre); g(l) is recomputed from the logit, read again (from cache), as the score
+    // there carries the bias.
+    float prob[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) prob[i] = 0.0f;
     if (softmax && !p.pre_softmax) {
-      const float m = warp_max(active ? slot_logit : -INFINITY);
-      const float ex = active ? __expf(slot_logit - m) : 0.0f;
-      prob = ex / warp_sum(ex);
+      // The first slot holds the largest selected logit, on team lane 0.
+      const float m = S == 1 ? slot_score[0] : __shfl_sync(kFullMask, slot_score[0], team_base);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        if (i * S >= K) break;
+        prob[i] = i * S + rank < K ? __expf(slot_score[i] - m) : 0.0f;
+        sum += prob[i];
+      }
+      const float inv_sum = 1.0f / team_sum<S>(sum);
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) prob[i] *= inv_sum;
     } else if (softmax) {
-      prob = __expf(slot_logit - row_max) / row_sum;
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) prob[i] = slot_score[i];
     } else {
-      const float s = elementwise_score(p.score_function, slot_logit);
-      prob = K > 1 ? s / (warp_sum(active ? s : 0.0f) + kNormEpsilon) : s;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        if (i * S >= K) break;
+        if (valid && i * S + rank < K) {
+          const float logit = device::to_float(a.logits[t * E + slot_expert[i]]);
+          prob[i] = elementwise_score(p.score_function, logit);
+        }
+        sum += prob[i];
+      }
+      if (K > 1) {
+        const float inv_sum = 1.0f / (team_sum<S>(sum) + kNormEpsilon);
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) prob[i] *= inv_sum;
+      }
     }
-    if (active) {
-      a.topk_idx[t * K + lane] = slot_expert;
-      a.topk_p[t * K + lane] = prob * p.scaling_factor;
-      atomicAdd(&block_counts[slot_expert], 1);
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if (i * S >= K) break;
+      const int k = i * S + rank;
+      if (valid && k < K) {
+        a.topk_idx[t * K + k] = slot_expert[i];
+        a.topk_p[t * K + k] = prob[i] * p.scaling_factor;
+        atomicAdd(&block_counts[slot_expert[i]], 1);
+      }
     }
 
     if (p.aux_loss) {
       // Aux scores: softmax, or g(l) normalised over the row; their sums P and their own top-K.
-      float s_aux[N];
-      float norm = row_sum;
+      float s_aux[V];
+      float inv_norm = inv_row_sum;
       if (!softmax) {
         float u_sum = 0.0f;
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-          const int e = lane + kWarpSize * j;
-          s_aux[j] = e < E ? elementwise_score(p.score_function, l[j]) : 0.0f;
+        for (int j = 0; j < V; ++j) {
+          s_aux[j] = first + j < E ? elementwise_score(p.score_function, l[j]) : 0.0f;
           u_sum += s_aux[j];
         }
-        norm = warp_sum(u_sum) + kNormEpsilon;
+        inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
       }
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int e = lane + kWarpSize * j;
-        const float numerator = softmax ? __expf(l[j] - row_max) : s_aux[j];
-        s_aux[j] = e < E ? numerator / norm : -INFINITY;
-        if (e < E) score_sum[j] += s_aux[j];
+      for (int j = 0; j < V; ++j) {
+        const bool inside = first + j < E;
+        s_aux[j] = inside ? (softmax ? ex[j] : s_aux[j]) * inv_norm : -INFINITY;
+        if (inside && valid) score_sum[j] += s_aux[j];
       }
       if (p.aux_routing_is_main()) {
-        if (active) atomicAdd(&block_aux_counts[slot_expert], 1);
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          if (i * S >= K) break;
+          if (valid && i * S + rank < K) atomicAdd(&block_aux_counts[slot_expert[i]], 1);
+        }
       } else {
-        Candidate previous_aux = before_all();
+#pragma unroll
+        for (int j = 0; j < V; ++j) keys[j] = order_key(s_aux[j]);
         for (int k = 0; k < K; ++k) {
-          const Candidate best = next_best(s_aux, lane, previous_aux);
-          if (lane == 0) atomicAdd(&block_aux_counts[best.index], 1);
-          previous_aux = best;
+          unsigned key;
+          const int expert = team_take_best<S>(keys, first, key);
+          if (valid && rank == 0) atomicAdd(&block_aux_counts[expert], 1);
         }
       }
     }
-    if (p.z_loss && lane == 0) {
+    if (p.z_loss && valid && rank == 0) {
       const float lse = row_max + logf(row_sum);
       z_acc += lse * lse;
     }
   }
 
-  // This block's partial sums, reduced over its warps in a fixed order (deterministic).
+  // This block's totals. Score sums: over the warp's teams (lanes of equal rank hold the same
+  // experts), then into shared memory as fixed point.
   if (p.aux_loss) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int e = lane + kWarpSize * j;
-      if (e < E) scratch[e] = score_sum[j];
+    for (int j = 0; j < V; ++j) {
+      float v = score_sum[j];
+#pragma unroll
+      for (int offset = S; offset < kWarpSize; offset <<= 1)
+        v += __shfl_xor_sync(kFullMask, v, offset);
+      if (team == 0 && first + j < E)
+        atomicAdd(&block_sum[first + j], __double2ull_rn(static_cast<double>(v) * kSumScale));
     }
   }
-  if (lane == 0) z_shared[warp] = z_acc;
+  z_acc = team_sum<kWarpSize>(z_acc);
+  if (lane == 0) warp_z[warp] = z_acc;
   __syncthreads();
-  if (p.aux_loss) {
-    for (int e = threadIdx.x; e < E; e += kThreads) {
-      float sum = 0.0f;
-      for (int w = 0; w < kWarpsPerBlock; ++w) sum += shared[w * region + e];
-      a.score_sum_partials[static_cast<std::int64_t>(blockIdx.x) * E + e] = sum;
-    }
-  }
+  const ForwardState& s = a.state;
   if (p.z_loss && threadIdx.x == 0) {
     float sum = 0.0f;
-    for (int w = 0; w < kWarpsPerBlock; ++w) sum += z_shared[w];
-    a.z_partials[blockIdx.x] = sum;
+    for (int w = 0; w < kWarpsPerBlock; ++w) sum += warp_z[w];
+    s.z_partials[blockIdx.x] = sum;
   }
   for (int e = threadIdx.x; e < E; e += kThreads) {
-    if (block_counts[e] != 0) atomicAdd(&a.tokens_per_expert[e], block_counts[e]);
-    if (p.aux_loss && block_aux_counts[e] != 0)
-      atomicAdd(&a.aux_tokens_per_expert[e], block_aux_counts[e]);
+    if (block_counts[e] != 0) atomicAdd(&s.tokens_per_expert[e], block_counts[e]);
+    if (p.aux_loss && !p.aux_routing_is_main() && block_aux_counts[e] != 0)
+      atomicAdd(&s.aux_tokens_per_expert[e], block_aux_counts[e]);
+    if (p.aux_loss && block_sum[e] != 0) atomicAdd(&s.aux_score_sum[e], block_sum[e]);
   }
-}
 
-// Sums the per-block partials in a fixed order: block x of the grid takes experts
-// [32x, 32x + 32); its warps stride over the partial rows, then warp 0 adds the warps' sums.
-constexpr int kFinalizeWarps = 8;
-__global__ void __launch_bounds__(kFinalizeWarps* kWarpSize)
-    router_finalize_kernel(int experts, int blocks, const float* score_sum_partials,
-                           const float* z_partials, float* score_sum, float* z_sum) {
-  __shared__ float warp_sums[kFinalizeWarps][kWarpSize];
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  const int e = blockIdx.x * kWarpSize + lane;
-  float sum = 0.0f;
-  for (int b = warp; b < blocks; b += kFinalizeWarps) {
-    if (score_sum != nullptr && e < experts)
-      sum += score_sum_partials[static_cast<std::int64_t>(b) * experts + e];
-  }
-  warp_sums[warp][lane] = sum;
-  float z = 0.0f;
-  if (z_sum != nullptr && blockIdx.x == 0) {
-    for (int b = threadIdx.x; b < blocks; b += kFinalizeWarps * kWarpSize) z += z_partials[b];
-  }
+  // The last block to finish reads the totals out, zeroing them for the next call.
+  __threadfence();
   __syncthreads();
-  if (warp == 0 && score_sum != nullptr && e < experts) {
-    float total = 0.0f;
-    for (int w = 0; w < kFinalizeWarps; ++w) total += warp_sums[w][lane];
-    score_sum[e] = total;
-  }
-  if (z_sum != nullptr && blockIdx.x == 0) {
-    __syncthreads();
-    warp_sums[warp][lane] = z;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = 0.0f;
-      for (int w = 0; w < kFinalizeWarps; ++w) {
-        for (int l = 0; l < kWarpSize; ++l) total += warp_sums[w][l];
-      }
-      *z_sum = total;
+  if (threadIdx.x == 0) is_last_block = atomicAdd(s.finished_blocks, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last_block) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    const auto count = static_cast<std::int32_t>(atomicExch(&s.tokens_per_expert[e], 0u));
+    a.tokens_per_expert[e] = count;
+    if (p.aux_loss) {
+      a.aux_tokens_per_expert[e] =
+          p.aux_routing_is_main()
+              ? count
+              : static_cast<std::int32_t>(atomicExch(&s.aux_tokens_per_expert[e], 0u));
+      a.aux_score_sum[e] = static_cast<float>(
+          static_cast<double>(atomicExch(&s.aux_score_sum[e], 0ull)) / kSumScale);
     }
   }
+  if (p.z_loss) {
+    // Σ of the blocks' partials in a fixed order: a strided pass, then a tree.
+    float sum = 0.0f;
+    for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += kThreads)
+      sum += __ldcg(&s.z_partials[b]);
+    z_tree[threadIdx.x] = sum;
+    __syncthreads();
+    for (int width = kThreads / 2; width > 0; width /= 2) {
+      if (threadIdx.x < width) z_tree[threadIdx.x] += z_tree[threadIdx.x + width];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) *a.z_sum = z_tree[0];
+  }
+  if (threadIdx.x == 0) atomicExch(s.finished_blocks, 0u);
 }
 
 // ---- Backward
@@ -438,6 +620,7 @@ struct BackwardKernelArgs {
   RouterParams p;
   const In* logits;
   std::int64_t tokens;
+  bool vector_rows;
   const std::int32_t* topk_idx;
   const float* topk_p;
   const float* dprob;
@@ -447,110 +630,160 @@ struct BackwardKernelArgs {
   float* dlogits;
 };
 
-template <int N, typename In>
+template <int S, int V, typename In>
 __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKernelArgs<In> a) {
+  constexpr int kTeams = kWarpSize / S;
+  constexpr int kSlots = (kMaxTopK + S - 1) / S;
   const RouterParams& p = a.p;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
+  const int rank = lane % S;
+  const int team = lane / S;
+  const int team_base = team * S;
+  const int first = rank * V;
   const int E = p.num_experts;
   const int K = p.topk;
   const float c = p.scaling_factor;
+  const float inv_c = 1.0f / c;
   const bool softmax = p.score_function == ScoreFunction::kSoftmax;
   const bool aux = a.aux_factor != 0.0f;
   const bool z = a.z_factor != 0.0f;
   const bool need_row = (softmax && p.pre_softmax) || aux || z;
   const bool need_row_softmax = (softmax && (p.pre_softmax || aux)) || z;
-  const bool active = lane < K;
 
   // ∂L_aux/∂s_aux[t, e] = factor · f_e is the same for every token: held in registers.
-  float aux_grad[N];
+  float aux_grad[V];
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int e = lane + kWarpSize * j;
+  for (int j = 0; j < V; ++j) {
+    const int e = first + j;
     aux_grad[j] =
         (aux && e < E) ? a.aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
   }
 
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < a.tokens;
-       t += stride) {
-    const int slot_expert = active ? a.topk_idx[t * K + lane] : 0;
-    const float slot_p = active ? a.topk_p[t * K + lane] : 0.0f;
-    const float slot_dp = (active && a.dprob != nullptr) ? a.dprob[t * K + lane] : 0.0f;
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
+  for (std::int64_t base = (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
+       base < a.tokens; base += step) {
+    const std::int64_t t = base + team;
+    const bool valid = t < a.tokens;
+    int slot_expert[kSlots];
+    float slot_p[kSlots], slot_dp[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const int k = i * S + rank;
+      const bool active = valid && k < K && i * S < K;
+      slot_expert[i] = active ? a.topk_idx[t * K + k] : 0;
+      slot_p[i] = active ? a.topk_p[t * K + k] : 0.0f;
+      slot_dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
+    }
 
-    float l[N];
+    float l[V];
     if (need_row) {
-      load_row(l, a.logits, t, a.tokens, E, lane);
+      load_chunk(l, a.logits, t, valid, first, E, a.vector_rows);
     } else {
 #pragma unroll
-      for (int j = 0; j < N; ++j) l[j] = -INFINITY;
+      for (int j = 0; j < V; ++j) l[j] = -INFINITY;
     }
+    // The row's softmax, when needed (pre-softmax routing, softmax aux scores, z-loss).
+    float sm[V];
     float row_max = 0.0f, row_sum = 1.0f;
-    if (need_row_softmax) row_softmax_stats(l, row_max, row_sum);
-
-    float g[N];
+    if (need_row_softmax) {
+      row_softmax<S>(l, sm, row_max, row_sum);
+      const float inv_row_sum = 1.0f / row_sum;
 #pragma unroll
-    for (int j = 0; j < N; ++j) g[j] = 0.0f;
+      for (int j = 0; j < V; ++j) sm[j] *= inv_row_sum;
+    }
+
+    float g[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) g[j] = 0.0f;
 
     if (a.dprob != nullptr) {
+      // Per slot, the gradient at its logit (slot_d), then added into the row of its owner lane.
+      float slot_d[kSlots];
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) slot_d[i] = 0.0f;
+      float pre_softmax_dot = 0.0f;
       if (softmax && !p.pre_softmax) {
         // dl_m = c·q_m·(dp_m − Σ_j q_j dp_j) with q = p / c.
-        const float q = slot_p / c;
-        const float q_dot_dp = warp_sum(active ? q * slot_dp : 0.0f);
-        scatter_add(g, lane, K, slot_expert, c * q * (slot_dp - q_dot_dp));
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) dot += (slot_p[i] * inv_c) * slot_dp[i];
+        dot = team_sum<S>(dot);
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) slot_d[i] = slot_p[i] * (slot_dp[i] - dot);
       } else if (softmax) {
         // ds = c·dp at the selected; dl = s ⊙ (ds − Σ s·ds), with s_m = p_m / c at the selected.
-        const float ds = c * slot_dp;
-        const float s_dot_ds = warp_sum(active ? (slot_p / c) * ds : 0.0f);
-        scatter_add(g, lane, K, slot_expert, ds);
+        float dot = 0.0f;
 #pragma unroll
-        for (int j = 0; j < N; ++j) g[j] = __expf(l[j] - row_max) / row_sum * (g[j] - s_dot_ds);
-      } else {
-        const float slot_logit = active ? load_value(a.logits, t * E + slot_expert) : 0.0f;
-        const float s = elementwise_score(p.score_function, slot_logit);
-        const float ds_dl = elementwise_score_derivative(p.score_function, slot_logit, s);
-        float dl;
-        if (K == 1) {
-          dl = c * slot_dp * ds_dl;
-        } else {
-          const float norm = warp_sum(active ? s : 0.0f) + kNormEpsilon;
-          const float dp_dot_p = warp_sum(active ? slot_dp * slot_p : 0.0f);
-          dl = (c * slot_dp - dp_dot_p) / norm * ds_dl;
+        for (int i = 0; i < kSlots; ++i) {
+          slot_d[i] = c * slot_dp[i];
+          dot += (slot_p[i] * inv_c) * slot_d[i];
         }
-        scatter_add(g, lane, K, slot_expert, dl);
+        pre_softmax_dot = team_sum<S>(dot);
+      } else {
+        float s[kSlots], ds_dl[kSlots];
+        float s_sum = 0.0f, dp_dot_p = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          s[i] = 0.0f;
+          ds_dl[i] = 0.0f;
+          if (i * S < K && valid && i * S + rank < K) {
+            const float slot_logit = device::to_float(a.logits[t * E + slot_expert[i]]);
+            s[i] = elementwise_score(p.score_function, slot_logit);
+            ds_dl[i] = elementwise_score_derivative(p.score_function, slot_logit, s[i]);
+          }
+          s_sum += s[i];
+          dp_dot_p += slot_dp[i] * slot_p[i];
+        }
+        if (K == 1) {
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i) slot_d[i] = c * slot_dp[i] * ds_dl[i];
+        } else {
+          const float inv_norm = 1.0f / (team_sum<S>(s_sum) + kNormEpsilon);
+          dp_dot_p = team_sum<S>(dp_dot_p);
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i)
+            slot_d[i] = (c * slot_dp[i] - dp_dot_p) * inv_norm * ds_dl[i];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k) {
+        if (k >= K) break;
+        const int expert =
+            S == 1 ? slot_expert[k] : __shfl_sync(kFullMask, slot_expert[k / S], team_base + k % S);
+        const float d = S == 1 ? slot_d[k] : __shfl_sync(kFullMask, slot_d[k / S], team_base + k % S);
+        add_entry(g, first, expert, d);
+      }
+      if (softmax && p.pre_softmax) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) g[j] = sm[j] * (g[j] - pre_softmax_dot);
       }
     }
 
     if (aux) {
       if (softmax) {
-        float s[N];
         float s_dot_g = 0.0f;
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-          s[j] = __expf(l[j] - row_max) / row_sum;
-          s_dot_g += s[j] * aux_grad[j];
-        }
-        s_dot_g = warp_sum(s_dot_g);
+        for (int j = 0; j < V; ++j) s_dot_g += sm[j] * aux_grad[j];
+        s_dot_g = team_sum<S>(s_dot_g);
 #pragma unroll
-        for (int j = 0; j < N; ++j) g[j] += s[j] * (aux_grad[j] - s_dot_g);
+        for (int j = 0; j < V; ++j) g[j] += sm[j] * (aux_grad[j] - s_dot_g);
       } else {
         // s_aux = u / S, u = g(l), S = Σu + ε:  du_m = g_m / S − Σ_i g_i u_i / S².
-        float u[N];
+        float u[V];
         float u_sum = 0.0f, g_dot_u = 0.0f;
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-          const int e = lane + kWarpSize * j;
-          u[j] = e < E ? elementwise_score(p.score_function, l[j]) : 0.0f;
+        for (int j = 0; j < V; ++j) {
+          u[j] = first + j < E ? elementwise_score(p.score_function, l[j]) : 0.0f;
           u_sum += u[j];
           g_dot_u += aux_grad[j] * u[j];
         }
-        const float norm = warp_sum(u_sum) + kNormEpsilon;
-        g_dot_u = warp_sum(g_dot_u);
+        const float inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
+        const float shift = team_sum<S>(g_dot_u) * inv_norm * inv_norm;
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-          const int e = lane + kWarpSize * j;
-          if (e < E) {
-            const float du = aux_grad[j] / norm - g_dot_u / (norm * norm);
+        for (int j = 0; j < V; ++j) {
+          if (first + j < E) {
+            const float du = aux_grad[j] * inv_norm - shift;
             g[j] += du * elementwise_score_derivative(p.score_function, l[j], u[j]);
           }
         }
@@ -559,12 +792,21 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
     if (z) {
       const float scale = a.z_factor * 2.0f * (row_max + logf(row_sum));
 #pragma unroll
-      for (int j = 0; j < N; ++j) g[j] += scale * __expf(l[j] - row_max) / row_sum;
+      for (int j = 0; j < V; ++j) g[j] += scale * sm[j];
     }
+    if (valid) {
+      float* out = a.dlogits + t * E + first;
+      if (V % 4 == 0 && a.vector_rows && first + V <= E && E % 4 == 0) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int e = lane + kWarpSize * j;
-      if (e < E) a.dlogits[t * E + e] = g[j];
+        for (int i = 0; i < V / 4; ++i)
+          reinterpret_cast<float4*>(out)[i] = make_float4(g[4 * i], g[4 * i + 1], g[4 * i + 2],
+                                                          g[4 * i + 3]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if (first + j < E) out[j] = g[j];
+        }
+      }
     }
   }
 }
@@ -619,44 +861,63 @@ __global__ void update_expert_bias_kernel(float* bias, const std::int32_t* load,
 
 // ---- Host side -------------------------------------------------------------------------------
 
+// Both host queries below cost microseconds, more than the kernels they size at small E: asked
+// once per device (SM count) and per kernel and shared-memory size (occupancy), then remembered.
 int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::array<std::atomic<int>, kMaxDevices> counts{};
   int device = 0;
-  int count = 0;
   MOE_CHECK_CUDA(cudaGetDevice(&device));
+  if (device < kMaxDevices && counts[device].load(std::memory_order_relaxed) > 0)
+    return counts[device].load(std::memory_order_relaxed);
+  int count = 0;
   MOE_CHECK_CUDA(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (device < kMaxDevices) counts[device].store(count, std::memory_order_relaxed);
   return count;
 }
 
-// The forward runs one persistent wave (as many blocks as fit on the SMs): its per-block partial
-// sums then stay small. The backward has no partials and gives every token its own warp.
-template <typename Kernel>
-int forward_blocks(Kernel kernel, std::size_t shared_bytes, std::int64_t tokens) {
+int max_forward_blocks() {
+  return sm_count() * kMaxBlocksPerSm;
+}
+
+int blocks_per_sm(const void* kernel, std::size_t shared_bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, std::size_t>, int> known;
+  const std::lock_guard lock(mutex);
+  const auto key = std::make_pair(kernel, shared_bytes);
+  if (const auto it = known.find(key); it != known.end()) return it->second;
   int per_sm = 0;
   MOE_CHECK_CUDA(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared_bytes));
   per_sm = std::clamp(per_sm, 1, kMaxBlocksPerSm);
-  const std::int64_t needed = (tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return static_cast<int>(
-      std::max<std::int64_t>(1, std::min<std::int64_t>(needed, sm_count() * per_sm)));
-}
-int max_forward_blocks() {
-  return sm_count() * kMaxBlocksPerSm;
-}
-int backward_blocks(std::int64_t tokens) {
-  return static_cast<int>(
-      std::clamp<std::int64_t>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, INT_MAX));
+  known.emplace(key, per_sm);
+  return per_sm;
 }
 
-// Registers per lane: the smallest power of two with 32·N ≥ E.
+// One persistent wave (as many blocks as fit on the SMs, no more than the tokens need): the
+// forward's per-block totals then stay few, and both kernels stride over the tokens.
+int grid_size(const void* kernel, std::size_t shared_bytes, std::int64_t tokens,
+              int tokens_per_block) {
+  const std::int64_t needed = (tokens + tokens_per_block - 1) / tokens_per_block;
+  return static_cast<int>(std::max<std::int64_t>(
+      1, std::min<std::int64_t>(needed, sm_count() * blocks_per_sm(kernel, shared_bytes))));
+}
+
+// Lanes per token S and logits per lane V from E. At least 8 lanes per token: the work is a
+// chain of dependent steps per token, so the GPU needs many tokens in flight in many warps (with
+// 4 tokens per warp, 16k tokens fill 4k warps); a lane holds up to 16 logits (32 and 64 for
+// E > 512, where the whole warp already serves one token).
 template <typename Launch>
-void dispatch_width(int experts, Launch&& launch) {
-  if (experts <= 32) return launch.template operator()<1>();
-  if (experts <= 64) return launch.template operator()<2>();
-  if (experts <= 128) return launch.template operator()<4>();
-  if (experts <= 256) return launch.template operator()<8>();
-  if (experts <= 512) return launch.template operator()<16>();
-  if (experts <= 1024) return launch.template operator()<32>();
-  if (experts <= 2048) return launch.template operator()<64>();
+void dispatch_layout(int experts, Launch&& launch) {
+  if (experts <= 8) return launch.template operator()<8, 1>();
+  if (experts <= 16) return launch.template operator()<8, 2>();
+  if (experts <= 32) return launch.template operator()<8, 4>();
+  if (experts <= 64) return launch.template operator()<8, 8>();
+  if (experts <= 128) return launch.template operator()<8, 16>();
+  if (experts <= 256) return launch.template operator()<16, 16>();
+  if (experts <= 512) return launch.template operator()<32, 16>();
+  if (experts <= 1024) return launch.template operator()<32, 32>();
+  if (experts <= 2048) return launch.template operator()<32, 64>();
   fail("router: num_experts = " + std::to_string(experts) + " exceeds " +
        std::to_string(kMaxExperts));
 }
@@ -671,7 +932,8 @@ void check_params(const RouterParams& p) {
          std::to_string(kMaxTopK) + ")]");
   }
   if (p.num_groups > 0 &&
-      (p.group_topk < 1 || p.num_experts % p.num_groups != 0 || p.topk % p.group_topk != 0)) {
+      (p.group_topk < 1 || p.group_topk > p.num_groups || p.num_experts % p.num_groups != 0 ||
+       p.topk % p.group_topk != 0 || p.topk / p.group_topk > p.num_experts / p.num_groups)) {
     fail("router: invalid grouping num_groups = " + std::to_string(p.num_groups) +
          ", group_topk = " + std::to_string(p.group_topk));
   }
@@ -685,54 +947,73 @@ void check_logits_dtype(DType dtype) {
 
 template <typename Kernel>
 void allow_shared_memory(Kernel kernel, std::size_t bytes) {
-  if (bytes > 48 * 1024) {
+  if (bytes > 48 * 1024) {  // rare (E ≥ 2048 or many groups): not worth remembering
     MOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(bytes)));
   }
 }
 
-// Launches the forward kernel; returns its grid size (the number of partial rows written).
+// Rows can move as 16-byte packs when every row starts on a 16-byte boundary.
+bool aligned_rows(const void* p, int experts, std::size_t element_bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && (experts * element_bytes) % 16 == 0;
+}
+
+ForwardState forward_state(void* workspace, int experts) {
+  const auto w = WorkspaceLayout::of(experts, max_forward_blocks());
+  auto* base = static_cast<unsigned char*>(workspace);
+  return {reinterpret_cast<unsigned*>(base), reinterpret_cast<unsigned*>(base + w.counts),
+          reinterpret_cast<unsigned*>(base + w.aux_counts),
+          reinterpret_cast<unsigned long long*>(base + w.score_sum),
+          reinterpret_cast<float*>(base + w.z_partials)};
+}
+
 template <typename In>
-int launch_forward(const RouterParams& p, const RouterForwardArgs& args, float* partials,
-                   float* z_partials, cudaStream_t stream) {
+void launch_forward(const RouterParams& p, const RouterForwardArgs& args, cudaStream_t stream) {
   ForwardKernelArgs<In> k{p,
                           static_cast<const In*>(args.logits),
                           args.tokens,
+                          aligned_rows(args.logits, p.num_experts, sizeof(In)),
                           args.expert_bias,
                           args.topk_idx,
                           args.topk_p,
                           args.tokens_per_expert,
                           args.aux_tokens_per_expert,
-                          partials,
-                          z_partials};
-  const std::size_t shared =
-      (static_cast<std::size_t>(scratch_floats_per_warp(p)) + 1) * kWarpsPerBlock * sizeof(float) +
-      2 * static_cast<std::size_t>(p.num_experts) * sizeof(int);
-  int blocks = 0;
-  dispatch_width(p.num_experts, [&]<int N>() {
-    allow_shared_memory(router_forward_kernel<N, In>, shared);
-    blocks = forward_blocks(router_forward_kernel<N, In>, shared, args.tokens);
-    router_forward_kernel<N, In><<<blocks, kThreads, shared, stream>>>(k);
+                          args.aux_score_sum,
+                          args.z_sum,
+                          forward_state(args.workspace, p.num_experts)};
+  dispatch_layout(p.num_experts, [&]<int S, int V>() {
+    constexpr int kTeams = kWarpSize / S;
+    const std::size_t shared = forward_shared_bytes(p, kTeams);
+    auto kernel = router_forward_kernel<S, V, In>;
+    allow_shared_memory(kernel, shared);
+    const int blocks = grid_size(reinterpret_cast<const void*>(kernel), shared, args.tokens,
+                                 kWarpsPerBlock * kTeams);
+    kernel<<<blocks, kThreads, shared, stream>>>(k);
     MOE_CHECK_LAUNCH();
   });
-  return blocks;
 }
 
 template <typename In>
 void launch_backward(const RouterParams& p, const RouterBackwardArgs& args, cudaStream_t stream) {
-  BackwardKernelArgs<In> k{p,
-                           static_cast<const In*>(args.logits),
-                           args.tokens,
-                           args.topk_idx,
-                           args.topk_p,
-                           args.dprob,
-                           args.aux_tokens_per_expert,
-                           args.aux_factor,
-                           args.z_factor,
-                           args.dlogits};
-  const int blocks = backward_blocks(args.tokens);
-  dispatch_width(p.num_experts, [&]<int N>() {
-    router_backward_kernel<N, In><<<blocks, kThreads, 0, stream>>>(k);
+  BackwardKernelArgs<In> k{
+      p,
+      static_cast<const In*>(args.logits),
+      args.tokens,
+      aligned_rows(args.logits, p.num_experts, sizeof(In)) &&
+          aligned_rows(args.dlogits, p.num_experts, sizeof(float)),
+      args.topk_idx,
+      args.topk_p,
+      args.dprob,
+      args.aux_tokens_per_expert,
+      args.aux_factor,
+      args.z_factor,
+      args.dlogits};
+  dispatch_layout(p.num_experts, [&]<int S, int V>() {
+    constexpr int kTeams = kWarpSize / S;
+    auto kernel = router_backward_kernel<S, V, In>;
+    const int blocks = grid_size(reinterpret_cast<const void*>(kernel), 0, args.tokens,
+                                 kWarpsPerBlock * kTeams);
+    kernel<<<blocks, kThreads, 0, stream>>>(k);
     MOE_CHECK_LAUNCH();
   });
 }
@@ -756,8 +1037,12 @@ RouterParams RouterParams::from(const MoEConfig& config) {
 
 std::size_t router_workspace_bytes(const RouterParams& params, std::int64_t tokens) {
   (void)tokens;  // one wave at most, whatever the token count
-  return static_cast<std::size_t>(max_forward_blocks()) *
-         (static_cast<std::size_t>(params.num_experts) + 1) * sizeof(float);
+  return WorkspaceLayout::of(params.num_experts, max_forward_blocks()).bytes;
+}
+
+void router_workspace_clear(const RouterParams& params, void* workspace, cudaStream_t stream) {
+  if (workspace == nullptr) fail("router_workspace_clear: workspace is null");
+  MOE_CHECK_CUDA(cudaMemsetAsync(workspace, 0, router_workspace_bytes(params, 0), stream));
 }
 
 void router_forward(const RouterParams& p, const RouterForwardArgs& args, cudaStream_t stream) {
@@ -776,32 +1061,11 @@ void router_forward(const RouterParams& p, const RouterForwardArgs& args, cudaSt
     fail("router_forward: aux_loss needs aux_tokens_per_expert and aux_score_sum");
   }
   if (p.z_loss && args.z_sum == nullptr) fail("router_forward: z_loss needs z_sum");
-  if ((p.aux_loss || p.z_loss) && args.workspace == nullptr)
-    fail("router_forward: workspace is required");
-
-  const std::size_t count_bytes = static_cast<std::size_t>(p.num_experts) * sizeof(std::int32_t);
-  MOE_CHECK_CUDA(cudaMemsetAsync(args.tokens_per_expert, 0, count_bytes, stream));
-  if (p.aux_loss)
-    MOE_CHECK_CUDA(cudaMemsetAsync(args.aux_tokens_per_expert, 0, count_bytes, stream));
-  auto* partials = static_cast<float*>(args.workspace);
-  float* z_partials =
-      partials == nullptr
-          ? nullptr
-          : partials + static_cast<std::size_t>(max_forward_blocks()) * p.num_experts;
-  int blocks = 1;
-  if (args.tokens > 0) {
-    blocks = args.logits_dtype == DType::kBF16
-                 ? launch_forward<__nv_bfloat16>(p, args, partials, z_partials, stream)
-                 : launch_forward<float>(p, args, partials, z_partials, stream);
-  } else if (partials != nullptr) {
-    MOE_CHECK_CUDA(cudaMemsetAsync(partials, 0, router_workspace_bytes(p, 0), stream));
-  }
-  if (p.aux_loss || p.z_loss) {
-    router_finalize_kernel<<<(p.num_experts + kWarpSize - 1) / kWarpSize,
-                             kFinalizeWarps * kWarpSize, 0, stream>>>(
-        p.num_experts, blocks, partials, z_partials, p.aux_loss ? args.aux_score_sum : nullptr,
-        p.z_loss ? args.z_sum : nullptr);
-    MOE_CHECK_LAUNCH();
+  if (args.workspace == nullptr) fail("router_forward: workspace is required");
+  if (args.logits_dtype == DType::kBF16) {
+    launch_forward<__nv_bfloat16>(p, args, stream);
+  } else {
+    launch_forward<float>(p, args, stream);
   }
 }
 

@@ -2,9 +2,11 @@
 // probabilities, scaling), the statistics of the aux and z losses, their values, the backward into
 // dlogits, and the aux-loss-free expert-bias update.
 //
-// One warp handles one token; a token's E logits are spread over the lanes (expert e on lane
-// e % 32), so E up to 2048 and K up to 16 stay in registers. Everything is deterministic: counts
-// are integer atomics, float sums are reduced in a fixed order.
+// A team of lanes handles one token (8 lanes for E ≤ 128, up to the whole warp for E > 256), its E
+// logits held in registers, so E up to 2048 and K up to 16 need no shared-memory rows. The
+// forward is one kernel: the last of its blocks to finish turns the per-block totals into the
+// counts and sums (no memsets, no second launch). Everything is deterministic: counts and the
+// aux score sums cross blocks as integers (sums in 64-bit fixed point), z in a fixed order.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -48,11 +50,14 @@ struct RouterForwardArgs {
   std::int32_t* aux_tokens_per_expert = nullptr;
   float* aux_score_sum = nullptr;
   float* z_sum = nullptr;     // [1] out with params.z_loss: Σ_t logsumexp(logits[t])²
-  void* workspace = nullptr;  // router_workspace_bytes()
+  void* workspace = nullptr;  // router_workspace_bytes(), zeroed once by router_workspace_clear
 };
 
-// Workspace of router_forward for `tokens` tokens on the current device.
+// Workspace of router_forward for `tokens` tokens on the current device. It carries the
+// forward's cross-block totals: zero it once with router_workspace_clear after allocating it;
+// every router_forward leaves it zero again. One workspace serves one stream at a time.
 std::size_t router_workspace_bytes(const RouterParams& params, std::int64_t tokens);
+void router_workspace_clear(const RouterParams& params, void* workspace, cudaStream_t stream);
 
 void router_forward(const RouterParams& params, const RouterForwardArgs& args, cudaStream_t stream);
 

@@ -102,6 +102,7 @@ struct MoEBlock::State {
   // Backward buffers.
   DeviceBuffer dprob, dY, dx, dlogits, dlogits_low;
   DeviceBuffer nonfinite;
+  DeviceBuffer grad_stage;  // fp32 chunk for the DP sum of bf16 gradients
 
   // The context of the last forward.
   bool has_context = false;
@@ -257,7 +258,11 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     a.aux_tokens_per_expert = aux_counts;
     a.aux_score_sum = score_sum;
     a.z_sum = z_sum;
-    s.router_ws.reserve(router_workspace_bytes(s.router, T));
+    const std::size_t router_ws_bytes = router_workspace_bytes(s.router, T);
+    if (s.router_ws.bytes() < router_ws_bytes) {  // a new allocation starts cleared
+      s.router_ws.reserve(router_ws_bytes);
+      router_workspace_clear(s.router, s.router_ws.data(), stream);
+    }
     a.workspace = s.router_ws.data();
     router_forward(s.router, a, stream);
   }
@@ -497,13 +502,32 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   Range r("moe gradient reduction", s.times, s.stream);
-  const ncclDataType_t grad = s.config.grad_dtype == DType::kBF16 ? ncclBfloat16 : ncclFloat32;
-  s.mesh.group_start();
-  s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), grad, MeshGroup::kDataParallel,
-                        s.stream);
-  s.mesh.all_reduce_sum(s.grads.w2.data, s.grads.w2.numel(), grad, MeshGroup::kDataParallel,
-                        s.stream);
-  s.mesh.group_end("the expert gradient reduction");
+  if (s.config.grad_dtype == DType::kBF16 && s.mesh.dp() > 1) {
+    // NCCL would round every hop's partial sum to bf16: widen a chunk at a time to fp32, sum,
+    // narrow back (SPEC.md: every reduction in fp32), through one bounded staging buffer.
+    constexpr std::int64_t kStageElements = std::int64_t{16} << 20;  // 64 MiB of fp32
+    for (const Tensor* grad : {&s.grads.w13, &s.grads.w2}) {
+      const std::int64_t total = grad->numel();
+      s.grad_stage.reserve(static_cast<std::size_t>(std::min(total, kStageElements)) * 4);
+      for (std::int64_t first = 0; first < total; first += kStageElements) {
+        const std::int64_t n = std::min(kStageElements, total - first);
+        const Tensor part(static_cast<std::uint16_t*>(grad->data) + first, DType::kBF16, {n});
+        const Tensor wide(s.grad_stage.data(), DType::kFP32, {n});
+        convert(part, wide, s.stream);
+        s.mesh.all_reduce_sum(wide.data, static_cast<std::size_t>(n), ncclFloat32,
+                              MeshGroup::kDataParallel, s.stream);
+        convert(wide, part, s.stream);
+      }
+    }
+  } else {
+    const ncclDataType_t grad = s.config.grad_dtype == DType::kBF16 ? ncclBfloat16 : ncclFloat32;
+    s.mesh.group_start();
+    s.mesh.all_reduce_sum(s.grads.w13.data, s.grads.w13.numel(), grad, MeshGroup::kDataParallel,
+                          s.stream);
+    s.mesh.all_reduce_sum(s.grads.w2.data, s.grads.w2.numel(), grad, MeshGroup::kDataParallel,
+                          s.stream);
+    s.mesh.group_end("the expert gradient reduction");
+  }
   s.mesh.all_reduce_sum(s.grads.gate_weight.data, s.grads.gate_weight.numel(), ncclFloat32,
                         MeshGroup::kWorld, s.stream);
 }

@@ -43,8 +43,9 @@ struct MoEConfig {
 
   DType dtype = DType::kBF16;  // activations and weights: bf16 or fp32
   // The expert weight gradients: fp32 (a trainer's fp32 main gradients) or bf16 (half the memory,
-  // as autograd keeps them for bf16 weights); the GEMMs accumulate in fp32 either way, but with
-  // bf16 the DP sum of reduce_gradients() runs in bf16. The gate's gradient is always fp32.
+  // as autograd keeps them for bf16 weights); the GEMMs accumulate in fp32 either way, and the DP
+  // sum of reduce_gradients() runs in fp32 (chunks widened, summed, narrowed back). The gate's
+  // gradient is always fp32.
   DType grad_dtype = DType::kFP32;
 
   // Mesh: expert-parallel and data-parallel degrees; world = ep * dp.

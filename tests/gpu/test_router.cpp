@@ -30,10 +30,14 @@ Matrix draw_logits(std::int64_t tokens, int experts, DType dtype, std::mt19937_6
   std::vector<int> order(experts);
   std::iota(order.begin(), order.end(), 0);
   std::uniform_real_distribution<double> offset(-1.0, 1.0);
-  const double spacing = std::min(8.0 / experts, 0.5);
+  // Spacing and offset on a power-of-two grid: every logit then has few significant bits, so
+  // sums of them (the group scores of softmax post) are exact in fp32 and in the reference, and
+  // equal sums tie exactly on both sides instead of nearly.
+  const double spacing =
+      std::ldexp(1.0, static_cast<int>(std::floor(std::log2(std::min(8.0 / experts, 0.5)))));
   for (std::int64_t t = 0; t < tokens; ++t) {
     std::shuffle(order.begin(), order.end(), rng);
-    const double shift = offset(rng);
+    const double shift = std::round(offset(rng) * 16.0 / spacing) * spacing / 16.0;
     for (int e = 0; e < experts; ++e) logits(t, e) = shift + (order[e] - experts / 2.0) * spacing;
   }
   return test::round_to(logits, dtype);
@@ -109,6 +113,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   DeviceBuffer workspace(router_workspace_bytes(params, T));
   const auto tokens_dev = test::upload(std::vector<std::int64_t>{T});
   Stream stream;
+  router_workspace_clear(params, workspace.data(), stream.get());
 
   auto run = [&] {
     for (const auto* b : {&idx, &prob, &counts, &aux_counts, &score_sum, &z, &losses, &dlogits})
@@ -291,6 +296,35 @@ TEST_CASE("router at T = 65536 for the model shapes", "[gpu][router]") {
            rng);
 }
 
+TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  // E not a power of two: lanes holding part of a chunk or none; groups of 3, 12, 25 and 125
+  // experts, which fit the lane chunks neither way (the general group path), and 4 per group.
+  struct Shape {
+    int experts, topk;
+    ScoreFunction f;
+    bool bias, grouped;
+  };
+  const std::vector<Shape> shapes = {
+      {7, 2, ScoreFunction::kSoftmax, false, false},   {24, 8, ScoreFunction::kSigmoid, true, true},
+      {32, 4, ScoreFunction::kSigmoid, false, true},   {96, 8, ScoreFunction::kSigmoid, true, true},
+      {200, 6, ScoreFunction::kSqrtSoftplus, true, false},
+      {200, 8, ScoreFunction::kSoftmax, false, true},  {1000, 8, ScoreFunction::kSigmoid, true, true},
+      {520, 5, ScoreFunction::kSoftmax, false, false}};
+  for (const auto& shape : shapes) {
+    for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+      for (const std::int64_t T : {7, 4096}) {
+        auto config = router_config(shape.experts, shape.topk, shape.f, false, shape.bias,
+                                    shape.grouped, 2.5, true);
+        config.validate();
+        run_case({config, T, dtype}, rng);
+      }
+    }
+  }
+}
+
 TEST_CASE("hard routing: every token to the same experts; experts with no tokens",
           "[gpu][router]") {
   const auto seed = test::fresh_seed();
@@ -311,6 +345,7 @@ TEST_CASE("hard routing: every token to the same experts; experts with no tokens
   DeviceBuffer idx(1000 * 4 * 4), prob(1000 * 4 * 4), counts(64 * 4), aux_counts(64 * 4),
       score_sum(64 * 4), z(16), workspace(router_workspace_bytes(params, 1000));
   for (const auto* b : {&idx, &prob, &counts}) test::poison(*b);
+  router_workspace_clear(params, workspace.data(), nullptr);
   RouterForwardArgs fwd;
   fwd.logits = logits_dev.data();
   fwd.tokens = 1000;
