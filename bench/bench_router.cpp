@@ -131,8 +131,8 @@ int main(int argc, char** argv) try {
     const double bytes =
         3.0 * static_cast<double>(logits_bytes) + 5.0 * static_cast<double>(T * K) * 4;
     const double floor_ms = bytes / bandwidth * 1e3;
-    fmt::print("{:<48} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>7.0f}% {:>9.1f} {:>7.0f}%\n", shape.name,
-               fwd_ms * 1e3, bwd_ms * 1e3, total_ms * 1e3, floor_ms * 1e3,
+    fmt::print("{:<48} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>7.0f}% {:>9.1f} {:>7.0f}%\n",
+               shape.name, fwd_ms * 1e3, bwd_ms * 1e3, total_ms * 1e3, floor_ms * 1e3,
                100 * floor_ms / total_ms, b2b_ms * 1e3, 100 * floor_ms / b2b_ms);
     report["results"].push_back({{"name", shape.name},
                                  {"experts", E},

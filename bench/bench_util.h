@@ -59,8 +59,8 @@ inline double median_ms(const std::function<void(int)>& body, cudaStream_t strea
 // Milliseconds per call when `calls` calls go back to back between two events (median of
 // `repeats` such batches): the GPU's time once the host runs ahead, without the host's launch
 // cost that an isolated call (median_ms) includes.
-inline double back_to_back_ms(const std::function<void(int)>& body, cudaStream_t stream,
-                              int warmup, int repeats, int calls) {
+inline double back_to_back_ms(const std::function<void(int)>& body, cudaStream_t stream, int warmup,
+                              int repeats, int calls) {
   for (int i = 0; i < warmup; ++i) body(i);
   std::vector<double> times;
   Event start(true), stop(true);

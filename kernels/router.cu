@@ -319,11 +319,11 @@ __device__ __forceinline__ void row_softmax(const float (&l)[V], float (&ex)[V],
 // The forward's cross-block state, in the caller's workspace. Zero before the first call; the
 // last block of every call reads the totals out and leaves it zero again.
 struct ForwardState {
-  unsigned* finished_blocks;           // [1]
-  unsigned* tokens_per_expert;         // [E]
-  unsigned* aux_tokens_per_expert;     // [E]
-  unsigned long long* aux_score_sum;   // [E], fixed point (kSumScale)
-  float* z_partials;                   // [max blocks]
+  unsigned* finished_blocks;          // [1]
+  unsigned* tokens_per_expert;        // [E]
+  unsigned* aux_tokens_per_expert;    // [E]
+  unsigned long long* aux_score_sum;  // [E], fixed point (kSumScale)
+  float* z_partials;                  // [max blocks]
 };
 
 struct WorkspaceLayout {
@@ -358,8 +358,8 @@ struct ForwardKernelArgs {
 
 // Shared memory of the forward: per-block totals, then each team's group scores.
 __host__ __device__ inline std::size_t forward_shared_bytes(const RouterParams& p, int teams) {
-  return static_cast<std::size_t>(p.num_experts) * (8 + 4 + 4) + kWarpsPerBlock * 4 +
-         static_cast<std::size_t>(teams) * kWarpsPerBlock * p.num_groups * 4;
+  return static_cast<std::size_t>(p.num_experts) * (kWarpsPerBlock * 4 + 4 + 4) +
+         kWarpsPerBlock * 4 + static_cast<std::size_t>(teams) * kWarpsPerBlock * p.num_groups * 4;
 }
 
 template <int S, int V, typename In>
@@ -379,15 +379,14 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
   const int team_base = team * S;
   const int first = rank * V;
 
-  // Per-block totals: shared-memory atomics (integer, so order-free), then one global atomic per
-  // expert and block.
-  auto* block_sum = reinterpret_cast<unsigned long long*>(shared);
-  auto* block_counts = reinterpret_cast<int*>(block_sum + E);
+  // Per-block totals: counts by shared-memory atomics (integer, so order-free), score sums per
+  // warp then over the warps in order; then one global atomic per expert and block.
+  auto* warp_sums = reinterpret_cast<float*>(shared);  // [warps][E]
+  auto* block_counts = reinterpret_cast<int*>(warp_sums + kWarpsPerBlock * E);
   int* block_aux_counts = block_counts + E;
   float* warp_z = reinterpret_cast<float*>(block_aux_counts + E);
   float* group_score = warp_z + kWarpsPerBlock + (warp * kTeams + team) * p.num_groups;
   for (int e = threadIdx.x; e < E; e += kThreads) {
-    block_sum[e] = 0;
     block_counts[e] = 0;
     block_aux_counts[e] = 0;
   }
@@ -428,8 +427,8 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
         } else if (softmax) {
           r[j] = p.pre_softmax ? ex[j] * inv_row_sum : l[j];
         } else {
-          r[j] = elementwise_score(p.score_function, l[j]) +
-                 (p.expert_bias ? a.expert_bias[e] : 0.0f);
+          r[j] =
+              elementwise_score(p.score_function, l[j]) + (p.expert_bias ? a.expert_bias[e] : 0.0f);
         }
       }
       if (p.num_groups > 0) mask_groups<S>(r, p, rank, group_score);
@@ -548,8 +547,8 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
     }
   }
 
-  // This block's totals. Score sums: over the warp's teams (lanes of equal rank hold the same
-  // experts), then into shared memory as fixed point.
+  // This block's totals. Score sums over the warp's teams (lanes of equal rank hold the same
+  // experts; shared-memory 64-bit atomics would be compare-and-swap loops under contention).
   if (p.aux_loss) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -557,8 +556,7 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
 #pragma unroll
       for (int offset = S; offset < kWarpSize; offset <<= 1)
         v += __shfl_xor_sync(kFullMask, v, offset);
-      if (team == 0 && first + j < E)
-        atomicAdd(&block_sum[first + j], __double2ull_rn(static_cast<double>(v) * kSumScale));
+      if (team == 0 && first + j < E) warp_sums[warp * E + first + j] = v;
     }
   }
   z_acc = team_sum<kWarpSize>(z_acc);
@@ -574,7 +572,12 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
     if (block_counts[e] != 0) atomicAdd(&s.tokens_per_expert[e], block_counts[e]);
     if (p.aux_loss && !p.aux_routing_is_main() && block_aux_counts[e] != 0)
       atomicAdd(&s.aux_tokens_per_expert[e], block_aux_counts[e]);
-    if (p.aux_loss && block_sum[e] != 0) atomicAdd(&s.aux_score_sum[e], block_sum[e]);
+    if (p.aux_loss) {
+      float sum = 0.0f;
+      for (int w = 0; w < kWarpsPerBlock; ++w) sum += warp_sums[w * E + e];
+      if (sum != 0.0f)
+        atomicAdd(&s.aux_score_sum[e], __double2ull_rn(static_cast<double>(sum) * kSumScale));
+    }
   }
 
   // The last block to finish reads the totals out, zeroing them for the next call.
@@ -751,7 +754,8 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
         if (k >= K) break;
         const int expert =
             S == 1 ? slot_expert[k] : __shfl_sync(kFullMask, slot_expert[k / S], team_base + k % S);
-        const float d = S == 1 ? slot_d[k] : __shfl_sync(kFullMask, slot_d[k / S], team_base + k % S);
+        const float d =
+            S == 1 ? slot_d[k] : __shfl_sync(kFullMask, slot_d[k / S], team_base + k % S);
         add_entry(g, first, expert, d);
       }
       if (softmax && p.pre_softmax) {
@@ -799,8 +803,8 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
       if (V % 4 == 0 && a.vector_rows && first + V <= E && E % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < V / 4; ++i)
-          reinterpret_cast<float4*>(out)[i] = make_float4(g[4 * i], g[4 * i + 1], g[4 * i + 2],
-                                                          g[4 * i + 3]);
+          reinterpret_cast<float4*>(out)[i] =
+              make_float4(g[4 * i], g[4 * i + 1], g[4 * i + 2], g[4 * i + 3]);
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) {
@@ -995,24 +999,23 @@ void launch_forward(const RouterParams& p, const RouterForwardArgs& args, cudaSt
 
 template <typename In>
 void launch_backward(const RouterParams& p, const RouterBackwardArgs& args, cudaStream_t stream) {
-  BackwardKernelArgs<In> k{
-      p,
-      static_cast<const In*>(args.logits),
-      args.tokens,
-      aligned_rows(args.logits, p.num_experts, sizeof(In)) &&
-          aligned_rows(args.dlogits, p.num_experts, sizeof(float)),
-      args.topk_idx,
-      args.topk_p,
-      args.dprob,
-      args.aux_tokens_per_expert,
-      args.aux_factor,
-      args.z_factor,
-      args.dlogits};
+  BackwardKernelArgs<In> k{p,
+                           static_cast<const In*>(args.logits),
+                           args.tokens,
+                           aligned_rows(args.logits, p.num_experts, sizeof(In)) &&
+                               aligned_rows(args.dlogits, p.num_experts, sizeof(float)),
+                           args.topk_idx,
+                           args.topk_p,
+                           args.dprob,
+                           args.aux_tokens_per_expert,
+                           args.aux_factor,
+                           args.z_factor,
+                           args.dlogits};
   dispatch_layout(p.num_experts, [&]<int S, int V>() {
     constexpr int kTeams = kWarpSize / S;
     auto kernel = router_backward_kernel<S, V, In>;
-    const int blocks = grid_size(reinterpret_cast<const void*>(kernel), 0, args.tokens,
-                                 kWarpsPerBlock * kTeams);
+    const int blocks =
+        grid_size(reinterpret_cast<const void*>(kernel), 0, args.tokens, kWarpsPerBlock * kTeams);
     kernel<<<blocks, kThreads, 0, stream>>>(k);
     MOE_CHECK_LAUNCH();
   });

@@ -307,12 +307,14 @@ TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]
     ScoreFunction f;
     bool bias, grouped;
   };
-  const std::vector<Shape> shapes = {
-      {7, 2, ScoreFunction::kSoftmax, false, false},   {24, 8, ScoreFunction::kSigmoid, true, true},
-      {32, 4, ScoreFunction::kSigmoid, false, true},   {96, 8, ScoreFunction::kSigmoid, true, true},
-      {200, 6, ScoreFunction::kSqrtSoftplus, true, false},
-      {200, 8, ScoreFunction::kSoftmax, false, true},  {1000, 8, ScoreFunction::kSigmoid, true, true},
-      {520, 5, ScoreFunction::kSoftmax, false, false}};
+  const std::vector<Shape> shapes = {{7, 2, ScoreFunction::kSoftmax, false, false},
+                                     {24, 8, ScoreFunction::kSigmoid, true, true},
+                                     {32, 4, ScoreFunction::kSigmoid, false, true},
+                                     {96, 8, ScoreFunction::kSigmoid, true, true},
+                                     {200, 6, ScoreFunction::kSqrtSoftplus, true, false},
+                                     {200, 8, ScoreFunction::kSoftmax, false, true},
+                                     {1000, 8, ScoreFunction::kSigmoid, true, true},
+                                     {520, 5, ScoreFunction::kSoftmax, false, false}};
   for (const auto& shape : shapes) {
     for (const DType dtype : {DType::kFP32, DType::kBF16}) {
       for (const std::int64_t T : {7, 4096}) {
