@@ -119,13 +119,7 @@ __device__ __forceinline__ Candidate team_best(Candidate c) {
     const int index = __reduce_min_sync(kFullMask, key == best_key ? c.index : INT_MAX);
     return {from_order_key(best_key), index};
   } else {
-#pragma unroll
-    for (int offset = S / 2; offset > 0; offset >>= 1) {
-      const float v = __shfl_xor_sync(kFullMask, c.value, offset);
-      const int i = __shfl_xor_sync(kFullMask, c.index, offset);
-      if (ranks_before(v, i, c.value, c.index)) c = {v, i};
-    }
-    return c;
+    return lanes_best(c, S);
   }
 }
 
