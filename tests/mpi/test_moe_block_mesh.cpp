@@ -115,7 +115,7 @@ TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenate
         run_mesh_case(c, ep, world / ep, index % 3 == 0, seed + index);
       }
     }
-    MoEConfig half_grads = softmax;  // bf16 weight gradients, reduced over DP in bf16
+    MoEConfig half_grads = softmax;  // bf16 weight gradients, summed over DP through fp32
     half_grads.dtype = DType::kBF16;
     half_grads.grad_dtype = DType::kBF16;
     ++index;
