@@ -46,6 +46,15 @@ void add_into(Matrix& target, const Matrix& addend);
 Matrix slice_rows(const Matrix& m, std::int64_t begin, std::int64_t end);
 // Rows of every part, in order.
 Matrix concat_rows(std::span<const Matrix> parts);
+// m rounded to the values `dtype` can hold (what a GPU tensor of that dtype sees).
+Matrix round_to(const Matrix& m, DType dtype);
+
+// Which intermediates the reference rounds. kExact: none, the fp64 math. kAsStored: the ones the
+// GPU keeps in memory in the activation dtype and then reads through a cancelling sum: the expert
+// activations h, a and y (dprob = dy·y loses up to ‖dy‖‖y‖ / |dy·y| of their relative accuracy)
+// and dlogits before the gate GEMMs. In bf16 that cancellation is unbounded for a single token, so
+// the gate gradient is compared with a reference that rounds where the GPU rounds.
+enum class Intermediates { kExact, kAsStored };
 
 // ---- Step 2: router
 // ------------------------------------------------------------------------------
@@ -179,8 +188,11 @@ struct ExpertGrads {
 
 double silu(double v);
 // Rows [offsets[e], offsets[e+1]) belong to expert e (padding rows included).
+// kAsStored rounds h, a and y to `dtype` as they are produced.
 ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t> offsets,
-                                  const ExpertWeights& weights);
+                                  const ExpertWeights& weights,
+                                  Intermediates intermediates = Intermediates::kExact,
+                                  DType dtype = DType::kFP32);
 ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, const Matrix& dY,
                              std::span<const std::int64_t> offsets, const ExpertWeights& weights);
 
@@ -207,8 +219,9 @@ struct LayerResult {
 };
 
 // One GPU: forward and backward of the batch x with output gradient dy.
+// With kAsStored the intermediates are rounded to config.dtype where the GPU stores them.
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
-                      const Matrix& dy);
+                      const Matrix& dy, Intermediates intermediates = Intermediates::kExact);
 
 // An EP×DP mesh (config.ep, config.dp), simulated exchange by exchange: x[r] and dy[r] are world
 // rank r's batch (r = dp_index·EP + ep_index), all ranks share params. Element r of the result is

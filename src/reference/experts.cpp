@@ -16,7 +16,11 @@ double silu(double v) {
 }
 
 ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t> offsets,
-                                  const ExpertWeights& weights) {
+                                  const ExpertWeights& weights, Intermediates intermediates,
+                                  DType dtype) {
+  const auto stored = [&](Matrix m) {
+    return intermediates == Intermediates::kAsStored ? round_to(m, dtype) : m;
+  };
   const std::size_t experts = offsets.size() - 1;
   if (weights.w13.size() != experts || weights.w2.size() != experts) {
     fail("experts_forward: {} row groups, {} / {} weight matrices", experts, weights.w13.size(),
@@ -28,14 +32,15 @@ ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t>
   std::vector<Matrix> hs, as, ys;
   for (std::size_t e = 0; e < experts; ++e) {
     const Matrix Xe = slice_rows(X, offsets[e], offsets[e + 1]);
-    Matrix h = matmul(Xe, weights.w13[e]);
+    const Matrix h = stored(matmul(Xe, weights.w13[e]));
     const std::int64_t F = h.cols / 2;
     Matrix a(h.rows, F);
     for (std::int64_t r = 0; r < h.rows; ++r) {
       for (std::int64_t j = 0; j < F; ++j) a(r, j) = silu(h(r, j)) * h(r, F + j);
     }
-    ys.push_back(matmul(a, weights.w2[e]));
-    hs.push_back(std::move(h));
+    a = stored(std::move(a));
+    ys.push_back(stored(matmul(a, weights.w2[e])));
+    hs.push_back(h);
     as.push_back(std::move(a));
   }
   const std::int64_t H = weights.w2.empty() ? X.cols : weights.w2.front().cols;

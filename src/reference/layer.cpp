@@ -31,14 +31,17 @@ RouterFront router_front(const MoEConfig& config, const Params& params, const Ma
 
 void router_back(const MoEConfig& config, const Params& params, const Matrix& x,
                  const RouterFront& front, const AuxStats& global_aux,
-                 std::span<const double> dprob, LayerResult& result) {
+                 std::span<const double> dprob, LayerResult& result, Intermediates intermediates) {
   result.dlogits = route_backward(config, front.logits, front.routing, dprob);
   if (config.aux_loss_coeff > 0)
     aux_loss_backward(config, front.logits, global_aux, result.dlogits);
   if (config.z_loss_coeff > 0)
     z_loss_backward(config, front.logits, global_aux.tokens, result.dlogits);
-  add_into(result.dx, matmul(result.dlogits, params.gate_weight));  // dx += dlogits · Wg
-  result.d_gate_weight = matmul_tn(result.dlogits, x);              // dWg = dlogitsᵀ · x
+  const Matrix dlogits = intermediates == Intermediates::kAsStored
+                             ? round_to(result.dlogits, config.dtype)
+                             : result.dlogits;
+  add_into(result.dx, matmul(dlogits, params.gate_weight));  // dx += dlogits · Wg
+  result.d_gate_weight = matmul_tn(dlogits, x);              // dWg = dlogitsᵀ · x
 }
 
 void fill_forward_result(const MoEConfig& config, const RouterFront& front,
@@ -60,22 +63,24 @@ struct Forward {
   Matrix out;
 };
 
-Forward forward(const MoEConfig& config, const Params& params, const Matrix& x) {
+Forward forward(const MoEConfig& config, const Params& params, const Matrix& x,
+                Intermediates intermediates = Intermediates::kExact) {
   check_params(config, params, x.cols);
   Forward f;
   f.front = router_front(config, params, x);                                       // steps 1-3
   f.layout = make_layout(f.front.routing, config.num_experts, config.align_size);  // step 4
   f.X = permute(x, f.layout, f.front.routing);
-  f.act = experts_forward(f.X, f.layout.offsets, params.experts);  // step 5
-  f.out = unpermute_combine(f.act.y, f.layout, f.front.routing);   // step 6
+  f.act = experts_forward(f.X, f.layout.offsets, params.experts, intermediates,
+                          config.dtype);                          // step 5
+  f.out = unpermute_combine(f.act.y, f.layout, f.front.routing);  // step 6
   return f;
 }
 
 }  // namespace
 
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
-                      const Matrix& dy) {
-  const Forward f = forward(config, params, x);
+                      const Matrix& dy, Intermediates intermediates) {
+  const Forward f = forward(config, params, x, intermediates);
   if (dy.rows != f.out.rows || dy.cols != f.out.cols) {
     fail("run_layer: dy is [{},{}], out is [{},{}]", dy.rows, dy.cols, f.out.rows, f.out.cols);
   }
@@ -88,7 +93,7 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Matri
   const auto dprob = combine_backward_prob(dy, f.act.y, f.layout, f.front.routing);
   result.expert_grads = experts_backward(f.X, f.act, dY, f.layout.offsets, params.experts);
   result.dx = permute_backward(result.expert_grads.dX, f.layout, f.front.routing);
-  router_back(config, params, x, f.front, f.front.aux, dprob, result);
+  router_back(config, params, x, f.front, f.front.aux, dprob, result, intermediates);
   return result;
 }
 

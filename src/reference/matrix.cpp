@@ -1,5 +1,6 @@
 #include "moe/error.h"
 #include "moe/reference.h"
+#include "moe/tensor.h"
 
 namespace moe::reference {
 
@@ -76,6 +77,15 @@ Matrix concat_rows(std::span<const Matrix> parts) {
   Matrix out(rows, cols);
   auto cursor = out.data.begin();
   for (const auto& part : parts) cursor = std::copy(part.data.begin(), part.data.end(), cursor);
+  return out;
+}
+
+Matrix round_to(const Matrix& m, DType dtype) {
+  Matrix out = m;
+  for (auto& v : out.data) {
+    const auto f = static_cast<float>(v);
+    v = dtype == DType::kBF16 ? from_bf16(to_bf16(f)) : f;
+  }
   return out;
 }
 

@@ -19,9 +19,11 @@ RouterFront router_front(const MoEConfig& config, const Params& params, const Ma
 void fill_forward_result(const MoEConfig& config, const RouterFront& front,
                          const AuxStats& global_aux, double global_z_sum, LayerResult& result);
 // Router and gate backward: dlogits from dprob plus the loss gradients, then dx += dlogits·Wg and
-// dWg = dlogitsᵀ·x. result.dx must already hold the permute backward.
+// dWg = dlogitsᵀ·x. result.dx must already hold the permute backward. kAsStored feeds the gate
+// GEMMs dlogits rounded to config.dtype, as the GPU does.
 void router_back(const MoEConfig& config, const Params& params, const Matrix& x,
                  const RouterFront& front, const AuxStats& global_aux,
-                 std::span<const double> dprob, LayerResult& result);
+                 std::span<const double> dprob, LayerResult& result,
+                 Intermediates intermediates = Intermediates::kExact);
 
 }  // namespace moe::reference

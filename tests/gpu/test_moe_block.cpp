@@ -80,7 +80,7 @@ void run_case(MoEConfig c, std::int64_t tokens, std::mt19937_64& rng) {
   const Matrix dy = test::round_to(test::random_matrix(tokens, c.hidden, rng), c.dtype);
   test::load_params(block, params, 0, c.num_experts);
   const auto got = run_block(block, c, x, dy);
-  check_against_reference(c, got, reference::run_layer(c, params, x, dy));
+  check_against_reference(c, got, reference::run_layer(c, params, x, dy, test::kAsStored));
 }
 
 }  // namespace
@@ -152,7 +152,7 @@ TEST_CASE("MoEBlock edge cases: T = 1, K = E, zero tokens, hard routing", "[gpu]
   const Matrix dy = test::random_matrix(50, hard.hidden, rng);
   test::load_params(block, params, 0, 8);
   const auto got = run_block(block, hard, x, dy);
-  const auto want = reference::run_layer(hard, params, x, dy);
+  const auto want = reference::run_layer(hard, params, x, dy, test::kAsStored);
   for (int e = 0; e < 8; ++e) CHECK(want.tokens_per_expert[e] == (e < 2 ? 50 : 0));
   check_against_reference(hard, got, want);
   for (int e = 2; e < 8; ++e) {
@@ -184,7 +184,8 @@ TEST_CASE("two steps in a row equal two fresh runs", "[gpu][block]") {
   CHECK(again_big.dx.data == first_big.dx.data);
   CHECK(again_big.dgate.data == first_big.dgate.data);
   CHECK(again_big.dw13[3].data == first_big.dw13[3].data);
-  check_against_reference(c, then_small, reference::run_layer(c, params, small, dy_small));
+  check_against_reference(c, then_small,
+                          reference::run_layer(c, params, small, dy_small, test::kAsStored));
 }
 
 TEST_CASE("MoEBlock bad use gets clear errors and leaves the block usable", "[gpu][block]") {

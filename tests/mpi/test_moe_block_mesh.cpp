@@ -41,7 +41,7 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   const Matrix dy = test::round_to(test::random_matrix(total, c.hidden, rng), c.dtype);
   MoEConfig single = c;
   single.ep = single.dp = 1;
-  const auto want = reference::run_layer(single, params, x, dy);
+  const auto want = reference::run_layer(single, params, x, dy, test::kAsStored);
 
   const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, c.num_experts);
   Stream stream;
@@ -148,7 +148,7 @@ TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[m
   const Matrix dy = test::random_matrix(T * world, c.hidden, rng);
   MoEConfig single = c;
   single.ep = 1;
-  const auto want = reference::run_layer(single, params, x, dy);
+  const auto want = reference::run_layer(single, params, x, dy, test::kAsStored);
   const std::int64_t first = T * test::world_rank();
   const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
   const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);

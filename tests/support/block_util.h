@@ -38,6 +38,12 @@ inline reference::Matrix read(const Tensor& t, std::int64_t rows, std::int64_t c
   return m;
 }
 
+// Whole-layer tests compare with the reference that rounds the intermediates the block stores in
+// the activation dtype: the gate gradient reaches them through dprob = dy·y, whose cancellation
+// turns bf16 storage error into an unbounded relative error at small T (one token gave 2.5% where
+// the tolerance is 1%, reproduced exactly by the rounding reference).
+inline constexpr auto kAsStored = reference::Intermediates::kAsStored;
+
 // Parameters rounded to what the block stores (dtype for weights, fp32 for the bias).
 inline reference::Params round_params(reference::Params p, DType dtype) {
   p.gate_weight = round_to(p.gate_weight, dtype);

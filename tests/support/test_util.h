@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <span>
@@ -17,8 +18,9 @@ namespace moe::test {
 using reference::Matrix;
 
 // A fresh seed per run (fresh random inputs every time); tests print it with INFO so a failure
-// can be replayed.
+// can be replayed: MOE_TEST_SEED=<seed> makes every test case draw from that seed instead.
 inline std::uint64_t fresh_seed() {
+  if (const char* fixed = std::getenv("MOE_TEST_SEED")) return std::strtoull(fixed, nullptr, 10);
   std::random_device device;
   return (static_cast<std::uint64_t>(device()) << 32) ^ device();
 }
@@ -47,15 +49,7 @@ inline double relative_error(const Matrix& got, const Matrix& want) {
   return relative_error(got.data, want.data);
 }
 
-// A matrix rounded to the values `dtype` can hold (what a GPU tensor of that dtype sees).
-inline Matrix round_to(const Matrix& m, DType dtype) {
-  Matrix out = m;
-  for (auto& v : out.data) {
-    const auto f = static_cast<float>(v);
-    v = dtype == DType::kBF16 ? from_bf16(to_bf16(f)) : f;
-  }
-  return out;
-}
+using reference::round_to;
 
 // Weights scaled like a trained layer's (1/sqrt(fan-in)), so activations stay O(1).
 inline reference::Params random_params(const MoEConfig& config, std::mt19937_64& rng) {
