@@ -289,6 +289,107 @@ __device__ __forceinline__ int team_take_best(unsigned (&keys)[V], int first, un
   return index;
 }
 
+// Top-K with a pre-filter, for rows of many entries per lane: the K-th largest of the lanes'
+// largest entries is a lower bound of the row's K-th largest entry (K entries reach it), so only
+// entries at or above it can be selected. The few survivors go to shared memory and each
+// finds its rank by counting the survivors before it (larger key, or equal key and lower index:
+// SPEC.md's order), O(V + S + n²/S) per token instead of K rounds over every entry.
+constexpr int kMaxCandidates = 32;  // survivors per team; more and the warp takes the K rounds
+
+struct TeamScratch {  // a team's shared memory for the filtered top-K
+  unsigned key[kMaxCandidates];
+  int index[kMaxCandidates];
+  unsigned slot_key[kMaxTopK];
+  int slot_expert[kMaxTopK];
+};
+
+// Fills slot i of team lane `rank` with the entry of rank i·S + rank. Returns false, the same on
+// every lane of the warp, when some team has more survivors than fit (then nothing is written).
+template <int S, int V, int kSlots>
+__device__ __forceinline__ bool team_top_k_filtered(const unsigned (&keys)[V], int first, int K,
+                                                    int rank, int team_base, TeamScratch& scratch,
+                                                    int (&slot_expert)[kSlots],
+                                                    unsigned (&slot_key)[kSlots]) {
+  // Each lane's largest key, and its second largest (another entry) in teams narrower than a warp;
+  // the K-th largest of these is the threshold: K entries reach it. A warp-wide team takes one per
+  // lane, where the second's 32 more shuffles cost more than they filter (E = 1024: 277 against
+  // 363 µs); a narrow team takes two, where one filters too little (E = 128: 39 against 27 µs).
+  constexpr bool kTwoPerLane = S < kWarpSize;
+  unsigned top1 = 0, top2 = 0;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const unsigned key = keys[j];
+    if constexpr (kTwoPerLane) top2 = key > top1 ? top1 : max(top2, key);
+    top1 = max(top1, key);
+  }
+  int above1 = 0, reach1 = 0, above2 = 0, reach2 = 0;  // team keys > and >= top1, top2
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    const unsigned o1 = __shfl_sync(kFullMask, top1, team_base + j);
+    above1 += o1 > top1;
+    reach1 += o1 >= top1;
+    if constexpr (kTwoPerLane) {
+      const unsigned o2 = __shfl_sync(kFullMask, top2, team_base + j);
+      above1 += o2 > top1;
+      reach1 += o2 >= top1;
+      above2 += (o1 > top2) + (o2 > top2);
+      reach2 += (o1 >= top2) + (o2 >= top2);
+    }
+  }
+  const bool kth1 = above1 < K && K <= reach1;
+  const bool kth2 = kTwoPerLane && above2 < K && K <= reach2;
+  const unsigned holders = __ballot_sync(kFullMask, kth1 || kth2);
+  const unsigned team_bits = S == kWarpSize ? kFullMask : ((1u << S) - 1) << team_base;
+  const int holder = __ffs(holders & team_bits) - 1;
+  const unsigned threshold = __shfl_sync(kFullMask, kth1 ? top1 : top2, holder);
+
+  int mine = 0;
+#pragma unroll
+  for (int j = 0; j < V; ++j) mine += keys[j] >= threshold;
+  int before = mine;  // inclusive prefix over the team's lanes
+#pragma unroll
+  for (int offset = 1; offset < S; offset <<= 1) {
+    const int up = __shfl_up_sync(kFullMask, before, offset, S);
+    if (rank >= offset) before += up;
+  }
+  const int survivors = __shfl_sync(kFullMask, before, team_base + S - 1);
+  if (__any_sync(kFullMask, survivors > kMaxCandidates)) return false;
+  int at = before - mine;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (keys[j] >= threshold) {
+      scratch.key[at] = keys[j];
+      scratch.index[at] = first + j;
+      ++at;
+    }
+  }
+  __syncwarp();
+  for (int c = rank; c < survivors; c += S) {
+    const unsigned key = scratch.key[c];
+    const int index = scratch.index[c];
+    int order = 0;
+    for (int o = 0; o < survivors; ++o) {
+      const unsigned other = scratch.key[o];
+      order += other > key || (other == key && scratch.index[o] < index);
+    }
+    if (order < K) {
+      scratch.slot_key[order] = key;
+      scratch.slot_expert[order] = index;
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    const int k = i * S + rank;
+    if (i * S < K && k < K) {
+      slot_key[i] = scratch.slot_key[k];
+      slot_expert[i] = scratch.slot_expert[k];
+    }
+  }
+  __syncwarp();  // the scratch is reused by the next selection
+  return true;
+}
+
 // exp(l − max) of each entry, the row's max and Σ exp(l − max); entries past E hold −∞ and add
 // nothing.
 template <int S, int V>
@@ -351,9 +452,20 @@ struct ForwardKernelArgs {
 };
 
 // Shared memory of the forward: per-block totals, then each team's group scores.
-__host__ __device__ inline std::size_t forward_shared_bytes(const RouterParams& p, int teams) {
+// Rows of at least this many entries per lane select through the pre-filter (team_top_k_filtered).
+constexpr int kFilterMinEntries = 8;
+
+__host__ __device__ constexpr bool filtered_top_k(int S, int V, int topk) {
+  return V >= kFilterMinEntries && topk <= (S < 32 ? 2 * S : S);  // see team_top_k_filtered
+}
+
+// Shared memory of the forward: per-block totals, each team's group scores, then each team's
+// top-K scratch when the pre-filter is used.
+__host__ __device__ inline std::size_t forward_shared_bytes(const RouterParams& p, int teams,
+                                                            bool filtered) {
   return static_cast<std::size_t>(p.num_experts) * (kWarpsPerBlock * 4 + 4 + 4) +
-         kWarpsPerBlock * 4 + static_cast<std::size_t>(teams) * kWarpsPerBlock * p.num_groups * 4;
+         kWarpsPerBlock * 4 + static_cast<std::size_t>(teams) * kWarpsPerBlock * p.num_groups * 4 +
+         (filtered ? static_cast<std::size_t>(teams) * kWarpsPerBlock * sizeof(TeamScratch) : 0);
 }
 
 template <int S, int V, typename In>
@@ -380,6 +492,9 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
   int* block_aux_counts = block_counts + E;
   float* warp_z = reinterpret_cast<float*>(block_aux_counts + E);
   float* group_score = warp_z + kWarpsPerBlock + (warp * kTeams + team) * p.num_groups;
+  TeamScratch& scratch = reinterpret_cast<TeamScratch*>(
+      warp_z + kWarpsPerBlock + kWarpsPerBlock * kTeams * p.num_groups)[warp * kTeams + team];
+  const bool filtered = filtered_top_k(S, V, K);
   for (int e = threadIdx.x; e < E; e += kThreads) {
     block_counts[e] = 0;
     block_aux_counts[e] = 0;
@@ -439,16 +554,23 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
       slot_expert[i] = 0;
       slot_score[i] = 0.0f;
     }
+    unsigned slot_key[kSlots] = {};
+    if (!filtered ||
+        !team_top_k_filtered<S>(keys, first, K, rank, team_base, scratch, slot_expert, slot_key)) {
 #pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) {
-      if (k >= K) break;
-      unsigned key;
-      const int expert = team_take_best<S>(keys, first, key);
-      if (rank == k % S) {
-        slot_expert[k / S] = expert;
-        slot_score[k / S] = from_order_key(key);
+      for (int k = 0; k < kMaxTopK; ++k) {
+        if (k >= K) break;
+        unsigned key;
+        const int expert = team_take_best<S>(keys, first, key);
+        if (rank == k % S) {
+          slot_expert[k / S] = expert;
+          slot_key[k / S] = key;
+        }
       }
     }
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i)
+      slot_score[i] = i * S + rank < K ? from_order_key(slot_key[i]) : 0.0f;
 
     // Probabilities. The selection score is the logit (softmax post) or the probability itself
     // (softmax pre); g(l) is recomputed from the logit, read again (from cache), as the score
@@ -528,10 +650,21 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) keys[j] = order_key(s_aux[j]);
-        for (int k = 0; k < K; ++k) {
-          unsigned key;
-          const int expert = team_take_best<S>(keys, first, key);
-          if (valid && rank == 0) atomicAdd(&block_aux_counts[expert], 1);
+        int aux_expert[kSlots];
+        unsigned aux_key[kSlots];
+        if (filtered &&
+            team_top_k_filtered<S>(keys, first, K, rank, team_base, scratch, aux_expert, aux_key)) {
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i) {
+            if (i * S >= K) break;
+            if (valid && i * S + rank < K) atomicAdd(&block_aux_counts[aux_expert[i]], 1);
+          }
+        } else {
+          for (int k = 0; k < K; ++k) {
+            unsigned key;
+            const int expert = team_take_best<S>(keys, first, key);
+            if (valid && rank == 0) atomicAdd(&block_aux_counts[expert], 1);
+          }
         }
       }
     }
@@ -981,7 +1114,7 @@ void launch_forward(const RouterParams& p, const RouterForwardArgs& args, cudaSt
                           forward_state(args.workspace, p.num_experts)};
   dispatch_layout(p.num_experts, [&]<int S, int V>() {
     constexpr int kTeams = kWarpSize / S;
-    const std::size_t shared = forward_shared_bytes(p, kTeams);
+    const std::size_t shared = forward_shared_bytes(p, kTeams, filtered_top_k(S, V, p.topk));
     auto kernel = router_forward_kernel<S, V, In>;
     allow_shared_memory(kernel, shared);
     const int blocks = grid_size(reinterpret_cast<const void*>(kernel), shared, args.tokens,
