@@ -245,25 +245,18 @@ __device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p
 // clears that entry to 0, below every real key (−∞ included): five integer operations per entry
 // and two team reductions per round.
 
-template <int S>
-__device__ __forceinline__ unsigned team_max_u32(unsigned v) {
+// The team's largest (kLargest) or smallest integer: one redux.sync for a warp-wide team, xor
+// butterflies within narrower ones.
+template <int S, bool kLargest, typename Int>
+__device__ __forceinline__ Int team_extreme(Int v) {
   if constexpr (S == kWarpSize) {
-    return __reduce_max_sync(kFullMask, v);
+    return kLargest ? __reduce_max_sync(kFullMask, v) : __reduce_min_sync(kFullMask, v);
   } else {
 #pragma unroll
-    for (int offset = S / 2; offset > 0; offset >>= 1)
-      v = max(v, __shfl_xor_sync(kFullMask, v, offset));
-    return v;
-  }
-}
-template <int S>
-__device__ __forceinline__ int team_min_int(int v) {
-  if constexpr (S == kWarpSize) {
-    return __reduce_min_sync(kFullMask, v);
-  } else {
-#pragma unroll
-    for (int offset = S / 2; offset > 0; offset >>= 1)
-      v = min(v, __shfl_xor_sync(kFullMask, v, offset));
+    for (int offset = S / 2; offset > 0; offset >>= 1) {
+      const Int other = __shfl_xor_sync(kFullMask, v, offset);
+      v = kLargest ? max(v, other) : min(v, other);
+    }
     return v;
   }
 }
@@ -274,13 +267,13 @@ __device__ __forceinline__ int team_take_best(unsigned (&keys)[V], int first, un
   unsigned best = 0;
 #pragma unroll
   for (int j = 0; j < V; ++j) best = max(best, keys[j]);
-  best = team_max_u32<S>(best);
+  best = team_extreme<S, true>(best);
   int index = INT_MAX;
 #pragma unroll
   for (int j = V - 1; j >= 0; --j) {
     if (keys[j] == best) index = first + j;
   }
-  index = team_min_int<S>(index);
+  index = team_extreme<S, false>(index);
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     if (first + j == index) keys[j] = 0;
