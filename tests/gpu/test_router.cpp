@@ -81,10 +81,28 @@ struct Outputs {
   std::vector<float> prob, score_sum, z, losses, dlogits;
 };
 
+// Rows whose top holds `tied` exactly equal largest logits (1 to 48 of them at random places, the
+// rest spaced below): ties go to the lower index, whether the selection keeps a few survivors of
+// its pre-filter or falls back to K rounds (more than 32 survivors).
+Matrix draw_tied_logits(std::int64_t tokens, int experts, std::mt19937_64& rng) {
+  Matrix logits(tokens, experts);
+  std::vector<int> order(experts);
+  std::iota(order.begin(), order.end(), 0);
+  std::uniform_int_distribution<int> tied_count(1, std::min(48, experts));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::shuffle(order.begin(), order.end(), rng);
+    const int tied = tied_count(rng);
+    for (int j = 0; j < experts; ++j)
+      logits(t, order[j]) = j < tied ? 1.0 : -4.0 * (j - tied + 1) / experts;  // bf16-exact top
+  }
+  return logits;
+}
+
 struct Case {
   MoEConfig config;
   std::int64_t tokens;
   DType dtype;
+  bool tied = false;  // draw_tied_logits, and the selection must equal the reference's exactly
   std::string describe() const {
     std::ostringstream s;
     s << config.describe() << " T=" << tokens << " logits " << dtype_name(dtype);
@@ -100,7 +118,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   INFO(c.describe());
   const RouterParams params = RouterParams::from(config);
 
-  const Matrix logits = draw_logits(T, E, c.dtype, rng);
+  const Matrix logits = c.tied ? test::round_to(draw_tied_logits(T, E, rng), c.dtype)
+                               : draw_logits(T, E, c.dtype, rng);
   const std::vector<double> bias = config.expert_bias ? draw_bias(E, rng) : std::vector<double>{};
   const Matrix dprob = test::random_matrix(T, K, rng);
 
@@ -168,6 +187,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     const auto r = std::span(ref_routing.expert).subspan(t * K, K);
     if (std::equal(g.begin(), g.end(), r.begin())) continue;
     INFO("token " << t);
+    REQUIRE(!c.tied);
     REQUIRE(near_tie_equivalent(config, logits.row(t), bias, g, r));
     ++near_ties;
   }
@@ -322,6 +342,22 @@ TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]
                                     shape.grouped, 2.5, true);
         config.validate();
         run_case({config, T, dtype}, rng);
+      }
+    }
+  }
+}
+
+TEST_CASE("exact ties go to the lower expert index", "[gpu][router]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const int experts : {8, 64, 128, 256, 1024}) {
+    for (const ScoreFunction f : {ScoreFunction::kSoftmax, ScoreFunction::kSigmoid}) {
+      for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+        auto config =
+            router_config(experts, std::min(8, experts), f, false, false, false, 1.0, true);
+        config.validate();
+        run_case({config, 2000, dtype, true}, rng);
       }
     }
   }

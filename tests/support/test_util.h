@@ -8,9 +8,11 @@
 #include <numeric>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "moe/config.h"
+#include "moe/error.h"
 #include "moe/reference.h"
 
 namespace moe::test {
@@ -20,7 +22,13 @@ using reference::Matrix;
 // A fresh seed per run (fresh random inputs every time); tests print it with INFO so a failure
 // can be replayed: MOE_TEST_SEED=<seed> makes every test case draw from that seed instead.
 inline std::uint64_t fresh_seed() {
-  if (const char* fixed = std::getenv("MOE_TEST_SEED")) return std::strtoull(fixed, nullptr, 10);
+  if (const char* fixed = std::getenv("MOE_TEST_SEED")) {
+    char* end = nullptr;
+    const auto seed = std::strtoull(fixed, &end, 10);
+    if (end == fixed || *end != '\0')
+      throw Error(std::string("MOE_TEST_SEED = '") + fixed + "' is not an unsigned integer");
+    return seed;
+  }
   std::random_device device;
   return (static_cast<std::uint64_t>(device()) << 32) ^ device();
 }
