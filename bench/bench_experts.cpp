@@ -1,6 +1,7 @@
 // Expert FFN forward + backward at the mixtral-8x7b, qwen3-30b-a3b and deepseek-v3 shapes, T = 8192
 // tokens routed with top-K, all experts local, bf16: TFLOP/s over the dense bf16 GEMM rate (an
-// 8192³ product) measured in the same run, for both schedules.
+// 8192³ product) measured in the same run, for every schedule. Row counts as routing gives them
+// (bench::routed_offsets), padded to 16 rows as torch._grouped_mm needs; the peer uses the same.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -30,10 +31,9 @@ int main(int argc, char** argv) try {
   for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
     const auto config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
     const std::int64_t H = config.hidden, F = config.ffn_hidden, E = config.num_experts;
-    const std::int64_t per_expert = T * config.topk / E;  // uniform routing
-    const std::int64_t rows = per_expert * E;
-    std::vector<std::int64_t> offsets(E + 1);
-    for (std::int64_t e = 0; e <= E; ++e) offsets[e] = e * per_expert;
+    const auto offsets = bench::routed_offsets(T, config.topk, static_cast<int>(E), 16);
+    const std::int64_t rows = offsets.back();
+    const std::int64_t per_expert = rows / E;  // mean, for the table
     DeviceBuffer X(rows * H * 2), dY(rows * H * 2), y(rows * H * 2), dX(rows * H * 2),
         h(rows * 2 * F * 2), a(rows * F * 2), dA(rows * F * 2), dh(rows * 2 * F * 2),
         w13(E * 2 * F * H * 2), w2(E * H * F * 2), dw13(E * 2 * F * H * 2), dw2(E * H * F * 2);
@@ -51,10 +51,11 @@ int main(int argc, char** argv) try {
                                 Tensor(dh.data(), d, {rows, 2 * F})};
     const Tensor X_t(X.data(), d, {rows, H}), w13_t(w13.data(), d, {E, 2 * F, H}),
         w2_t(w2.data(), d, {E, H, F});
-    const double flops_fwd = 6.0 * rows * H * F;
+    const double flops_fwd = 6.0 * static_cast<double>(rows * H * F);
     nlohmann::json entry = {{"name", name}, {"rows_per_expert", per_expert}};
     double best_us = 1e30;
-    for (const ExpertSchedule schedule : {ExpertSchedule::kStreams, ExpertSchedule::kGrouped}) {
+    for (const ExpertSchedule schedule :
+         {ExpertSchedule::kStreams, ExpertSchedule::kBatched, ExpertSchedule::kGrouped}) {
       ExpertFFN ffn(static_cast<int>(H), static_cast<int>(F), static_cast<int>(E), d, schedule, 4);
       auto forward = [&](int) {
         ffn.forward(X_t, offsets, w13_t, w2_t, act, Tensor(y.data(), d, {rows, H}), stream.get());

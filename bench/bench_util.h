@@ -117,6 +117,24 @@ inline int rotation_sets(std::size_t bytes) {
       std::clamp<std::size_t>(l2_span / std::max<std::size_t>(bytes, 1), 1, 16));
 }
 
+// Rows per expert as top-K routing gives them, each padded to `align`: T·K picks uniform over the
+// E experts from a 64-bit LCG that bench/peers.py reproduces bit for bit, so both sides time the
+// same row counts (uniform counts would let equal shapes batch perfectly, which routing never
+// gives).
+inline std::vector<std::int64_t> routed_offsets(std::int64_t tokens, int topk, int experts,
+                                                int align) {
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
+  std::uint64_t state = 20261122;
+  for (std::int64_t i = 0; i < tokens * topk; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    ++counts[static_cast<std::size_t>((state >> 33) % static_cast<std::uint64_t>(experts))];
+  }
+  std::vector<std::int64_t> offsets(counts.size() + 1, 0);
+  for (std::size_t e = 0; e < counts.size(); ++e)
+    offsets[e + 1] = offsets[e] + (counts[e] + align - 1) / align * align;
+  return offsets;
+}
+
 inline void write_json(const Options& options, const nlohmann::json& report) {
   if (options.json_path.empty()) return;
   std::ofstream(options.json_path) << report.dump(2) << "\n";

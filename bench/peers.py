@@ -145,6 +145,22 @@ EXPERT_SHAPES = [  # name, H, F, E, K (the configs in configs/)
 ]
 
 
+def routed_offsets(tokens, topk, experts, align):
+    """Row offsets as top-K routing gives them, each count padded to `align`: the 64-bit LCG of
+    bench_util.h's routed_offsets, so both sides time the same row counts."""
+    counts = [0] * experts
+    state = 20261122
+    mask = (1 << 64) - 1
+    for _ in range(tokens * topk):
+        state = (state * 6364136223846793005 + 1442695040888963407) & mask
+        counts[(state >> 33) % experts] += 1
+    offsets, total = [], 0
+    for c in counts:
+        total += (c + align - 1) // align * align
+        offsets.append(total)
+    return offsets
+
+
 def bench_experts(quick):
     """The expert FFN as torchtitan runs it: torch._grouped_mm for both products, SwiGLU in eager
     ops, autograd for the backward."""
@@ -152,9 +168,9 @@ def bench_experts(quick):
     warmup, repeats = (2, 5) if quick else (5, 20)
     n = 8192
     for name, H, F, E, K in EXPERT_SHAPES:
-        per_expert = n * K // E
-        rows = per_expert * E
-        offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * per_expert
+        ends = routed_offsets(n, K, E, 16)
+        rows = ends[-1]
+        offs = torch.tensor(ends, device="cuda", dtype=torch.int32)
         x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w13 = (torch.randn(E, 2 * F, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5).requires_grad_()
         w2 = (torch.randn(E, H, F, device="cuda", dtype=torch.bfloat16) * F ** -0.5).requires_grad_()

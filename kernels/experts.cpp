@@ -2,13 +2,25 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <map>
+
 #include "moe/error.h"
 #include "swiglu.cuh"
 
 namespace moe {
 
 std::string_view expert_schedule_name(ExpertSchedule schedule) {
-  return schedule == ExpertSchedule::kStreams ? "streams" : "grouped";
+  switch (schedule) {
+    case ExpertSchedule::kStreams:
+      return "streams";
+    case ExpertSchedule::kBatched:
+      return "batched";
+    case ExpertSchedule::kGrouped:
+      return "grouped";
+  }
+  return "unknown";
 }
 
 namespace {
@@ -22,29 +34,57 @@ cudaDataType_t cuda_type(DType dtype) {
   return dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
 }
 
+// The largest power of two (at most 256, what cuBLASLt asks for at most) dividing the address.
+std::uint32_t address_alignment(const void* address) {
+  const auto bits = reinterpret_cast<std::uintptr_t>(address) | 256u;
+  return static_cast<std::uint32_t>(bits & (~bits + 1));
+}
+
+double flops(const GemmShape& s) {
+  return 2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k);
+}
+
 }  // namespace
 
-// The grouped path's cuBLAS handle and the arrays cublasGemmGroupedBatchedEx reads: sizes on the
-// host, operand pointers on the device (staged through pinned memory).
+// Operand addresses for the batched and grouped calls, staged through pinned memory into device
+// arrays. A ring of slots, each rewritten only once its previous upload has completed; with a
+// handful of calls per step that upload finished long ago, so the host never waits on the GPU.
+struct ExpertFFN::PointerStaging {
+  static constexpr std::size_t kSlots = 8;
+  std::size_t slot_capacity;  // pointers per slot
+  PinnedBuffer host;
+  DeviceBuffer device;
+  std::vector<Event> uploaded;
+  std::size_t next = 0;
+
+  explicit PointerStaging(std::size_t capacity) : slot_capacity(capacity), uploaded(kSlots) {
+    host.reserve(kSlots * capacity * sizeof(void*));
+    device.reserve(kSlots * capacity * sizeof(void*));
+  }
+  // Enqueues the upload on `stream`; the returned device array is valid for work queued after it.
+  const void* const* stage(const std::vector<const void*>& pointers, cudaStream_t stream) {
+    if (pointers.size() > slot_capacity)
+      fail("ExpertFFN: {} operand pointers exceed the {} staged per call", pointers.size(),
+           slot_capacity);
+    const std::size_t slot = next;
+    next = (next + 1) % kSlots;
+    MOE_CHECK_CUDA(cudaEventSynchronize(uploaded[slot].get()));
+    const void** host_slot = host.as<const void*>() + slot * slot_capacity;
+    std::copy(pointers.begin(), pointers.end(), host_slot);
+    const void** device_slot = device.as<const void*>() + slot * slot_capacity;
+    MOE_CHECK_CUDA(cudaMemcpyAsync(device_slot, host_slot, pointers.size() * sizeof(void*),
+                                   cudaMemcpyHostToDevice, stream));
+    uploaded[slot].record(stream);
+    return device_slot;
+  }
+};
+
+// The grouped path's cuBLAS handle.
 struct ExpertFFN::Grouped {
   cublasHandle_t handle = nullptr;
-  void* pinned = nullptr;
-  DeviceBuffer pointers;
-  std::size_t capacity = 0;  // products
-  Event staged;              // the last pointer upload; the pinned buffer is reused after it
-
   Grouped() { check_cublas_status(cublasCreate(&handle), "cublasCreate"); }
   ~Grouped() {
     if (handle != nullptr) (void)cublasDestroy(handle);
-    if (pinned != nullptr) (void)cudaFreeHost(pinned);
-  }
-  void reserve(std::size_t products) {
-    if (products <= capacity) return;
-    if (pinned != nullptr) MOE_CHECK_CUDA(cudaFreeHost(pinned));
-    pinned = nullptr;
-    MOE_CHECK_CUDA(cudaMallocHost(&pinned, 3 * products * sizeof(void*)));
-    pointers.reserve(3 * products * sizeof(void*));
-    capacity = products;
   }
 };
 
@@ -63,6 +103,10 @@ ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, Expert
     runners_.emplace_back();
     joins_.emplace_back();
   }
+  // At most three products per expert in one call (the backward's dw2, dw13 and dX), three
+  // pointers each.
+  if (schedule != ExpertSchedule::kStreams)
+    pointers_ = std::make_unique<PointerStaging>(9 * static_cast<std::size_t>(local_experts));
   if (schedule == ExpertSchedule::kGrouped) grouped_ = std::make_unique<Grouped>();
 }
 
@@ -185,20 +229,97 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   run(products, stream);
 }
 
-void ExpertFFN::run(const std::vector<Product>& products, cudaStream_t stream) {
-  if (products.empty()) return;
-  if (schedule_ == ExpertSchedule::kGrouped) return run_grouped(products, stream);
-  run_on_streams(products, stream);
+namespace {
+
+// Products with identical shapes (experts with equal padded row counts), in first-seen order.
+// Empty ones (M·N = 0) are dropped; K = 0 ones (zeroing a weight gradient) stay alone.
+template <typename Product>
+std::vector<std::vector<const Product*>> same_shape_sets(const std::vector<Product>& products) {
+  std::vector<std::vector<const Product*>> sets;
+  std::map<GemmShape, std::size_t> index;
+  for (const auto& p : products) {
+    if (p.shape.m == 0 || p.shape.n == 0) continue;
+    if (p.shape.k == 0) {
+      sets.push_back({&p});
+      continue;
+    }
+    const auto [it, added] = index.try_emplace(p.shape, sets.size());
+    if (added) sets.emplace_back();
+    sets[it->second].push_back(&p);
+  }
+  return sets;
 }
 
-void ExpertFFN::run_on_streams(const std::vector<Product>& products, cudaStream_t stream) {
-  const std::size_t lanes = std::min(streams_.size(), products.size());
+}  // namespace
+
+void ExpertFFN::run(const std::vector<Product>& products, cudaStream_t stream) {
+  if (products.empty()) return;
+  switch (schedule_) {
+    case ExpertSchedule::kStreams:
+      return run_on_streams(products, false, stream);
+    case ExpertSchedule::kBatched:
+      return run_on_streams(products, true, stream);
+    case ExpertSchedule::kGrouped:
+      return run_grouped(products, stream);
+  }
+}
+
+void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_equal_shapes,
+                               cudaStream_t stream) {
+  // Work items: one product, or (batching) every product of one shape as one call.
+  struct Item {
+    const Product* single = nullptr;
+    GemmShape shape;
+    int count = 0;
+    std::size_t first = 0;  // the batch's a, b, c address arrays at [first, +count, +2·count)
+    std::uint32_t alignment = 256;
+    double flops = 0;
+  };
+  std::vector<Item> items;
+  std::vector<const void*> addresses;
+  if (batch_equal_shapes) {
+    for (const auto& set : same_shape_sets(products)) {
+      const GemmShape& shape = set.front()->shape;
+      if (set.size() == 1) {
+        items.push_back({set.front(), shape, 1, 0, 0, flops(shape)});
+        continue;
+      }
+      Item batch{nullptr,          shape, static_cast<int>(set.size()),
+                 addresses.size(), 256,   flops(shape) * static_cast<double>(set.size())};
+      for (const auto* p : set) addresses.push_back(p->a);
+      for (const auto* p : set) addresses.push_back(p->b);
+      for (const auto* p : set) addresses.push_back(p->c);
+      for (std::size_t i = batch.first; i < addresses.size(); ++i)
+        batch.alignment = std::min(batch.alignment, address_alignment(addresses[i]));
+      items.push_back(batch);
+    }
+  } else {
+    for (const auto& p : products) items.push_back({&p, p.shape, 1, 0, 0, flops(p.shape)});
+  }
+  if (items.empty()) return;
+  const void* const* staged = addresses.empty() ? nullptr : pointers_->stage(addresses, stream);
+
+  // Largest first, each to the least loaded stream, so no stream is left with the long tail.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.flops > y.flops; });
+  const std::size_t lanes = std::min(streams_.size(), items.size());
+  std::vector<double> load(lanes, 0.0);
   fork_.record(stream);
   for (std::size_t s = 0; s < lanes; ++s)
     MOE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s].get(), fork_.get(), 0));
-  for (std::size_t i = 0; i < products.size(); ++i) {
-    const auto& p = products[i];
-    runners_[i % lanes].run(p.shape, p.a, p.b, p.c, streams_[i % lanes].get());
+  for (const Item& item : items) {
+    const std::size_t lane =
+        static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[lane] += item.flops;
+    cudaStream_t lane_stream = streams_[lane].get();
+    if (item.single != nullptr) {
+      runners_[lane].run(item.shape, item.single->a, item.single->b, item.single->c, lane_stream);
+    } else {
+      const void* const* a = staged + item.first;
+      runners_[lane].run_batched(item.shape, item.count, a, a + item.count,
+                                 const_cast<void* const*>(a + 2 * item.count), item.alignment,
+                                 lane_stream);
+    }
   }
   for (std::size_t s = 0; s < lanes; ++s) {
     joins_[s].record(streams_[s].get());
@@ -207,58 +328,66 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, cudaStream_
 }
 
 void ExpertFFN::run_grouped(const std::vector<Product>& products, cudaStream_t stream) {
-  // Empty products (K = 0) only zero their output; cuBLAS takes the rest in one call. Row-major
-  // C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, as in GemmRunner.
-  std::vector<const Product*> work;
+  // cublasGemmGroupedBatchedEx takes one dtype for inputs and output: bf16 products with fp32
+  // weight gradients go through the batched cuBLASLt path instead.
+  std::vector<Product> one_type, mixed;
   for (const auto& p : products) {
-    if (p.shape.m == 0 || p.shape.n == 0) continue;
-    if (p.shape.k == 0) {
+    if (p.shape.a_type != p.shape.b_type) fail("ExpertFFN: a product mixes input dtypes");
+    (p.shape.c_type == p.shape.a_type ? one_type : mixed).push_back(p);
+  }
+  if (!mixed.empty()) run_on_streams(mixed, true, stream);
+  // One group per shape; K = 0 products only zero their output.
+  std::vector<std::vector<const Product*>> groups;
+  for (auto& set : same_shape_sets(one_type)) {
+    const GemmShape& s = set.front()->shape;
+    if (s.k == 0) {
       MOE_CHECK_CUDA(cudaMemsetAsync(
-          p.c, 0, static_cast<std::size_t>(p.shape.m * p.shape.n) * dtype_size(p.shape.c_type),
-          stream));
+          set.front()->c, 0, static_cast<std::size_t>(s.m * s.n) * dtype_size(s.c_type), stream));
     } else {
-      work.push_back(&p);
+      groups.push_back(std::move(set));
     }
   }
-  if (work.empty()) return;
-  const std::size_t n = work.size();
-  auto& g = *grouped_;
-  MOE_CHECK_CUDA(
-      cudaEventSynchronize(g.staged.get()));  // the previous upload has left the pinned buffer
-  g.reserve(n);
+  if (!groups.empty()) run_grouped_call(groups, dtype_, stream);
+}
+
+void ExpertFFN::run_grouped_call(const std::vector<std::vector<const Product*>>& groups, DType type,
+                                 cudaStream_t stream) {
+  // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, as in GemmRunner.
+  const std::size_t n = groups.size();
   std::vector<cublasOperation_t> trans_first(n), trans_second(n);
-  std::vector<int> m(n), nn(n), k(n), ld_first(n), ld_second(n), ld_out(n), group_size(n, 1);
+  std::vector<int> m(n), nn(n), k(n), ld_first(n), ld_second(n), ld_out(n), group_size(n);
   std::vector<float> alpha(n, 1.0f), beta(n, 0.0f);
-  auto** host = static_cast<const void**>(g.pinned);
-  const DType a_type = work.front()->shape.a_type;
-  const DType c_type = work.front()->shape.c_type;
-  for (std::size_t i = 0; i < n; ++i) {
-    const GemmShape& s = work[i]->shape;
-    if (s.a_type != a_type || s.b_type != a_type || s.c_type != c_type)
-      fail("ExpertFFN: a grouped call mixes dtypes");
-    trans_first[i] = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-    trans_second[i] = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    m[i] = static_cast<int>(s.n);
-    nn[i] = static_cast<int>(s.m);
-    k[i] = static_cast<int>(s.k);
-    ld_first[i] = static_cast<int>(s.trans_b ? s.k : s.n);
-    ld_second[i] = static_cast<int>(s.trans_a ? s.m : s.k);
-    ld_out[i] = static_cast<int>(s.n);
-    host[i] = work[i]->b;
-    host[n + i] = work[i]->a;
-    host[2 * n + i] = work[i]->c;
+  std::vector<const void*> first, second, out;  // per product, in group order
+  for (std::size_t g = 0; g < n; ++g) {
+    const GemmShape& s = groups[g].front()->shape;
+    trans_first[g] = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    trans_second[g] = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    m[g] = static_cast<int>(s.n);
+    nn[g] = static_cast<int>(s.m);
+    k[g] = static_cast<int>(s.k);
+    ld_first[g] = static_cast<int>(s.trans_b ? s.k : s.n);
+    ld_second[g] = static_cast<int>(s.trans_a ? s.m : s.k);
+    ld_out[g] = static_cast<int>(s.n);
+    group_size[g] = static_cast<int>(groups[g].size());
+    for (const auto* p : groups[g]) {
+      first.push_back(p->b);
+      second.push_back(p->a);
+      out.push_back(p->c);
+    }
   }
-  MOE_CHECK_CUDA(cudaMemcpyAsync(g.pointers.data(), g.pinned, 3 * n * sizeof(void*),
-                                 cudaMemcpyHostToDevice, stream));
-  g.staged.record(stream);
-  const auto* const* device = g.pointers.as<const void* const>();
+  const std::size_t count = first.size();
+  std::vector<const void*> addresses = first;
+  addresses.insert(addresses.end(), second.begin(), second.end());
+  addresses.insert(addresses.end(), out.begin(), out.end());
+  const void* const* device = pointers_->stage(addresses, stream);
+  auto& g = *grouped_;
   check_cublas_status(cublasSetStream(g.handle, stream), "cublasSetStream");
   check_cublas_status(
       cublasGemmGroupedBatchedEx(g.handle, trans_first.data(), trans_second.data(), m.data(),
-                                 nn.data(), k.data(), alpha.data(), device, cuda_type(a_type),
-                                 ld_first.data(), device + n, cuda_type(a_type), ld_second.data(),
-                                 beta.data(), const_cast<void* const*>(device + 2 * n),
-                                 cuda_type(c_type), ld_out.data(), static_cast<int>(n),
+                                 nn.data(), k.data(), alpha.data(), device, cuda_type(type),
+                                 ld_first.data(), device + count, cuda_type(type), ld_second.data(),
+                                 beta.data(), const_cast<void* const*>(device + 2 * count),
+                                 cuda_type(type), ld_out.data(), static_cast<int>(n),
                                  group_size.data(), CUBLAS_COMPUTE_32F),
       "cublasGemmGroupedBatchedEx");
 }

@@ -8,8 +8,13 @@
 // h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, y = a·w2ᵀ; backward dA = dY·w2, dw2 = dYᵀ·a,
 // dX = dh·w13, dw13 = dhᵀ·X. Weight gradients may be bf16 or fp32 (fp32 accumulation either way).
 //
-// Two schedules for the per-expert products: cuBLASLt matmuls spread over several streams joined
-// by events, or one cublasGemmGroupedBatchedEx call per step. Row counts are known on the host.
+// Three schedules for the per-expert products (row counts are known on the host):
+//   streams: one cuBLASLt matmul per expert, spread over several streams joined by events;
+//   batched: the same, but experts whose products have one shape (equal padded row counts, which
+//            top-K routing with alignment padding makes common) share one pointer-array batched
+//            cuBLASLt call; ~8 calls instead of 128 per step at E_loc = 128 (the default);
+//   grouped: one cublasGemmGroupedBatchedEx call per step, products of one shape in one group
+//            (it takes no bf16 -> fp32 products: fp32 weight gradients of bf16 run batched).
 #pragma once
 
 #include <cublas_v2.h>
@@ -27,7 +32,7 @@
 
 namespace moe {
 
-enum class ExpertSchedule { kStreams, kGrouped };
+enum class ExpertSchedule { kStreams, kBatched, kGrouped };
 std::string_view expert_schedule_name(ExpertSchedule schedule);
 
 // Per-row buffers [rows, ...] that the caller owns (rows = offsets.back()).
@@ -42,7 +47,7 @@ struct ExpertActivations {
 class ExpertFFN {
  public:
   ExpertFFN(int hidden, int ffn, int local_experts, DType dtype,
-            ExpertSchedule schedule = ExpertSchedule::kStreams, int streams = 4);
+            ExpertSchedule schedule = ExpertSchedule::kBatched, int streams = 4);
   ~ExpertFFN();
   ExpertFFN(const ExpertFFN&) = delete;
   ExpertFFN& operator=(const ExpertFFN&) = delete;
@@ -71,8 +76,11 @@ class ExpertFFN {
   void up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
                    const Tensor& h, std::vector<Product>& out) const;
   void run(const std::vector<Product>& products, cudaStream_t stream);
-  void run_on_streams(const std::vector<Product>& products, cudaStream_t stream);
+  void run_on_streams(const std::vector<Product>& products, bool batch_equal_shapes,
+                      cudaStream_t stream);
   void run_grouped(const std::vector<Product>& products, cudaStream_t stream);
+  void run_grouped_call(const std::vector<std::vector<const Product*>>& groups, DType type,
+                        cudaStream_t stream);
 
   int hidden_, ffn_, experts_;
   DType dtype_;
@@ -81,6 +89,8 @@ class ExpertFFN {
   std::vector<GemmRunner> runners_;  // one per stream: cuBLASLt workspaces must not be shared
   std::vector<Event> joins_;
   Event fork_;
+  struct PointerStaging;
+  std::unique_ptr<PointerStaging> pointers_;
   struct Grouped;
   std::unique_ptr<Grouped> grouped_;
 };

@@ -1,5 +1,6 @@
 #include "gemm.h"
 
+#include <bit>
 #include <memory>
 
 #include "moe/error.h"
@@ -26,6 +27,16 @@ struct LayoutOwner {
                                                 static_cast<std::uint64_t>(cols), ld));
   }
   ~LayoutOwner() { (void)cublasLtMatrixLayoutDestroy(layout); }
+  void use_pointer_array() {
+    const auto mode = static_cast<std::uint32_t>(CUBLASLT_BATCH_MODE_POINTER_ARRAY);
+    MOE_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_MODE,
+                                                      &mode, sizeof(mode)));
+  }
+  void set_batch(int count) {
+    const std::int32_t value = count;
+    MOE_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                      &value, sizeof(value)));
+  }
   LayoutOwner(const LayoutOwner&) = delete;
   LayoutOwner& operator=(const LayoutOwner&) = delete;
 };
@@ -51,7 +62,8 @@ struct GemmRunner::Plan {
   LayoutOwner out;     // C as column-major [N, M]
   cublasLtMatmulAlgo_t algo{};
 
-  Plan(const GemmShape& s, cublasLtHandle_t handle, std::size_t workspace_bytes)
+  Plan(const GemmShape& s, int batch_class, std::uint32_t alignment, cublasLtHandle_t handle,
+       std::size_t workspace_bytes)
       : first(cuda_type(s.b_type), s.trans_b ? s.k : s.n, s.trans_b ? s.n : s.k,
               s.trans_b ? s.k : s.n),
         second(cuda_type(s.a_type), s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m,
@@ -63,6 +75,12 @@ struct GemmRunner::Plan {
                                                     &op_first, sizeof(op_first)));
     MOE_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.desc, CUBLASLT_MATMUL_DESC_TRANSB,
                                                     &op_second, sizeof(op_second)));
+    if (batch_class > 0) {
+      for (LayoutOwner* layout : {&first, &second, &out}) {
+        layout->use_pointer_array();
+        layout->set_batch(batch_class);
+      }
+    }
 
     cublasLtMatmulPreference_t preference = nullptr;
     MOE_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
@@ -72,15 +90,26 @@ struct GemmRunner::Plan {
     const std::uint64_t bytes = workspace_bytes;
     MOE_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
         preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)));
+    if (alignment > 0) {
+      for (const auto attribute :
+           {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+        MOE_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &alignment,
+                                                              sizeof(alignment)));
+      }
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     MOE_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, first.layout, second.layout,
                                                     out.layout, out.layout, preference, 1, &result,
                                                     &found));
     if (found == 0) {
-      fail("cuBLASLt has no algorithm for C[{},{}] = op(A)[{},{}] · op(B)[{},{}] ({} x {} -> {})",
-           s.m, s.n, s.m, s.k, s.k, s.n, dtype_name(s.a_type), dtype_name(s.b_type),
-           dtype_name(s.c_type));
+      fail(
+          "cuBLASLt has no algorithm for C[{},{}] = op(A)[{},{}] · op(B)[{},{}] ({} x {} -> {}, "
+          "batch of {}, operands aligned to {} bytes)",
+          s.m, s.n, s.m, s.k, s.k, s.n, dtype_name(s.a_type), dtype_name(s.b_type),
+          dtype_name(s.c_type), batch_class, alignment);
     }
     algo = result.algo;
   }
@@ -88,10 +117,12 @@ struct GemmRunner::Plan {
 
 GemmRunner::GemmRunner(std::size_t workspace_bytes) : workspace_(workspace_bytes) {}
 
-const GemmRunner::Plan& GemmRunner::plan(const GemmShape& shape) {
-  auto found = plans_.find(shape);
+GemmRunner::Plan& GemmRunner::plan(const PlanKey& key) {
+  auto found = plans_.find(key);
   if (found == plans_.end()) {
-    found = plans_.emplace(shape, std::make_shared<Plan>(shape, handle_.get(), workspace_.bytes()))
+    found = plans_
+                .emplace(key, std::make_shared<Plan>(key.shape, key.batch_class, key.alignment,
+                                                     handle_.get(), workspace_.bytes()))
                 .first;
   }
   return *found->second;
@@ -110,10 +141,31 @@ void GemmRunner::run(const GemmShape& shape, const void* a, const void* b, void*
         c, 0, static_cast<std::size_t>(shape.m * shape.n) * dtype_size(shape.c_type), stream));
     return;
   }
-  const Plan& p = plan(shape);
+  const Plan& p = plan({shape});
   MOE_CHECK_CUBLAS(cublasLtMatmul(handle_.get(), p.desc.desc, &alpha, b, p.first.layout, a,
                                   p.second.layout, &beta, c, p.out.layout, c, p.out.layout, &p.algo,
                                   workspace_.data(), workspace_.bytes(), stream));
+}
+
+void GemmRunner::run_batched(const GemmShape& shape, int batch, const void* const* a,
+                             const void* const* b, void* const* c, std::uint32_t alignment,
+                             cudaStream_t stream) {
+  if (shape.m <= 0 || shape.n <= 0 || shape.k <= 0 || batch < 1) {
+    fail("GemmRunner: a batched product needs M, N, K, batch > 0 (got M={} N={} K={} batch={})",
+         shape.m, shape.n, shape.k, batch);
+  }
+  if (!std::has_single_bit(alignment)) {
+    fail("GemmRunner: alignment = {} must be a power of two", alignment);
+  }
+  Plan& p = plan({shape, static_cast<int>(std::bit_ceil(static_cast<unsigned>(batch))), alignment});
+  for (LayoutOwner* layout : {&p.first, &p.second, &p.out}) layout->set_batch(batch);
+  const float alpha = 1.0f, beta = 0.0f;
+  // With pointer-array batching, C and D are the address arrays themselves.
+  void* const out_addresses = const_cast<void**>(c);
+  MOE_CHECK_CUBLAS(cublasLtMatmul(handle_.get(), p.desc.desc, &alpha, b, p.first.layout, a,
+                                  p.second.layout, &beta, out_addresses, p.out.layout,
+                                  out_addresses, p.out.layout, &p.algo, workspace_.data(),
+                                  workspace_.bytes(), stream));
 }
 
 }  // namespace moe

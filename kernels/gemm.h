@@ -42,13 +42,29 @@ class GemmRunner {
   void run(const GemmShape& shape, const void* a, const void* b, void* c, cudaStream_t stream,
            float alpha = 1.0f, float beta = 0.0f);
 
+  // `batch` products of one shape (M, N, K > 0) in one call, C = op(A)·op(B) each: cuBLASLt reads
+  // the operands' addresses from the device arrays a[batch], b[batch] and c[batch].
+  // `alignment` (a power of two) divides every one of those addresses: cuBLASLt cannot see them
+  // when it picks the algorithm, so it is told.
+  void run_batched(const GemmShape& shape, int batch, const void* const* a, const void* const* b,
+                   void* const* c, std::uint32_t alignment, cudaStream_t stream);
+
  private:
   struct Plan;
-  const Plan& plan(const GemmShape& shape);
+  // batch_class 0: a plain product; otherwise pointer-array batching, the algorithm chosen for
+  // batch_class products and reused for any count up to it (counts vary from step to step).
+  struct PlanKey {
+    GemmShape shape;
+    int batch_class = 0;
+    std::uint32_t alignment = 0;
+    auto key() const { return std::tuple_cat(shape.key(), std::tie(batch_class, alignment)); }
+    bool operator<(const PlanKey& other) const { return key() < other.key(); }
+  };
+  Plan& plan(const PlanKey& key);
 
   CublasLtHandle handle_;
   DeviceBuffer workspace_;
-  std::map<GemmShape, std::shared_ptr<Plan>> plans_;
+  std::map<PlanKey, std::shared_ptr<Plan>> plans_;
 };
 
 }  // namespace moe

@@ -1,5 +1,6 @@
 // Expert FFN (cuBLASLt / grouped GEMMs + SwiGLU) against the fp64 reference: forward and every
-// gradient, fp32 and bf16, both schedules, h kept or recomputed, uniform / skewed / empty experts.
+// gradient, fp32 and bf16, every schedule, h kept or recomputed, uniform / skewed / empty experts.
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -59,7 +60,9 @@ struct Case {
   }
 };
 
-void run_case(const Case& c, std::mt19937_64& rng) {
+// `shared`: run on this ExpertFFN (built for c's shape and schedule) instead of a fresh one, so
+// that plans cached by earlier calls with other row counts are reused.
+void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) {
   INFO(c.describe());
   const int H = c.hidden, F = c.ffn, E = c.experts;
   std::vector<std::int64_t> counts(E);
@@ -123,7 +126,9 @@ void run_case(const Case& c, std::mt19937_64& rng) {
                                     ? ExpertActivations{h_t, a_t, a_t, h_t}
                                     : ExpertActivations{h_t, a_t, Tensor(dA.data(), d, {rows, F}),
                                                         Tensor(dh.data(), d, {rows, 2 * F})};
-  ExpertFFN ffn(H, F, E, d, c.schedule, 3);
+  std::optional<ExpertFFN> own;
+  if (shared == nullptr) own.emplace(H, F, E, d, c.schedule, 3);
+  ExpertFFN& ffn = shared != nullptr ? *shared : *own;
   Stream stream;
   const Tensor X_t(X_dev.data(), d, {rows, H}), w13_t_(w13_dev.data(), d, {E, 2 * F, H}),
       w2_t_(w2_dev.data(), d, {E, H, F});
@@ -166,7 +171,8 @@ TEST_CASE("expert FFN forward and backward against the reference", "[gpu][expert
   int index = 0;
   for (const int E : {1, 8, 64, 128}) {
     for (const Rows rows : {Rows::kUniform, Rows::kSkewed, Rows::kSomeEmpty}) {
-      for (const ExpertSchedule schedule : {ExpertSchedule::kStreams, ExpertSchedule::kGrouped}) {
+      for (const ExpertSchedule schedule :
+           {ExpertSchedule::kStreams, ExpertSchedule::kBatched, ExpertSchedule::kGrouped}) {
         ++index;
         const DType dtype = index % 2 ? DType::kBF16 : DType::kFP32;
         const DType grad = index % 3 == 0 ? DType::kFP32 : dtype;
@@ -202,6 +208,31 @@ TEST_CASE("expert FFN at the model shapes, scaled down", "[gpu][experts]") {
   run_case({448, 129, 16, 16, Rows::kSomeEmpty, DType::kFP32, DType::kFP32,
             ExpertSchedule::kGrouped, true, true},
            rng);
+  // Batched calls whose operands are only 4-byte aligned (F = 129 fp32), and in place.
+  run_case({448, 129, 16, 16, Rows::kUniform, DType::kFP32, DType::kFP32, ExpertSchedule::kBatched,
+            false, true},
+           rng);
+  run_case({512, 192, 32, 16, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kBatched,
+            true},
+           rng);
+}
+
+TEST_CASE("batched expert calls reuse their plans as row counts change", "[gpu][experts]") {
+  // Each batch-count class (a power of two) gets its algorithm once; later steps with other
+  // counts in that class, other padded row counts and other alignments must still be exact.
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const DType dtype : {DType::kBF16, DType::kFP32}) {
+    const int H = 96, F = dtype == DType::kBF16 ? 72 : 37, E = 64;
+    ExpertFFN ffn(H, F, E, dtype, ExpertSchedule::kBatched, 3);
+    for (int step = 0; step < 4; ++step) {
+      INFO("step " << step);
+      const Rows rows = step == 2 ? Rows::kSomeEmpty : Rows::kUniform;
+      run_case({H, F, E, 8 + 4 * step, rows, dtype, dtype, ExpertSchedule::kBatched, step % 2 == 1},
+               rng, &ffn);
+    }
+  }
 }
 
 TEST_CASE("expert FFN rejects bad shapes", "[gpu][experts]") {
