@@ -161,15 +161,29 @@ def main():
         ms = t.item()
     peak = torch.cuda.max_memory_allocated() - base
     reserved = torch.cuda.max_memory_reserved() - base  # what the caching allocator took
+    # The step above frees the gradients before each step (zero_grad(set_to_none=True), as
+    # torchtitan does), so its peak counts only the gradients backward has made so far. A trainer
+    # that keeps gradients (Megatron-Core's grad buffers, gradient accumulation), as MoEBlock's
+    # bound gradients are kept, holds all of them through the step: measured here by one more step
+    # that accumulates into the gradients of the last.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out, loss = layer.forward(x)
+    torch.autograd.backward([out] + ([loss] if torch.is_tensor(loss) else []),
+                            [dy] + ([torch.ones_like(loss)] if torch.is_tensor(loss) else []))
+    del out, loss
+    torch.cuda.synchronize()
+    peak_kept = torch.cuda.max_memory_allocated() - base
     H, Fh, E, K = layer.H, layer.F, layer.E, layer.K
     flops = 6.0 * T * E * H + 18.0 * T * K * H * Fh
     report = {"peer": f"PyTorch {torch.__version__} torchtitan-style layer", "device": torch.cuda.get_device_name(),
               "config": os.path.basename(args.config), "ranks": world, "ep": world, "tokens_per_gpu": T,
               "total_ms": ms, "TFLOPs_per_gpu": flops / (ms * 1e-3) / 1e12, "memory_bytes": peak,
-              "memory_reserved_bytes": reserved}
+              "memory_reserved_bytes": reserved, "memory_grads_kept_bytes": peak_kept}
     if rank == 0:
         print(f"PyTorch layer {report['config']} EP={world}: {ms:.3f} ms, {report['TFLOPs_per_gpu']:.0f} TFLOP/s "
-              f"per GPU, peak memory {peak / 2**30:.2f} GiB ({peak / 1024 / T:.1f} KiB per token)")
+              f"per GPU, peak memory {peak / 2**30:.2f} GiB ({peak / 1024 / T:.1f} KiB per token), "
+              f"{peak_kept / 2**30:.2f} GiB with gradients kept")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)

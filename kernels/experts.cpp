@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 
 #include "moe/error.h"
@@ -98,9 +99,10 @@ ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, Expert
   if (dtype != DType::kBF16 && dtype != DType::kFP32)
     fail("ExpertFFN: dtype = {} must be bf16 or fp32", dtype_name(dtype));
   if (streams < 1) fail("ExpertFFN: streams = {} must be >= 1", streams);
+  const auto tuning = std::make_shared<GemmTuning>();  // every stream runs the same products
   for (int i = 0; i < streams; ++i) {
     streams_.emplace_back();
-    runners_.emplace_back();
+    runners_.emplace_back(std::size_t{32} << 20, tuning);
     joins_.emplace_back();
   }
   // At most three products per expert in one call (the backward's dw2, dw13 and dX), three
@@ -111,6 +113,11 @@ ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, Expert
 }
 
 ExpertFFN::~ExpertFFN() = default;
+
+void ExpertFFN::set_host_wait(std::function<void(cudaEvent_t)> wait) {
+  if (!wait) fail("ExpertFFN::set_host_wait: empty function");
+  host_wait_ = std::move(wait);
+}
 
 void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offsets,
                              const Tensor& w13, const Tensor& w2,
@@ -307,9 +314,7 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_
   fork_.record(stream);
   for (std::size_t s = 0; s < lanes; ++s)
     MOE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s].get(), fork_.get(), 0));
-  for (const Item& item : items) {
-    const std::size_t lane =
-        static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+  auto launch = [&](const Item& item, std::size_t lane) {
     load[lane] += item.flops;
     cudaStream_t lane_stream = streams_[lane].get();
     if (item.single != nullptr) {
@@ -320,6 +325,30 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_
                                  const_cast<void* const*>(a + 2 * item.count), item.alignment,
                                  lane_stream);
     }
+  };
+  // Products of a size class not timed yet run first, one after another on the first stream
+  // before anything fans out, so that their algorithm trials run alone on the device. The host
+  // first waits for the work queued before (through host_wait_, which a mesh bounds by its
+  // timeout): the trials' own wait must not be the one that meets a stuck collective.
+  std::vector<bool> launched(items.size(), false);
+  bool idle = false;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const Item& item = items[i];
+    const bool tuned = item.single != nullptr
+                           ? runners_[0].tuned(item.shape)
+                           : runners_[0].tuned(item.shape, item.count, item.alignment);
+    if (tuned) continue;
+    if (!idle) {
+      host_wait_(fork_.get());
+      idle = true;
+    }
+    launch(item, 0);
+    launched[i] = true;
+  }
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (launched[i]) continue;
+    launch(items[i],
+           static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin()));
   }
   for (std::size_t s = 0; s < lanes; ++s) {
     joins_[s].record(streams_[s].get());

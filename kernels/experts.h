@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -64,6 +65,11 @@ class ExpertFFN {
 
   ExpertSchedule schedule() const { return schedule_; }
 
+  // How the host waits for queued work before it times GEMM algorithms (once per size class).
+  // Default: cudaEventSynchronize. MoEBlock passes its mesh's wait, which gives up after the
+  // mesh timeout instead of blocking forever behind a collective whose peer is gone.
+  void set_host_wait(std::function<void(cudaEvent_t)> wait);
+
  private:
   struct Product {
     GemmShape shape;
@@ -89,6 +95,9 @@ class ExpertFFN {
   std::vector<GemmRunner> runners_;  // one per stream: cuBLASLt workspaces must not be shared
   std::vector<Event> joins_;
   Event fork_;
+  std::function<void(cudaEvent_t)> host_wait_ = [](cudaEvent_t event) {
+    MOE_CHECK_CUDA(cudaEventSynchronize(event));
+  };
   struct PointerStaging;
   std::unique_ptr<PointerStaging> pointers_;
   struct Grouped;

@@ -1,7 +1,9 @@
 #include "gemm.h"
 
+#include <algorithm>
 #include <bit>
 #include <memory>
+#include <vector>
 
 #include "moe/error.h"
 
@@ -57,13 +59,15 @@ struct DescOwner {
 // row-major C = op(A)·op(B) is computed as the column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: B goes first.
 struct GemmRunner::Plan {
   DescOwner desc{CUBLAS_COMPUTE_32F, CUDA_R_32F};
-  LayoutOwner first;   // B as column-major
-  LayoutOwner second;  // A as column-major
-  LayoutOwner out;     // C as column-major [N, M]
-  cublasLtMatmulAlgo_t algo{};
+  LayoutOwner first;                             // B as column-major
+  LayoutOwner second;                            // A as column-major
+  LayoutOwner out;                               // C as column-major [N, M]
+  cublasLtMatmulAlgo_t algo{};                   // what runs: the heuristic's first, or tuned
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's proposals, best guess first
+  bool tuned = false;
 
-  Plan(const GemmShape& s, int batch_class, std::uint32_t alignment, cublasLtHandle_t handle,
-       std::size_t workspace_bytes)
+  Plan(const GemmShape& s, int batch_class, std::uint32_t alignment, int proposals,
+       cublasLtHandle_t handle, std::size_t workspace_bytes)
       : first(cuda_type(s.b_type), s.trans_b ? s.k : s.n, s.trans_b ? s.n : s.k,
               s.trans_b ? s.k : s.n),
         second(cuda_type(s.a_type), s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m,
@@ -99,11 +103,11 @@ struct GemmRunner::Plan {
                                                               sizeof(alignment)));
       }
     }
-    cublasLtMatmulHeuristicResult_t result{};
+    std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<std::size_t>(proposals));
     int found = 0;
     MOE_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, first.layout, second.layout,
-                                                    out.layout, out.layout, preference, 1, &result,
-                                                    &found));
+                                                    out.layout, out.layout, preference, proposals,
+                                                    results.data(), &found));
     if (found == 0) {
       fail(
           "cuBLASLt has no algorithm for C[{},{}] = op(A)[{},{}] · op(B)[{},{}] ({} x {} -> {}, "
@@ -111,18 +115,109 @@ struct GemmRunner::Plan {
           s.m, s.n, s.m, s.k, s.k, s.n, dtype_name(s.a_type), dtype_name(s.b_type),
           dtype_name(s.c_type), batch_class, alignment);
     }
-    algo = result.algo;
+    for (int i = 0; i < found; ++i) candidates.push_back(results[static_cast<std::size_t>(i)].algo);
+    algo = candidates.front();
+  }
+
+  bool supports(cublasLtHandle_t handle, const cublasLtMatmulAlgo_t& candidate,
+                std::size_t workspace_bytes) const {
+    cublasLtMatmulHeuristicResult_t check{};
+    return cublasLtMatmulAlgoCheck(handle, desc.desc, first.layout, second.layout, out.layout,
+                                   out.layout, &candidate, &check) == CUBLAS_STATUS_SUCCESS &&
+           check.workspaceSize <= workspace_bytes;
   }
 };
 
-GemmRunner::GemmRunner(std::size_t workspace_bytes) : workspace_(workspace_bytes) {}
+namespace {
+
+// Sizes 1025..2048 share a class: tuning results carry over between row counts of one class.
+int size_class(std::int64_t extent) {
+  return static_cast<int>(
+      std::bit_width(static_cast<std::uint64_t>(std::max<std::int64_t>(extent, 1) - 1)));
+}
+
+constexpr int kTuneProposals = 8;
+
+}  // namespace
+
+GemmRunner::GemmRunner(std::size_t workspace_bytes, std::shared_ptr<GemmTuning> tuning)
+    : workspace_(workspace_bytes),
+      tuning_(std::move(tuning)),
+      tune_start_(true),
+      tune_stop_(true) {}
+
+GemmRunner::PlanKey GemmRunner::tune_class(const PlanKey& key) {
+  PlanKey c = key;
+  c.shape.m = size_class(key.shape.m);
+  c.shape.n = size_class(key.shape.n);
+  c.shape.k = size_class(key.shape.k);
+  return c;
+}
+
+cublasStatus_t GemmRunner::launch(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
+                                  const void* b, void* c, float alpha, float beta,
+                                  cudaStream_t stream) {
+  return cublasLtMatmul(handle_.get(), p.desc.desc, &alpha, b, p.first.layout, a, p.second.layout,
+                        &beta, c, p.out.layout, c, p.out.layout, &algo, workspace_.data(),
+                        workspace_.bytes(), stream);
+}
+
+bool GemmRunner::adopt_known_winner(Plan& p, const PlanKey& key) {
+  if (p.tuned) return true;
+  const auto known = tuning_->winners.find(tune_class(key));
+  if (known == tuning_->winners.end()) return false;
+  // Another shape of this size class was timed: its winner, where it applies to this shape.
+  if (p.supports(handle_.get(), known->second, workspace_.bytes())) p.algo = known->second;
+  p.tuned = true;
+  return true;
+}
+
+void GemmRunner::tune(Plan& p, const PlanKey& key, const void* a, const void* b, void* c,
+                      cudaStream_t stream) {
+  if (adopt_known_winner(p, key)) return;
+  p.tuned = true;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOE_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+  if (p.candidates.size() > 1 && capture == cudaStreamCaptureStatusNone) {
+    // Time each proposal on this call's own operands (C is written over, as the call itself
+    // will): once to warm up, then three runs between events; a proposal cuBLASLt refuses at
+    // launch is skipped. The host waits here once per size class, never again. The timings are
+    // fair only with nothing else running: callers that spread products over streams tune
+    // before they fan out (ExpertFFN).
+    float best_ms = 0;
+    for (const auto& candidate : p.candidates) {
+      if (launch(p, candidate, a, b, c, 1.0f, 0.0f, stream) != CUBLAS_STATUS_SUCCESS) continue;
+      tune_start_.record(stream);
+      for (int run = 0; run < 3; ++run)
+        MOE_CHECK_CUBLAS(launch(p, candidate, a, b, c, 1.0f, 0.0f, stream));
+      tune_stop_.record(stream);
+      MOE_CHECK_CUDA(cudaEventSynchronize(tune_stop_.get()));
+      const float ms = tune_stop_.elapsed_ms_since(tune_start_);
+      if (best_ms == 0 || ms < best_ms) {
+        best_ms = ms;
+        p.algo = candidate;
+      }
+    }
+  }
+  tuning_->winners.emplace(tune_class(key), p.algo);
+}
+
+bool GemmRunner::tuned(const GemmShape& shape, int batch, std::uint32_t alignment) {
+  if (!tuning_ || shape.m <= 0 || shape.n <= 0 || shape.k <= 0) return true;
+  const PlanKey key =
+      batch > 0
+          ? PlanKey{shape, static_cast<int>(std::bit_ceil(static_cast<unsigned>(batch))), alignment}
+          : PlanKey{shape};
+  return adopt_known_winner(plan(key), key);
+}
 
 GemmRunner::Plan& GemmRunner::plan(const PlanKey& key) {
   auto found = plans_.find(key);
   if (found == plans_.end()) {
     found = plans_
                 .emplace(key, std::make_shared<Plan>(key.shape, key.batch_class, key.alignment,
-                                                     handle_.get(), workspace_.bytes()))
+                                                     tuning_ ? kTuneProposals : 1, handle_.get(),
+                                                     workspace_.bytes()))
                 .first;
   }
   return *found->second;
@@ -141,10 +236,10 @@ void GemmRunner::run(const GemmShape& shape, const void* a, const void* b, void*
         c, 0, static_cast<std::size_t>(shape.m * shape.n) * dtype_size(shape.c_type), stream));
     return;
   }
-  const Plan& p = plan({shape});
-  MOE_CHECK_CUBLAS(cublasLtMatmul(handle_.get(), p.desc.desc, &alpha, b, p.first.layout, a,
-                                  p.second.layout, &beta, c, p.out.layout, c, p.out.layout, &p.algo,
-                                  workspace_.data(), workspace_.bytes(), stream));
+  const PlanKey key{shape};
+  Plan& p = plan(key);
+  if (tuning_ && !p.tuned && beta == 0.0f) tune(p, key, a, b, c, stream);
+  MOE_CHECK_CUBLAS(launch(p, p.algo, a, b, c, alpha, beta, stream));
 }
 
 void GemmRunner::run_batched(const GemmShape& shape, int batch, const void* const* a,
@@ -157,15 +252,14 @@ void GemmRunner::run_batched(const GemmShape& shape, int batch, const void* cons
   if (!std::has_single_bit(alignment)) {
     fail("GemmRunner: alignment = {} must be a power of two", alignment);
   }
-  Plan& p = plan({shape, static_cast<int>(std::bit_ceil(static_cast<unsigned>(batch))), alignment});
+  const PlanKey key{shape, static_cast<int>(std::bit_ceil(static_cast<unsigned>(batch))),
+                    alignment};
+  Plan& p = plan(key);
   for (LayoutOwner* layout : {&p.first, &p.second, &p.out}) layout->set_batch(batch);
-  const float alpha = 1.0f, beta = 0.0f;
   // With pointer-array batching, C and D are the address arrays themselves.
   void* const out_addresses = const_cast<void**>(c);
-  MOE_CHECK_CUBLAS(cublasLtMatmul(handle_.get(), p.desc.desc, &alpha, b, p.first.layout, a,
-                                  p.second.layout, &beta, out_addresses, p.out.layout,
-                                  out_addresses, p.out.layout, &p.algo, workspace_.data(),
-                                  workspace_.bytes(), stream));
+  if (tuning_ && !p.tuned) tune(p, key, a, b, out_addresses, stream);
+  MOE_CHECK_CUBLAS(launch(p, p.algo, a, b, out_addresses, 1.0f, 0.0f, stream));
 }
 
 }  // namespace moe

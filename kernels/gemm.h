@@ -33,9 +33,33 @@ struct GemmShape {
   bool operator<(const GemmShape& other) const { return key() < other.key(); }
 };
 
+// A plan's identity. batch_class 0: a plain product; otherwise pointer-array batching, the
+// algorithm chosen for batch_class products and reused for any count up to it (counts vary from
+// step to step). alignment 0: cuBLASLt checks the addresses itself.
+struct GemmPlanKey {
+  GemmShape shape;
+  int batch_class = 0;
+  std::uint32_t alignment = 0;
+  auto key() const { return std::tuple_cat(shape.key(), std::tie(batch_class, alignment)); }
+  bool operator<(const GemmPlanKey& other) const { return key() < other.key(); }
+};
+
+// The algorithms autotuning chose, by size class (GemmPlanKey with extents replaced by their
+// power-of-two class). Runners that run the same products on several streams share one, so that
+// each class is timed once.
+struct GemmTuning {
+  std::map<GemmPlanKey, cublasLtMatmulAlgo_t> winners;
+};
+
 class GemmRunner {
  public:
-  explicit GemmRunner(std::size_t workspace_bytes = 32u << 20);
+  // With `tuning`, the first product of each size class (extents rounded up to powers of two)
+  // times cuBLASLt's first 8 proposals on its own operands, alone on the device, and the class
+  // keeps the fastest: the heuristic's first guess is up to 20% slower on some expert products
+  // (docs/performance.md). Only products with beta = 0 are tuned (a trial overwrites C), and none
+  // under stream capture. Without it, the heuristic's first proposal runs.
+  explicit GemmRunner(std::size_t workspace_bytes = 32u << 20,
+                      std::shared_ptr<GemmTuning> tuning = nullptr);
 
   // Launches on `stream`. Zero-sized products are no-ops, except that M·N > 0 with K = 0 writes
   // beta·C (so an expert with no rows gets a zero weight gradient when beta = 0).
@@ -49,21 +73,25 @@ class GemmRunner {
   void run_batched(const GemmShape& shape, int batch, const void* const* a, const void* const* b,
                    void* const* c, std::uint32_t alignment, cudaStream_t stream);
 
+  // Whether the product (batch 0: a plain run; else run_batched with that count and alignment)
+  // would launch without timing proposals first: no tuning, or its size class is tuned already.
+  bool tuned(const GemmShape& shape, int batch = 0, std::uint32_t alignment = 0);
+
  private:
   struct Plan;
-  // batch_class 0: a plain product; otherwise pointer-array batching, the algorithm chosen for
-  // batch_class products and reused for any count up to it (counts vary from step to step).
-  struct PlanKey {
-    GemmShape shape;
-    int batch_class = 0;
-    std::uint32_t alignment = 0;
-    auto key() const { return std::tuple_cat(shape.key(), std::tie(batch_class, alignment)); }
-    bool operator<(const PlanKey& other) const { return key() < other.key(); }
-  };
+  using PlanKey = GemmPlanKey;
   Plan& plan(const PlanKey& key);
+  static PlanKey tune_class(const PlanKey& key);
+  bool adopt_known_winner(Plan& p, const PlanKey& key);
+  void tune(Plan& p, const PlanKey& key, const void* a, const void* b, void* c,
+            cudaStream_t stream);
+  cublasStatus_t launch(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
+                        const void* b, void* c, float alpha, float beta, cudaStream_t stream);
 
   CublasLtHandle handle_;
   DeviceBuffer workspace_;
+  std::shared_ptr<GemmTuning> tuning_;
+  Event tune_start_, tune_stop_;
   std::map<PlanKey, std::shared_ptr<Plan>> plans_;
 };
 

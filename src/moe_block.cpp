@@ -152,6 +152,9 @@ MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t strea
   s_ = std::make_unique<State>(config, mesh, stream);
   auto& s = *s_;
   if (s.expert_parallel()) s.exchange.emplace(mesh, config.num_experts);
+  s.experts.set_host_wait([&mesh](cudaEvent_t event) {
+    mesh.wait(event, "the work queued before the expert GEMMs' algorithm timing");
+  });
   const std::int64_t E = s.E, E_loc = s.E_loc, H = s.H, F = s.F;
   s.params = {view(s.own_gate, s.dtype, {E, H}), view(s.own_w13, s.dtype, {E_loc, 2 * F, H}),
               view(s.own_w2, s.dtype, {E_loc, H, F}), view(s.own_bias, DType::kFP32, {E})};
