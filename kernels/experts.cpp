@@ -99,7 +99,10 @@ ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, Expert
   if (dtype != DType::kBF16 && dtype != DType::kFP32)
     fail("ExpertFFN: dtype = {} must be bf16 or fp32", dtype_name(dtype));
   if (streams < 1) fail("ExpertFFN: streams = {} must be >= 1", streams);
-  const auto tuning = std::make_shared<GemmTuning>();  // every stream runs the same products
+  // Every stream runs the same products, so they share what tuning learns; only batched calls
+  // are tuned (GemmTuning::plain_products).
+  const auto tuning = std::make_shared<GemmTuning>();
+  tuning->plain_products = false;
   for (int i = 0; i < streams; ++i) {
     streams_.emplace_back();
     runners_.emplace_back(std::size_t{32} << 20, tuning);

@@ -204,6 +204,7 @@ void GemmRunner::tune(Plan& p, const PlanKey& key, const void* a, const void* b,
 
 bool GemmRunner::tuned(const GemmShape& shape, int batch, std::uint32_t alignment) {
   if (!tuning_ || shape.m <= 0 || shape.n <= 0 || shape.k <= 0) return true;
+  if (batch == 0 && !tuning_->plain_products) return true;
   const PlanKey key =
       batch > 0
           ? PlanKey{shape, static_cast<int>(std::bit_ceil(static_cast<unsigned>(batch))), alignment}
@@ -215,9 +216,12 @@ GemmRunner::Plan& GemmRunner::plan(const PlanKey& key) {
   auto found = plans_.find(key);
   if (found == plans_.end()) {
     found = plans_
-                .emplace(key, std::make_shared<Plan>(key.shape, key.batch_class, key.alignment,
-                                                     tuning_ ? kTuneProposals : 1, handle_.get(),
-                                                     workspace_.bytes()))
+                .emplace(key, std::make_shared<Plan>(
+                                  key.shape, key.batch_class, key.alignment,
+                                  tuning_ && (key.batch_class > 0 || tuning_->plain_products)
+                                      ? kTuneProposals
+                                      : 1,
+                                  handle_.get(), workspace_.bytes()))
                 .first;
   }
   return *found->second;
@@ -238,7 +242,7 @@ void GemmRunner::run(const GemmShape& shape, const void* a, const void* b, void*
   }
   const PlanKey key{shape};
   Plan& p = plan(key);
-  if (tuning_ && !p.tuned && beta == 0.0f) tune(p, key, a, b, c, stream);
+  if (tuning_ && tuning_->plain_products && !p.tuned && beta == 0.0f) tune(p, key, a, b, c, stream);
   MOE_CHECK_CUBLAS(launch(p, p.algo, a, b, c, alpha, beta, stream));
 }
 

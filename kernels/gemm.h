@@ -48,6 +48,10 @@ struct GemmPlanKey {
 // power-of-two class). Runners that run the same products on several streams share one, so that
 // each class is timed once.
 struct GemmTuning {
+  // Also tune plain (unbatched) products. ExpertFFN does not: at mixtral-8x7b its per-expert
+  // products gained nothing in isolation and the layer measured 2-4% slower with the
+  // isolation-timed winners running four to a GPU (docs/performance.md).
+  bool plain_products = true;
   std::map<GemmPlanKey, cublasLtMatmulAlgo_t> winners;
 };
 
