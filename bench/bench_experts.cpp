@@ -29,6 +29,7 @@ int main(int argc, char** argv) try {
   fmt::print("{:<16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>7}\n", "shape", "schedule", "rows/expert",
              "fwd us", "bwd us", "TFLOP/s", "dense%");
   for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
+    if (!options.selected(name)) continue;
     const auto config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
     const std::int64_t H = config.hidden, F = config.ffn_hidden, E = config.num_experts;
     const auto offsets = bench::routed_offsets(T, config.topk, static_cast<int>(E), 16);

@@ -2,10 +2,12 @@
 // measured in the same run, input rotation past the L2 cache, JSON results.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -20,20 +22,25 @@ namespace moe::bench {
 struct Options {
   bool quick = false;
   std::string json_path;
+  std::string only;  // run only the shapes whose name contains this
+
+  bool selected(const std::string& name) const {
+    return only.empty() || name.find(only) != std::string::npos;
+  }
 };
 
+// The options every benchmark takes. A bad argument prints CLI11's message and ends the
+// program (benchmarks are programs, not library code).
 inline Options parse_options(int argc, char** argv) {
   Options options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--quick") {
-      options.quick = true;
-    } else if (arg == "--json" && i + 1 < argc) {
-      options.json_path = argv[++i];
-    } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--json FILE]\n", argv[0]);
-      throw Error("unknown argument " + arg);
-    }
+  CLI::App app{"moe-runtime benchmark: a table on stdout, the numbers in JSON with --json"};
+  app.add_flag("--quick", options.quick, "fewer repeats (the gpu-check run)");
+  app.add_option("--json", options.json_path, "write the results to this file");
+  app.add_option("--only", options.only, "run only the shapes whose name contains this text");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
   return options;
 }
@@ -74,6 +81,12 @@ inline double back_to_back_ms(const std::function<void(int)>& body, cudaStream_t
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
+
+// Copy bandwidth at a given size, bytes/s counting bytes read plus bytes written: a
+// cudaMemcpyAsync that moves `moved_bytes` in all (half read, half written), through enough copies
+// of source and destination that every run streams from HBM. A kernel moving that many bytes
+// pays the same ramp-up and drain; `back_to_back` times 20 copies between two events.
+inline double copy_bandwidth_at(std::size_t moved_bytes, bool back_to_back, cudaStream_t stream);
 
 // Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
 inline double copy_bandwidth(cudaStream_t stream) {
@@ -116,6 +129,24 @@ inline int rotation_sets(std::size_t bytes) {
   const std::size_t l2_span = std::size_t{256} << 20;  // several times the 50-60 MB L2
   return static_cast<int>(
       std::clamp<std::size_t>(l2_span / std::max<std::size_t>(bytes, 1), 1, 16));
+}
+
+inline double copy_bandwidth_at(std::size_t moved_bytes, bool back_to_back, cudaStream_t stream) {
+  const std::size_t bytes = std::max<std::size_t>(moved_bytes / 2, 16);
+  const int sets = rotation_sets(2 * bytes);
+  std::vector<DeviceBuffer> from, to;
+  for (int i = 0; i < sets; ++i) {
+    from.emplace_back(bytes);
+    to.emplace_back(bytes);
+    MOE_CHECK_CUDA(cudaMemsetAsync(from.back().data(), 1, bytes, stream));
+  }
+  auto copy = [&](int i) {
+    MOE_CHECK_CUDA(cudaMemcpyAsync(to[i % sets].data(), from[i % sets].data(), bytes,
+                                   cudaMemcpyDeviceToDevice, stream));
+  };
+  const double ms =
+      back_to_back ? back_to_back_ms(copy, stream, 3, 10, 20) : median_ms(copy, stream, 3, 20);
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3);
 }
 
 // Rows per expert as top-K routing gives them, each padded to `align`: T·K picks uniform over the

@@ -1,21 +1,42 @@
 #!/usr/bin/env python3
-"""Joins a C++ benchmark's JSON with the PyTorch peer's on shape name and prints the ratio table.
+"""Joins a C++ benchmark's JSON with the PyTorch peer's on shape name and prints the ratio table,
+or with --summary one line per benchmark for the gpu-check summary.
 
-    python3 bench/compare.py ours.json peer.json
+    python3 bench/compare.py [--summary] ours.json peer.json
 """
+import argparse
 import json
-import sys
 
 
-def main():
-    ours, peer = (json.load(open(path)) for path in sys.argv[1:3])
+def rows(ours, peer):
     peer_by_name = {r["name"]: r for r in peer["results"]}
-    print(f"{ours['bench']} on {ours['device']}: ours vs {peer.get('peer', 'peer')}")
-    print(f"{'shape':<48} {'ours us':>9} {'peer us':>9} {'speedup':>8} {'floor%':>7}")
     for r in ours["results"]:
         p = peer_by_name.get(r["name"])
         peer_us = p["total_us"] if p else float("nan")
         floor = r.get("fraction_of_floor", r.get("fraction_of_dense"))
+        yield r, peer_us, floor, r.get("back_to_back_fraction_of_same_size_copy")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--summary", action="store_true")
+    parser.add_argument("ours")
+    parser.add_argument("peer")
+    args = parser.parse_args()
+    ours, peer = (json.load(open(path)) for path in (args.ours, args.peer))
+    if args.summary:
+        parts = []
+        for r, peer_us, floor, sized in rows(ours, peer):
+            text = f"{100 * floor:.0f}% {peer_us / r['total_us']:.1f}x" if floor is not None else \
+                f"{peer_us / r['total_us']:.1f}x"
+            if sized is not None:  # against copies of the stage's own size, back to back
+                text += f" (sized {100 * sized:.0f}%)"
+            parts.append(text)
+        print("; ".join(parts))
+        return
+    print(f"{ours['bench']} on {ours['device']}: ours vs {peer.get('peer', 'peer')}")
+    print(f"{'shape':<48} {'ours us':>9} {'peer us':>9} {'speedup':>8} {'floor%':>7}")
+    for r, peer_us, floor, _ in rows(ours, peer):
         floor_text = f"{100 * floor:6.0f}%" if floor is not None else "      -"
         print(f"{r['name']:<48} {r['total_us']:9.1f} {peer_us:9.1f} {peer_us / r['total_us']:7.1f}x {floor_text}")
 

@@ -96,7 +96,7 @@ if [ $bench -eq 1 ]; then
       elif python3 -c "import torch" 2>/dev/null &&
          python3 "$MOE_ROOT/bench/peers.py" "$stage" --quick --json "$logs/peer_$stage.json" >"$logs/peer_$stage.txt" 2>&1; then
         python3 "$MOE_ROOT/bench/compare.py" "$logs/$name.json" "$logs/peer_$stage.json" | tee "$logs/compare_$stage.txt"
-        note "$name: ok, vs PyTorch: $(awk 'NR>2 {printf "%s %s; ", $NF, $(NF-1)}' "$logs/compare_$stage.txt")"
+        note "$name: ok, vs PyTorch: $(python3 "$MOE_ROOT/bench/compare.py" --summary "$logs/$name.json" "$logs/peer_$stage.json")"
       else
         note "$name: ok (no PyTorch peer)"
       fi
