@@ -81,6 +81,7 @@ int main(int argc, char** argv) try {
     entry["fraction_of_dense"] = 3.0 * flops_fwd / (best_us * 1e-6) / rate;
     report["results"].push_back(entry);
   }
+  options.check_matched();
   bench::write_json(options, report);
   return 0;
 } catch (const std::exception& e) {

@@ -138,6 +138,7 @@ int main(int argc, char** argv) try {
            {"back_to_back_fraction_of_same_size_copy", sized_b2b_floor_us / back_to_back_us}});
     }
   }
+  options.check_matched();
   bench::write_json(options, report);
   return 0;
 } catch (const std::exception& e) {

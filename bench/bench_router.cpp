@@ -160,6 +160,7 @@ int main(int argc, char** argv) try {
          {"fraction_of_floor", floor_ms / total_ms},
          {"back_to_back_fraction_of_same_size_copy", sized_b2b_floor_ms / b2b_ms}});
   }
+  options.check_matched();
   bench::write_json(options, report);
   return 0;
 } catch (const std::exception& e) {

@@ -16,6 +16,7 @@
 #include "kernels/elementwise.cuh"
 #include "kernels/gemm.h"
 #include "moe/device.h"
+#include "moe/error.h"
 
 namespace moe::bench {
 
@@ -25,8 +26,15 @@ struct Options {
   std::string only;  // run only the shapes whose name contains this
 
   bool selected(const std::string& name) const {
-    return only.empty() || name.find(only) != std::string::npos;
+    const bool match = only.empty() || name.find(only) != std::string::npos;
+    matched += match ? 1 : 0;
+    return match;
   }
+  // After the shape loop: a filter that matched nothing is a mistyped argument, not a result.
+  void check_matched() const {
+    if (matched == 0) throw Error("--only \"" + only + "\" matches no shape of this benchmark");
+  }
+  mutable int matched = 0;
 };
 
 // The options every benchmark takes. A bad argument prints CLI11's message and ends the
