@@ -90,12 +90,6 @@ inline double back_to_back_ms(const std::function<void(int)>& body, cudaStream_t
   return times[times.size() / 2];
 }
 
-// Copy bandwidth at a given size, bytes/s counting bytes read plus bytes written: a
-// cudaMemcpyAsync that moves `moved_bytes` in all (half read, half written), through enough copies
-// of source and destination that every run streams from HBM. A kernel moving that many bytes
-// pays the same ramp-up and drain; `back_to_back` times 20 copies between two events.
-inline double copy_bandwidth_at(std::size_t moved_bytes, bool back_to_back, cudaStream_t stream);
-
 // Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
 inline double copy_bandwidth(cudaStream_t stream) {
   const std::size_t bytes = std::size_t{1} << 30;
@@ -139,6 +133,10 @@ inline int rotation_sets(std::size_t bytes) {
       std::clamp<std::size_t>(l2_span / std::max<std::size_t>(bytes, 1), 1, 16));
 }
 
+// Copy bandwidth at a given size, bytes/s counting bytes read plus bytes written: a
+// cudaMemcpyAsync that moves `moved_bytes` in all (half read, half written), through enough copies
+// of source and destination that every run streams from HBM. A kernel moving that many bytes
+// pays the same ramp-up and drain; `back_to_back` times 20 copies between two events.
 inline double copy_bandwidth_at(std::size_t moved_bytes, bool back_to_back, cudaStream_t stream) {
   const std::size_t bytes = std::max<std::size_t>(moved_bytes / 2, 16);
   const int sets = rotation_sets(2 * bytes);
