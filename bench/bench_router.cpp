@@ -1,5 +1,5 @@
-// Router forward + backward at T = 16384: time, fraction of the memory-traffic floor (bytes the
-// kernels must read and write over the copy bandwidth measured in this run).
+// Router forward + backward at T = 16384 (or --tokens): time, fraction of the memory-traffic floor
+// (bytes the kernels must read and write over the copy bandwidth measured in this run).
 #include <fmt/format.h>
 
 #include <random>
@@ -38,10 +38,13 @@ MoEConfig make(int experts, int topk, ScoreFunction f, bool bias, int groups, in
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const auto options = bench::parse_options(argc, argv);
+  std::int64_t T = 16384;
+  const auto options = bench::parse_options(argc, argv, [&](CLI::App& app) {
+    app.add_option("--tokens", T, "tokens per run (the issue's shape: 16384)")
+        ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24));
+  });
   Stream stream;
   const double bandwidth = bench::copy_bandwidth(stream.get());
-  const std::int64_t T = 16384;
   const std::vector<Shape> shapes = {
       {"E8 K2 softmax (mixtral)", make(8, 2, ScoreFunction::kSoftmax, false, 0, 0, 1.0)},
       {"E128 K8 softmax (qwen3)", make(128, 8, ScoreFunction::kSoftmax, false, 0, 0, 1.0)},

@@ -37,14 +37,17 @@ struct Options {
   mutable int matched = 0;
 };
 
-// The options every benchmark takes. A bad argument prints CLI11's message and ends the
-// program (benchmarks are programs, not library code).
-inline Options parse_options(int argc, char** argv) {
+// The options every benchmark takes, and those one benchmark adds through `extra`. A bad
+// argument prints CLI11's message and ends the program (benchmarks are programs, not library
+// code).
+inline Options parse_options(int argc, char** argv,
+                             const std::function<void(CLI::App&)>& extra = {}) {
   Options options;
   CLI::App app{"moe-runtime benchmark: a table on stdout, the numbers in JSON with --json"};
   app.add_flag("--quick", options.quick, "fewer repeats (the gpu-check run)");
   app.add_option("--json", options.json_path, "write the results to this file");
   app.add_option("--only", options.only, "run only the shapes whose name contains this text");
+  if (extra) extra(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

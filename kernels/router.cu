@@ -41,8 +41,10 @@ __device__ __forceinline__ float from_order_key(unsigned key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
+// Fast reciprocal division: the IEEE division's slow path for special operands cost a branch per
+// entry (the session-7 profile); its 2 ulp are far inside the tolerances.
 __device__ __forceinline__ float sigmoid(float x) {
-  return 1.0f / (1.0f + __expf(-x));
+  return __fdividef(1.0f, 1.0f + __expf(-x));
 }
 __device__ __forceinline__ float softplus(float x) {
   return fmaxf(x, 0.0f) + log1pf(__expf(-fabsf(x)));
@@ -53,7 +55,19 @@ __device__ __forceinline__ float elementwise_score(ScoreFunction f, float l) {
   return f == ScoreFunction::kSigmoid ? sigmoid(l) : sqrtf(softplus(l));
 }
 __device__ __forceinline__ float elementwise_score_derivative(ScoreFunction f, float l, float s) {
-  return f == ScoreFunction::kSigmoid ? s * (1.0f - s) : sigmoid(l) / (2.0f * s);
+  return f == ScoreFunction::kSigmoid ? s * (1.0f - s) : __fdividef(sigmoid(l), 2.0f * s);
+}
+// g over a lane's chunk, with the choice of function made once rather than per entry.
+template <int V>
+__device__ __forceinline__ void elementwise_scores(ScoreFunction f, const float (&l)[V],
+                                                   float (&s)[V]) {
+  if (f == ScoreFunction::kSigmoid) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) s[j] = sigmoid(l[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) s[j] = sqrtf(softplus(l[j]));
+  }
 }
 
 // SPEC.md's order: higher value first, ties to the lower index.
@@ -120,15 +134,6 @@ __device__ __forceinline__ Candidate team_best(Candidate c) {
     return {from_order_key(best_key), index};
   } else {
     return lanes_best(c, S);
-  }
-}
-
-// Adds `value` at `expert` into the row of the lane that holds it.
-template <int V>
-__device__ __forceinline__ void add_entry(float (&row)[V], int first, int expert, float value) {
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    if (first + j == expert) row[j] += value;
   }
 }
 
@@ -240,10 +245,15 @@ __device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p
 
 // ---- Selection
 //
-// Each lane keeps its entries' order keys (a float's order as an unsigned integer). A round of
-// top-K takes the team's largest key, the lowest index holding it (SPEC.md's tie rule), and
-// clears that entry to 0, below every real key (−∞ included): five integer operations per entry
-// and two team reductions per round.
+// Each lane keeps its entries' order keys (a float's order as an unsigned integer; 0 marks an
+// entry out of the race) and its best three entries in SPEC.md's order. A round of top-K takes
+// the team's largest lane-best key by one team reduction; lanes hold consecutive experts, so the
+// lowest lane of the ballot of its holders holds the lowest expert index with that key (the tie
+// rule) without a second reduction. Only the winning lane moves on to its next best, and only a
+// lane that wins more than three times rescans its entries. A round thus costs a few dozen
+// instructions per team instead of passes over every entry (the session-7 profile: the forward
+// at E = 256 ran 2,300 instructions per token, most of them in those passes and in the
+// pre-filter that had replaced them).
 
 // The team's largest (kLargest) or smallest integer: one redux.sync for a warp-wide team, xor
 // butterflies within narrower ones.
@@ -261,126 +271,131 @@ __device__ __forceinline__ Int team_extreme(Int v) {
   }
 }
 
-// Takes the team's best remaining entry out of `keys`: returns its index, its key in `key`.
-template <int S, int V>
-__device__ __forceinline__ int team_take_best(unsigned (&keys)[V], int first, unsigned& key) {
-  unsigned best = 0;
-#pragma unroll
-  for (int j = 0; j < V; ++j) best = max(best, keys[j]);
-  best = team_extreme<S, true>(best);
-  int index = INT_MAX;
-#pragma unroll
-  for (int j = V - 1; j >= 0; --j) {
-    if (keys[j] == best) index = first + j;
-  }
-  index = team_extreme<S, false>(index);
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    if (first + j == index) keys[j] = 0;
-  }
-  key = best;
-  return index;
+// The lanes of the caller's team as a warp mask.
+template <int S>
+__device__ __forceinline__ unsigned team_lanes(int team_base) {
+  return (kFullMask >> (kWarpSize - S)) << team_base;
 }
 
-// Top-K with a pre-filter, for rows of many entries per lane: the K-th largest of the lanes'
-// largest entries is a lower bound of the row's K-th largest entry (K entries reach it), so only
-// entries at or above it can be selected. The few survivors go to shared memory and each
-// finds its rank by counting the survivors before it (larger key, or equal key and lower index:
-// SPEC.md's order), O(V + S + n²/S) per token instead of K rounds over every entry.
-constexpr int kMaxCandidates = 32;  // survivors per team; more and the warp takes the K rounds
+// The lowest lane of the team whose `key` equals the team's largest.
+template <int S>
+__device__ __forceinline__ int team_argmax_lane(unsigned key, int team_base, unsigned& top) {
+  top = team_extreme<S, true>(key);
+  return __ffs(__ballot_sync(kFullMask, key == top) & team_lanes<S>(team_base)) - 1;
+}
 
-struct TeamScratch {  // a team's shared memory for the filtered top-K
-  unsigned key[kMaxCandidates];
-  int index[kMaxCandidates];
-  unsigned slot_key[kMaxTopK];
-  int slot_expert[kMaxTopK];
+// A lane's best entries, best first: three, so that a rescan is needed only when one lane holds
+// more than three of a token's K (at E = 128 over 16 lanes, 0.12 rescans per token against 1.28
+// with two kept).
+constexpr int kLaneKept = 3;
+
+struct LaneBest {
+  unsigned key[kLaneKept] = {};  // 0 = none
+  int j[kLaneKept] = {};         // places in the lane's chunk
+  int known = kLaneKept;         // entries of key[] that are the lane's next best
 };
 
-// Fills slot i of team lane `rank` with the entry of rank i·S + rank. Returns false, the same on
-// every lane of the warp, when some team has more survivors than fit (then nothing is written).
-template <int S, int V, int kSlots>
-__device__ __forceinline__ bool team_top_k_filtered(const unsigned (&keys)[V], int first, int K,
-                                                    int rank, int team_base, TeamScratch& scratch,
-                                                    int (&slot_expert)[kSlots],
-                                                    unsigned (&slot_key)[kSlots]) {
-  // Each lane's largest key, and its second largest (another entry) in teams narrower than a warp;
-  // the K-th largest of these is the threshold: K entries reach it. A warp-wide team takes one per
-  // lane, where the second's 32 more shuffles cost more than they filter (E = 1024: 277 against
-  // 363 µs); a narrow team takes two, where one filters too little (E = 128: 39 against 27 µs).
-  constexpr bool kTwoPerLane = S < kWarpSize;
-  unsigned top1 = 0, top2 = 0;
+// The lane's best kLaneKept entries; with kAfter only those ranked after (after_key, after_j),
+// the entry the lane gave up last. Ascending j with strict comparisons: equal keys rank by index.
+template <bool kAfter, int V>
+__device__ __forceinline__ LaneBest lane_best(const unsigned (&keys)[V], unsigned after_key = 0,
+                                              int after_j = 0) {
+  LaneBest b;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const unsigned key = keys[j];
-    if constexpr (kTwoPerLane) top2 = key > top1 ? top1 : max(top2, key);
-    top1 = max(top1, key);
-  }
-  int above1 = 0, reach1 = 0, above2 = 0, reach2 = 0;  // team keys > and >= top1, top2
-#pragma unroll
-  for (int j = 0; j < S; ++j) {
-    const unsigned o1 = __shfl_sync(kFullMask, top1, team_base + j);
-    above1 += o1 > top1;
-    reach1 += o1 >= top1;
-    if constexpr (kTwoPerLane) {
-      const unsigned o2 = __shfl_sync(kFullMask, top2, team_base + j);
-      above1 += o2 > top1;
-      reach1 += o2 >= top1;
-      above2 += (o1 > top2) + (o2 > top2);
-      reach2 += (o1 >= top2) + (o2 >= top2);
+    unsigned key = keys[j];
+    if constexpr (kAfter) {
+      if (key > after_key || (key == after_key && j <= after_j)) key = 0;
+    }
+    if (key > b.key[2]) {
+      if (key > b.key[1]) {
+        b.key[2] = b.key[1];
+        b.j[2] = b.j[1];
+        if (key > b.key[0]) {
+          b.key[1] = b.key[0];
+          b.j[1] = b.j[0];
+          b.key[0] = key;
+          b.j[0] = j;
+        } else {
+          b.key[1] = key;
+          b.j[1] = j;
+        }
+      } else {
+        b.key[2] = key;
+        b.j[2] = j;
+      }
     }
   }
-  const bool kth1 = above1 < K && K <= reach1;
-  const bool kth2 = kTwoPerLane && above2 < K && K <= reach2;
-  const unsigned holders = __ballot_sync(kFullMask, kth1 || kth2);
-  const unsigned team_bits = S == kWarpSize ? kFullMask : ((1u << S) - 1) << team_base;
-  const int holder = __ffs(holders & team_bits) - 1;
-  const unsigned threshold = __shfl_sync(kFullMask, kth1 ? top1 : top2, holder);
+  return b;
+}
 
-  int mine = 0;
+// The team's K best entries: slot k (its expert and key) is kept by team lane k % S. `best` is
+// the lane's lane_best, cleared for a lane that is out of the race.
+template <int S, int V, int kSlots>
+__device__ __forceinline__ void team_top_k(const unsigned (&keys)[V], LaneBest best, int K,
+                                           int rank, int team_base, int (&slot_expert)[kSlots],
+                                           unsigned (&slot_key)[kSlots]) {
+#pragma unroll 1
+  for (int k = 0; k < K; ++k) {
+    unsigned top;
+    const int winner = team_argmax_lane<S>(best.key[0], team_base, top);
+    const int expert = (winner - team_base) * V + __shfl_sync(kFullMask, best.j[0], winner);
+    if constexpr (kSlots == 1) {
+      if (rank == k) {
+        slot_expert[0] = expert;
+        slot_key[0] = top;
+      }
+    } else if (rank == k % S) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) mine += keys[j] >= threshold;
-  int before = mine;  // inclusive prefix over the team's lanes
+      for (int i = 0; i < kSlots; ++i) {
+        if (i == k / S) {
+          slot_expert[i] = expert;
+          slot_key[i] = top;
+        }
+      }
+    }
+    if (team_base + rank == winner) {
+      if (--best.known == 0) {
+        best = lane_best<true>(keys, best.key[0], best.j[0]);
+      } else {
 #pragma unroll
-  for (int offset = 1; offset < S; offset <<= 1) {
-    const int up = __shfl_up_sync(kFullMask, before, offset, S);
-    if (rank >= offset) before += up;
-  }
-  const int survivors = __shfl_sync(kFullMask, before, team_base + S - 1);
-  if (__any_sync(kFullMask, survivors > kMaxCandidates)) return false;
-  int at = before - mine;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    if (keys[j] >= threshold) {
-      scratch.key[at] = keys[j];
-      scratch.index[at] = first + j;
-      ++at;
+        for (int i = 0; i + 1 < kLaneKept; ++i) {
+          best.key[i] = best.key[i + 1];
+          best.j[i] = best.j[i + 1];
+        }
+        best.key[kLaneKept - 1] = 0;
+      }
     }
   }
-  __syncwarp();
-  for (int c = rank; c < survivors; c += S) {
-    const unsigned key = scratch.key[c];
-    const int index = scratch.index[c];
-    int order = 0;
-    for (int o = 0; o < survivors; ++o) {
-      const unsigned other = scratch.key[o];
-      order += other > key || (other == key && scratch.index[o] < index);
-    }
-    if (order < K) {
-      scratch.slot_key[order] = key;
-      scratch.slot_expert[order] = index;
+}
+
+// Group-limited selection when each group is a power of two of whole lane chunks (E/G a multiple
+// of V) and at most two entries score a group: a group's score, the sum of its top K/GK, comes
+// from its lanes' best two, and the top group_topk groups are taken by rounds like the experts.
+// Returns whether this lane's group is kept. `group` is the lane's group (G for lanes past E).
+template <int S>
+__device__ __forceinline__ bool team_keeps_group(const LaneBest& best, int group, int groups,
+                                                 int spanned, int per_group_k, int group_topk,
+                                                 int team_base) {
+  unsigned g1 = best.key[0], g2 = best.key[1];
+  for (int offset = 1; offset < spanned; offset <<= 1) {
+    const unsigned o1 = __shfl_xor_sync(kFullMask, g1, offset);
+    const unsigned o2 = __shfl_xor_sync(kFullMask, g2, offset);
+    g2 = max(min(g1, o1), max(g2, o2));
+    g1 = max(g1, o1);
+  }
+  const float score = from_order_key(g1) + (per_group_k == 2 ? from_order_key(g2) : 0.0f);
+  unsigned key = group < groups ? order_key(score) : 0u;
+  bool kept = false;
+  for (int m = 0; m < group_topk; ++m) {
+    unsigned top;
+    const int winner = team_argmax_lane<S>(key, team_base, top);
+    if (__shfl_sync(kFullMask, group, winner) == group) {
+      kept = true;
+      key = 0;
     }
   }
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    const int k = i * S + rank;
-    if (i * S < K && k < K) {
-      slot_key[i] = scratch.slot_key[k];
-      slot_expert[i] = scratch.slot_expert[k];
-    }
-  }
-  __syncwarp();  // the scratch is reused by the next selection
-  return true;
+  return kept;
 }
 
 // exp(l − max) of each entry, the row's max and Σ exp(l − max); entries past E hold −∞ and add
@@ -444,25 +459,22 @@ struct ForwardKernelArgs {
   ForwardState state;
 };
 
-// Shared memory of the forward: per-block totals, then each team's group scores.
-// Rows of at least this many entries per lane select through the pre-filter (team_top_k_filtered).
-constexpr int kFilterMinEntries = 8;
-
-__host__ __device__ constexpr bool filtered_top_k(int S, int V, int topk) {
-  return V >= kFilterMinEntries && topk <= (S < 32 ? 2 * S : S);  // see team_top_k_filtered
+// Shared memory of the forward: per-block totals, then each team's group scores (the general
+// group-limited path).
+__host__ __device__ inline std::size_t forward_shared_bytes(const RouterParams& p, int teams) {
+  return static_cast<std::size_t>(p.num_experts) * (kWarpsPerBlock * 4 + 4 + 4) +
+         kWarpsPerBlock * 4 + static_cast<std::size_t>(teams) * kWarpsPerBlock * p.num_groups * 4;
 }
 
-// Shared memory of the forward: per-block totals, each team's group scores, then each team's
-// top-K scratch when the pre-filter is used.
-__host__ __device__ inline std::size_t forward_shared_bytes(const RouterParams& p, int teams,
-                                                            bool filtered) {
-  return static_cast<std::size_t>(p.num_experts) * (kWarpsPerBlock * 4 + 4 + 4) +
-         kWarpsPerBlock * 4 + static_cast<std::size_t>(teams) * kWarpsPerBlock * p.num_groups * 4 +
-         (filtered ? static_cast<std::size_t>(teams) * kWarpsPerBlock * sizeof(TeamScratch) : 0);
+// Blocks per SM the kernels are compiled for: registers for 32 warps per SM with up to 8 entries
+// per lane, whose chains of team steps need many tokens in flight.
+constexpr int min_blocks_per_sm(int V) {
+  return V <= 8 ? 3 : V <= 16 ? 2 : 1;
 }
 
 template <int S, int V, typename In>
-__global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelArgs<In> a) {
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
+    router_forward_kernel(ForwardKernelArgs<In> a) {
   constexpr int kTeams = kWarpSize / S;
   constexpr int kSlots = (kMaxTopK + S - 1) / S;  // slot k lives on team lane k % S
   extern __shared__ __align__(16) unsigned char shared[];
@@ -485,9 +497,6 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
   int* block_aux_counts = block_counts + E;
   float* warp_z = reinterpret_cast<float*>(block_aux_counts + E);
   float* group_score = warp_z + kWarpsPerBlock + (warp * kTeams + team) * p.num_groups;
-  TeamScratch& scratch = reinterpret_cast<TeamScratch*>(
-      warp_z + kWarpsPerBlock + kWarpsPerBlock * kTeams * p.num_groups)[warp * kTeams + team];
-  const bool filtered = filtered_top_k(S, V, K);
   for (int e = threadIdx.x; e < E; e += kThreads) {
     block_counts[e] = 0;
     block_aux_counts[e] = 0;
@@ -496,20 +505,40 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
 
   const bool softmax = p.score_function == ScoreFunction::kSoftmax;
   const bool need_row_softmax = (softmax && (p.pre_softmax || p.aux_loss)) || p.z_loss;
+  // Groups of whole lane chunks (a power of two of them) scored by at most two entries take the
+  // fast path of team_keeps_group; any other grouping masks the scores in mask_groups.
+  const int per_group = p.num_groups > 0 ? E / p.num_groups : E;
+  const int spanned = per_group / V;
+  const bool lane_groups = p.num_groups > 0 && per_group % V == 0 && spanned <= S &&
+                           (spanned & (spanned - 1)) == 0 && p.topk / p.group_topk <= 2;
+  const int group = first < E ? first / per_group : p.num_groups;
 
+  // The lane's expert biases, the same for every token; −∞ past E, so that every score there is
+  // −∞ without a test per entry: such entries, ranked last and after every real one on ties
+  // (higher index), are never selected.
+  float bias[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    bias[j] = first + j >= E ? -INFINITY : p.expert_bias ? a.expert_bias[first + j] : 0.0f;
   float score_sum[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) score_sum[j] = 0.0f;
   float z_acc = 0.0f;
 
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
+  const std::int64_t start =
+      (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
+  // The next token's row is loaded while this one is routed, hiding the load's latency.
+  float next_l[V];
+  load_chunk(next_l, a.logits, start + team, start + team < a.tokens, first, E, a.vector_rows);
   // The loop bound is the warp's, not the team's: every lane joins every shuffle.
-  for (std::int64_t base = (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
-       base < a.tokens; base += step) {
+  for (std::int64_t base = start; base < a.tokens; base += step) {
     const std::int64_t t = base + team;
     const bool valid = t < a.tokens;
     float l[V];
-    load_chunk(l, a.logits, t, valid, first, E, a.vector_rows);
+#pragma unroll
+    for (int j = 0; j < V; ++j) l[j] = next_l[j];
+    load_chunk(next_l, a.logits, t + step, t + step < a.tokens, first, E, a.vector_rows);
 
     float ex[V];  // exp(l − max) when a softmax of the row is needed
     float row_max = 0.0f, row_sum = 1.0f;
@@ -517,50 +546,38 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
     const float inv_row_sum = 1.0f / row_sum;
 
     // Selection keys from the scores: logits (softmax post), softmax (pre), g(l) + bias
-    // (sigmoid, sqrtsoftplus).
+    // (sigmoid, sqrtsoftplus); s keeps g(l) for the aux scores.
+    float s[V];
     unsigned keys[V];
     {
       float r[V];
+      if (softmax) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const int e = first + j;
-        if (e >= E) {
-          r[j] = -INFINITY;
-        } else if (softmax) {
-          r[j] = p.pre_softmax ? ex[j] * inv_row_sum : l[j];
-        } else {
-          r[j] =
-              elementwise_score(p.score_function, l[j]) + (p.expert_bias ? a.expert_bias[e] : 0.0f);
-        }
+        for (int j = 0; j < V; ++j) r[j] = p.pre_softmax ? ex[j] * inv_row_sum : l[j];
+      } else {
+        elementwise_scores(p.score_function, l, s);
+#pragma unroll
+        for (int j = 0; j < V; ++j) r[j] = s[j] + bias[j];
       }
-      if (p.num_groups > 0) mask_groups<S>(r, p, rank, group_score);
+      if (p.num_groups > 0 && !lane_groups) mask_groups<S>(r, p, rank, group_score);
 #pragma unroll
       for (int j = 0; j < V; ++j) keys[j] = order_key(r[j]);
     }
+    LaneBest best = lane_best<false>(keys);
+    if (lane_groups && !team_keeps_group<S>(best, group, p.num_groups, spanned,
+                                            p.topk / p.group_topk, p.group_topk, team_base)) {
+      best = LaneBest{};
+    }
 
-    // Top-K by K rounds of taking the best; slot k is kept by team lane k % S with its selection
-    // score.
     int slot_expert[kSlots];
-    float slot_score[kSlots];
+    unsigned slot_key[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       slot_expert[i] = 0;
-      slot_score[i] = 0.0f;
+      slot_key[i] = 0;
     }
-    unsigned slot_key[kSlots] = {};
-    if (!filtered ||
-        !team_top_k_filtered<S>(keys, first, K, rank, team_base, scratch, slot_expert, slot_key)) {
-#pragma unroll
-      for (int k = 0; k < kMaxTopK; ++k) {
-        if (k >= K) break;
-        unsigned key;
-        const int expert = team_take_best<S>(keys, first, key);
-        if (rank == k % S) {
-          slot_expert[k / S] = expert;
-          slot_key[k / S] = key;
-        }
-      }
-    }
+    team_top_k<S, V>(keys, best, K, rank, team_base, slot_expert, slot_key);
+    float slot_score[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i)
       slot_score[i] = i * S + rank < K ? from_order_key(slot_key[i]) : 0.0f;
@@ -622,42 +639,26 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
       if (!softmax) {
         float u_sum = 0.0f;
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          s_aux[j] = first + j < E ? elementwise_score(p.score_function, l[j]) : 0.0f;
-          u_sum += s_aux[j];
-        }
+        for (int j = 0; j < V; ++j) u_sum += s[j];  // g(−∞) = 0 past E
         inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
       }
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const bool inside = first + j < E;
-        s_aux[j] = inside ? (softmax ? ex[j] : s_aux[j]) * inv_norm : -INFINITY;
-        if (inside && valid) score_sum[j] += s_aux[j];
+        s_aux[j] = (softmax ? ex[j] : s[j]) * inv_norm;
+        if (valid) score_sum[j] += s_aux[j];  // 0 past E
       }
-      if (p.aux_routing_is_main()) {
+      // The aux routing's counts: the main counts when it is the main routing (the last block
+      // copies them), else its own top-K of the aux scores.
+      if (!p.aux_routing_is_main()) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) keys[j] = order_key(s_aux[j]);  // 0 past E: ranked last
+        int aux_expert[kSlots];
+        unsigned aux_key[kSlots];
+        team_top_k<S, V>(keys, lane_best<false>(keys), K, rank, team_base, aux_expert, aux_key);
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           if (i * S >= K) break;
-          if (valid && i * S + rank < K) atomicAdd(&block_aux_counts[slot_expert[i]], 1);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) keys[j] = order_key(s_aux[j]);
-        int aux_expert[kSlots];
-        unsigned aux_key[kSlots];
-        if (filtered &&
-            team_top_k_filtered<S>(keys, first, K, rank, team_base, scratch, aux_expert, aux_key)) {
-#pragma unroll
-          for (int i = 0; i < kSlots; ++i) {
-            if (i * S >= K) break;
-            if (valid && i * S + rank < K) atomicAdd(&block_aux_counts[aux_expert[i]], 1);
-          }
-        } else {
-          for (int k = 0; k < K; ++k) {
-            unsigned key;
-            const int expert = team_take_best<S>(keys, first, key);
-            if (valid && rank == 0) atomicAdd(&block_aux_counts[expert], 1);
-          }
+          if (valid && i * S + rank < K) atomicAdd(&block_aux_counts[aux_expert[i]], 1);
         }
       }
     }
@@ -700,10 +701,15 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(ForwardKernelA
     }
   }
 
-  // The last block to finish reads the totals out, zeroing them for the next call.
-  __threadfence();
+  // The last block to finish reads the totals out, zeroing them for the next call. One fence per
+  // block, after the barrier (the pattern of a cooperative grid sync): the fence is cumulative
+  // over the block's writes ordered before it by the barrier, and a fence in every thread cost
+  // each warp a wait of microseconds (the session-7 profile at E = 8).
   __syncthreads();
-  if (threadIdx.x == 0) is_last_block = atomicAdd(s.finished_blocks, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last_block = atomicAdd(s.finished_blocks, 1u) == gridDim.x - 1;
+  }
   __syncthreads();
   if (!is_last_block) return;
   __threadfence();
@@ -753,16 +759,23 @@ struct BackwardKernelArgs {
   float* dlogits;
 };
 
+// The backward's shared memory: one row of E floats per team, where the selected entries' terms
+// are added to the row's dense terms (aux, z) before the row is stored.
+inline std::size_t backward_shared_bytes(int experts, int teams) {
+  return static_cast<std::size_t>(teams) * kWarpsPerBlock * experts * 4;
+}
+
 template <int S, int V, typename In>
-__global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKernelArgs<In> a) {
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
+    router_backward_kernel(BackwardKernelArgs<In> a) {
   constexpr int kTeams = kWarpSize / S;
   constexpr int kSlots = (kMaxTopK + S - 1) / S;
+  extern __shared__ __align__(16) unsigned char shared[];
   const RouterParams& p = a.p;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int rank = lane % S;
   const int team = lane / S;
-  const int team_base = team * S;
   const int first = rank * V;
   const int E = p.num_experts;
   const int K = p.topk;
@@ -773,6 +786,9 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
   const bool z = a.z_factor != 0.0f;
   const bool need_row = (softmax && p.pre_softmax) || aux || z;
   const bool need_row_softmax = (softmax && (p.pre_softmax || aux)) || z;
+  float* row = reinterpret_cast<float*>(shared) + (warp * kTeams + team) * E;
+  // 16-byte row moves when the lane's chunk starts on a 16-byte boundary and lies in the row.
+  const bool vector_chunk = V % 4 == 0 && E % 4 == 0 && first + V <= E;
 
   // ∂L_aux/∂s_aux[t, e] = factor · f_e is the same for every token: held in registers.
   float aux_grad[V];
@@ -783,29 +799,46 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
         (aux && e < E) ? a.aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
   }
 
+  // Each iteration loads the next token's slots and row while it computes this one's: the loads'
+  // latency, not the bytes, bounded the loop (the session-7 profile: 30% of the stalls at the
+  // row load).
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
-  for (std::int64_t base = (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
-       base < a.tokens; base += step) {
-    const std::int64_t t = base + team;
+  const std::int64_t start =
+      (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
+  int next_expert[kSlots];
+  float next_p[kSlots], next_dp[kSlots], next_l[V];
+  auto load_token = [&](std::int64_t t) {
     const bool valid = t < a.tokens;
-    int slot_expert[kSlots];
-    float slot_p[kSlots], slot_dp[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       const int k = i * S + rank;
       const bool active = valid && k < K && i * S < K;
-      slot_expert[i] = active ? a.topk_idx[t * K + k] : 0;
-      slot_p[i] = active ? a.topk_p[t * K + k] : 0.0f;
-      slot_dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
+      next_expert[i] = active ? a.topk_idx[t * K + k] : 0;
+      next_p[i] = active ? a.topk_p[t * K + k] : 0.0f;
+      next_dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
     }
-
-    float l[V];
     if (need_row) {
-      load_chunk(l, a.logits, t, valid, first, E, a.vector_rows);
+      load_chunk(next_l, a.logits, t, valid, first, E, a.vector_rows);
     } else {
 #pragma unroll
-      for (int j = 0; j < V; ++j) l[j] = -INFINITY;
+      for (int j = 0; j < V; ++j) next_l[j] = -INFINITY;
     }
+  };
+  load_token(start + team);
+  for (std::int64_t base = start; base < a.tokens; base += step) {
+    const std::int64_t t = base + team;
+    const bool valid = t < a.tokens;
+    int slot_expert[kSlots];
+    float slot_p[kSlots], slot_dp[kSlots], l[V];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      slot_expert[i] = next_expert[i];
+      slot_p[i] = next_p[i];
+      slot_dp[i] = next_dp[i];
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) l[j] = next_l[j];
+    load_token(t + step);
     // The row's softmax, when needed (pre-softmax routing, softmax aux scores, z-loss).
     float sm[V];
     float row_max = 0.0f, row_sum = 1.0f;
@@ -816,16 +849,16 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
       for (int j = 0; j < V; ++j) sm[j] *= inv_row_sum;
     }
 
+    // The dense terms of the row first (every entry); the selected entries' terms, slot_d, are
+    // added through shared memory below.
     float g[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) g[j] = 0.0f;
+    float slot_d[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) slot_d[i] = 0.0f;
 
     if (a.dprob != nullptr) {
-      // Per slot, the gradient at its logit (slot_d), then added into the row of its owner lane.
-      float slot_d[kSlots];
-#pragma unroll
-      for (int i = 0; i < kSlots; ++i) slot_d[i] = 0.0f;
-      float pre_softmax_dot = 0.0f;
       if (softmax && !p.pre_softmax) {
         // dl_m = c·q_m·(dp_m − Σ_j q_j dp_j) with q = p / c.
         float dot = 0.0f;
@@ -835,14 +868,17 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) slot_d[i] = slot_p[i] * (slot_dp[i] - dot);
       } else if (softmax) {
-        // ds = c·dp at the selected; dl = s ⊙ (ds − Σ s·ds), with s_m = p_m / c at the selected.
+        // ds = c·dp at the selected; dl = s ⊙ (ds − Σ s·ds), with s_m = p_m / c at the selected:
+        // −s·Σ s·ds everywhere, and s_m·ds_m = p_m·dp_m at the selected.
         float dot = 0.0f;
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
-          slot_d[i] = c * slot_dp[i];
-          dot += (slot_p[i] * inv_c) * slot_d[i];
+          dot += (slot_p[i] * inv_c) * (c * slot_dp[i]);
+          slot_d[i] = slot_p[i] * slot_dp[i];
         }
-        pre_softmax_dot = team_sum<S>(dot);
+        dot = team_sum<S>(dot);
+#pragma unroll
+        for (int j = 0; j < V; ++j) g[j] = -sm[j] * dot;
       } else {
         float s[kSlots], ds_dl[kSlots];
         float s_sum = 0.0f, dp_dot_p = 0.0f;
@@ -869,19 +905,6 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
             slot_d[i] = (c * slot_dp[i] - dp_dot_p) * inv_norm * ds_dl[i];
         }
       }
-#pragma unroll
-      for (int k = 0; k < kMaxTopK; ++k) {
-        if (k >= K) break;
-        const int expert =
-            S == 1 ? slot_expert[k] : __shfl_sync(kFullMask, slot_expert[k / S], team_base + k % S);
-        const float d =
-            S == 1 ? slot_d[k] : __shfl_sync(kFullMask, slot_d[k / S], team_base + k % S);
-        add_entry(g, first, expert, d);
-      }
-      if (softmax && p.pre_softmax) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) g[j] = sm[j] * (g[j] - pre_softmax_dot);
-      }
     }
 
     if (aux) {
@@ -895,10 +918,11 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
       } else {
         // s_aux = u / S, u = g(l), S = Σu + ε:  du_m = g_m / S − Σ_i g_i u_i / S².
         float u[V];
+        elementwise_scores(p.score_function, l, u);
         float u_sum = 0.0f, g_dot_u = 0.0f;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          u[j] = first + j < E ? elementwise_score(p.score_function, l[j]) : 0.0f;
+          if (first + j >= E) u[j] = 0.0f;
           u_sum += u[j];
           g_dot_u += aux_grad[j] * u[j];
         }
@@ -918,9 +942,48 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardKerne
 #pragma unroll
       for (int j = 0; j < V; ++j) g[j] += scale * sm[j];
     }
+
+    // The row through shared memory: the dense terms in, each selected entry's term added by
+    // its slot's lane (the K experts of a token differ), the row out to dlogits. A lane's chunk
+    // goes in and out as whole 16-byte packs where it can.
+    if (a.dprob != nullptr) {
+      if (vector_chunk) {
+#pragma unroll
+        for (int i = 0; i < V / 4; ++i)
+          reinterpret_cast<float4*>(row + first)[i] =
+              make_float4(g[4 * i], g[4 * i + 1], g[4 * i + 2], g[4 * i + 3]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if (first + j < E) row[first + j] = g[j];
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        if (i * S < K && i * S + rank < K) row[slot_expert[i]] += slot_d[i];
+      }
+      __syncwarp();
+      if (vector_chunk) {
+#pragma unroll
+        for (int i = 0; i < V / 4; ++i) {
+          const float4 v = reinterpret_cast<const float4*>(row + first)[i];
+          g[4 * i] = v.x;
+          g[4 * i + 1] = v.y;
+          g[4 * i + 2] = v.z;
+          g[4 * i + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if (first + j < E) g[j] = row[first + j];
+        }
+      }
+      __syncwarp();  // the team's next token rewrites the row
+    }
     if (valid) {
       float* out = a.dlogits + t * E + first;
-      if (V % 4 == 0 && a.vector_rows && first + V <= E && E % 4 == 0) {
+      if (vector_chunk && a.vector_rows) {
 #pragma unroll
         for (int i = 0; i < V / 4; ++i)
           reinterpret_cast<float4*>(out)[i] =
@@ -1027,18 +1090,19 @@ int grid_size(const void* kernel, std::size_t shared_bytes, std::int64_t tokens,
       1, std::min<std::int64_t>(needed, sm_count() * blocks_per_sm(kernel, shared_bytes))));
 }
 
-// Lanes per token S and logits per lane V from E. At least 8 lanes per token: the work is a
-// chain of dependent steps per token, so the GPU needs many tokens in flight in many warps (with
-// 4 tokens per warp, 16k tokens fill 4k warps); a lane holds up to 16 logits (32 and 64 for
-// E > 512, where the whole warp already serves one token).
+// Lanes per token S and logits per lane V from E. At most 8 entries per lane up to E = 256, so
+// that the rows, scores and keys of a token stay in registers at a high occupancy (the session-7
+// profile: 16 per lane took 128 registers and spilled); 8 lanes at least, as every token is a
+// chain of dependent team steps and the GPU needs many tokens in flight; the whole warp from
+// E = 256 on, where its reductions are single redux.sync instructions.
 template <typename Launch>
 void dispatch_layout(int experts, Launch&& launch) {
   if (experts <= 8) return launch.template operator()<8, 1>();
   if (experts <= 16) return launch.template operator()<8, 2>();
   if (experts <= 32) return launch.template operator()<8, 4>();
   if (experts <= 64) return launch.template operator()<8, 8>();
-  if (experts <= 128) return launch.template operator()<8, 16>();
-  if (experts <= 256) return launch.template operator()<16, 16>();
+  if (experts <= 128) return launch.template operator()<16, 8>();
+  if (experts <= 256) return launch.template operator()<32, 8>();
   if (experts <= 512) return launch.template operator()<32, 16>();
   if (experts <= 1024) return launch.template operator()<32, 32>();
   if (experts <= 2048) return launch.template operator()<32, 64>();
@@ -1107,7 +1171,7 @@ void launch_forward(const RouterParams& p, const RouterForwardArgs& args, cudaSt
                           forward_state(args.workspace, p.num_experts)};
   dispatch_layout(p.num_experts, [&]<int S, int V>() {
     constexpr int kTeams = kWarpSize / S;
-    const std::size_t shared = forward_shared_bytes(p, kTeams, filtered_top_k(S, V, p.topk));
+    const std::size_t shared = forward_shared_bytes(p, kTeams);
     auto kernel = router_forward_kernel<S, V, In>;
     allow_shared_memory(kernel, shared);
     const int blocks = grid_size(reinterpret_cast<const void*>(kernel), shared, args.tokens,
@@ -1134,9 +1198,12 @@ void launch_backward(const RouterParams& p, const RouterBackwardArgs& args, cuda
   dispatch_layout(p.num_experts, [&]<int S, int V>() {
     constexpr int kTeams = kWarpSize / S;
     auto kernel = router_backward_kernel<S, V, In>;
-    const int blocks =
-        grid_size(reinterpret_cast<const void*>(kernel), 0, args.tokens, kWarpsPerBlock * kTeams);
-    kernel<<<blocks, kThreads, 0, stream>>>(k);
+    const std::size_t shared =
+        args.dprob != nullptr ? backward_shared_bytes(p.num_experts, kTeams) : 0;
+    allow_shared_memory(kernel, shared);
+    const int blocks = grid_size(reinterpret_cast<const void*>(kernel), shared, args.tokens,
+                                 kWarpsPerBlock * kTeams);
+    kernel<<<blocks, kThreads, shared, stream>>>(k);
     MOE_CHECK_LAUNCH();
   });
 }
