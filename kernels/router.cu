@@ -255,18 +255,16 @@ __device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p
 // at E = 256 ran 2,300 instructions per token, most of them in those passes and in the
 // pre-filter that had replaced them).
 
-// The team's largest (kLargest) or smallest integer: one redux.sync for a warp-wide team, xor
-// butterflies within narrower ones.
-template <int S, bool kLargest, typename Int>
-__device__ __forceinline__ Int team_extreme(Int v) {
+// The team's largest key: one redux.sync for a warp-wide team, xor butterflies within narrower
+// ones.
+template <int S>
+__device__ __forceinline__ unsigned team_max_key(unsigned v) {
   if constexpr (S == kWarpSize) {
-    return kLargest ? __reduce_max_sync(kFullMask, v) : __reduce_min_sync(kFullMask, v);
+    return __reduce_max_sync(kFullMask, v);
   } else {
 #pragma unroll
-    for (int offset = S / 2; offset > 0; offset >>= 1) {
-      const Int other = __shfl_xor_sync(kFullMask, v, offset);
-      v = kLargest ? max(v, other) : min(v, other);
-    }
+    for (int offset = S / 2; offset > 0; offset >>= 1)
+      v = max(v, __shfl_xor_sync(kFullMask, v, offset));
     return v;
   }
 }
@@ -280,7 +278,7 @@ __device__ __forceinline__ unsigned team_lanes(int team_base) {
 // The lowest lane of the team whose `key` equals the team's largest.
 template <int S>
 __device__ __forceinline__ int team_argmax_lane(unsigned key, int team_base, unsigned& top) {
-  top = team_extreme<S, true>(key);
+  top = team_max_key<S>(key);
   return __ffs(__ballot_sync(kFullMask, key == top) & team_lanes<S>(team_base)) - 1;
 }
 
@@ -961,7 +959,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       __syncwarp();
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
-        if (i * S < K && i * S + rank < K) row[slot_expert[i]] += slot_d[i];
+        // A token's K experts differ (the forward's top-K), so no two lanes add into one entry;
+        // tokens past the end (all slots 0) add nothing.
+        if (valid && i * S < K && i * S + rank < K) row[slot_expert[i]] += slot_d[i];
       }
       __syncwarp();
       if (vector_chunk) {

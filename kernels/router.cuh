@@ -74,7 +74,7 @@ struct RouterBackwardArgs {
   const void* logits = nullptr;  // [T, E] as in forward
   DType logits_dtype = DType::kFP32;
   std::int64_t tokens = 0;
-  const std::int32_t* topk_idx = nullptr;  // [T, K] from forward
+  const std::int32_t* topk_idx = nullptr;  // [T, K] from forward: K distinct experts a row
   const float* topk_p = nullptr;           // [T, K] from forward
   const float* dprob = nullptr;            // [T, K] ∂L/∂topk_p; null = none
   // Aux-loss gradient: the mesh-wide f [E], and α·E/(K·T_glob²); null / 0 = none.
