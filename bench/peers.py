@@ -14,9 +14,36 @@ import torch
 T = 16384
 
 
-def median_ms(fn, warmup, repeats):
-    for _ in range(warmup):
+# As bench_util.h's kSteadyStateMs: a busy GPU settles at a lower clock under its power cap within
+# ~100 ms, and the C++ side measures its GEMM ceiling and times its GEMM-heavy work after this much
+# load; the peer is timed in the same state.
+STEADY_STATE_MS = 1000.0
+
+
+def steady_state_calls(fn, warmup, world_max=None):
+    """Calls of fn, after `warmup` of them, that fill STEADY_STATE_MS of GPU time. world_max, when
+    given, turns the count into the largest over all ranks (steps that hold collectives)."""
+    start = torch.cuda.Event(enable_timing=True)
+    stop = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(max(warmup, 1)):
         fn()
+    stop.record()
+    stop.synchronize()
+    per_call = max(start.elapsed_time(stop) / max(warmup, 1), 1e-3)
+    calls = int(min(STEADY_STATE_MS / per_call, 1e5))
+    return world_max(calls) if world_max else calls
+
+
+def median_ms(fn, warmup, repeats, steady=False, world_max=None):
+    """Median ms of fn over `repeats` calls after `warmup`; with steady, after enough further calls
+    to bring the GPU to its clock under sustained load."""
+    if steady:
+        for _ in range(steady_state_calls(fn, warmup, world_max)):
+            fn()
+    else:
+        for _ in range(warmup):
+            fn()
     times = []
     for _ in range(repeats):
         start = torch.cuda.Event(enable_timing=True)
@@ -182,7 +209,7 @@ def bench_experts(quick):
             y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
             y.backward(dy)
 
-        ms = median_ms(step, warmup, repeats)
+        ms = median_ms(step, warmup, repeats, steady=True)
         tflops = 18.0 * rows * H * F / (ms * 1e-3) / 1e12
         results.append({"name": name, "total_us": ms * 1e3, "TFLOPs": tflops})
         print(f"{name:<16} {ms * 1e3:9.0f} us {tflops:6.0f} TFLOP/s (torch._grouped_mm)")
