@@ -6,8 +6,8 @@
 //
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
 // rate inside the EP group), then, after a warm-up as long as the GEMM rate's, times the layer
-// with CUDA events: per-stage breakdown, total, TFLOP/s, fractions
-// of the GEMM and NVLink floors, and device memory. A table on rank 0; --json for the numbers.
+// with CUDA events: per-stage breakdown, each stage against its own floor, total, TFLOP/s,
+// fractions of the GEMM and NVLink floors, and device memory. A table on rank 0; --json for the numbers.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -173,6 +173,31 @@ int main(int argc, char** argv) {
     const double link_bytes = 4.0 * T * K * H * dtype_size(config.dtype) * (ep - 1) / ep;
     const double link_floor_ms = link_rate > 0 ? link_bytes / link_rate * 1e3 : 0.0;
 
+    // Each stage's floor: the least time its necessary work can take at this run's ceilings —
+    // FLOPs at the sustained GEMM rate, the bytes it must read and write at the copy bandwidth,
+    // the rows it must send at the p2p rate (the larger of the two where both move at once).
+    // Rows without padding; stages of O(E) work (the losses) have none.
+    const double b = dtype_size(config.dtype), rows = T * K;
+    const double link_rows = ep > 1 ? rows * H * b * (ep - 1) / ep : 0.0;
+    auto gemm_ms = [&](double f) { return f / gemm_rate * 1e3; };
+    auto hbm_ms = [&](double bytes) { return bytes / copy_rate * 1e3; };
+    auto link_ms = [&](double bytes) { return link_rate > 0 ? bytes / link_rate * 1e3 : 0.0; };
+    auto moved_ms = [&](double local_bytes) {
+      return std::max(hbm_ms(local_bytes), link_ms(link_rows));
+    };
+    const std::map<std::string, double> floors = {
+        {"moe gate", std::max(gemm_ms(2 * T * E * H), hbm_ms(T * H * b + E * H * b + T * E * 4))},
+        {"moe router", hbm_ms(T * E * 4 + T * K * 8)},
+        {"moe dispatch", moved_ms(T * H * b + rows * H * b)},
+        {"moe experts", gemm_ms(6 * rows * H * F)},
+        {"moe combine", moved_ms(rows * H * b + T * H * b)},
+        {"moe combine backward", moved_ms(T * H * b + 2 * rows * H * b)},
+        {"moe experts backward", gemm_ms(12 * rows * H * F)},
+        {"moe dispatch backward", moved_ms(rows * H * b + T * H * b)},
+        {"moe router backward", hbm_ms(2 * T * E * 4 + T * K * 12)},
+        {"moe gate backward", std::max(gemm_ms(4 * T * E * H), hbm_ms(3 * T * H * b + T * E * 4))},
+    };
+
     if (root) {
       fmt::print("moe_bench {} on {} rank(s), EP={} DP={}, {} tokens per GPU\n",
                  std::filesystem::path(config_path).filename().string(), world, ep, dp, T);
@@ -181,10 +206,17 @@ int main(int argc, char** argv) {
           "ceilings per GPU: dense bf16 GEMM {:.0f} TFLOP/s sustained ({:.0f} in a burst), copy "
           "{:.0f} GB/s, p2p {:.0f} GB/s\n",
           gemm_rate / 1e12, dense.burst / 1e12, copy_rate / 1e9, link_rate / 1e9);
-      fmt::print("{:<26} {:>10} {:>7}\n", "stage (rank 0, mean)", "ms", "share");
+      fmt::print("{:<26} {:>10} {:>7} {:>10} {:>9}\n", "stage (rank 0, mean)", "ms", "share",
+                 "floor ms", "of floor");
       for (const auto& name : stage_order) {
         const double ms = stage_sum[name] / iters;
-        fmt::print("{:<26} {:>10.3f} {:>6.1f}%\n", name, ms, 100.0 * ms / total_ms);
+        const auto floor = floors.find(name);
+        if (floor == floors.end()) {
+          fmt::print("{:<26} {:>10.3f} {:>6.1f}%\n", name, ms, 100.0 * ms / total_ms);
+        } else {
+          fmt::print("{:<26} {:>10.3f} {:>6.1f}% {:>10.3f} {:>8.0f}%\n", name, ms,
+                     100.0 * ms / total_ms, floor->second, 100.0 * floor->second / ms);
+        }
       }
       fmt::print("{:<26} {:>10.3f}\n", "forward + backward", total_ms);
       fmt::print("{:<26} {:>10.3f}\n", "gradient reduction", reduce_ms);
@@ -218,7 +250,10 @@ int main(int argc, char** argv) {
             {"fraction_of_dense_burst", tflops * 1e12 / dense.burst},
             {"link_floor_ms", link_floor_ms},
             {"memory_bytes", memory_peak}};
-        for (const auto& name : stage_order) report["stages_ms"][name] = stage_sum[name] / iters;
+        for (const auto& name : stage_order) {
+          report["stages_ms"][name] = stage_sum[name] / iters;
+          if (floors.count(name)) report["stages_floor_ms"][name] = floors.at(name);
+        }
         std::ofstream(json_path) << report.dump(2) << "\n";
       }
     }
