@@ -7,7 +7,8 @@
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
 // rate inside the EP group), then, after a warm-up as long as the GEMM rate's, times the layer
 // with CUDA events: per-stage breakdown, each stage against its own floor, total, TFLOP/s,
-// fractions of the GEMM and NVLink floors, and device memory. A table on rank 0; --json for the numbers.
+// fractions of the GEMM and NVLink floors, and device memory. A table on rank 0; --json for the
+// numbers.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>

@@ -41,21 +41,34 @@ __device__ __forceinline__ float from_order_key(unsigned key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
+// e^x as one ex2 with flush to zero: __expf also rescales results below 2^-126 into denormals,
+// three more instructions per entry (the session-8 profile at E = 128), for values that vanish
+// beside the row's largest term of 1 in every sum they enter.
+__device__ __forceinline__ float fast_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+  return y;
+}
+
 // Fast reciprocal division: the IEEE division's slow path for special operands cost a branch per
 // entry (the session-7 profile); its 2 ulp are far inside the tolerances.
 __device__ __forceinline__ float sigmoid(float x) {
-  return __fdividef(1.0f, 1.0f + __expf(-x));
+  return __fdividef(1.0f, 1.0f + fast_exp(-x));
 }
 __device__ __forceinline__ float softplus(float x) {
-  return fmaxf(x, 0.0f) + log1pf(__expf(-fabsf(x)));
+  return fmaxf(x, 0.0f) + log1pf(fast_exp(-fabsf(x)));
 }
 
 // The elementwise score g(l) of sigmoid / sqrtsoftplus, and g'(l) given s = g(l).
 __device__ __forceinline__ float elementwise_score(ScoreFunction f, float l) {
   return f == ScoreFunction::kSigmoid ? sigmoid(l) : sqrtf(softplus(l));
 }
+// The sigmoid's s·(1 − s) takes 1 − s as s·e^−l for l ≥ 0: where s nears 1 the subtraction
+// cancels, and the 2 ulp of the fast division in s became ~10⁻⁵ of 1 − s at l ≈ 4 (the test
+// grid's tolerance; seed 652691080432844090 at E = 256, K = 1, T = 1 failed by 4%).
 __device__ __forceinline__ float elementwise_score_derivative(ScoreFunction f, float l, float s) {
-  return f == ScoreFunction::kSigmoid ? s * (1.0f - s) : __fdividef(sigmoid(l), 2.0f * s);
+  if (f == ScoreFunction::kSigmoid) return l >= 0.0f ? s * s * fast_exp(-l) : s * (1.0f - s);
+  return __fdividef(sigmoid(l), 2.0f * s);
 }
 // g over a lane's chunk, with the choice of function made once rather than per entry.
 template <int V>
@@ -90,10 +103,11 @@ __device__ __forceinline__ Candidate before_all() {
 //
 // A token's E logits are spread over a team of S consecutive lanes (S a power of two); lane
 // `rank` of the team holds experts [rank·V, rank·V + V) in registers, so a warp routes 32/S tokens
-// at once. S and V are chosen from E (dispatch_layout): 8 lanes for E ≤ 128, so that many tokens
-// are in flight, up to the whole warp for large E, so that registers stay bounded.
-// Team reductions are xor butterflies within the team: every lane of the team ends with the same
-// value, and the order of additions is fixed (deterministic).
+// at once. S and V are chosen from E (dispatch_layout): 8 lanes up to E = 64 and 16 at E = 128, so
+// that many tokens are in flight, up to the whole warp for large E, so that registers stay
+// bounded. Team sums are xor butterflies within the team: every lane of the team ends with the
+// same value, and the order of additions is fixed (deterministic); maxima of half- and whole-warp
+// teams are integer redux.sync reductions of order keys.
 
 template <int S>
 __device__ __forceinline__ float team_sum(float v) {
@@ -102,10 +116,32 @@ __device__ __forceinline__ float team_sum(float v) {
   return v;
 }
 
+// The team's largest key: one redux.sync for a warp-wide team; for half-warp teams two, each
+// over one half's keys with the other half's lanes giving 0 (below every float's key): 5
+// instructions and two reductions' latency instead of four dependent shuffle steps, in the
+// rounds that are the forward's critical path at E = 128 (the session-8 profile); xor
+// butterflies within narrower teams.
+template <int S>
+__device__ __forceinline__ unsigned team_max_key(unsigned v) {
+  if constexpr (S == kWarpSize) {
+    return __reduce_max_sync(kFullMask, v);
+  } else if constexpr (S == kWarpSize / 2) {
+    const bool upper = (threadIdx.x & (kWarpSize / 2)) != 0;
+    const unsigned lower_max = __reduce_max_sync(kFullMask, upper ? 0u : v);
+    const unsigned upper_max = __reduce_max_sync(kFullMask, upper ? v : 0u);
+    return upper ? upper_max : lower_max;
+  } else {
+#pragma unroll
+    for (int offset = S / 2; offset > 0; offset >>= 1)
+      v = max(v, __shfl_xor_sync(kFullMask, v, offset));
+    return v;
+  }
+}
+
 template <int S>
 __device__ __forceinline__ float team_max(float v) {
-  if constexpr (S == kWarpSize) {
-    return from_order_key(__reduce_max_sync(kFullMask, order_key(v)));
+  if constexpr (S >= kWarpSize / 2) {
+    return from_order_key(team_max_key<S>(order_key(v)));
   } else {
 #pragma unroll
     for (int offset = S / 2; offset > 0; offset >>= 1)
@@ -255,20 +291,6 @@ __device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p
 // at E = 256 ran 2,300 instructions per token, most of them in those passes and in the
 // pre-filter that had replaced them).
 
-// The team's largest key: one redux.sync for a warp-wide team, xor butterflies within narrower
-// ones.
-template <int S>
-__device__ __forceinline__ unsigned team_max_key(unsigned v) {
-  if constexpr (S == kWarpSize) {
-    return __reduce_max_sync(kFullMask, v);
-  } else {
-#pragma unroll
-    for (int offset = S / 2; offset > 0; offset >>= 1)
-      v = max(v, __shfl_xor_sync(kFullMask, v, offset));
-    return v;
-  }
-}
-
 // The lanes of the caller's team as a warp mask.
 template <int S>
 __device__ __forceinline__ unsigned team_lanes(int team_base) {
@@ -408,7 +430,7 @@ __device__ __forceinline__ void row_softmax(const float (&l)[V], float (&ex)[V],
   float s = 0.0f;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    ex[j] = __expf(l[j] - row_max);
+    ex[j] = fast_exp(l[j] - row_max);
     s += ex[j];
   }
   row_sum = team_sum<S>(s);
@@ -593,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
         if (i * S >= K) break;
-        prob[i] = i * S + rank < K ? __expf(slot_score[i] - m) : 0.0f;
+        prob[i] = i * S + rank < K ? fast_exp(slot_score[i] - m) : 0.0f;
         sum += prob[i];
       }
       const float inv_sum = 1.0f / team_sum<S>(sum);
