@@ -110,6 +110,9 @@ CublasLtHandle& CublasLtHandle::operator=(CublasLtHandle&& other) noexcept {
 void copy_to_device(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
   MOE_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  // From pageable memory cudaMemcpy may return once the bytes are staged, before they land; a
+  // kernel on a non-blocking stream could then read the old contents.
+  MOE_CHECK_CUDA(cudaStreamSynchronize(cudaStreamLegacy));
 }
 void copy_to_host(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;

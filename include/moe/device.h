@@ -130,7 +130,7 @@ class CublasLtHandle {
   cublasLtHandle_t handle_ = nullptr;
 };
 
-// Host <-> device copies that check their result; synchronous with respect to the host.
+// Host <-> device copies that check their result; complete on return, for every stream.
 void copy_to_device(void* dst, const void* src, std::size_t bytes);
 void copy_to_host(void* dst, const void* src, std::size_t bytes);
 

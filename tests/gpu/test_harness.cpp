@@ -98,6 +98,7 @@ TEST_CASE("convert kernel matches host bf16 rounding bit for bit", "[gpu][harnes
     copy_to_device(in.data(), values.data(), n * 4);
     MOE_CHECK_CUDA(cudaMemset(out.data(), 0xFF, n * 2));   // poison: bf16 NaN
     MOE_CHECK_CUDA(cudaMemset(back.data(), 0xFF, n * 4));  // poison: fp32 NaN
+    MOE_CHECK_CUDA(cudaDeviceSynchronize());               // the fill is on the legacy stream
     Stream stream;
     convert(Tensor(in.data(), DType::kFP32, {static_cast<std::int64_t>(n)}),
             Tensor(out.data(), DType::kBF16, {static_cast<std::int64_t>(n)}), stream.get());
@@ -144,6 +145,7 @@ TEST_CASE("cuBLASLt row-major products against the fp64 reference", "[gpu][harne
           const DeviceBuffer b_dev = upload(b, types.in, trans_b);
           DeviceBuffer c_dev(static_cast<std::size_t>(m * n) * dtype_size(types.out));
           MOE_CHECK_CUDA(cudaMemset(c_dev.data(), 0xFF, c_dev.bytes()));  // poison: NaN
+          MOE_CHECK_CUDA(cudaDeviceSynchronize());  // the fill is on the legacy stream
           const GemmShape shape{m, n, k, trans_a, trans_b, types.in, types.in, types.out};
           gemm.run(shape, a_dev.data(), b_dev.data(), c_dev.data(), stream.get());
           stream.synchronize();

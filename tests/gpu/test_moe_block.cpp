@@ -195,6 +195,7 @@ TEST_CASE("MoEBlock bad use gets clear errors and leaves the block usable", "[gp
   MoEBlock block(c, mesh, stream.get());
   DeviceBuffer x(10 * 64 * 2), dy(10 * 64 * 2);
   MOE_CHECK_CUDA(cudaMemset(x.data(), 0, x.bytes()));
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());  // the fill is on the legacy stream
   const Tensor good(x.data(), DType::kBF16, {10, 64});
   CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})),
                     test::contains_text("no forward context"));
@@ -206,6 +207,7 @@ TEST_CASE("MoEBlock bad use gets clear errors and leaves the block usable", "[gp
   CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {9, 64})),
                     test::contains_text("expected bf16[10, 64], got bf16[9, 64]"));
   MOE_CHECK_CUDA(cudaMemset(dy.data(), 0, dy.bytes()));
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());  // the fill is on the legacy stream
   CHECK_NOTHROW(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})));
   CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {10, 64})),
                     test::contains_text("no forward context"));

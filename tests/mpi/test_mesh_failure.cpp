@@ -24,6 +24,7 @@ TEST_CASE("a missing peer makes the others fail within the timeout", "[mpi][mesh
   ExpertExchange exchange(mesh, E);
   DeviceBuffer counts(E * 4), received(E * 4);
   MOE_CHECK_CUDA(cudaMemset(counts.data(), 0, E * 4));
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());  // the fill is on the legacy stream
   Stream stream;
   if (test::world_rank() != 1) {
     const auto start = std::chrono::steady_clock::now();

@@ -33,6 +33,7 @@ TEST_CASE("NCCL all-reduce over all ranks equals the host sum", "[mpi][harness]"
   DeviceBuffer send(n * 4), recv(n * 4);
   copy_to_device(send.data(), inputs[rank].data(), n * 4);
   MOE_CHECK_CUDA(cudaMemset(recv.data(), 0xFF, n * 4));  // poison: NaN
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());               // the fill is on the legacy stream
   Stream stream;
   MOE_CHECK_NCCL(
       ncclAllReduce(send.data(), recv.data(), n, ncclFloat32, ncclSum, comm.get(), stream.get()));

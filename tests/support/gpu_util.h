@@ -27,8 +27,12 @@ std::vector<T> download(const DeviceBuffer& buffer, std::size_t count) {
 
 // All bytes 0xFF: NaN as fp32 or bf16, -1 as int32. Outputs are poisoned before every launch so
 // that an element a kernel failed to write can never pass.
+// Waits for the fill: cudaMemset runs on the legacy default stream, which does not order the
+// tests' non-blocking streams, and a large fill still running could land after the kernel under
+// test wrote its output (seen as NaN in dprob at T = 65536, seed 17115714651638029931).
 inline void poison(const DeviceBuffer& buffer) {
   MOE_CHECK_CUDA(cudaMemset(buffer.data(), 0xFF, buffer.bytes()));
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
 // A matrix's device copy in `dtype`.
