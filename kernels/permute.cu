@@ -29,8 +29,16 @@ __global__ void __launch_bounds__(kLayoutTokens)
   for (int e = threadIdx.x; e < experts; e += kLayoutTokens) counts[e] = 0;
   __syncthreads();
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kLayoutTokens + threadIdx.x;
+  // Lanes that chose the same expert add once, through their lowest lane: with few experts a
+  // warp's 32 adds to one counter would otherwise be serialised.
+  const unsigned valid = __ballot_sync(kFullMask, t < tokens);
   if (t < tokens) {
-    for (int k = 0; k < topk; ++k) atomicAdd(&counts[topk_idx[t * topk + k]], 1);
+    for (int k = 0; k < topk; ++k) {
+      const int e = topk_idx[t * topk + k];
+      const unsigned same = __match_any_sync(valid, e);
+      if (static_cast<int>(threadIdx.x % kWarpSize) == __ffs(same) - 1)
+        atomicAdd(&counts[e], __popc(same));
+    }
   }
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += kLayoutTokens) {
@@ -65,31 +73,81 @@ __device__ int block_exclusive_scan(int* values, int n, int* totals) {
   return total;
 }
 
+// Lanes that share one expert's column of the histogram in the scan: a power of two from 1 (E ≥
+// 1024) to a warp (E ≤ 32), so that the block's 1024 threads cover the columns at once.
+__host__ __device__ constexpr int scan_column_lanes(int experts) {
+  int lanes = kWarpSize;
+  while (lanes > 1 && lanes * experts > kScanThreads) lanes /= 2;
+  return lanes;
+}
+
 // Expert counts, padded group offsets, and each layout block's base row per expert (in place of
 // its histogram): base[b][e] = offsets[e] + Σ_{b' < b} histogram[b'][e].
+// Each column is split into segments over `lanes` lanes of one warp: the segments' loads are
+// independent and issue together, their sums are scanned with shuffles, and every entry is read
+// and written once more. (One thread walking a whole column, a dependent load per layout block,
+// took 38 µs at E = 8, T = 8192: the session-9 stage timing.)
 __global__ void __launch_bounds__(kScanThreads)
     layout_scan_kernel(std::int32_t* histogram, int blocks, int experts, int align,
                        std::int32_t* counts, std::int32_t* offsets) {
+  constexpr int kChunk = 8;  // entries a lane loads before it writes them back
   __shared__ int padded[kMaxExperts];
+  __shared__ int segment_base[kMaxExperts > kScanThreads ? kMaxExperts : kScanThreads];
   __shared__ int totals[kScanThreads];
-  for (int e = threadIdx.x; e < experts; e += kScanThreads) {
-    int running = 0;
-    for (int b = 0; b < blocks; ++b) {
-      int& h = histogram[static_cast<std::int64_t>(b) * experts + e];
-      const int count = h;
-      h = running;  // this block's rank base inside the expert group, before the offset
-      running += count;
+  const int lanes = scan_column_lanes(experts);
+  const int columns_per_pass = kScanThreads / lanes;
+  const int part = static_cast<int>(threadIdx.x) % lanes;
+  const int span = (blocks + lanes - 1) / lanes;
+  const int first_block = min(blocks, part * span);
+  const int end_block = min(blocks, first_block + span);
+
+  // Pass 1: segment sums, scanned within each column; column totals give counts and padding.
+  for (int first = 0; first < experts; first += columns_per_pass) {
+    const int e = first + static_cast<int>(threadIdx.x) / lanes;
+    int sum = 0;
+    if (e < experts) {
+#pragma unroll kChunk
+      for (int b = first_block; b < end_block; ++b)
+        sum += histogram[static_cast<std::int64_t>(b) * experts + e];
     }
-    counts[e] = running;
-    padded[e] = align > 1 ? (running + align - 1) / align * align : running;
+    int inclusive = sum;
+    for (int d = 1; d < lanes; d *= 2) {
+      const int before = __shfl_up_sync(kFullMask, inclusive, d, lanes);
+      if (part >= d) inclusive += before;
+    }
+    const int column_total = __shfl_sync(kFullMask, inclusive, lanes - 1, lanes);
+    if (e < experts) {
+      segment_base[first / columns_per_pass * kScanThreads + threadIdx.x] = inclusive - sum;
+      if (part == 0) {
+        counts[e] = column_total;
+        padded[e] = align > 1 ? (column_total + align - 1) / align * align : column_total;
+      }
+    }
   }
   __syncthreads();
   const int total = block_exclusive_scan(padded, experts, totals);
   for (int e = threadIdx.x; e < experts; e += kScanThreads) offsets[e] = padded[e];
   if (threadIdx.x == 0) offsets[experts] = total;
-  for (int e = threadIdx.x; e < experts; e += kScanThreads) {
-    for (int b = 0; b < blocks; ++b)
-      histogram[static_cast<std::int64_t>(b) * experts + e] += padded[e];
+
+  // Pass 2: each entry becomes its block's base row for the expert.
+  for (int first = 0; first < experts; first += columns_per_pass) {
+    const int e = first + static_cast<int>(threadIdx.x) / lanes;
+    if (e >= experts) continue;
+    int running = padded[e] + segment_base[first / columns_per_pass * kScanThreads + threadIdx.x];
+    for (int b0 = first_block; b0 < end_block; b0 += kChunk) {
+      int value[kChunk];
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        value[i] =
+            b0 + i < end_block ? histogram[static_cast<std::int64_t>(b0 + i) * experts + e] : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        if (b0 + i < end_block)
+          histogram[static_cast<std::int64_t>(b0 + i) * experts + e] = running;
+        running += value[i];
+      }
+    }
   }
 }
 
@@ -106,8 +164,15 @@ __global__ void __launch_bounds__(kLayoutTokens)
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kLayoutTokens + threadIdx.x;
   const int word = threadIdx.x / 32;
   const unsigned bit = 1u << (threadIdx.x % 32);
+  // A word of the bitmap is one warp's lanes, so the lanes that chose the same expert are that
+  // word's bits: their lowest lane sets them all at once.
+  const unsigned valid = __ballot_sync(kFullMask, t < tokens);
   if (t < tokens) {
-    for (int k = 0; k < topk; ++k) atomicOr(&bitmap[topk_idx[t * topk + k] * kWords + word], bit);
+    for (int k = 0; k < topk; ++k) {
+      const int e = topk_idx[t * topk + k];
+      const unsigned same = __match_any_sync(valid, e);
+      if ((same & (bit - 1)) == 0) atomicOr(&bitmap[e * kWords + word], same);
+    }
   }
   __syncthreads();
   if (t >= tokens) return;

@@ -177,6 +177,21 @@ TEST_CASE("permute at T = 65536 and odd widths", "[gpu][permute]") {
   run_case({300, 7168, 256, 8, 64, false, DType::kBF16}, rng);
 }
 
+// The layout's scan splits each expert's column of block histograms over 32 lanes (E ≤ 32) down
+// to one (E ≥ 1024, in two passes above 1024 experts): every split, on columns long enough to
+// take several chunks of loads.
+TEST_CASE("layout at every column split of its scan", "[gpu][permute]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  run_case({70001, 16, 3, 2, 8, true, DType::kBF16}, rng);       // 32 lanes per column
+  run_case({40000, 16, 33, 4, 16, false, DType::kBF16}, rng);    // 16
+  run_case({30000, 16, 100, 8, 4, true, DType::kFP32}, rng);     // 8
+  run_case({20000, 16, 1024, 8, 16, false, DType::kBF16}, rng);  // 1
+  run_case({9000, 16, 2048, 16, 32, true, DType::kBF16}, rng);   // 1, two passes
+  run_case({1, 16, 2048, 16, 0, false, DType::kBF16}, rng);
+}
+
 TEST_CASE("EP chunk sort to and from the padded expert-major layout", "[gpu][permute]") {
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
