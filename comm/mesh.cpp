@@ -229,13 +229,27 @@ void Mesh::group_end(std::string_view operation) const {
 }
 
 void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
-  for (auto pause = std::chrono::microseconds(1);;
-       pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
+  // The waits on a step's path (the dispatch's row counts) are for work queued a fraction of a
+  // millisecond earlier, and the GPU idles from the event until the host queues what follows:
+  // a sleeping poll overshot by the sleep's timer slack (~50 µs on Linux) plus up to the length
+  // of its last backoff step, 0.1–0.2 ms per step at the layer's shapes (the session-9
+  // reading of moe_bench's dispatch stage). So spin, yielding, for the first few milliseconds;
+  // a longer wait is for a peer, and backs off to 1 ms sleeps that also check the
+  // communicators' errors and the deadline.
+  constexpr auto kSpin = std::chrono::milliseconds(5);
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout_;
+  auto pause = std::chrono::microseconds(50);
+  for (;;) {
     const cudaError_t status = cudaEventQuery(event);
     if (status == cudaSuccess) return;
     if (status != cudaErrorNotReady) {
       MOE_CHECK_CUDA(status);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start < kSpin) {
+      std::this_thread::yield();
+      continue;
     }
     if (comms_) {
       for (ncclComm_t c : {comms_->world, comms_->ep.get(), comms_->dp.get()}) {
@@ -248,12 +262,13 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
         }
       }
     }
-    if (std::chrono::steady_clock::now() > deadline) {
+    if (now > deadline) {
       const_cast<Mesh*>(this)->abort();
       fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank_,
            operation, timeout_.count());
     }
     std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
   }
 }
 
