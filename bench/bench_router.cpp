@@ -85,9 +85,8 @@ int main(int argc, char** argv) try {
     for (auto& v : dp) v = normal(rng);
     DeviceBuffer bias_dev(E * 4), dp_dev(dp.size() * 4), idx(dp.size() * 4), prob(dp.size() * 4),
         counts(E * 4), aux_counts(E * 4), score_sum(E * 4), z(16), losses(16),
-        workspace(router_workspace_bytes(params, T)), tokens_dev(8);
+        workspace(router_workspace_bytes(params, T));
     router_workspace_clear(params, workspace.data(), stream.get());
-    copy_to_device(tokens_dev.data(), &T, 8);
     copy_to_device(bias_dev.data(), bias.data(), E * 4);
     copy_to_device(dp_dev.data(), dp.data(), dp.size() * 4);
 
@@ -103,9 +102,11 @@ int main(int argc, char** argv) try {
       a.aux_score_sum = score_sum.as<float>();
       a.z_sum = z.as<float>();
       a.workspace = workspace.data();
+      // One GPU, as the layer runs it there: the losses come from the forward's last block.
+      a.losses = losses.as<float>();
+      a.aux_loss_coeff = c.aux_loss_coeff;
+      a.z_loss_coeff = c.z_loss_coeff;
       router_forward(params, a, stream.get());
-      router_losses(params, c, aux_counts.as<std::int32_t>(), score_sum.as<float>(), z.as<float>(),
-                    tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
     };
     auto backward = [&](int i) {
       RouterBackwardArgs a;

@@ -476,6 +476,9 @@ struct ForwardKernelArgs {
   std::int32_t* aux_tokens_per_expert;
   float* aux_score_sum;
   float* z_sum;
+  float* losses;      // null unless the losses are computed here (RouterForwardArgs::losses)
+  double aux_factor;  // α·E/(K·T²)
+  double z_factor;    // β/T
   ForwardState state;
 };
 
@@ -733,18 +736,23 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   __syncthreads();
   if (!is_last_block) return;
   __threadfence();
+  float aux_partial = 0.0f;  // Σ_e f_e·P_e over this thread's experts, for the fused losses
   for (int e = threadIdx.x; e < E; e += kThreads) {
     const auto count = static_cast<std::int32_t>(atomicExch(&s.tokens_per_expert[e], 0u));
     a.tokens_per_expert[e] = count;
     if (p.aux_loss) {
-      a.aux_tokens_per_expert[e] =
+      const std::int32_t f =
           p.aux_routing_is_main()
               ? count
               : static_cast<std::int32_t>(atomicExch(&s.aux_tokens_per_expert[e], 0u));
-      a.aux_score_sum[e] = static_cast<float>(
+      const auto score_sum = static_cast<float>(
           static_cast<double>(atomicExch(&s.aux_score_sum[e], 0ull)) / kSumScale);
+      a.aux_tokens_per_expert[e] = f;
+      a.aux_score_sum[e] = score_sum;
+      aux_partial += score_sum * static_cast<float>(f);
     }
   }
+  float z_total = 0.0f;  // thread 0's
   if (p.z_loss) {
     // Σ of the blocks' partials in a fixed order: a strided pass, then a tree.
     float sum = 0.0f;
@@ -756,7 +764,20 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       if (threadIdx.x < width) z_tree[threadIdx.x] += z_tree[threadIdx.x + width];
       __syncthreads();
     }
-    if (threadIdx.x == 0) *a.z_sum = z_tree[0];
+    if (threadIdx.x == 0) *a.z_sum = z_total = z_tree[0];
+  }
+  if (a.losses != nullptr) {  // the same sums, in the same order, as router_losses_kernel
+    __syncthreads();          // z_tree is free again
+    z_tree[threadIdx.x] = aux_partial;
+    __syncthreads();
+    for (int width = kThreads / 2; width > 0; width /= 2) {
+      if (threadIdx.x < width) z_tree[threadIdx.x] += z_tree[threadIdx.x + width];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      a.losses[0] = p.aux_loss ? static_cast<float>(a.aux_factor * z_tree[0]) : 0.0f;
+      a.losses[1] = p.z_loss ? static_cast<float>(a.z_factor * z_total) : 0.0f;
+    }
   }
   if (threadIdx.x == 0) atomicExch(s.finished_blocks, 0u);
 }
@@ -1179,6 +1200,11 @@ ForwardState forward_state(void* workspace, int experts) {
 
 template <typename In>
 void launch_forward(const RouterParams& p, const RouterForwardArgs& args, cudaStream_t stream) {
+  // The factors as router_losses_kernel forms them, to the same rounding.
+  const auto T = static_cast<double>(args.tokens);
+  const double aux_factor =
+      args.tokens > 0 ? args.aux_loss_coeff * p.num_experts / (p.topk * T * T) : 0.0;
+  const double z_factor = args.tokens > 0 ? args.z_loss_coeff / T : 0.0;
   ForwardKernelArgs<In> k{p,
                           static_cast<const In*>(args.logits),
                           args.tokens,
@@ -1190,6 +1216,9 @@ void launch_forward(const RouterParams& p, const RouterForwardArgs& args, cudaSt
                           args.aux_tokens_per_expert,
                           args.aux_score_sum,
                           args.z_sum,
+                          args.losses,
+                          aux_factor,
+                          z_factor,
                           forward_state(args.workspace, p.num_experts)};
   dispatch_layout(p.num_experts, [&]<int S, int V>() {
     constexpr int kTeams = kWarpSize / S;
@@ -1274,6 +1303,11 @@ void router_forward(const RouterParams& p, const RouterForwardArgs& args, cudaSt
   }
   if (p.z_loss && args.z_sum == nullptr) fail("router_forward: z_loss needs z_sum");
   if (args.workspace == nullptr) fail("router_forward: workspace is required");
+  if (args.losses != nullptr && !(args.aux_loss_coeff >= 0.0 && args.z_loss_coeff >= 0.0)) {
+    fail("router_forward: loss coefficients must be >= 0, got aux_loss_coeff = " +
+         std::to_string(args.aux_loss_coeff) +
+         ", z_loss_coeff = " + std::to_string(args.z_loss_coeff));
+  }
   if (args.logits_dtype == DType::kBF16) {
     launch_forward<__nv_bfloat16>(p, args, stream);
   } else {

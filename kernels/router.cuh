@@ -52,6 +52,13 @@ struct RouterForwardArgs {
   float* aux_score_sum = nullptr;
   float* z_sum = nullptr;     // [1] out with params.z_loss: Σ_t logsumexp(logits[t])²
   void* workspace = nullptr;  // router_workspace_bytes(), zeroed once by router_workspace_clear
+
+  // When these tokens are the whole batch (one GPU, nothing to sum over a mesh): with `losses`
+  // set, the forward also writes losses[0] = L_aux and losses[1] = L_z, as router_losses would
+  // with T_glob = tokens, from the last block, saving router_losses' launch (3–4 µs).
+  float* losses = nullptr;  // [2] out
+  double aux_loss_coeff = 0.0;
+  double z_loss_coeff = 0.0;
 };
 
 // Workspace of router_forward for `tokens` tokens on the current device. It carries the

@@ -271,6 +271,11 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
       router_workspace_clear(s.router, s.router_ws.data(), stream);
     }
     a.workspace = s.router_ws.data();
+    if (s.mesh.world_size() == 1) {  // these tokens are the whole batch: losses come with it
+      a.losses = losses;
+      a.aux_loss_coeff = s.config.aux_loss_coeff;
+      a.z_loss_coeff = s.config.z_loss_coeff;
+    }
     router_forward(s.router, a, stream);
   }
 
@@ -294,7 +299,9 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     }
     if (s.router.z_loss) s.mesh.all_reduce_sum(z_sum, 1, ncclFloat32, MeshGroup::kWorld, stream);
     s.mesh.group_end("the loss statistics all-reduce");
-    router_losses(s.router, s.config, aux_counts, score_sum, z_sum, global_tokens, losses, stream);
+    if (s.mesh.world_size() > 1)
+      router_losses(s.router, s.config, aux_counts, score_sum, z_sum, global_tokens, losses,
+                    stream);
   }
 
   // 4. Dispatch: the layout (padded expert-major on one rank; by global expert, unpadded, when

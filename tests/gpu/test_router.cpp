@@ -134,7 +134,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   Stream stream;
   router_workspace_clear(params, workspace.data(), stream.get());
 
-  auto run = [&] {
+  // fused_losses: the losses from the forward's last block (one GPU) instead of router_losses.
+  auto run = [&](bool fused_losses) {
     for (const auto* b : {&idx, &prob, &counts, &aux_counts, &score_sum, &z, &losses, &dlogits})
       test::poison(*b);
     RouterForwardArgs fwd;
@@ -149,9 +150,16 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     fwd.aux_score_sum = score_sum.as<float>();
     fwd.z_sum = z.as<float>();
     fwd.workspace = workspace.data();
+    if (fused_losses) {
+      fwd.losses = losses.as<float>();
+      fwd.aux_loss_coeff = config.aux_loss_coeff;
+      fwd.z_loss_coeff = config.z_loss_coeff;
+    }
     router_forward(params, fwd, stream.get());
-    router_losses(params, config, aux_counts.as<std::int32_t>(), score_sum.as<float>(),
-                  z.as<float>(), tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
+    if (!fused_losses) {
+      router_losses(params, config, aux_counts.as<std::int32_t>(), score_sum.as<float>(),
+                    z.as<float>(), tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
+    }
 
     RouterBackwardArgs bwd;
     bwd.logits = logits_dev.data();
@@ -177,7 +185,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     out.dlogits = test::download<float>(dlogits, static_cast<std::size_t>(T * E));
     return out;
   };
-  const Outputs gpu = run();
+  const Outputs gpu = run(false);
 
   // Selection: identical to the reference's, or a near-tie.
   const auto ref_routing = reference::route(config, logits, bias);
@@ -229,14 +237,20 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   CHECK(test::relative_error(test::to_double(gpu.dlogits), want_dlogits.data) <= kTolerance);
 
   // The same run again: bitwise the same.
-  const Outputs again = run();
-  CHECK(again.idx == gpu.idx);
-  CHECK(std::memcmp(again.prob.data(), gpu.prob.data(), gpu.prob.size() * 4) == 0);
-  CHECK(again.counts == gpu.counts);
-  CHECK(again.aux_counts == gpu.aux_counts);
-  CHECK(std::memcmp(again.score_sum.data(), gpu.score_sum.data(), E * 4) == 0);
-  CHECK(std::memcmp(again.losses.data(), gpu.losses.data(), 8) == 0);
-  CHECK(std::memcmp(again.dlogits.data(), gpu.dlogits.data(), gpu.dlogits.size() * 4) == 0);
+  // The same run again, and once more with the losses fused into the forward: bitwise the same
+  // (the fused losses add the same terms in the same order as router_losses).
+  for (const bool fused : {false, true}) {
+    INFO((fused ? "losses fused into the forward" : "the same run again"));
+    const Outputs again = run(fused);
+    CHECK(again.idx == gpu.idx);
+    CHECK(std::memcmp(again.prob.data(), gpu.prob.data(), gpu.prob.size() * 4) == 0);
+    CHECK(again.counts == gpu.counts);
+    CHECK(again.aux_counts == gpu.aux_counts);
+    CHECK(std::memcmp(again.score_sum.data(), gpu.score_sum.data(), E * 4) == 0);
+    CHECK(std::memcmp(again.z.data(), gpu.z.data(), 4) == 0);
+    CHECK(std::memcmp(again.losses.data(), gpu.losses.data(), 8) == 0);
+    CHECK(std::memcmp(again.dlogits.data(), gpu.dlogits.data(), gpu.dlogits.size() * 4) == 0);
+  }
 }
 
 MoEConfig router_config(int experts, int topk, ScoreFunction f, bool pre, bool bias, bool grouped,
@@ -437,4 +451,12 @@ TEST_CASE("router rejects bad arguments with clear errors", "[gpu][router]") {
   args.tokens = 5;
   CHECK_THROWS_WITH(router_forward(params, args, nullptr),
                     test::contains_text("logits, topk_idx and topk_p are required"));
+  args.tokens = 0;
+  DeviceBuffer counts(8 * 4), losses(8), workspace(router_workspace_bytes(params, 0));
+  args.tokens_per_expert = counts.as<std::int32_t>();
+  args.workspace = workspace.data();
+  args.losses = losses.as<float>();
+  args.aux_loss_coeff = -1.0;
+  CHECK_THROWS_WITH(router_forward(params, args, nullptr),
+                    test::contains_text("aux_loss_coeff = -1"));
 }
