@@ -99,6 +99,21 @@ __device__ __forceinline__ Candidate before_all() {
   return {INFINITY, -1};
 }
 
+// Σ of one value per thread over a block of kN threads, as a tree in shared memory `tree` [kN]:
+// the same additions in the same order on every run (bitwise deterministic); every thread gets
+// the total. The leading barrier lets the caller reuse `tree` for another sum right away.
+template <int kN, typename V>
+__device__ V block_tree_sum(V value, V* tree) {
+  __syncthreads();
+  tree[threadIdx.x] = value;
+  __syncthreads();
+  for (int width = kN / 2; width > 0; width /= 2) {
+    if (threadIdx.x < width) tree[threadIdx.x] += tree[threadIdx.x + width];
+    __syncthreads();
+  }
+  return tree[0];
+}
+
 // ---- Teams: the lanes that share one token
 //
 // A token's E logits are spread over a team of S consecutive lanes (S a power of two); lane
@@ -752,30 +767,19 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       aux_partial += score_sum * static_cast<float>(f);
     }
   }
-  float z_total = 0.0f;  // thread 0's
+  float z_total = 0.0f;
   if (p.z_loss) {
     // Σ of the blocks' partials in a fixed order: a strided pass, then a tree.
     float sum = 0.0f;
     for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += kThreads)
       sum += __ldcg(&s.z_partials[b]);
-    z_tree[threadIdx.x] = sum;
-    __syncthreads();
-    for (int width = kThreads / 2; width > 0; width /= 2) {
-      if (threadIdx.x < width) z_tree[threadIdx.x] += z_tree[threadIdx.x + width];
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) *a.z_sum = z_total = z_tree[0];
+    z_total = block_tree_sum<kThreads>(sum, z_tree);
+    if (threadIdx.x == 0) *a.z_sum = z_total;
   }
   if (a.losses != nullptr) {  // the same sums, in the same order, as router_losses_kernel
-    __syncthreads();          // z_tree is free again
-    z_tree[threadIdx.x] = aux_partial;
-    __syncthreads();
-    for (int width = kThreads / 2; width > 0; width /= 2) {
-      if (threadIdx.x < width) z_tree[threadIdx.x] += z_tree[threadIdx.x + width];
-      __syncthreads();
-    }
+    const float aux_total = block_tree_sum<kThreads>(aux_partial, z_tree);
     if (threadIdx.x == 0) {
-      a.losses[0] = p.aux_loss ? static_cast<float>(a.aux_factor * z_tree[0]) : 0.0f;
+      a.losses[0] = p.aux_loss ? static_cast<float>(a.aux_factor * aux_total) : 0.0f;
       a.losses[1] = p.z_loss ? static_cast<float>(a.z_factor * z_total) : 0.0f;
     }
   }
@@ -1055,17 +1059,12 @@ __global__ void router_losses_kernel(int experts, int topk, const std::int32_t* 
     for (int e = threadIdx.x; e < experts; e += kReduceThreads)
       sum += score_sum[e] * static_cast<float>(f[e]);
   }
-  partial[threadIdx.x] = sum;
-  __syncthreads();
-  for (int width = kReduceThreads / 2; width > 0; width /= 2) {
-    if (threadIdx.x < width) partial[threadIdx.x] += partial[threadIdx.x + width];
-    __syncthreads();
-  }
+  const float aux_total = block_tree_sum<kReduceThreads>(sum, partial);
   if (threadIdx.x == 0) {
     const double T = static_cast<double>(*global_tokens);
     const double aux_factor = T > 0 ? aux_coeff * experts / (topk * T * T) : 0.0;  // α·E/(K·T²)
     const double z_factor = T > 0 ? z_coeff / T : 0.0;                             // β/T
-    losses[0] = f != nullptr ? static_cast<float>(aux_factor * partial[0]) : 0.0f;
+    losses[0] = f != nullptr ? static_cast<float>(aux_factor * aux_total) : 0.0f;
     losses[1] = z_sum != nullptr ? static_cast<float>(z_factor * *z_sum) : 0.0f;
   }
 }
@@ -1075,14 +1074,8 @@ __global__ void update_expert_bias_kernel(float* bias, const std::int32_t* load,
   __shared__ long long partial[kReduceThreads];
   long long sum = 0;
   for (int e = threadIdx.x; e < experts; e += kReduceThreads) sum += load[e];
-  partial[threadIdx.x] = sum;
-  __syncthreads();
-  for (int width = kReduceThreads / 2; width > 0; width /= 2) {
-    if (threadIdx.x < width) partial[threadIdx.x] += partial[threadIdx.x + width];
-    __syncthreads();
-  }
   // Compare load_i · E with the total rather than with a rounded mean: the sign is exact.
-  const long long total = partial[0];
+  const long long total = block_tree_sum<kReduceThreads>(sum, partial);
   for (int e = threadIdx.x; e < experts; e += kReduceThreads) {
     const long long gap = total - static_cast<long long>(load[e]) * experts;
     bias[e] += rate * static_cast<float>((gap > 0) - (gap < 0));
