@@ -2,6 +2,7 @@
 //
 //   mpirun -np N build/apps/moe_bench [--config configs/X.yaml] [--ep E --dp D] [--tokens T]
 //                                      [--iters I] [--warmup W] [--grad-dtype bf16|fp32]
+//                                      [--keep-expert-input]
 //                                      [--json FILE]
 //
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
@@ -69,6 +70,7 @@ int main(int argc, char** argv) {
   std::string config_path = std::string(MOE_SOURCE_DIR) + "/configs/small.yaml";
   int ep = 0, dp = 0, tokens = 0, iters = 20, warmup = 5;
   std::string json_path, grad_dtype;
+  bool keep_expert_input = false;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(CLI::PositiveNumber);
@@ -81,6 +83,8 @@ int main(int argc, char** argv) {
   app.add_option("--grad-dtype", grad_dtype,
                  "expert weight gradients: bf16 or fp32 (default: the config's)")
       ->check(CLI::IsMember({"bf16", "fp32"}));
+  app.add_flag("--keep-expert-input", keep_expert_input,
+               "keep the experts' input X for the backward instead of permuting x again");
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   CLI11_PARSE(app, argc, argv);
 
@@ -101,6 +105,7 @@ int main(int argc, char** argv) {
     config.dp = dp;
     if (tokens > 0) config.bench_tokens = tokens;
     if (!grad_dtype.empty()) config.grad_dtype = parse_dtype(grad_dtype, "--grad-dtype");
+    if (keep_expert_input) config.keep_expert_input = true;
     if (config.bench_tokens <= 0) fail("moe_bench: the config sets no token count; pass --tokens");
     config.validate();
 

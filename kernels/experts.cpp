@@ -183,8 +183,10 @@ void ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets, 
 void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                          const Tensor& w13, const Tensor& w2, const ExpertActivations& act,
                          bool recompute_h, const Tensor& dX, const Tensor& dw13, const Tensor& dw2,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const RefillInput& refill_input) {
   check_shapes(X, offsets, w13, w2, act);
+  if (recompute_h && refill_input)
+    fail("ExpertFFN::backward: recompute_h needs X on entry; it cannot be refilled later");
   const std::int64_t rows = offsets.back();
   const std::int64_t H = hidden_, F = ffn_, E = experts_;
   expect_tensor(dY, "ExpertFFN dY", dtype_, {rows, H});
@@ -215,28 +217,38 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   }
   run(products, stream);
   swiglu_backward(act.h, act.dA, act.dh, act.a, stream);
-  products.clear();
+  // dw2 = dYᵀ·a and dw13 = dhᵀ·X (with no rows, K = 0, these write zeros); dX = dh·w13.
+  // Separate buffers: one fan-out over all of them, the most overlap. Shared: three steps.
+  std::vector<Product> all, dw2_products, dw13_products, dX_products;
   for (int e = 0; e < experts_; ++e) {
     const std::int64_t m = offsets[e + 1] - offsets[e];
-    const char* dY_e = dY.as<char>() + offsets[e] * H * elem;
     const char* dh_e = act.dh.as<char>() + offsets[e] * 2 * F * elem;
-    // dw2 = dYᵀ·a and dw13 = dhᵀ·X; with no rows (K = 0) these write zeros.
-    products.push_back({{H, F, m, true, false, dtype_, dtype_, grad_type},
-                        dY_e,
+    const Product dw2_e{{H, F, m, true, false, dtype_, dtype_, grad_type},
+                        dY.as<char>() + offsets[e] * H * elem,
                         act.a.as<char>() + offsets[e] * F * elem,
-                        dw2.as<char>() + e * H * F * grad_elem});
-    products.push_back({{2 * F, H, m, true, false, dtype_, dtype_, grad_type},
-                        dh_e,
-                        X.as<char>() + offsets[e] * H * elem,
-                        dw13.as<char>() + e * 2 * F * H * grad_elem});
-    if (m > 0) {  // dX = dh·w13
-      products.push_back({{m, H, 2 * F, false, false, dtype_, dtype_, dtype_},
-                          dh_e,
-                          w13.as<char>() + e * 2 * F * H * elem,
-                          dX.as<char>() + offsets[e] * H * elem});
+                        dw2.as<char>() + e * H * F * grad_elem};
+    const Product dw13_e{{2 * F, H, m, true, false, dtype_, dtype_, grad_type},
+                         dh_e,
+                         X.as<char>() + offsets[e] * H * elem,
+                         dw13.as<char>() + e * 2 * F * H * grad_elem};
+    (refill_input ? dw2_products : all).push_back(dw2_e);
+    (refill_input ? dw13_products : all).push_back(dw13_e);
+    if (m > 0) {
+      (refill_input ? dX_products : all)
+          .push_back({{m, H, 2 * F, false, false, dtype_, dtype_, dtype_},
+                      dh_e,
+                      w13.as<char>() + e * 2 * F * H * elem,
+                      dX.as<char>() + offsets[e] * H * elem});
     }
   }
-  run(products, stream);
+  if (!refill_input) {
+    run(all, stream);
+    return;
+  }
+  run(dw2_products, stream);  // the last reads of dY
+  refill_input(stream);       // X over dY
+  run(dw13_products, stream);
+  run(dX_products, stream);  // dX over X, once every dw13 has read it
 }
 
 namespace {

@@ -54,14 +54,23 @@ class ExpertFFN {
   ExpertFFN& operator=(const ExpertFFN&) = delete;
 
   // offsets: host [E_loc + 1], expert e owns rows [offsets[e], offsets[e + 1]) of X (padding
-  // incl.).
+  // incl.). y may be X itself: every product reading X completes before the first writes y.
   void forward(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
                const Tensor& w2, const ExpertActivations& act, const Tensor& y,
                cudaStream_t stream);
-  // recompute_h: act.h was not kept, so the first GEMM runs again (memory against time).
+
+  // Writes X again, queued on the stream it is given, when X was not kept (memory against one
+  // more pass over the rows). With it, dY, X and dX may share one buffer: dY is read by dA and
+  // dw2, then refill_input runs, dw13 reads X, and dX is written last, each step after the
+  // previous one's products have all completed.
+  using RefillInput = std::function<void(cudaStream_t)>;
+
+  // recompute_h: act.h was not kept, so the first GEMM runs again (memory against time); it
+  // needs X on entry, so it cannot be combined with refill_input.
   void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                 const Tensor& w13, const Tensor& w2, const ExpertActivations& act, bool recompute_h,
-                const Tensor& dX, const Tensor& dw13, const Tensor& dw2, cudaStream_t stream);
+                const Tensor& dX, const Tensor& dw13, const Tensor& dw2, cudaStream_t stream,
+                const RefillInput& refill_input = {});
 
   ExpertSchedule schedule() const { return schedule_; }
 

@@ -327,11 +327,12 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
 
 template <typename T, int kElems, int kSlots>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
-    combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y,
+    combine_backward_kernel(const T* __restrict__ dy, const T* y,
                             const std::int32_t* __restrict__ row_map,
                             const float* __restrict__ prob, int topk, std::int64_t tokens,
-                            int hidden, T* __restrict__ dY, float* __restrict__ dprob,
-                            Padding pad) {
+                            int hidden, T* dY, float* __restrict__ dprob, Padding pad) {
+  // y and dY may be one buffer: each lane writes a row's units only after it has read them, and
+  // no other lane touches them (a row belongs to one (t, k); padding rows are never read).
   if (zero_padding_block<T, kElems>(pad, hidden, dY)) return;
   using P = Pack<T, kElems>;
   constexpr int kUnroll = column_unroll<kSlots>();

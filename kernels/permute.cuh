@@ -42,7 +42,7 @@ void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float
                        const Tensor& out, cudaStream_t stream);
 
 // Combine backward: dY[row(t, k)] = prob[t, k]·dy[t] (padding rows zero) and
-// dprob[t, k] = <dy[t], y[row(t, k)]>, with y the tensor the combine consumed.
+// dprob[t, k] = <dy[t], y[row(t, k)]>, with y the tensor the combine consumed. dY may be y itself.
 void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row_map,
                       const float* prob, int topk, const std::int32_t* offsets,
                       const std::int32_t* counts, int experts, const Tensor& dY, float* dprob,

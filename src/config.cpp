@@ -111,9 +111,10 @@ std::string MoEConfig::describe() const {
   if (expert_bias) router += "+bias";
   if (num_groups > 0) router += fmt::format(" groups={}/top{}", num_groups, group_topk);
   return fmt::format(
-      "H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} (grads {}) EP={} DP={}", hidden,
+      "H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} (grads {}){} EP={} DP={}", hidden,
       ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff,
-      align_size, dtype_name(dtype), dtype_name(grad_dtype), ep, dp);
+      align_size, dtype_name(dtype), dtype_name(grad_dtype), keep_expert_input ? " X kept" : "", ep,
+      dp);
 }
 
 namespace {
@@ -182,6 +183,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
        [&](const YAML::Node& n, const std::string& k) {
          config.grad_dtype = parse_dtype(read_scalar<std::string>(n, k, source), "grad_dtype");
        }},
+      {"keep_expert_input", flag(&MoEConfig::keep_expert_input)},
       {"ep", integer(&MoEConfig::ep)},
       {"dp", integer(&MoEConfig::dp)},
       {"tokens", integer(&MoEConfig::bench_tokens)},

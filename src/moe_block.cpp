@@ -95,8 +95,9 @@ struct MoEBlock::State {
       router_ws, scalars;
   DeviceBuffer layout_counts, layout_offsets, row_map, layout_ws, recv_counts, chunk_ws;
   // Each buffer serves several roles whose contents never live at the same time (docs/design.md,
-  // "Buffers"): Y also stages received rows and holds dX; dY stages rows in the forward; a holds
-  // dA; h holds dh. A role takes its buffer (view) only once the previous role's content is dead.
+  // "Buffers"): without EP, X also holds Y, dY and dX (Y and dY stay empty); under EP, Y also
+  // stages received rows and holds dX, dY stages rows in the forward; a holds dA; h holds dh. A
+  // role takes its buffer (view) only once the previous role's content is dead.
   DeviceBuffer send_rows, X, h, a, Y, out;
   PinnedBuffer host_scalars;
   Event copied;
@@ -132,6 +133,8 @@ struct MoEBlock::State {
         experts(c.hidden, c.ffn_hidden, c.num_experts / m.ep(), c.dtype) {}
 
   bool expert_parallel() const { return mesh.ep() > 1; }
+  // X, Y, dY and dX in X's buffer, X permuted from x again in the backward (MoEConfig).
+  bool one_row_buffer() const { return !expert_parallel() && !config.keep_expert_input; }
 
   void check(const char* stage, const Tensor& t) {
     if (!check_finite) return;
@@ -369,8 +372,9 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   const Tensor X(s.X.data(), s.dtype, {s.rows, H});
   s.check("dispatch", X);
 
-  // 5. Experts: h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ.
-  const Tensor Y = view(s.Y, s.dtype, {s.rows, H});
+  // 5. Experts: h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ; with one row buffer Y is written
+  //    over X (the backward permutes x again instead of keeping X, docs/design.md "Buffers").
+  const Tensor Y = s.one_row_buffer() ? X : view(s.Y, s.dtype, {s.rows, H});
   {
     Range r("moe experts", s.times, stream);
     const ExpertActivations act{
@@ -422,17 +426,19 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   auto* row_map = s.row_map.as<std::int32_t>();
   auto* topk_p = s.topk_p.as<float>();
   auto* dprob = typed<float>(s.dprob, T * K);
-  const Tensor dY = view(s.dY, s.dtype, {rows, H});
+  // One row buffer: it holds Y, then dY, X again and dX (docs/design.md, "Buffers").
+  const Tensor rows_buffer(s.X.data(), s.dtype, {rows, H});
+  const Tensor dY = s.one_row_buffer() ? rows_buffer : view(s.dY, s.dtype, {rows, H});
   const Tensor dx = view(s.dx, s.dtype, {T, H});
 
   // 6'. Combine backward, against the Y the combine consumed in the layout it consumed it; EP:
   //     back to the experts' ranks and into their padded layout.
   {
     Range r("moe combine backward", s.times, stream);
-    if (!s.expert_parallel()) {
-      combine_backward(dy, Tensor(s.Y.data(), s.dtype, {rows, H}), row_map, topk_p, K,
-                       s.layout_offsets.as<std::int32_t>(), s.layout_counts.as<std::int32_t>(), E,
-                       dY, dprob, stream);
+    if (!s.expert_parallel()) {  // one row buffer: dY over Y, in place
+      const Tensor Y = s.one_row_buffer() ? rows_buffer : Tensor(s.Y.data(), s.dtype, {rows, H});
+      combine_backward(dy, Y, row_map, topk_p, K, s.layout_offsets.as<std::int32_t>(),
+                       s.layout_counts.as<std::int32_t>(), E, dY, dprob, stream);
     } else {
       const auto& c = s.exchange->counts();
       const Tensor dY_sent = view(s.Y, s.dtype, {T * K, H});  // Y is dead: the combine kept its own
@@ -450,24 +456,31 @@ Tensor MoEBlock::backward(const Tensor& dy) {
     s.check("combine backward", dY);
   }
 
-  // 5'. Experts backward.
+  // 5'. Experts backward. In place: dh over h, dA over a (the SwiGLU backward reads each element
+  //     before writing its gradient, and writes a there again for dw2). One row buffer: X
+  //     permuted from x again over dY once dY is dead, dX over X once dw13 has read it. Else dX
+  //     into Y, dead since the combine backward.
+  const Tensor dX = s.one_row_buffer() ? rows_buffer : Tensor(s.Y.data(), s.dtype, {rows, H});
   {
     Range r("moe experts backward", s.times, stream);
-    // In place: dh over h, dA over a (the SwiGLU backward reads each element before writing its
-    // gradient, and writes a there again for dw2); dX into Y, dead since the combine backward.
     const Tensor h(s.h.data(), s.dtype, {rows, 2 * F});
     const Tensor a(s.a.data(), s.dtype, {rows, F});
     const ExpertActivations act{h, a, a, h};
-    const Tensor dX(s.Y.data(), s.dtype, {rows, H});
+    ExpertFFN::RefillInput refill;
+    if (s.one_row_buffer()) {
+      refill = [&s, &rows_buffer, row_map, K, E](cudaStream_t on) {
+        permute_rows(s.x, row_map, K, s.layout_offsets.as<std::int32_t>(),
+                     s.layout_counts.as<std::int32_t>(), E, rows_buffer, on);
+      };
+    }
     s.experts.backward(dY, Tensor(s.X.data(), s.dtype, {rows, H}), s.expert_offsets, s.params.w13,
-                       s.params.w2, act, false, dX, s.grads.w13, s.grads.w2, stream);
+                       s.params.w2, act, false, dX, s.grads.w13, s.grads.w2, stream, refill);
     s.check("experts backward", dX);
   }
 
   // 4'. Dispatch backward: EP back to the senders; dx[t] = Σ_k dX_row(t,k).
   {
     Range r("moe dispatch backward", s.times, stream);
-    const Tensor dX(s.Y.data(), s.dtype, {rows, H});
     const Tensor* rows_in = &dX;
     Tensor returned;
     if (s.expert_parallel()) {

@@ -48,6 +48,12 @@ struct MoEConfig {
   // gradient is always fp32.
   DType grad_dtype = DType::kFP32;
 
+  // Without EP the backward permutes x again into the experts' input X instead of keeping it
+  // from the forward, so that X, Y, dY and dX share one [rows, H] buffer: two such buffers less
+  // (0.5 GiB at qwen3-30b-a3b, 1.8 GiB at deepseek-v3, T = 8192) for one more permute. true keeps
+  // X (and the separate buffers). Under EP X came over NVLink and is always kept.
+  bool keep_expert_input = false;
+
   // Mesh: expert-parallel and data-parallel degrees; world = ep * dp.
   int ep = 1;
   int dp = 1;

@@ -66,6 +66,8 @@ TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][c
   CHECK(config.local_experts() == 8);
   CHECK(config.grad_dtype == DType::kFP32);
   CHECK(parse_config(kBase + "grad_dtype: bf16\n").grad_dtype == DType::kBF16);
+  CHECK_FALSE(config.keep_expert_input);
+  CHECK(parse_config(kBase + "keep_expert_input: true\n").keep_expert_input);
 }
 
 TEST_CASE("padded rows round each group up to align_size", "[cpu][config]") {

@@ -1,5 +1,6 @@
 // Expert FFN (cuBLASLt / grouped GEMMs + SwiGLU) against the fp64 reference: forward and every
-// gradient, fp32 and bf16, every schedule, h kept or recomputed, uniform / skewed / empty experts.
+// gradient, fp32 and bf16, every schedule, h kept or recomputed, X kept or refilled, uniform /
+// skewed / empty experts.
 #include <optional>
 #include <random>
 #include <sstream>
@@ -45,7 +46,8 @@ struct Case {
   DType grad_dtype;
   ExpertSchedule schedule;
   bool recompute;
-  bool in_place = false;  // dh over h and dA over a, as MoEBlock runs it
+  bool in_place = false;    // dh over h and dA over a, as MoEBlock runs it
+  bool one_buffer = false;  // X, y, dY and dX in one buffer, X refilled in backward (one GPU)
   std::string describe() const {
     std::ostringstream s;
     s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert
@@ -55,7 +57,7 @@ struct Case {
                                   : "some empty")
       << " " << dtype_name(dtype) << " grads " << dtype_name(grad_dtype) << " "
       << expert_schedule_name(schedule) << (recompute ? " recompute h" : " keep h")
-      << (in_place ? " in place" : "");
+      << (in_place ? " in place" : "") << (one_buffer ? " one row buffer" : "");
     return s.str();
   }
 };
@@ -130,17 +132,40 @@ void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) 
   if (shared == nullptr) own.emplace(H, F, E, d, c.schedule, 3);
   ExpertFFN& ffn = shared != nullptr ? *shared : *own;
   Stream stream;
-  const Tensor X_t(X_dev.data(), d, {rows, H}), w13_t_(w13_dev.data(), d, {E, 2 * F, H}),
-      w2_t_(w2_dev.data(), d, {E, H, F});
-  ffn.forward(X_t, offsets, w13_t_, w2_t_, act, Tensor(y.data(), d, {rows, H}), stream.get());
-  if (c.recompute) {
+  const Tensor w13_t_(w13_dev.data(), d, {E, 2 * F, H}), w2_t_(w2_dev.data(), d, {E, H, F});
+  const Tensor dw13_t(dw13.data(), c.grad_dtype, {E, 2 * F, H}),
+      dw2_t(dw2.data(), c.grad_dtype, {E, H, F});
+  const std::size_t row_bytes = static_cast<std::size_t>(rows * H) * elem;
+  if (c.one_buffer) {
+    // y over X; then dY put there (MoEBlock's combine backward writes it over y); the backward
+    // refills X over it when dY is dead and writes dX over X.
+    const auto shared_rows = test::upload_as(X, d);
+    const Tensor rows_t(shared_rows.data(), d, {rows, H});
+    ffn.forward(rows_t, offsets, w13_t_, w2_t_, act, rows_t, stream.get());
+    MOE_CHECK_CUDA(cudaMemcpyAsync(y.data(), shared_rows.data(), row_bytes,
+                                   cudaMemcpyDeviceToDevice, stream.get()));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(shared_rows.data(), dY_dev.data(), row_bytes,
+                                   cudaMemcpyDeviceToDevice, stream.get()));
+    const auto refill = [&](cudaStream_t on) {
+      MOE_CHECK_CUDA(cudaMemcpyAsync(shared_rows.data(), X_dev.data(), row_bytes,
+                                     cudaMemcpyDeviceToDevice, on));
+    };
+    ffn.backward(rows_t, rows_t, offsets, w13_t_, w2_t_, act, false, rows_t, dw13_t, dw2_t,
+                 stream.get(), refill);
+    MOE_CHECK_CUDA(cudaMemcpyAsync(dX.data(), shared_rows.data(), row_bytes,
+                                   cudaMemcpyDeviceToDevice, stream.get()));
     stream.synchronize();
-    test::poison(h);  // backward must rebuild h itself
+  } else {
+    const Tensor X_t(X_dev.data(), d, {rows, H});
+    ffn.forward(X_t, offsets, w13_t_, w2_t_, act, Tensor(y.data(), d, {rows, H}), stream.get());
+    if (c.recompute) {
+      stream.synchronize();
+      test::poison(h);  // backward must rebuild h itself
+    }
+    ffn.backward(Tensor(dY_dev.data(), d, {rows, H}), X_t, offsets, w13_t_, w2_t_, act, c.recompute,
+                 Tensor(dX.data(), d, {rows, H}), dw13_t, dw2_t, stream.get());
+    stream.synchronize();
   }
-  ffn.backward(Tensor(dY_dev.data(), d, {rows, H}), X_t, offsets, w13_t_, w2_t_, act, c.recompute,
-               Tensor(dX.data(), d, {rows, H}), Tensor(dw13.data(), c.grad_dtype, {E, 2 * F, H}),
-               Tensor(dw2.data(), c.grad_dtype, {E, H, F}), stream.get());
-  stream.synchronize();
 
   const double tolerance = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
   CHECK(test::relative_error(download_matrix(y, rows, H, d), want.y) <= tolerance);
@@ -178,7 +203,9 @@ TEST_CASE("expert FFN forward and backward against the reference", "[gpu][expert
         const DType grad = index % 3 == 0 ? DType::kFP32 : dtype;
         const int H = E >= 64 ? 64 : 96,
                   F = E >= 64 ? 40 : 72;  // F = 40: odd for 16-byte packs of bf16
-        run_case({H, F, E, E >= 64 ? 6 : 24, rows, dtype, grad, schedule, index % 4 == 0}, rng);
+        run_case({H, F, E, E >= 64 ? 6 : 24, rows, dtype, grad, schedule, index % 4 == 0,
+                  index % 4 == 2, index % 4 == 2},
+                 rng);
       }
     }
   }
@@ -214,6 +241,13 @@ TEST_CASE("expert FFN at the model shapes, scaled down", "[gpu][experts]") {
            rng);
   run_case({512, 192, 32, 16, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kBatched,
             true},
+           rng);
+  // One row buffer, as MoEBlock runs on one GPU.
+  run_case({512, 1792, 8, 64, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kBatched,
+            false, true, true},
+           rng);
+  run_case({448, 128, 16, 16, Rows::kSomeEmpty, DType::kBF16, DType::kFP32,
+            ExpertSchedule::kGrouped, false, true, true},
            rng);
 }
 

@@ -121,6 +121,14 @@ TEST_CASE("MoEBlock on one GPU equals the fp64 reference", "[gpu][block]") {
   half_grads.grad_dtype = DType::kBF16;
   half_grads.align_size = 16;
   run_case(half_grads, 45, rng);
+  // X kept for the backward, in its own buffer beside Y and dY (the default shares one).
+  for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+    MoEConfig kept = base_config(dtype);
+    kept.keep_expert_input = true;
+    kept.align_size = 16;
+    kept.aux_loss_coeff = 0.05;
+    run_case(kept, 45, rng);
+  }
 }
 
 TEST_CASE("MoEBlock edge cases: T = 1, K = E, zero tokens, hard routing", "[gpu][block]") {

@@ -137,6 +137,18 @@ void run_case(const Case& c, std::mt19937_64& rng) {
             reference::combine_backward_prob(dy, y, layout, routing32)) <= 1e-5);
   CHECK(test::relative_error(download_matrix(dx, T, H, c.dtype),
                              reference::permute_backward(y, layout, routing)) <= tolerance);
+
+  // In place, as MoEBlock runs it on one GPU: dY over y, bitwise what the separate buffers gave.
+  const auto y_then_dY = test::upload_as(y, c.dtype);
+  DeviceBuffer dprob_in_place(static_cast<std::size_t>(T * K) * 4 + 16);
+  test::poison(dprob_in_place);
+  const Tensor shared(y_then_dY.data(), c.dtype, {rows, H});
+  combine_backward(dy_t, shared, rm, prob_dev.as<float>(), K, offsets.as<std::int32_t>(),
+                   counts.as<std::int32_t>(), E, shared, dprob_in_place.as<float>(), stream.get());
+  stream.synchronize();
+  CHECK(download_matrix(y_then_dY, rows, H, c.dtype).data == got_dY.data);
+  CHECK(test::download<float>(dprob_in_place, static_cast<std::size_t>(T * K)) ==
+        test::download<float>(dprob, static_cast<std::size_t>(T * K)));
 }
 
 }  // namespace
