@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 
 #include "moe/error.h"
 #include "swiglu.cuh"
@@ -218,7 +219,8 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   run(products, stream);
   swiglu_backward(act.h, act.dA, act.dh, act.a, stream);
   // dw2 = dYᵀ·a and dw13 = dhᵀ·X (with no rows, K = 0, these write zeros); dX = dh·w13.
-  // Separate buffers: one fan-out over all of them, the most overlap. Shared: three steps.
+  // Separate buffers: one fan-out over all of them, the most overlap. One buffer: dw2 (the last
+  // reader of dY), X refilled, then each dw13 with its expert's dX behind it on one stream.
   std::vector<Product> all, dw2_products, dw13_products, dX_products;
   for (int e = 0; e < experts_; ++e) {
     const std::int64_t m = offsets[e + 1] - offsets[e];
@@ -233,7 +235,8 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
                          dw13.as<char>() + e * 2 * F * H * grad_elem};
     (refill_input ? dw2_products : all).push_back(dw2_e);
     (refill_input ? dw13_products : all).push_back(dw13_e);
-    if (m > 0) {
+    // With no rows there is no dX product (an empty one keeps dX_products aligned with dw13's).
+    if (m > 0 || refill_input) {
       (refill_input ? dX_products : all)
           .push_back({{m, H, 2 * F, false, false, dtype_, dtype_, dtype_},
                       dh_e,
@@ -245,10 +248,9 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
     run(all, stream);
     return;
   }
-  run(dw2_products, stream);  // the last reads of dY
-  refill_input(stream);       // X over dY
-  run(dw13_products, stream);
-  run(dX_products, stream);  // dX over X, once every dw13 has read it
+  run(dw2_products, stream);                 // the last reads of dY
+  refill_input(stream);                      // X over dY
+  run(dw13_products, stream, &dX_products);  // dX over X_e once dw13_e has read it
 }
 
 namespace {
@@ -274,20 +276,25 @@ std::vector<std::vector<const Product*>> same_shape_sets(const std::vector<Produ
 
 }  // namespace
 
-void ExpertFFN::run(const std::vector<Product>& products, cudaStream_t stream) {
+void ExpertFFN::run(const std::vector<Product>& products, cudaStream_t stream,
+                    const std::vector<Product>* followers) {
   if (products.empty()) return;
+  if (followers != nullptr && followers->size() != products.size())
+    fail("ExpertFFN: {} followers for {} products", followers->size(), products.size());
   switch (schedule_) {
     case ExpertSchedule::kStreams:
-      return run_on_streams(products, false, stream);
+      return run_on_streams(products, false, stream, followers);
     case ExpertSchedule::kBatched:
-      return run_on_streams(products, true, stream);
-    case ExpertSchedule::kGrouped:
-      return run_grouped(products, stream);
+      return run_on_streams(products, true, stream, followers);
+    case ExpertSchedule::kGrouped:  // one call for all: the followers' call comes after it
+      run_grouped(products, stream);
+      if (followers != nullptr) run_grouped(*followers, stream);
+      return;
   }
 }
 
 void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_equal_shapes,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, const std::vector<Product>* followers) {
   // Work items: one product, or (batching) every product of one shape as one call.
   struct Item {
     const Product* single = nullptr;
@@ -297,40 +304,62 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_
     std::uint32_t alignment = 256;
     double flops = 0;
   };
-  std::vector<Item> items;
   std::vector<const void*> addresses;
-  if (batch_equal_shapes) {
-    for (const auto& set : same_shape_sets(products)) {
-      const GemmShape& shape = set.front()->shape;
-      if (set.size() == 1) {
-        items.push_back({set.front(), shape, 1, 0, 0, flops(shape)});
-        continue;
-      }
-      Item batch{nullptr,          shape, static_cast<int>(set.size()),
-                 addresses.size(), 256,   flops(shape) * static_cast<double>(set.size())};
-      for (const auto* p : set) addresses.push_back(p->a);
-      for (const auto* p : set) addresses.push_back(p->b);
-      for (const auto* p : set) addresses.push_back(p->c);
-      for (std::size_t i = batch.first; i < addresses.size(); ++i)
-        batch.alignment = std::min(batch.alignment, address_alignment(addresses[i]));
-      items.push_back(batch);
+  auto make_item = [&](const std::vector<const Product*>& set) {
+    const GemmShape& shape = set.front()->shape;
+    if (set.size() == 1) return Item{set.front(), shape, 1, 0, 0, flops(shape)};
+    Item batch{nullptr,          shape, static_cast<int>(set.size()),
+               addresses.size(), 256,   flops(shape) * static_cast<double>(set.size())};
+    for (const auto* p : set) {
+      if (p->shape.key() != shape.key())
+        fail("ExpertFFN: products of one batched call differ in shape");
+      addresses.push_back(p->a);
     }
+    for (const auto* p : set) addresses.push_back(p->b);
+    for (const auto* p : set) addresses.push_back(p->c);
+    for (std::size_t i = batch.first; i < addresses.size(); ++i)
+      batch.alignment = std::min(batch.alignment, address_alignment(addresses[i]));
+    return batch;
+  };
+  // A unit goes to one stream: an item, then (with followers) the item of its products'
+  // followers, which may read what the first wrote.
+  struct Unit {
+    Item lead;
+    std::optional<Item> then;
+    double flops = 0;
+  };
+  std::vector<std::vector<const Product*>> sets;
+  if (batch_equal_shapes) {
+    sets = same_shape_sets(products);
   } else {
-    for (const auto& p : products) items.push_back({&p, p.shape, 1, 0, 0, flops(p.shape)});
+    for (const auto& p : products) sets.push_back({&p});
   }
-  if (items.empty()) return;
+  std::vector<Unit> units;
+  for (const auto& set : sets) {
+    Unit unit{make_item(set), std::nullopt, 0};
+    if (followers != nullptr) {
+      std::vector<const Product*> after;
+      for (const auto* p : set) {
+        const Product& f = (*followers)[static_cast<std::size_t>(p - products.data())];
+        if (f.shape.m * f.shape.n != 0) after.push_back(&f);
+      }
+      if (!after.empty()) unit.then = make_item(after);
+    }
+    unit.flops = unit.lead.flops + (unit.then ? unit.then->flops : 0.0);
+    units.push_back(std::move(unit));
+  }
+  if (units.empty()) return;
   const void* const* staged = addresses.empty() ? nullptr : pointers_->stage(addresses, stream);
 
   // Largest first, each to the least loaded stream, so no stream is left with the long tail.
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& x, const Item& y) { return x.flops > y.flops; });
-  const std::size_t lanes = std::min(streams_.size(), items.size());
+  std::stable_sort(units.begin(), units.end(),
+                   [](const Unit& x, const Unit& y) { return x.flops > y.flops; });
+  const std::size_t lanes = std::min(streams_.size(), units.size());
   std::vector<double> load(lanes, 0.0);
   fork_.record(stream);
   for (std::size_t s = 0; s < lanes; ++s)
     MOE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s].get(), fork_.get(), 0));
-  auto launch = [&](const Item& item, std::size_t lane) {
-    load[lane] += item.flops;
+  auto launch_item = [&](const Item& item, std::size_t lane) {
     cudaStream_t lane_stream = streams_[lane].get();
     if (item.single != nullptr) {
       runners_[lane].run(item.shape, item.single->a, item.single->b, item.single->c, lane_stream);
@@ -341,28 +370,33 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_
                                  lane_stream);
     }
   };
-  // Products of a size class not timed yet run first, one after another on the first stream
+  auto launch = [&](const Unit& unit, std::size_t lane) {
+    load[lane] += unit.flops;
+    launch_item(unit.lead, lane);
+    if (unit.then) launch_item(*unit.then, lane);
+  };
+  auto tuned = [&](const Item& item) {
+    return item.single != nullptr ? runners_[0].tuned(item.shape)
+                                  : runners_[0].tuned(item.shape, item.count, item.alignment);
+  };
+  // Units with a size class not timed yet run first, one after another on the first stream
   // before anything fans out, so that their algorithm trials run alone on the device. The host
   // first waits for the work queued before (through host_wait_, which a mesh bounds by its
   // timeout): the trials' own wait must not be the one that meets a stuck collective.
-  std::vector<bool> launched(items.size(), false);
+  std::vector<bool> launched(units.size(), false);
   bool idle = false;
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    const Item& item = items[i];
-    const bool tuned = item.single != nullptr
-                           ? runners_[0].tuned(item.shape)
-                           : runners_[0].tuned(item.shape, item.count, item.alignment);
-    if (tuned) continue;
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    if (tuned(units[i].lead) && (!units[i].then || tuned(*units[i].then))) continue;
     if (!idle) {
       host_wait_(fork_.get());
       idle = true;
     }
-    launch(item, 0);
+    launch(units[i], 0);
     launched[i] = true;
   }
-  for (std::size_t i = 0; i < items.size(); ++i) {
+  for (std::size_t i = 0; i < units.size(); ++i) {
     if (launched[i]) continue;
-    launch(items[i],
+    launch(units[i],
            static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin()));
   }
   for (std::size_t s = 0; s < lanes; ++s) {

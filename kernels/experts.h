@@ -60,9 +60,10 @@ class ExpertFFN {
                cudaStream_t stream);
 
   // Writes X again, queued on the stream it is given, when X was not kept (memory against one
-  // more pass over the rows). With it, dY, X and dX may share one buffer: dY is read by dA and
-  // dw2, then refill_input runs, dw13 reads X, and dX is written last, each step after the
-  // previous one's products have all completed.
+  // more pass over the rows). With it, dY, X and dX may share one buffer: every dA and dw2
+  // product (the readers of dY) completes, then refill_input runs, then each expert's dw13 reads
+  // its rows of X before that expert's dX product, queued behind it on the same stream, writes
+  // them.
   using RefillInput = std::function<void(cudaStream_t)>;
 
   // recompute_h: act.h was not kept, so the first GEMM runs again (memory against time); it
@@ -90,9 +91,12 @@ class ExpertFFN {
                     const Tensor& w2, const ExpertActivations& act) const;
   void up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
                    const Tensor& h, std::vector<Product>& out) const;
-  void run(const std::vector<Product>& products, cudaStream_t stream);
+  // followers[i] (may be empty, m·n = 0) runs after products[i], on the same stream (grouped: after
+  // the whole call): it may read what products[i] wrote or overwrite what it read.
+  void run(const std::vector<Product>& products, cudaStream_t stream,
+           const std::vector<Product>* followers = nullptr);
   void run_on_streams(const std::vector<Product>& products, bool batch_equal_shapes,
-                      cudaStream_t stream);
+                      cudaStream_t stream, const std::vector<Product>* followers = nullptr);
   void run_grouped(const std::vector<Product>& products, cudaStream_t stream);
   void run_grouped_call(const std::vector<std::vector<const Product*>>& groups, DType type,
                         cudaStream_t stream);
