@@ -117,7 +117,8 @@ int main(int argc, char** argv) {
     const double link_rate = p2p_rate(mesh, stream.get());
 
     const std::size_t memory_before = used_device_memory();
-    MoEBlock block(config, mesh, stream.get());
+    const auto scratch = std::make_shared<MoEScratch>();  // what a model's layers would share
+    MoEBlock block(config, mesh, stream.get(), scratch);
     block.initialize(1234);
     block.set_stage_timing(true);
     const std::int64_t T = config.bench_tokens, H = config.hidden;
@@ -233,9 +234,11 @@ int main(int argc, char** argv) {
       if (link_floor_ms > 0)
         fmt::print("NVLink floor {:.3f} ms ({:.0f}% of the step)\n", link_floor_ms,
                    100 * link_floor_ms / total_ms);
-      fmt::print("device memory of the layer: {:.2f} GiB ({:.1f} KiB per token)\n",
-                 static_cast<double>(memory_peak) / (1 << 30),
-                 static_cast<double>(memory_peak) / 1024 / T);
+      fmt::print(
+          "device memory of the layer: {:.2f} GiB ({:.1f} KiB per token), of which {:.2f} GiB "
+          "scratch that a model's layers share\n",
+          static_cast<double>(memory_peak) / (1 << 30), static_cast<double>(memory_peak) / 1024 / T,
+          static_cast<double>(scratch->bytes()) / (1 << 30));
       if (!json_path.empty()) {
         nlohmann::json report = {
             {"config", config.describe()},
@@ -255,7 +258,8 @@ int main(int argc, char** argv) {
             {"fraction_of_dense", tflops * 1e12 / gemm_rate},
             {"fraction_of_dense_burst", tflops * 1e12 / dense.burst},
             {"link_floor_ms", link_floor_ms},
-            {"memory_bytes", memory_peak}};
+            {"memory_bytes", memory_peak},
+            {"scratch_bytes", scratch->bytes()}};
         for (const auto& name : stage_order) {
           report["stages_ms"][name] = stage_sum[name] / iters;
           if (floors.count(name)) report["stages_floor_ms"][name] = floors.at(name);

@@ -216,10 +216,12 @@ int run_training(const Options& o, comm::MpiSession& mpi) {
   // The student (trained) and the teacher (fixed, a different seed) stacks.
   std::vector<std::unique_ptr<MoEBlock>> student, teacher;
   std::vector<std::unique_ptr<AdamW>> optimizers;
+  // Every layer runs on one stream, one call after another: they share what lives inside a call.
+  const auto scratch = std::make_shared<MoEScratch>();
   for (int l = 0; l < o.layers; ++l) {
-    student.push_back(std::make_unique<MoEBlock>(config, mesh, stream.get()));
+    student.push_back(std::make_unique<MoEBlock>(config, mesh, stream.get(), scratch));
     student.back()->initialize(o.seed * 1000 + l);
-    teacher.push_back(std::make_unique<MoEBlock>(config, mesh, stream.get()));
+    teacher.push_back(std::make_unique<MoEBlock>(config, mesh, stream.get(), scratch));
     teacher.back()->initialize(o.seed * 1000 + 500 + l);
     auto optimizer = std::make_unique<AdamW>();
     const auto& p = student.back()->parameters();
@@ -315,7 +317,10 @@ int run_training(const Options& o, comm::MpiSession& mpi) {
   }
   stream.synchronize();
   if (root && o.steps > 0)
-    fmt::print("moe_train: loss {:.6f} -> {:.6f} over {} steps\n", first_loss, last_loss, o.steps);
+    fmt::print(
+        "moe_train: loss {:.6f} -> {:.6f} over {} steps; {} blocks share {:.1f} MiB of scratch\n",
+        first_loss, last_loss, o.steps, 2 * o.layers,
+        static_cast<double>(scratch->bytes()) / (1 << 20));
   if (!o.save_path.empty()) {
     checkpoint.save(o.save_path, optimizers, student, first_step + o.steps, config, stream.get());
     if (root) fmt::print("moe_train: checkpoint written to {}\n", o.save_path);

@@ -74,6 +74,27 @@ T* typed(DeviceBuffer& buffer, std::size_t count) {
 
 }  // namespace
 
+// What a block needs only inside one call (MoEScratch): shared by the blocks built with it.
+struct MoEScratch::Buffers {
+  DeviceBuffer a;  // SwiGLU output; dA, then a again, in the backward
+  DeviceBuffer Y;  // EP: staging and expert output; dY to send, dX (not kept across calls)
+  DeviceBuffer dY, router_ws, layout_ws, chunk_ws, dprob, dlogits, dlogits_low, nonfinite,
+      grad_stage;
+  std::size_t bytes() const {
+    std::size_t total = 0;
+    for (const DeviceBuffer* b : {&a, &Y, &dY, &router_ws, &layout_ws, &chunk_ws, &dprob, &dlogits,
+                                  &dlogits_low, &nonfinite, &grad_stage})
+      total += b->bytes();
+    return total;
+  }
+};
+
+MoEScratch::MoEScratch() : buffers_(std::make_unique<Buffers>()) {}
+MoEScratch::~MoEScratch() = default;
+std::size_t MoEScratch::bytes() const {
+  return buffers_->bytes();
+}
+
 struct MoEBlock::State {
   MoEConfig config;
   const Mesh& mesh;
@@ -90,24 +111,28 @@ struct MoEBlock::State {
   MoEParameters params;
   MoEGradients grads;
 
-  // Forward buffers, grow-only.
-  DeviceBuffer logits, topk_idx, topk_p, counts, aux_counts, score_sum, z_sum, global_load,
-      router_ws, scalars;
-  DeviceBuffer layout_counts, layout_offsets, row_map, layout_ws, recv_counts, chunk_ws;
+  // Grow-only buffers. Those of one call only live in the scratch, possibly shared with other
+  // blocks (MoEScratch): a, dY, the workspaces, dprob, dlogits; Y too, unless it is kept from
+  // forward to backward (keep_expert_input without EP).
+  std::shared_ptr<MoEScratch> scratch;
+  DeviceBuffer &a, &dY, &router_ws, &layout_ws, &chunk_ws, &dprob, &dlogits, &dlogits_low,
+      &nonfinite, &grad_stage;
+  DeviceBuffer own_Y;
+  DeviceBuffer& Y;
+
+  DeviceBuffer logits, topk_idx, topk_p, counts, aux_counts, score_sum, z_sum, global_load, scalars;
+  DeviceBuffer layout_counts, layout_offsets, row_map, recv_counts;
   // Each buffer serves several roles whose contents never live at the same time (docs/design.md,
   // "Buffers"): without EP, X also holds Y, dY and dX (Y and dY stay empty); under EP, Y also
   // stages received rows and holds dX, dY stages rows in the forward; a holds dA; h holds dh. A
   // role takes its buffer (view) only once the previous role's content is dead.
-  DeviceBuffer send_rows, X, h, a, Y, out;
+  DeviceBuffer send_rows, X, h, out;
   PinnedBuffer host_scalars;
   Event copied;
   // One GPU: the row counts go to the host on their own stream, off the permute's path.
   Stream count_stream;
   Event layout_built;
-  // Backward buffers.
-  DeviceBuffer dprob, dY, dx, dlogits, dlogits_low;
-  DeviceBuffer nonfinite;
-  DeviceBuffer grad_stage;  // fp32 chunk for the DP sum of bf16 gradients
+  DeviceBuffer dx;  // the backward's output
 
   // The context of the last forward.
   bool has_context = false;
@@ -119,7 +144,8 @@ struct MoEBlock::State {
   bool check_finite = false;
   StageTimes times;
 
-  State(const MoEConfig& c, const Mesh& m, cudaStream_t s)
+  State(const MoEConfig& c, const Mesh& m, cudaStream_t s, std::shared_ptr<MoEScratch> shared,
+        MoEScratch::Buffers& buffers)
       : config(c),
         mesh(m),
         stream(s),
@@ -130,7 +156,19 @@ struct MoEBlock::State {
         F(c.ffn_hidden),
         dtype(c.dtype),
         router(RouterParams::from(c)),
-        experts(c.hidden, c.ffn_hidden, c.num_experts / m.ep(), c.dtype) {}
+        experts(c.hidden, c.ffn_hidden, c.num_experts / m.ep(), c.dtype),
+        scratch(std::move(shared)),
+        a(buffers.a),
+        dY(buffers.dY),
+        router_ws(buffers.router_ws),
+        layout_ws(buffers.layout_ws),
+        chunk_ws(buffers.chunk_ws),
+        dprob(buffers.dprob),
+        dlogits(buffers.dlogits),
+        dlogits_low(buffers.dlogits_low),
+        nonfinite(buffers.nonfinite),
+        grad_stage(buffers.grad_stage),
+        Y(m.ep() == 1 && c.keep_expert_input ? own_Y : buffers.Y) {}
 
   bool expert_parallel() const { return mesh.ep() > 1; }
   // X, Y, dY and dX in X's buffer, X permuted from x again in the backward (MoEConfig).
@@ -149,14 +187,26 @@ struct MoEBlock::State {
   }
 };
 
-MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream) {
+MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream,
+                   std::shared_ptr<MoEScratch> scratch) {
   config.validate();
   if (config.ep != mesh.ep() || config.dp != mesh.dp()) {
     fail("MoEBlock: config has ep = {}, dp = {} but the mesh is {} x {}", config.ep, config.dp,
          mesh.ep(), mesh.dp());
   }
   validate_mesh_shape(mesh.world_size(), mesh.ep(), mesh.dp(), config.num_experts);
-  s_ = std::make_unique<State>(config, mesh, stream);
+  if (scratch == nullptr) scratch = std::make_shared<MoEScratch>();
+  if (scratch->has_stream_ && scratch->stream_ != stream) {
+    fail(
+        "MoEBlock: the shared scratch serves blocks on stream {}, this block's stream is {} "
+        "(blocks "
+        "that share a scratch must run in order on one stream)",
+        static_cast<const void*>(scratch->stream_), static_cast<const void*>(stream));
+  }
+  scratch->has_stream_ = true;
+  scratch->stream_ = stream;
+  MoEScratch::Buffers& buffers = *scratch->buffers_;
+  s_ = std::make_unique<State>(config, mesh, stream, std::move(scratch), buffers);
   auto& s = *s_;
   if (s.expert_parallel()) s.exchange.emplace(mesh, config.num_experts);
   s.experts.set_host_wait([&mesh](cudaEvent_t event) {

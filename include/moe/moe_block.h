@@ -9,7 +9,10 @@
 //
 // forward saves a context that the next backward consumes; x must stay valid until then. One host
 // synchronisation per forward (the routed row counts), none in backward; no device allocation per
-// step once the buffers have grown to the batch size.
+// step once the buffers have grown to the batch size. The layers of a model share one MoEScratch:
+//
+//   auto scratch = std::make_shared<moe::MoEScratch>();
+//   for (auto& config : layers) blocks.emplace_back(config, mesh, stream, scratch);
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -53,9 +56,33 @@ struct MoEForward {
   float z_loss = 0.0f;
 };
 
+// Device memory a block needs only inside one forward or one backward call: the SwiGLU output,
+// the router's and the layout's workspaces, dlogits and dprob, the staging of the EP exchanges.
+// Blocks built with one scratch keep these once between them instead of once each (a model of L
+// layers: once, sized for its largest layer), which is safe because their calls never overlap:
+// they must all run on one stream, in the order a trainer runs its layers; a block on another
+// stream is refused. What a block keeps from forward to backward stays its own.
+class MoEScratch {
+ public:
+  MoEScratch();
+  ~MoEScratch();
+  MoEScratch(const MoEScratch&) = delete;
+  MoEScratch& operator=(const MoEScratch&) = delete;
+  std::size_t bytes() const;  // device memory held now
+  struct Buffers;             // defined by the block
+
+ private:
+  friend class MoEBlock;
+  std::unique_ptr<Buffers> buffers_;
+  bool has_stream_ = false;
+  cudaStream_t stream_ = nullptr;
+};
+
 class MoEBlock {
  public:
-  MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream);
+  // scratch: shared with the model's other blocks (see MoEScratch); null: a scratch of its own.
+  MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream,
+           std::shared_ptr<MoEScratch> scratch = nullptr);
   ~MoEBlock();
   MoEBlock(const MoEBlock&) = delete;
   MoEBlock& operator=(const MoEBlock&) = delete;

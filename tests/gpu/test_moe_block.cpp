@@ -21,18 +21,28 @@ struct Results {
   float aux = 0, z = 0;
 };
 
-Results run_block(MoEBlock& block, const MoEConfig& c, const Matrix& x, const Matrix& dy) {
-  const auto x_dev = test::upload_as(x, c.dtype);
-  const auto dy_dev = test::upload_as(dy, c.dtype);
-  const Tensor x_t(x_dev.data(), c.dtype, {x.rows, c.hidden});
-  const auto fwd = block.forward(x_t);
-  Results r;
-  r.aux = fwd.aux_loss;
-  r.z = fwd.z_loss;
-  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {x.rows, c.hidden}));
+// A forward whose backward has not run yet: x must stay on the device until then.
+struct Pending {
+  DeviceBuffer x_dev;
+  Results results;
+};
+
+Pending start_block(MoEBlock& block, const MoEConfig& c, const Matrix& x) {
+  Pending p{test::upload_as(x, c.dtype), {}};
+  const auto fwd = block.forward(Tensor(p.x_dev.data(), c.dtype, {x.rows, c.hidden}));
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
-  r.out = test::read(fwd.out, x.rows, c.hidden);
-  r.dx = test::read(dx, x.rows, c.hidden);
+  p.results.out = test::read(fwd.out, x.rows, c.hidden);
+  p.results.aux = fwd.aux_loss;
+  p.results.z = fwd.z_loss;
+  return p;
+}
+
+Results finish_block(MoEBlock& block, const MoEConfig& c, Pending pending, const Matrix& dy) {
+  const auto dy_dev = test::upload_as(dy, c.dtype);
+  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {dy.rows, c.hidden}));
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
+  Results r = std::move(pending.results);
+  r.dx = test::read(dx, dy.rows, c.hidden);
   const auto& g = block.gradients();
   r.dgate = test::read(g.gate_weight, c.num_experts, c.hidden);
   const int E_loc = static_cast<int>(g.w13.dim(0));
@@ -45,6 +55,10 @@ Results run_block(MoEBlock& block, const MoEConfig& c, const Matrix& x, const Ma
         reference::slice_rows(all2, static_cast<std::int64_t>(e) * c.hidden, (e + 1) * c.hidden));
   }
   return r;
+}
+
+Results run_block(MoEBlock& block, const MoEConfig& c, const Matrix& x, const Matrix& dy) {
+  return finish_block(block, c, start_block(block, c, x), dy);
 }
 
 void check_against_reference(const MoEConfig& c, const Results& got,
@@ -194,6 +208,65 @@ TEST_CASE("two steps in a row equal two fresh runs", "[gpu][block]") {
   CHECK(again_big.dw13[3].data == first_big.dw13[3].data);
   check_against_reference(c, then_small,
                           reference::run_layer(c, params, small, dy_small, test::kAsStored));
+}
+
+TEST_CASE("layers sharing a scratch, run as a model runs them, each equal the reference",
+          "[gpu][block]") {
+  // Forward of layer 1, of layer 2 (a larger batch, so the scratch grows while layer 1's context
+  // waits), backward of layer 2, then of layer 1: each layer's context must survive the others'
+  // calls; only what lives inside one call is shared.
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const bool keep : {false, true}) {
+    INFO("keep_expert_input " << keep);
+    MoEConfig first = base_config(DType::kBF16);
+    first.align_size = 16;
+    first.aux_loss_coeff = 0.05;
+    first.z_loss_coeff = 0.01;
+    first.keep_expert_input = keep;
+    MoEConfig second = first;  // another shape, as a model's layers may have
+    second.num_experts = 16;
+    second.topk = 4;
+    second.ffn_hidden = 80;
+    second.score_function = ScoreFunction::kSigmoid;
+    second.expert_bias = true;
+    second.validate();
+    Stream stream;
+    const Mesh mesh = Mesh::single();
+    auto scratch = std::make_shared<MoEScratch>();
+    MoEBlock layer1(first, mesh, stream.get(), scratch),
+        layer2(second, mesh, stream.get(), scratch);
+    auto params1 = test::round_params(test::random_params(first, rng), first.dtype);
+    auto params2 = test::round_params(test::random_params(second, rng), second.dtype);
+    Matrix x1, x2;
+    test::draw_separated(first, params1, x1, 30, rng);
+    test::draw_separated(second, params2, x2, 70, rng);
+    test::load_params(layer1, params1, 0, first.num_experts);
+    test::load_params(layer2, params2, 0, second.num_experts);
+    const Matrix dy1 = test::round_to(test::random_matrix(30, first.hidden, rng), first.dtype);
+    const Matrix dy2 = test::round_to(test::random_matrix(70, second.hidden, rng), second.dtype);
+
+    Pending pending1 = start_block(layer1, first, x1);
+    const std::size_t after_first = scratch->bytes();
+    Pending pending2 = start_block(layer2, second, x2);
+    CHECK(scratch->bytes() > after_first);  // grown for the larger layer, held once
+    const Results got2 = finish_block(layer2, second, std::move(pending2), dy2);
+    const Results got1 = finish_block(layer1, first, std::move(pending1), dy1);
+    check_against_reference(second, got2,
+                            reference::run_layer(second, params2, x2, dy2, test::kAsStored));
+    check_against_reference(first, got1,
+                            reference::run_layer(first, params1, x1, dy1, test::kAsStored));
+  }
+
+  // Blocks that share a scratch must share the stream that orders their calls.
+  Stream one, other;
+  auto scratch = std::make_shared<MoEScratch>();
+  const MoEConfig c = base_config(DType::kBF16);
+  const Mesh mesh = Mesh::single();
+  MoEBlock block(c, mesh, one.get(), scratch);
+  CHECK_THROWS_WITH(MoEBlock(c, mesh, other.get(), scratch),
+                    test::contains_text("must run in order on one stream"));
 }
 
 TEST_CASE("MoEBlock bad use gets clear errors and leaves the block usable", "[gpu][block]") {
