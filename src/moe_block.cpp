@@ -198,10 +198,9 @@ MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t strea
   if (scratch == nullptr) scratch = std::make_shared<MoEScratch>();
   if (scratch->has_stream_ && scratch->stream_ != stream) {
     fail(
-        "MoEBlock: the shared scratch serves blocks on stream {}, this block's stream is {} "
-        "(blocks "
-        "that share a scratch must run in order on one stream)",
-        static_cast<const void*>(scratch->stream_), static_cast<const void*>(stream));
+        "MoEBlock: stream = {}, but the shared scratch serves stream {} (blocks that share a "
+        "scratch must run in order on one stream)",
+        static_cast<const void*>(stream), static_cast<const void*>(scratch->stream_));
   }
   scratch->has_stream_ = true;
   scratch->stream_ = stream;
