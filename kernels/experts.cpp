@@ -219,8 +219,10 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   run(products, stream);
   swiglu_backward(act.h, act.dA, act.dh, act.a, stream);
   // dw2 = dYᵀ·a and dw13 = dhᵀ·X (with no rows, K = 0, these write zeros); dX = dh·w13.
-  // Separate buffers: one fan-out over all of them, the most overlap. One buffer: dw2 (the last
-  // reader of dY), X refilled, then each dw13 with its expert's dX behind it on one stream.
+  // Separate buffers: one fan-out over all of them, the most overlap. dX over dY (X kept): one
+  // fan-out, each expert's dX behind its dw2 (the last reader of its rows of dY) on one stream.
+  // One buffer: dw2, X refilled, then each dw13 with its expert's dX behind it on one stream.
+  const bool dX_over_dY = !refill_input && dX.data == dY.data;
   std::vector<Product> all, dw2_products, dw13_products, dX_products;
   for (int e = 0; e < experts_; ++e) {
     const std::int64_t m = offsets[e + 1] - offsets[e];
@@ -233,16 +235,29 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
                          dh_e,
                          X.as<char>() + offsets[e] * H * elem,
                          dw13.as<char>() + e * 2 * F * H * grad_elem};
-    (refill_input ? dw2_products : all).push_back(dw2_e);
-    (refill_input ? dw13_products : all).push_back(dw13_e);
-    // With no rows there is no dX product (an empty one keeps dX_products aligned with dw13's).
-    if (m > 0 || refill_input) {
-      (refill_input ? dX_products : all)
-          .push_back({{m, H, 2 * F, false, false, dtype_, dtype_, dtype_},
-                      dh_e,
-                      w13.as<char>() + e * 2 * F * H * elem,
-                      dX.as<char>() + offsets[e] * H * elem});
+    const Product dX_e{{m, H, 2 * F, false, false, dtype_, dtype_, dtype_},
+                       dh_e,
+                       w13.as<char>() + e * 2 * F * H * elem,
+                       dX.as<char>() + offsets[e] * H * elem};
+    const Product none{};  // a follower slot with nothing to run (m·n = 0)
+    if (dX_over_dY) {      // dw2_products holds the leads, dX_products their followers
+      dw2_products.push_back(dw2_e);
+      dX_products.push_back(dX_e);  // with no rows m = 0: nothing runs
+      dw2_products.push_back(dw13_e);
+      dX_products.push_back(none);
+    } else if (refill_input) {
+      dw2_products.push_back(dw2_e);
+      dw13_products.push_back(dw13_e);
+      dX_products.push_back(dX_e);  // aligned with dw13's, empty with no rows
+    } else {
+      all.push_back(dw2_e);
+      all.push_back(dw13_e);
+      if (m > 0) all.push_back(dX_e);
     }
+  }
+  if (dX_over_dY) {
+    run(dw2_products, stream, &dX_products);
+    return;
   }
   if (!refill_input) {
     run(all, stream);

@@ -66,6 +66,9 @@ class ExpertFFN {
   // them.
   using RefillInput = std::function<void(cudaStream_t)>;
 
+  // Without refill_input, dX may be dY itself (X kept): each expert's dX product is queued behind
+  // its dw2, the last reader of its rows of dY, on one stream.
+  //
   // recompute_h: act.h was not kept, so the first GEMM runs again (memory against time); it
   // needs X on entry, so it cannot be combined with refill_input.
   void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,

@@ -48,6 +48,7 @@ struct Case {
   bool recompute;
   bool in_place = false;    // dh over h and dA over a, as MoEBlock runs it
   bool one_buffer = false;  // X, y, dY and dX in one buffer, X refilled in backward (one GPU)
+  bool dX_over_dY = false;  // y, then dY, then dX in one buffer, X kept (the peer exchange)
   std::string describe() const {
     std::ostringstream s;
     s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert
@@ -57,7 +58,8 @@ struct Case {
                                   : "some empty")
       << " " << dtype_name(dtype) << " grads " << dtype_name(grad_dtype) << " "
       << expert_schedule_name(schedule) << (recompute ? " recompute h" : " keep h")
-      << (in_place ? " in place" : "") << (one_buffer ? " one row buffer" : "");
+      << (in_place ? " in place" : "") << (one_buffer ? " one row buffer" : "")
+      << (dX_over_dY ? " dX over dY" : "");
     return s.str();
   }
 };
@@ -155,6 +157,23 @@ void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) 
     MOE_CHECK_CUDA(cudaMemcpyAsync(dX.data(), shared_rows.data(), row_bytes,
                                    cudaMemcpyDeviceToDevice, stream.get()));
     stream.synchronize();
+  } else if (c.dX_over_dY) {
+    // y in its own buffer; dY stored over it (the peer combine backward does, in place); dX
+    // written over dY by the backward, X kept.
+    DeviceBuffer shared_rows(row_bytes + 16);
+    test::poison(shared_rows);
+    const Tensor rows_t(shared_rows.data(), d, {rows, H});
+    const Tensor X_t(X_dev.data(), d, {rows, H});
+    ffn.forward(X_t, offsets, w13_t_, w2_t_, act, rows_t, stream.get());
+    MOE_CHECK_CUDA(cudaMemcpyAsync(y.data(), shared_rows.data(), row_bytes,
+                                   cudaMemcpyDeviceToDevice, stream.get()));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(shared_rows.data(), dY_dev.data(), row_bytes,
+                                   cudaMemcpyDeviceToDevice, stream.get()));
+    ffn.backward(rows_t, X_t, offsets, w13_t_, w2_t_, act, false, rows_t, dw13_t, dw2_t,
+                 stream.get());
+    MOE_CHECK_CUDA(cudaMemcpyAsync(dX.data(), shared_rows.data(), row_bytes,
+                                   cudaMemcpyDeviceToDevice, stream.get()));
+    stream.synchronize();
   } else {
     const Tensor X_t(X_dev.data(), d, {rows, H});
     ffn.forward(X_t, offsets, w13_t_, w2_t_, act, Tensor(y.data(), d, {rows, H}), stream.get());
@@ -204,7 +223,7 @@ TEST_CASE("expert FFN forward and backward against the reference", "[gpu][expert
         const int H = E >= 64 ? 64 : 96,
                   F = E >= 64 ? 40 : 72;  // F = 40: odd for 16-byte packs of bf16
         run_case({H, F, E, E >= 64 ? 6 : 24, rows, dtype, grad, schedule, index % 4 == 0,
-                  index % 4 == 2, index % 4 == 2},
+                  index % 4 >= 2, index % 4 == 2, index % 4 == 3},
                  rng);
       }
     }
@@ -248,6 +267,10 @@ TEST_CASE("expert FFN at the model shapes, scaled down", "[gpu][experts]") {
            rng);
   run_case({448, 128, 16, 16, Rows::kSomeEmpty, DType::kBF16, DType::kFP32,
             ExpertSchedule::kGrouped, false, true, true},
+           rng);
+  // dX over dY with X kept, as MoEBlock runs under the peer exchange.
+  run_case({512, 192, 32, 16, Rows::kSomeEmpty, DType::kBF16, DType::kBF16,
+            ExpertSchedule::kBatched, false, true, false, true},
            rng);
 }
 
