@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   CLI::App app{"moe_bench: forward and backward of the MoE layer over an EP x DP mesh"};
   std::string config_path = std::string(MOE_SOURCE_DIR) + "/configs/small.yaml";
   int ep = 0, dp = 0, tokens = 0, iters = 20, warmup = 5;
-  std::string json_path, grad_dtype;
+  std::string json_path, grad_dtype, ep_transport;
   bool keep_expert_input = false;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
@@ -85,6 +85,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "fp32"}));
   app.add_flag("--keep-expert-input", keep_expert_input,
                "keep the experts' input X for the backward instead of permuting x again");
+  app.add_option("--ep-transport", ep_transport,
+                 "rows across the EP group: auto, nccl or peer (default: the config's)")
+      ->check(CLI::IsMember({"auto", "nccl", "peer"}));
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   CLI11_PARSE(app, argc, argv);
 
@@ -106,6 +109,7 @@ int main(int argc, char** argv) {
     if (tokens > 0) config.bench_tokens = tokens;
     if (!grad_dtype.empty()) config.grad_dtype = parse_dtype(grad_dtype, "--grad-dtype");
     if (keep_expert_input) config.keep_expert_input = true;
+    if (!ep_transport.empty()) config.ep_transport = parse_ep_transport(ep_transport);
     if (config.bench_tokens <= 0) fail("moe_bench: the config sets no token count; pass --tokens");
     config.validate();
 
@@ -206,8 +210,10 @@ int main(int argc, char** argv) {
     };
 
     if (root) {
-      fmt::print("moe_bench {} on {} rank(s), EP={} DP={}, {} tokens per GPU\n",
-                 std::filesystem::path(config_path).filename().string(), world, ep, dp, T);
+      fmt::print("moe_bench {} on {} rank(s), EP={} DP={}, {} tokens per GPU{}\n",
+                 std::filesystem::path(config_path).filename().string(), world, ep, dp, T,
+                 ep > 1 ? fmt::format(", EP rows over {}", ep_transport_name(block.ep_transport()))
+                        : std::string());
       fmt::print("{}\n{}", config.describe(), describe_devices());
       fmt::print(
           "ceilings per GPU: dense bf16 GEMM {:.0f} TFLOP/s sustained ({:.0f} in a burst), copy "
@@ -247,6 +253,7 @@ int main(int argc, char** argv) {
             {"ranks", world},
             {"ep", ep},
             {"dp", dp},
+            {"ep_transport", ep_transport_name(block.ep_transport())},
             {"tokens_per_gpu", T},
             {"dense_TFLOPs", gemm_rate / 1e12},
             {"dense_TFLOPs_burst", dense.burst / 1e12},

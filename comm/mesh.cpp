@@ -204,6 +204,19 @@ void Mesh::all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, Me
   group_end("an all-reduce");
 }
 
+void Mesh::all_gather(const void* send, void* recv, std::size_t bytes, MeshGroup group,
+                      cudaStream_t stream) const {
+  ncclComm_t c = comm(group);
+  if (c == nullptr) {
+    if (bytes > 0 && send != recv)
+      MOE_CHECK_CUDA(cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  group_start();
+  MOE_CHECK_NCCL(ncclAllGather(send, recv, bytes, ncclInt8, c, stream));
+  group_end("an all-gather");
+}
+
 void Mesh::group_start() const {
   MOE_CHECK_NCCL(ncclGroupStart());
   ++group_depth_;

@@ -195,22 +195,101 @@ using device::to_float;
 // sizes the register arrays: a top-2 layer must not pay a top-16 layer's registers, which would
 // halve the warps an SM holds.
 template <int kSlots>
-struct Slots {
-  int row[kSlots];
-  float prob[kSlots];
+struct Probs {
+  float p[kSlots];
 };
 template <int kSlots>
-__device__ __forceinline__ Slots<kSlots> load_slots(const std::int32_t* row_map, const float* prob,
-                                                    std::int64_t t, int topk, int lane) {
-  const int my_row = lane < topk ? row_map[t * topk + lane] : 0;
-  const float my_prob = (lane < topk && prob != nullptr) ? prob[t * topk + lane] : 1.0f;
-  Slots<kSlots> slots;
+__device__ __forceinline__ Probs<kSlots> load_probs(const float* prob, std::int64_t t, int topk,
+                                                    int lane) {
+  const float mine = (lane < topk && prob != nullptr) ? prob[t * topk + lane] : 1.0f;
+  Probs<kSlots> probs;
 #pragma unroll
-  for (int k = 0; k < kSlots; ++k) {
-    slots.row[k] = __shfl_sync(kFullMask, my_row, k);
-    slots.prob[k] = __shfl_sync(kFullMask, my_prob, k);
+  for (int k = 0; k < kSlots; ++k) probs.p[k] = __shfl_sync(kFullMask, mine, k);
+  return probs;
+}
+
+// Where the row kernels find each slot's row; `load` gives a token's K positions, `at` a slot's
+// row from its position and the kernel's buffer argument. kRemote: rows may be in other GPUs'
+// memory, so each thread's stores there are fenced at system scope before it exits (the
+// transfer's completion is then an ordinary collective on the stream behind the kernel).
+//
+// LocalRows: rows of the kernel's buffer by row_map.
+struct LocalRows {
+  static constexpr bool kRemote = false;
+  const std::int32_t* row_map;  // [T, K]
+
+  template <int kSlots>
+  struct Slots {
+    int row[kSlots];
+    template <typename T>
+    __device__ __forceinline__ T* at(T* base, int k, int hidden) const {
+      return base + static_cast<std::int64_t>(row[k]) * hidden;
+    }
+  };
+  template <int kSlots>
+  __device__ __forceinline__ Slots<kSlots> load(std::int64_t t, int topk, int lane) const {
+    const int mine = lane < topk ? row_map[t * topk + lane] : 0;
+    Slots<kSlots> slots;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) slots.row[k] = __shfl_sync(kFullMask, mine, k);
+    return slots;
   }
-  return slots;
+};
+
+// SlotOrder: row t·K + k of the kernel's buffer (the sender's own copy of its slots' rows; only
+// ever read, so it declares no kRemote).
+struct SlotOrder {
+  template <int kSlots>
+  struct Slots {
+    std::int64_t first;
+    template <typename T>
+    __device__ __forceinline__ T* at(T* base, int k, int hidden) const {
+      return base + (first + k) * hidden;
+    }
+  };
+  template <int kSlots>
+  __device__ __forceinline__ Slots<kSlots> load(std::int64_t t, int topk, int) const {
+    return {t * topk};
+  }
+};
+
+// PeerRows: each slot's row in the buffer of its expert's EP rank (a pointer per slot; the
+// kernel's buffer argument is unused).
+struct PeerRowsOnDevice {
+  static constexpr bool kRemote = true;
+  char* base[kMaxPeerRanks];
+  int experts_per_rank;
+  const std::int32_t* topk_idx;  // [T, K]
+  const std::int32_t* rows;      // [T, K]
+  std::int64_t row_bytes;
+
+  template <int kSlots>
+  struct Slots {
+    char* ptr[kSlots];
+    template <typename T>
+    __device__ __forceinline__ T* at(T*, int k, int) const {
+      return reinterpret_cast<T*>(ptr[k]);
+    }
+  };
+  template <int kSlots>
+  __device__ __forceinline__ Slots<kSlots> load(std::int64_t t, int topk, int lane) const {
+    unsigned long long mine = 0;
+    if (lane < topk) {
+      const std::int64_t i = t * topk + lane;
+      mine = reinterpret_cast<unsigned long long>(base[topk_idx[i] / experts_per_rank] +
+                                                  static_cast<std::int64_t>(rows[i]) * row_bytes);
+    }
+    Slots<kSlots> slots;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k)
+      slots.ptr[k] = reinterpret_cast<char*>(__shfl_sync(kFullMask, mine, k));
+    return slots;
+  }
+};
+
+template <typename Rows>
+__device__ __forceinline__ void fence_remote_stores() {
+  if constexpr (Rows::kRemote) __threadfence_system();
 }
 
 // Columns of a row each lane handles per step: with few slots, several columns' loads are issued
@@ -246,10 +325,10 @@ __device__ __forceinline__ bool zero_padding_block(const Padding& pad, int hidde
   return true;
 }
 
-template <typename T, int kElems, int kSlots>
+template <typename T, int kElems, int kSlots, typename Rows>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
-    permute_kernel(const T* __restrict__ x, const std::int32_t* __restrict__ row_map, int topk,
-                   std::int64_t tokens, int hidden, T* __restrict__ out, Padding pad) {
+    permute_kernel(const T* __restrict__ x, Rows rows, int topk, std::int64_t tokens, int hidden,
+                   T* __restrict__ out, Padding pad) {
   if (zero_padding_block<T, kElems>(pad, hidden, out)) return;
   using P = Pack<T, kElems>;
   constexpr int kUnroll = column_unroll<kSlots>();
@@ -257,7 +336,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   const std::int64_t t =
       static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
-  const auto slots = load_slots<kSlots>(row_map, nullptr, t, topk, lane);
+  const auto slots = rows.template load<kSlots>(t, topk, lane);
   const int units = hidden / kElems;
   const P* src = reinterpret_cast<const P*>(x + t * hidden);
   for (int base = lane; base < units; base += kWarpSize * kUnroll) {
@@ -271,26 +350,28 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       const int u = base + i * kWarpSize;
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
-        if (k < topk && u < units)
-          reinterpret_cast<P*>(out + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] =
-              value[i];
+        if (k < topk && u < units) reinterpret_cast<P*>(slots.at(out, k, hidden))[u] = value[i];
       }
     }
   }
+  fence_remote_stores<Rows>();
 }
 
-template <typename T, int kElems, int kSlots>
+// keep (may be null): each slot's row as loaded, stored at row t·K + k (the peer exchange keeps
+// the rows it pulled for the combine backward, so they cross the links once).
+template <typename T, int kElems, int kSlots, typename Rows>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
-    unpermute_combine_kernel(const T* __restrict__ y, const std::int32_t* __restrict__ row_map,
-                             const float* __restrict__ prob, int topk, std::int64_t tokens,
-                             int hidden, T* __restrict__ out) {
+    unpermute_combine_kernel(const T* __restrict__ y, Rows source, const float* __restrict__ prob,
+                             int topk, std::int64_t tokens, int hidden, T* __restrict__ out,
+                             T* __restrict__ keep) {
   using P = Pack<T, kElems>;
   constexpr int kUnroll = column_unroll<kSlots>();
   const int lane = threadIdx.x % kWarpSize;
   const std::int64_t t =
       static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
-  const auto slots = load_slots<kSlots>(row_map, prob, t, topk, lane);
+  const auto slots = source.template load<kSlots>(t, topk, lane);
+  const auto probs = load_probs<kSlots>(prob, t, topk, lane);
   const int units = hidden / kElems;
   for (int base = lane; base < units; base += kWarpSize * kUnroll) {
     P rows[kUnroll][kSlots];
@@ -299,10 +380,8 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         const int u = base + i * kWarpSize;
-        if (k < topk && u < units) {
-          rows[i][k] =
-              reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
-        }
+        if (k < topk && u < units)
+          rows[i][k] = reinterpret_cast<const P*>(slots.at(y, k, hidden))[u];
       }
     }
 #pragma unroll
@@ -314,7 +393,8 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       for (int k = 0; k < kSlots; ++k) {
         if (k < topk) {
 #pragma unroll
-          for (int e = 0; e < kElems; ++e) acc[e] += slots.prob[k] * to_float(rows[i][k].v[e]);
+          for (int e = 0; e < kElems; ++e) acc[e] += probs.p[k] * to_float(rows[i][k].v[e]);
+          if (keep != nullptr) reinterpret_cast<P*>(keep + (t * topk + k) * hidden)[u] = rows[i][k];
         }
       }
       P result;
@@ -325,10 +405,11 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   }
 }
 
-template <typename T, int kElems, int kSlots>
+// y's rows found by `from`, dY's by `to` (the same LocalRows on one rank; under the peer exchange
+// the sender's kept copy and the experts' ranks).
+template <typename T, int kElems, int kSlots, typename From, typename To>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
-    combine_backward_kernel(const T* __restrict__ dy, const T* y,
-                            const std::int32_t* __restrict__ row_map,
+    combine_backward_kernel(const T* __restrict__ dy, const T* y, From from, To to,
                             const float* __restrict__ prob, int topk, std::int64_t tokens,
                             int hidden, T* dY, float* __restrict__ dprob, Padding pad) {
   // y and dY may be one buffer: each lane writes a row's units only after it has read them, and
@@ -340,7 +421,9 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   const std::int64_t t =
       static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
-  const auto slots = load_slots<kSlots>(row_map, prob, t, topk, lane);
+  const auto read = from.template load<kSlots>(t, topk, lane);
+  const auto write = to.template load<kSlots>(t, topk, lane);
+  const auto probs = load_probs<kSlots>(prob, t, topk, lane);
   const int units = hidden / kElems;
   float dot[kSlots] = {};
   for (int base = lane; base < units; base += kWarpSize * kUnroll) {
@@ -352,10 +435,8 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       if (u < units) g[i] = reinterpret_cast<const P*>(dy + t * hidden)[u];
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
-        if (k < topk && u < units) {
-          rows[i][k] =
-              reinterpret_cast<const P*>(y + static_cast<std::int64_t>(slots.row[k]) * hidden)[u];
-        }
+        if (k < topk && u < units)
+          rows[i][k] = reinterpret_cast<const P*>(read.at(y, k, hidden))[u];
       }
     }
 #pragma unroll
@@ -370,9 +451,9 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
           for (int e = 0; e < kElems; ++e) {
             const float ge = to_float(g[i].v[e]);
             dot[k] += ge * to_float(rows[i][k].v[e]);
-            scaled.v[e] = from_float<T>(slots.prob[k] * ge);
+            scaled.v[e] = from_float<T>(probs.p[k] * ge);
           }
-          reinterpret_cast<P*>(dY + static_cast<std::int64_t>(slots.row[k]) * hidden)[u] = scaled;
+          reinterpret_cast<P*>(write.at(dY, k, hidden))[u] = scaled;
         }
       }
     }
@@ -386,6 +467,17 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       if (lane == 0) dprob[t * topk + k] = v;
     }
   }
+  fence_remote_stores<To>();
+}
+
+// rows[i] = row_map[i] + shift[topk_idx[i]]: a slot's row on its expert's rank.
+__global__ void peer_row_map_kernel(const std::int32_t* __restrict__ row_map,
+                                    const std::int32_t* __restrict__ topk_idx,
+                                    const std::int32_t* __restrict__ shift, std::int64_t slots,
+                                    std::int32_t* __restrict__ rows) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < slots;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    rows[i] = row_map[i] + shift[topk_idx[i]];
 }
 
 // ---- Chunk sort
@@ -584,7 +676,7 @@ void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk,
   dispatch_rows(x, {x.data, out.data}, [&]<typename T, int kElems>() {
     dispatch_slots(topk, [&]<int kSlots>() {
       permute_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-          x.as<const T>(), row_map, topk, tokens, hidden, out.as<T>(), pad);
+          x.as<const T>(), LocalRows{row_map}, topk, tokens, hidden, out.as<T>(), pad);
       MOE_CHECK_LAUNCH();
     });
   });
@@ -603,7 +695,8 @@ void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float
     dispatch_slots(topk, [&]<int kSlots>() {
       unpermute_combine_kernel<T, kElems, kSlots>
           <<<row_grid(tokens, Padding{}), kRowWarps * kWarpSize, 0, stream>>>(
-              y.as<const T>(), row_map, prob, topk, tokens, hidden, out.as<T>());
+              y.as<const T>(), LocalRows{row_map}, prob, topk, tokens, hidden, out.as<T>(),
+              nullptr);
       MOE_CHECK_LAUNCH();
     });
   });
@@ -628,8 +721,8 @@ void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row
   dispatch_rows(dy, {dy.data, y.data, dY.data}, [&]<typename T, int kElems>() {
     dispatch_slots(topk, [&]<int kSlots>() {
       combine_backward_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-          dy.as<const T>(), y.as<const T>(), row_map, prob, topk, tokens, hidden, dY.as<T>(), dprob,
-          pad);
+          dy.as<const T>(), y.as<const T>(), LocalRows{row_map}, LocalRows{row_map}, prob, topk,
+          tokens, hidden, dY.as<T>(), dprob, pad);
       MOE_CHECK_LAUNCH();
     });
   });
@@ -685,6 +778,124 @@ void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tens
 void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,
                    cudaStream_t stream) {
   copy_chunks<false>(chunks, expert_major, source_major, source_major, expert_major, stream);
+}
+
+// ---- Rows on the EP group's ranks (peer exchange)
+// -------------------------------------------------------
+
+namespace {
+PeerRowsOnDevice on_device(const PeerRows& rows, std::int64_t row_bytes, const char* what) {
+  if (rows.ranks < 1 || rows.ranks > kMaxPeerRanks || rows.experts_per_rank < 1 ||
+      rows.topk_idx == nullptr || rows.rows == nullptr) {
+    fail(std::string(what) + ": ranks = " + std::to_string(rows.ranks) + " (1 to " +
+         std::to_string(kMaxPeerRanks) + "), experts_per_rank = " +
+         std::to_string(rows.experts_per_rank) + "; topk_idx and rows are required");
+  }
+  PeerRowsOnDevice d{};
+  for (int r = 0; r < rows.ranks; ++r) {
+    if (rows.base[r] == nullptr)
+      fail(std::string(what) + ": rank " + std::to_string(r) + "'s buffer is null");
+    d.base[r] = static_cast<char*>(rows.base[r]);
+  }
+  d.experts_per_rank = rows.experts_per_rank;
+  d.topk_idx = rows.topk_idx;
+  d.rows = rows.rows;
+  d.row_bytes = row_bytes;
+  return d;
+}
+}  // namespace
+
+void peer_row_map(const std::int32_t* row_map, const std::int32_t* topk_idx,
+                  const std::int32_t* shift, std::int64_t slots, std::int32_t* rows,
+                  cudaStream_t stream) {
+  if (slots <= 0) return;
+  const int threads = 256;
+  const auto blocks =
+      static_cast<unsigned>(std::min<std::int64_t>((slots + threads - 1) / threads, 4096));
+  peer_row_map_kernel<<<blocks, threads, 0, stream>>>(row_map, topk_idx, shift, slots, rows);
+  MOE_CHECK_LAUNCH();
+}
+
+void peer_permute(const Tensor& x, const PeerRows& out, int topk, const std::int32_t* own_offsets,
+                  const std::int32_t* own_counts, int own_experts, const Tensor& own,
+                  cudaStream_t stream) {
+  check_activation(x, "peer_permute x");
+  check_activation(own, "peer_permute own rows");
+  check_same_width(x, own, "peer_permute");
+  check_topk(topk, "peer_permute");
+  const std::int64_t tokens = x.dim(0);
+  const int hidden = static_cast<int>(x.dim(1));
+  const PeerRowsOnDevice rows =
+      on_device(out, hidden * static_cast<std::int64_t>(dtype_size(x.dtype)), "peer_permute");
+  const Padding pad{own_offsets, own_counts, own_experts};
+  const unsigned grid = row_grid(tokens, pad);
+  if (grid == 0) return;
+  dispatch_rows(x, {x.data, own.data}, [&]<typename T, int kElems>() {
+    dispatch_slots(topk, [&]<int kSlots>() {
+      permute_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
+          x.as<const T>(), rows, topk, tokens, hidden, own.as<T>(), pad);
+      MOE_CHECK_LAUNCH();
+    });
+  });
+}
+
+void peer_unpermute_combine(const PeerRows& y, const float* prob, int topk, const Tensor& out,
+                            const Tensor* keep, cudaStream_t stream) {
+  check_activation(out, "peer_unpermute_combine out");
+  check_topk(topk, "peer_unpermute_combine");
+  const std::int64_t tokens = out.dim(0);
+  if (keep != nullptr) {
+    check_activation(*keep, "peer_unpermute_combine keep");
+    check_same_width(out, *keep, "peer_unpermute_combine");
+    if (keep->dim(0) != tokens * topk || keep->dtype != out.dtype)
+      fail("peer_unpermute_combine: keep is " + keep->describe() + ", expected " +
+           std::to_string(tokens * topk) + " rows of out's dtype");
+  }
+  if (tokens == 0) return;
+  const int hidden = static_cast<int>(out.dim(1));
+  const PeerRowsOnDevice rows = on_device(
+      y, hidden * static_cast<std::int64_t>(dtype_size(out.dtype)), "peer_unpermute_combine");
+  void* kept = keep != nullptr ? keep->data : nullptr;
+  dispatch_rows(out, {out.data, kept}, [&]<typename T, int kElems>() {
+    dispatch_slots(topk, [&]<int kSlots>() {
+      unpermute_combine_kernel<T, kElems, kSlots>
+          <<<row_grid(tokens, Padding{}), kRowWarps * kWarpSize, 0, stream>>>(
+              nullptr, rows, prob, topk, tokens, hidden, out.as<T>(), static_cast<T*>(kept));
+      MOE_CHECK_LAUNCH();
+    });
+  });
+}
+
+void peer_combine_backward(const Tensor& dy, const Tensor& y_kept, const PeerRows& dY,
+                           const float* prob, int topk, const std::int32_t* own_offsets,
+                           const std::int32_t* own_counts, int own_experts, const Tensor& own,
+                           float* dprob, cudaStream_t stream) {
+  check_activation(dy, "peer_combine_backward dy");
+  check_activation(y_kept, "peer_combine_backward y_kept");
+  check_activation(own, "peer_combine_backward own rows");
+  check_same_width(dy, own, "peer_combine_backward");
+  check_same_width(dy, y_kept, "peer_combine_backward");
+  check_topk(topk, "peer_combine_backward");
+  if (prob == nullptr || dprob == nullptr)
+    fail("peer_combine_backward: prob and dprob are required");
+  const std::int64_t tokens = dy.dim(0);
+  if (y_kept.dim(0) != tokens * topk)
+    fail("peer_combine_backward: y_kept is " + y_kept.describe() + ", expected " +
+         std::to_string(tokens * topk) + " rows");
+  const int hidden = static_cast<int>(dy.dim(1));
+  const PeerRowsOnDevice rows = on_device(
+      dY, hidden * static_cast<std::int64_t>(dtype_size(dy.dtype)), "peer_combine_backward");
+  const Padding pad{own_offsets, own_counts, own_experts};
+  const unsigned grid = row_grid(tokens, pad);
+  if (grid == 0) return;
+  dispatch_rows(dy, {dy.data, y_kept.data, own.data}, [&]<typename T, int kElems>() {
+    dispatch_slots(topk, [&]<int kSlots>() {
+      combine_backward_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
+          dy.as<const T>(), y_kept.as<const T>(), SlotOrder{}, rows, prob, topk, tokens, hidden,
+          own.as<T>(), dprob, pad);
+      MOE_CHECK_LAUNCH();
+    });
+  });
 }
 
 }  // namespace moe

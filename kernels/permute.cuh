@@ -8,9 +8,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
+#include "moe/config.h"
 #include "moe/tensor.h"
 
 namespace moe {
@@ -62,5 +64,45 @@ void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tens
                  cudaStream_t stream);
 void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,
                    cudaStream_t stream);
+
+// ---- Rows on the EP group's ranks: the peer exchange (docs/design.md, "Peer exchange")
+// Slot (t, k) of this rank's tokens lives at row rows[t, k] of rank topk_idx[t, k] /
+// experts_per_rank's buffer, which base[] maps here (CUDA IPC over NVLink). Kernels that store
+// into peers' buffers fence each thread's stores at system scope before it exits, so a
+// collective queued behind them on the stream marks the rows as landed on every rank.
+struct PeerRows {
+  std::array<void*, kMaxPeerRanks> base{};
+  int ranks = 0;
+  int experts_per_rank = 0;
+  const std::int32_t* topk_idx = nullptr;  // [T, K]
+  const std::int32_t* rows = nullptr;      // [T, K]
+};
+
+// rows[i] = row_map[i] + shift[topk_idx[i]] for i < slots: a slot's row on its expert's rank from
+// its row in the sender's layout (shift[g]: where this sender's rows of global expert g start on
+// g's rank, minus where they start in the sender's layout).
+void peer_row_map(const std::int32_t* row_map, const std::int32_t* topk_idx,
+                  const std::int32_t* shift, std::int64_t slots, std::int32_t* rows,
+                  cudaStream_t stream);
+
+// Dispatch: x[t] stored at every slot's row on its rank; this rank's own padding rows (groups
+// own_offsets / own_counts of `own`, its buffer) zeroed in the same launch.
+void peer_permute(const Tensor& x, const PeerRows& out, int topk, const std::int32_t* own_offsets,
+                  const std::int32_t* own_counts, int own_experts, const Tensor& own,
+                  cudaStream_t stream);
+
+// Combine: out[t] = Σ_k prob[t, k]·y(t, k) loaded from the slots' ranks (prob null: plain sum, the
+// dispatch backward), fp32 in slot order as unpermute_combine. keep (may be null) [T·K, H]: each
+// slot's row as loaded, at row t·K + k, for the combine backward.
+void peer_unpermute_combine(const PeerRows& y, const float* prob, int topk, const Tensor& out,
+                            const Tensor* keep, cudaStream_t stream);
+
+// Combine backward: dprob[t, k] = <dy[t], y_kept[t·K + k]> (the rows the combine kept) and
+// dY(t, k) = prob[t, k]·dy[t] stored on the slots' ranks; this rank's own padding rows (of `own`,
+// its dY buffer) zeroed as in peer_permute. Only dY crosses the links.
+void peer_combine_backward(const Tensor& dy, const Tensor& y_kept, const PeerRows& dY,
+                           const float* prob, int topk, const std::int32_t* own_offsets,
+                           const std::int32_t* own_counts, int own_experts, const Tensor& own,
+                           float* dprob, cudaStream_t stream);
 
 }  // namespace moe

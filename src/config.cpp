@@ -31,6 +31,25 @@ ScoreFunction parse_score_function(std::string_view text) {
   fail("score_function = '{}' is not one of softmax, sigmoid, sqrtsoftplus", text);
 }
 
+std::string_view ep_transport_name(EpTransport transport) {
+  switch (transport) {
+    case EpTransport::kAuto:
+      return "auto";
+    case EpTransport::kNccl:
+      return "nccl";
+    case EpTransport::kPeer:
+      return "peer";
+  }
+  return "unknown";
+}
+
+EpTransport parse_ep_transport(std::string_view text) {
+  if (text == "auto") return EpTransport::kAuto;
+  if (text == "nccl") return EpTransport::kNccl;
+  if (text == "peer") return EpTransport::kPeer;
+  fail("ep_transport = '{}' is not one of auto, nccl, peer", text);
+}
+
 namespace {
 
 template <typename... Args>
@@ -111,10 +130,12 @@ std::string MoEConfig::describe() const {
   if (expert_bias) router += "+bias";
   if (num_groups > 0) router += fmt::format(" groups={}/top{}", num_groups, group_topk);
   return fmt::format(
-      "H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} (grads {}){} EP={} DP={}", hidden,
+      "H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} (grads {}){} EP={} DP={}{}", hidden,
       ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff,
       align_size, dtype_name(dtype), dtype_name(grad_dtype), keep_expert_input ? " X kept" : "", ep,
-      dp);
+      dp,
+      ep_transport == EpTransport::kAuto ? ""
+                                         : fmt::format(" ({})", ep_transport_name(ep_transport)));
 }
 
 namespace {
@@ -186,6 +207,10 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"keep_expert_input", flag(&MoEConfig::keep_expert_input)},
       {"ep", integer(&MoEConfig::ep)},
       {"dp", integer(&MoEConfig::dp)},
+      {"ep_transport",
+       [&](const YAML::Node& n, const std::string& k) {
+         config.ep_transport = parse_ep_transport(read_scalar<std::string>(n, k, source));
+       }},
       {"tokens", integer(&MoEConfig::bench_tokens)},
   };
 

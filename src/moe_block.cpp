@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm/exchange.h"
+#include "comm/peer_memory.h"
 #include "kernels/elementwise.cuh"
 #include "kernels/experts.h"
 #include "kernels/gemm.h"
@@ -134,6 +135,23 @@ struct MoEBlock::State {
   Event layout_built;
   DeviceBuffer dx;  // the backward's output
 
+  // The peer exchange (EpTransport::kPeer, docs/design.md "Peer exchange"): the experts' input X
+  // and output Y live in buffers every EP rank maps; senders store their rows straight into X and
+  // load Y back, and Y then holds dY (stored by the senders) and dX (loaded by them).
+  struct Peer {
+    explicit Peer(const Mesh& mesh) : X(mesh), Y(mesh) {}
+    PeerBuffer X, Y;
+    DeviceBuffer all_counts;  // [EP, E]: every EP rank's rows per global expert
+    DeviceBuffer slot_rows;   // [T, K]: each slot's row on its expert's rank (the context)
+    DeviceBuffer returned;    // [T·K, H]: the Y rows the combine loaded, kept for its backward
+    DeviceBuffer plan;        // shift [E], own offsets [E_loc + 1], own counts [E_loc]
+    DeviceBuffer barrier;     // one int, zero, that the EP group all-reduces as a barrier
+    PinnedBuffer host;        // the counts down, the plan up
+    Event copied;
+  };
+  std::optional<Peer> peer;
+  bool transport_decided = false;
+
   // The context of the last forward.
   bool has_context = false;
   Tensor x;
@@ -171,6 +189,122 @@ struct MoEBlock::State {
         Y(m.ep() == 1 && c.keep_expert_input ? own_Y : buffers.Y) {}
 
   bool expert_parallel() const { return mesh.ep() > 1; }
+  bool peer_exchange() const { return peer.has_value(); }
+
+  // Collective over the EP group, at the first forward under EP: the transport of the rows.
+  void choose_transport() {
+    if (transport_decided || !expert_parallel()) return;
+    bool use_peer = false;
+    if (config.ep_transport != EpTransport::kNccl) {
+      use_peer = ep_group_has_peer_access(mesh, stream);
+      if (!use_peer && config.ep_transport == EpTransport::kPeer) {
+        fail(
+            "MoEBlock: ep_transport = peer, but the EP group of {} ranks is not all on one host "
+            "with peer access between its GPUs (at most {} ranks); use auto or nccl",
+            mesh.ep(), kMaxPeerRanks);
+      }
+    }
+    if (use_peer) {
+      peer.emplace(mesh);
+      MOE_CHECK_CUDA(cudaMemsetAsync(typed<int>(peer->barrier, 1), 0, sizeof(int), stream));
+    }
+    transport_decided = true;
+  }
+
+  // Peer exchange: returns when every EP rank's work queued before it on its stream is done
+  // (an all-reduce of a zero; the kernels fence their stores to other GPUs before exiting).
+  void peer_barrier() const {
+    mesh.all_reduce_sum(peer->barrier.data(), 1, ncclInt32, MeshGroup::kExpertParallel, stream);
+  }
+
+  // The slots' rows over the EP group's buffers of `rows` (X or Y).
+  PeerRows peer_rows(const PeerBuffer& buffer) {
+    PeerRows r;
+    r.base = buffer.ranks();
+    r.ranks = mesh.ep();
+    r.experts_per_rank = E_loc;
+    r.topk_idx = topk_idx.as<std::int32_t>();
+    r.rows = peer->slot_rows.as<std::int32_t>();
+    return r;
+  }
+  const std::int32_t* own_offsets() const { return peer->plan.as<std::int32_t>() + E; }
+  const std::int32_t* own_counts() const { return own_offsets() + E_loc + 1; }
+
+  // Dispatch over the peer exchange: all-gather the counts (the one host synchronisation, which
+  // also brings the 16 bytes of T_glob and the losses into `scalars`), lay every rank's rows out
+  // on the host, grow the buffers where needed, then store each slot's row of x at its place on
+  // its expert's rank and wait for every rank's stores.
+  void peer_dispatch(const Tensor& x, const std::int32_t* layout_counts,
+                     const std::int64_t* global_tokens, void* scalars) {
+    auto& p = *peer;
+    const int EP = mesh.ep(), me = mesh.ep_index();
+    const std::int64_t T = x.dim(0);
+    const std::size_t counts_bytes = static_cast<std::size_t>(EP) * E * sizeof(std::int32_t);
+    const std::size_t plan_count = static_cast<std::size_t>(E) + 2 * E_loc + 1;
+    auto* all_counts = typed<std::int32_t>(p.all_counts, static_cast<std::size_t>(EP) * E);
+    mesh.all_gather(layout_counts, all_counts, E * sizeof(std::int32_t), MeshGroup::kExpertParallel,
+                    stream);
+    p.host.reserve(16 + counts_bytes + plan_count * sizeof(std::int32_t));
+    auto* host = p.host.as<char>();
+    MOE_CHECK_CUDA(cudaMemcpyAsync(host, global_tokens, 16, cudaMemcpyDeviceToHost, stream));
+    MOE_CHECK_CUDA(
+        cudaMemcpyAsync(host + 16, all_counts, counts_bytes, cudaMemcpyDeviceToHost, stream));
+    p.copied.record(stream);
+    mesh.wait(p.copied.get(), "the dispatch counts all-gather");  // the one host synchronisation
+    std::memcpy(scalars, host, 16);
+
+    // Rows of (source s, global expert g): c[s·E + g]. On g's rank r, expert e = g − r·E_loc owns
+    // a padded group; inside it the sources' rows follow in source order, each in token order.
+    const auto* c = reinterpret_cast<const std::int32_t*>(host + 16);
+    auto* plan = reinterpret_cast<std::int32_t*>(host + 16 + counts_bytes);
+    std::int32_t* shift = plan;
+    std::int32_t* own_offset = plan + E;
+    std::int32_t* own_count = own_offset + E_loc + 1;
+    std::vector<std::size_t> bytes(EP);
+    std::int64_t sender_offset = 0;  // where this rank's rows of g start in its own layout
+    for (int r = 0; r < EP; ++r) {
+      std::int64_t offset = 0;
+      for (int e = 0; e < E_loc; ++e) {
+        const int g = r * E_loc + e;
+        std::int64_t total = 0, before_me = 0;
+        for (int src = 0; src < EP; ++src) {
+          total += c[src * E + g];
+          if (src < me) before_me += c[src * E + g];
+        }
+        shift[g] = static_cast<std::int32_t>(offset + before_me - sender_offset);
+        sender_offset += c[me * E + g];
+        if (r == me) {
+          own_offset[e] = static_cast<std::int32_t>(offset);
+          own_count[e] = static_cast<std::int32_t>(total);
+        }
+        offset += config.padded_rows(total);
+      }
+      if (offset > INT32_MAX)
+        fail("rank {}: EP rank {} would receive {} rows, beyond the int32 row index", mesh.rank(),
+             r, offset);
+      if (r == me) own_offset[E_loc] = static_cast<std::int32_t>(offset);
+      bytes[r] = static_cast<std::size_t>(offset) * H * dtype_size(dtype);
+    }
+    expert_offsets.assign(own_offset, own_offset + E_loc + 1);
+    rows = expert_offsets.back();
+    auto* plan_device = typed<std::int32_t>(p.plan, plan_count);
+    MOE_CHECK_CUDA(cudaMemcpyAsync(plan_device, plan, plan_count * sizeof(std::int32_t),
+                                   cudaMemcpyHostToDevice, stream));
+    p.X.reserve(bytes, stream);
+    p.Y.reserve(bytes, stream);
+
+    auto* slot_rows = typed<std::int32_t>(p.slot_rows, static_cast<std::size_t>(T) * K);
+    peer_row_map(row_map.as<std::int32_t>(), topk_idx.as<std::int32_t>(), plan_device, T * K,
+                 slot_rows, stream);
+    peer_permute(x, peer_rows(p.X), K, own_offsets(), own_counts(), E_loc,
+                 Tensor(p.X.local(), dtype, {rows, H}), stream);
+    peer_barrier();  // every rank's rows have landed in every X
+  }
+
+  // The experts' input and output rows (padded expert-major) on this rank.
+  void* expert_input() const { return peer ? peer->X.local() : X.data(); }
+  void* expert_output() const { return peer ? peer->Y.local() : Y.data(); }
+
   // X, Y, dY and dX in X's buffer, X permuted from x again in the backward (MoEConfig).
   bool one_row_buffer() const { return !expert_parallel() && !config.keep_expert_input; }
 
@@ -282,6 +416,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   if (T * s.K > INT32_MAX) fail("MoEBlock::forward: T = {} tokens exceed the int32 row index", T);
   s.has_context = false;  // a failure below leaves no half-built context
   s.times.used = 0;       // stage times restart with each forward; backward appends
+  s.choose_transport();
   const cudaStream_t stream = s.stream;
   const int E = s.E, K = s.K;
   const std::int64_t H = s.H;
@@ -394,6 +529,8 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
       const auto* off = reinterpret_cast<const std::int32_t*>(s.host_scalars.as<char>() + 16);
       s.expert_offsets.assign(off, off + E + 1);
       s.rows = s.expert_offsets.back();
+    } else if (s.peer_exchange()) {
+      s.peer_dispatch(x, layout_counts, global_tokens, &host);
     } else {
       const Tensor sent = view(s.send_rows, s.dtype, {T * K, H});
       permute_rows(x, row_map, K, layout_offsets, layout_counts, E, sent, stream);
@@ -418,12 +555,14 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     }
     s.global_tokens = host.tokens;
   }
-  const Tensor X(s.X.data(), s.dtype, {s.rows, H});
+  const Tensor X(s.expert_input(), s.dtype, {s.rows, H});
   s.check("dispatch", X);
 
   // 5. Experts: h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ; with one row buffer Y is written
   //    over X (the backward permutes x again instead of keeping X, docs/design.md "Buffers").
-  const Tensor Y = s.one_row_buffer() ? X : view(s.Y, s.dtype, {s.rows, H});
+  const Tensor Y = s.one_row_buffer()  ? X
+                   : s.peer_exchange() ? Tensor(s.expert_output(), s.dtype, {s.rows, H})
+                                       : view(s.Y, s.dtype, {s.rows, H});
   {
     Range r("moe experts", s.times, stream);
     const ExpertActivations act{
@@ -438,7 +577,14 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     Range r("moe combine", s.times, stream);
     const Tensor* combined = &Y;
     Tensor returned;
-    if (s.expert_parallel()) {
+    if (s.peer_exchange()) {
+      s.peer_barrier();  // every rank's Y is complete
+      // The loaded rows are kept: the combine backward then sends dY alone over the links
+      // instead of loading Y a second time beside it.
+      const Tensor kept = view(s.peer->returned, s.dtype, {T * K, H});
+      peer_unpermute_combine(s.peer_rows(s.peer->Y), topk_p, K, out, &kept, stream);
+      combined = nullptr;
+    } else if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
       const Tensor recv = view(s.dY, s.dtype, {c.total_received(), H});  // backward's, free now
       unsort_chunks({typed<std::int32_t>(s.recv_counts, E), s.mesh.ep(), s.E_loc,
@@ -450,7 +596,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
                                 H * dtype_size(s.dtype), stream);
       combined = &returned;
     }
-    unpermute_combine(*combined, row_map, topk_p, K, out, stream);
+    if (combined != nullptr) unpermute_combine(*combined, row_map, topk_p, K, out, stream);
     s.check("combine", out);
   }
 
@@ -475,16 +621,26 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   auto* row_map = s.row_map.as<std::int32_t>();
   auto* topk_p = s.topk_p.as<float>();
   auto* dprob = typed<float>(s.dprob, T * K);
-  // One row buffer: it holds Y, then dY, X again and dX (docs/design.md, "Buffers").
+  // One row buffer: it holds Y, then dY, X again and dX (docs/design.md, "Buffers"). Peer
+  // exchange: Y's buffer holds dY, then dX.
   const Tensor rows_buffer(s.X.data(), s.dtype, {rows, H});
-  const Tensor dY = s.one_row_buffer() ? rows_buffer : view(s.dY, s.dtype, {rows, H});
+  const Tensor peer_Y =
+      s.peer_exchange() ? Tensor(s.expert_output(), s.dtype, {rows, H}) : Tensor{};
+  const Tensor dY = s.one_row_buffer()  ? rows_buffer
+                    : s.peer_exchange() ? peer_Y
+                                        : view(s.dY, s.dtype, {rows, H});
   const Tensor dx = view(s.dx, s.dtype, {T, H});
 
   // 6'. Combine backward, against the Y the combine consumed in the layout it consumed it; EP:
   //     back to the experts' ranks and into their padded layout.
   {
     Range r("moe combine backward", s.times, stream);
-    if (!s.expert_parallel()) {  // one row buffer: dY over Y, in place
+    if (s.peer_exchange()) {  // against the kept rows; dY over Y on the experts' ranks
+      peer_combine_backward(dy, Tensor(s.peer->returned.data(), s.dtype, {T * K, H}),
+                            s.peer_rows(s.peer->Y), topk_p, K, s.own_offsets(), s.own_counts(),
+                            s.E_loc, peer_Y, dprob, stream);
+      s.peer_barrier();                 // every rank's dY has landed
+    } else if (!s.expert_parallel()) {  // one row buffer: dY over Y, in place
       const Tensor Y = s.one_row_buffer() ? rows_buffer : Tensor(s.Y.data(), s.dtype, {rows, H});
       combine_backward(dy, Y, row_map, topk_p, K, s.layout_offsets.as<std::int32_t>(),
                        s.layout_counts.as<std::int32_t>(), E, dY, dprob, stream);
@@ -509,7 +665,9 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   //     before writing its gradient, and writes a there again for dw2). One row buffer: X
   //     permuted from x again over dY once dY is dead, dX over X once dw13 has read it. Else dX
   //     into Y, dead since the combine backward.
-  const Tensor dX = s.one_row_buffer() ? rows_buffer : Tensor(s.Y.data(), s.dtype, {rows, H});
+  const Tensor dX = s.one_row_buffer()  ? rows_buffer
+                    : s.peer_exchange() ? peer_Y  // over dY, each expert's behind its dw2
+                                        : Tensor(s.Y.data(), s.dtype, {rows, H});
   {
     Range r("moe experts backward", s.times, stream);
     const Tensor h(s.h.data(), s.dtype, {rows, 2 * F});
@@ -522,8 +680,9 @@ Tensor MoEBlock::backward(const Tensor& dy) {
                      s.layout_counts.as<std::int32_t>(), E, rows_buffer, on);
       };
     }
-    s.experts.backward(dY, Tensor(s.X.data(), s.dtype, {rows, H}), s.expert_offsets, s.params.w13,
-                       s.params.w2, act, false, dX, s.grads.w13, s.grads.w2, stream, refill);
+    s.experts.backward(dY, Tensor(s.expert_input(), s.dtype, {rows, H}), s.expert_offsets,
+                       s.params.w13, s.params.w2, act, false, dX, s.grads.w13, s.grads.w2, stream,
+                       refill);
     s.check("experts backward", dX);
   }
 
@@ -532,7 +691,11 @@ Tensor MoEBlock::backward(const Tensor& dy) {
     Range r("moe dispatch backward", s.times, stream);
     const Tensor* rows_in = &dX;
     Tensor returned;
-    if (s.expert_parallel()) {
+    if (s.peer_exchange()) {
+      s.peer_barrier();  // every rank's dX is complete
+      peer_unpermute_combine(s.peer_rows(s.peer->Y), nullptr, K, dx, nullptr, stream);
+      rows_in = nullptr;
+    } else if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
       const Tensor recv = view(s.dY, s.dtype, {c.total_received(), H});  // dead after the experts
       unsort_chunks({s.recv_counts.as<std::int32_t>(), s.mesh.ep(), s.E_loc, s.config.align_size,
@@ -543,7 +706,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
                                 stream);
       rows_in = &returned;
     }
-    unpermute_combine(*rows_in, row_map, nullptr, K, dx, stream);
+    if (rows_in != nullptr) unpermute_combine(*rows_in, row_map, nullptr, K, dx, stream);
   }
 
   // 2'-3'. Router backward with the loss gradients (mesh-wide f and T).
@@ -619,6 +782,12 @@ MoERouting MoEBlock::routing() const {
   return {Tensor(s.topk_idx.data(), DType::kInt32, {s.T, s.K}),
           Tensor(s.topk_p.data(), DType::kFP32, {s.T, s.K}),
           Tensor(s.counts.data(), DType::kInt32, {s.E})};
+}
+
+EpTransport MoEBlock::ep_transport() const {
+  const auto& s = *s_;
+  if (!s.transport_decided) return EpTransport::kAuto;
+  return s.peer_exchange() ? EpTransport::kPeer : EpTransport::kNccl;
 }
 
 void MoEBlock::set_stage_timing(bool on) {

@@ -15,9 +15,19 @@ enum class ScoreFunction { kSoftmax, kSigmoid, kSqrtSoftplus };
 std::string_view score_function_name(ScoreFunction score_function);
 ScoreFunction parse_score_function(std::string_view text);
 
+// How rows cross the EP group. kPeer: kernels load and store rows in the other GPUs' buffers
+// (CUDA IPC over NVLink), no staging; kNccl: grouped ncclSend/ncclRecv through staging buffers;
+// kAuto: kPeer when every EP rank is on this host with peer access (decided once, the same on
+// every rank), else kNccl.
+enum class EpTransport { kAuto, kNccl, kPeer };
+std::string_view ep_transport_name(EpTransport transport);
+EpTransport parse_ep_transport(std::string_view text);
+
 // Limits of the GPU kernels; the CPU reference has none.
 inline constexpr int kMaxExperts = 2048;
 inline constexpr int kMaxTopK = 16;
+// The most EP ranks the peer exchange addresses (one host's GPUs); larger groups use NCCL.
+inline constexpr int kMaxPeerRanks = 8;
 
 struct MoEConfig {
   // Shapes.
@@ -57,6 +67,7 @@ struct MoEConfig {
   // Mesh: expert-parallel and data-parallel degrees; world = ep * dp.
   int ep = 1;
   int dp = 1;
+  EpTransport ep_transport = EpTransport::kAuto;  // peer requires peer access (else an error)
 
   // Tokens per GPU used by the benchmarks for this shape (not a property of the layer).
   int bench_tokens = 0;

@@ -56,6 +56,10 @@ class Mesh {
   // In-place sum over a group (nothing for a group of one).
   void all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group,
                       cudaStream_t stream) const;
+  // Every rank's `bytes` of `send` (device) into recv[rank · bytes] (device), in group rank order
+  // (nothing but the copy for a group of one).
+  void all_gather(const void* send, void* recv, std::size_t bytes, MeshGroup group,
+                  cudaStream_t stream) const;
   // Brackets NCCL calls into one group (nestable); the outermost group_end launches them under
   // the watchdog, so a missing peer raises after the timeout instead of blocking the host.
   void group_start() const;

@@ -107,6 +107,9 @@ class MoEBlock {
   // Sums the gradients over the mesh: experts over the DP group, the gate over the world.
   void reduce_gradients();
   MoERouting routing() const;
+  // How rows cross the EP group: kPeer or kNccl once the first forward under EP has chosen
+  // (config.ep_transport, kAuto resolved); kAuto before that and on a single EP rank.
+  EpTransport ep_transport() const;
   // Aux-loss-free balancing with the mesh-wide loads of the last forward.
   void update_expert_bias(float rate);
   // Check mode: after each stage, raise a moe::Error naming the first stage (and rank) whose

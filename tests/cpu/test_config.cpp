@@ -68,6 +68,9 @@ TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][c
   CHECK(parse_config(kBase + "grad_dtype: bf16\n").grad_dtype == DType::kBF16);
   CHECK_FALSE(config.keep_expert_input);
   CHECK(parse_config(kBase + "keep_expert_input: true\n").keep_expert_input);
+  CHECK(config.ep_transport == EpTransport::kAuto);
+  CHECK(parse_config(kBase + "ep_transport: nccl\n").ep_transport == EpTransport::kNccl);
+  CHECK(parse_config(kBase + "ep_transport: peer\n").ep_transport == EpTransport::kPeer);
 }
 
 TEST_CASE("padded rows round each group up to align_size", "[cpu][config]") {
@@ -114,6 +117,7 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"dtype", "fp16"}}, "dtype = 'fp16' is not a dtype"},
       {{{"grad_dtype", "int32"}}, "grad_dtype = int32 must be bf16 or fp32"},
       {{{"score_function", "relu"}}, "score_function = 'relu' is not one of"},
+      {{{"ep_transport", "ipc"}}, "ep_transport = 'ipc' is not one of auto, nccl, peer"},
       {{{"topk", "two"}}, "topk = 'two' is not a valid value"},
       {{{"top_k", "2"}}, "unknown key 'top_k'"},
   };

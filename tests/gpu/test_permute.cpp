@@ -244,6 +244,154 @@ TEST_CASE("EP chunk sort to and from the padded expert-major layout", "[gpu][per
   }
 }
 
+// The peer kernels address each slot's row in the buffer of its expert's rank. On one GPU, R
+// buffers stand in for R ranks: rank r holds experts [r·E_loc, (r + 1)·E_loc) and the slice of
+// the padded layout they own, so every result must equal the local kernels' bitwise.
+TEST_CASE("peer kernels over rows split between ranks' buffers equal the local kernels",
+          "[gpu][permute]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const auto& [T, H, E, K, ranks, align, dtype] :
+       {std::tuple{37, 72, 8, 2, 2, 16, DType::kBF16},
+        std::tuple{41, 13, 24, 6, 3, 8, DType::kFP32},
+        std::tuple{300, 64, 64, 16, 8, 16, DType::kBF16},
+        std::tuple{1, 40, 8, 4, 4, 1, DType::kBF16},
+        std::tuple{0, 64, 8, 2, 2, 16, DType::kBF16}}) {
+    INFO("T=" << T << " H=" << H << " E=" << E << " K=" << K << " ranks=" << ranks
+              << " align=" << align << " " << dtype_name(dtype));
+    const int E_loc = E / ranks;
+    const auto routing = draw_routing(T, E, K, false, rng);
+    const auto layout = reference::make_layout(routing, E, align);
+    const std::int64_t rows = layout.rows();
+    const Matrix x = test::round_to(test::random_matrix(T, H, rng), dtype);
+    const Matrix y = test::round_to(test::random_matrix(rows, H, rng), dtype);
+    const Matrix dy = test::round_to(test::random_matrix(T, H, rng), dtype);
+    Stream stream;
+    const std::size_t elem = dtype_size(dtype), row_bytes = static_cast<std::size_t>(H) * elem;
+    auto first_row = [&](int r) { return layout.offsets[static_cast<std::size_t>(r * E_loc)]; };
+
+    // The local kernels on the whole layout: what every split must reproduce.
+    const auto idx = test::upload(routing.expert);
+    const std::vector<std::int32_t> row32(layout.row.begin(), layout.row.end());
+    const auto row_map = test::upload(row32);
+    const auto prob = test::upload(std::vector<float>(routing.prob.begin(), routing.prob.end()));
+    std::vector<std::int32_t> offsets32(layout.offsets.begin(), layout.offsets.end()),
+        counts32(layout.counts.begin(), layout.counts.end());
+    const auto offsets = test::upload(offsets32), counts = test::upload(counts32);
+    const auto x_dev = test::upload_as(x, dtype), y_dev = test::upload_as(y, dtype),
+               dy_dev = test::upload_as(dy, dtype), y_local = test::upload_as(y, dtype);
+    DeviceBuffer X(rows * row_bytes + 16), out(T * row_bytes + 16), dx(T * row_bytes + 16),
+        dprob(static_cast<std::size_t>(T * K) * 4 + 16);
+    const Tensor x_t(x_dev.data(), dtype, {T, H}), dy_t(dy_dev.data(), dtype, {T, H});
+    const auto* rm = row_map.as<std::int32_t>();
+    permute_rows(x_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E,
+                 Tensor(X.data(), dtype, {rows, H}), stream.get());
+    unpermute_combine(Tensor(y_dev.data(), dtype, {rows, H}), rm, prob.as<float>(), K,
+                      Tensor(out.data(), dtype, {T, H}), stream.get());
+    unpermute_combine(Tensor(y_dev.data(), dtype, {rows, H}), rm, nullptr, K,
+                      Tensor(dx.data(), dtype, {T, H}), stream.get());
+    const Tensor y_in_place(y_local.data(), dtype, {rows, H});
+    combine_backward(dy_t, y_in_place, rm, prob.as<float>(), K, offsets.as<std::int32_t>(),
+                     counts.as<std::int32_t>(), E, y_in_place, dprob.as<float>(), stream.get());
+    stream.synchronize();
+
+    // Slot rows on their ranks: the row in the whole layout minus the rank's first row.
+    std::vector<std::int32_t> shift(E);
+    for (int g = 0; g < E; ++g) shift[g] = static_cast<std::int32_t>(-first_row(g / E_loc));
+    const auto shift_dev = test::upload(shift);
+    DeviceBuffer slot_rows(static_cast<std::size_t>(T * K) * 4 + 16);
+    test::poison(slot_rows);
+    peer_row_map(rm, idx.as<std::int32_t>(), shift_dev.as<std::int32_t>(), T * K,
+                 slot_rows.as<std::int32_t>(), stream.get());
+    stream.synchronize();
+    const auto got_slot_rows =
+        test::download<std::int32_t>(slot_rows, static_cast<std::size_t>(T * K));
+    for (std::int64_t i = 0; i < T * K; ++i) {
+      REQUIRE(got_slot_rows[i] == layout.row[i] - first_row(routing.expert[i] / E_loc));
+    }
+
+    // Each rank's buffers: X (filled by the dispatch), and Y (y's slice, combined, then dY).
+    std::vector<DeviceBuffer> X_of, Y_of;
+    std::vector<DeviceBuffer> own_offsets, own_counts;
+    PeerRows X_rows, Y_rows;
+    for (int r = 0; r < ranks; ++r) {
+      const std::int64_t begin = first_row(r), end = first_row(r + 1);
+      X_of.emplace_back((end - begin) * row_bytes + 16);
+      test::poison(X_of.back());
+      Y_of.emplace_back((end - begin) * row_bytes + 16);
+      MOE_CHECK_CUDA(cudaMemcpy(Y_of.back().data(), y_dev.as<char>() + begin * row_bytes,
+                                (end - begin) * row_bytes, cudaMemcpyDeviceToDevice));
+      std::vector<std::int32_t> own_off, own_count;
+      for (int e = 0; e <= E_loc; ++e) own_off.push_back(offsets32[r * E_loc + e] - begin);
+      for (int e = 0; e < E_loc; ++e) own_count.push_back(counts32[r * E_loc + e]);
+      own_offsets.push_back(test::upload(own_off));
+      own_counts.push_back(test::upload(own_count));
+      X_rows.base[r] = X_of.back().data();
+      Y_rows.base[r] = Y_of.back().data();
+    }
+    for (PeerRows* p : {&X_rows, &Y_rows}) {
+      p->ranks = ranks;
+      p->experts_per_rank = E_loc;
+      p->topk_idx = idx.as<std::int32_t>();
+      p->rows = slot_rows.as<std::int32_t>();
+    }
+    auto own = [&](std::vector<DeviceBuffer>& of, int r) {
+      return Tensor(of[r].data(), dtype, {first_row(r + 1) - first_row(r), H});
+    };
+    // The dispatch, once as each rank (each zeroes its own padding; the rows are the same stores).
+    for (int r = 0; r < ranks; ++r)
+      peer_permute(x_t, X_rows, K, own_offsets[r].as<std::int32_t>(),
+                   own_counts[r].as<std::int32_t>(), E_loc, own(X_of, r), stream.get());
+    DeviceBuffer peer_out(T * row_bytes + 16), peer_dx(T * row_bytes + 16),
+        peer_dprob(static_cast<std::size_t>(T * K) * 4 + 16), kept(T * K * row_bytes + 16);
+    for (const auto* b : {&peer_out, &peer_dx, &peer_dprob, &kept}) test::poison(*b);
+    const Tensor kept_t(kept.data(), dtype, {T * K, H});
+    peer_unpermute_combine(Y_rows, prob.as<float>(), K, Tensor(peer_out.data(), dtype, {T, H}),
+                           &kept_t, stream.get());
+    peer_unpermute_combine(Y_rows, nullptr, K, Tensor(peer_dx.data(), dtype, {T, H}), nullptr,
+                           stream.get());
+    peer_combine_backward(dy_t, kept_t, Y_rows, prob.as<float>(), K,
+                          own_offsets[0].as<std::int32_t>(), own_counts[0].as<std::int32_t>(),
+                          E_loc, own(Y_of, 0), peer_dprob.as<float>(), stream.get());
+    stream.synchronize();
+
+    // The kept rows: slot (t, k)'s row of y at t·K + k, bitwise.
+    const auto whole_y = test::download<char>(y_dev, rows * row_bytes);
+    const auto got_kept = test::download<char>(kept, T * K * row_bytes);
+    for (std::int64_t i = 0; i < T * K; ++i) {
+      REQUIRE(std::equal(got_kept.begin() + i * row_bytes, got_kept.begin() + (i + 1) * row_bytes,
+                         whole_y.begin() + layout.row[i] * row_bytes));
+    }
+
+    const auto n = static_cast<std::size_t>(T * H) * elem;
+    CHECK(test::download<char>(peer_out, n) == test::download<char>(out, n));
+    CHECK(test::download<char>(peer_dx, n) == test::download<char>(dx, n));
+    CHECK(test::download<float>(peer_dprob, static_cast<std::size_t>(T * K)) ==
+          test::download<float>(dprob, static_cast<std::size_t>(T * K)));
+    const auto whole_X = test::download<char>(X, rows * row_bytes);
+    const auto whole_dY = test::download<char>(y_local, rows * row_bytes);
+    for (int r = 0; r < ranks; ++r) {
+      INFO("rank " << r);
+      const std::int64_t begin = first_row(r), end = first_row(r + 1);
+      const auto got_X = test::download<char>(X_of[r], (end - begin) * row_bytes);
+      CHECK(std::equal(got_X.begin(), got_X.end(), whole_X.begin() + begin * row_bytes));
+      // dY in place: every routed row; rank 0 (the caller) also zeroed its padding.
+      const auto got_dY = test::download<char>(Y_of[r], (end - begin) * row_bytes);
+      for (int e = r * E_loc; e < (r + 1) * E_loc; ++e) {
+        const std::int64_t last =
+            r == 0 ? layout.offsets[e + 1] : layout.offsets[e] + layout.counts[e];
+        for (std::int64_t row = layout.offsets[e]; row < last; ++row) {
+          INFO("row " << row);
+          REQUIRE(std::equal(got_dY.begin() + (row - begin) * row_bytes,
+                             got_dY.begin() + (row - begin + 1) * row_bytes,
+                             whole_dY.begin() + row * row_bytes));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("permute kernels reject bad arguments", "[gpu][permute]") {
   float storage[4] = {};
   const Tensor ints(storage, DType::kInt32, {1, 4});

@@ -21,6 +21,13 @@ std::uint64_t shared_seed() {
   return seed;
 }
 
+// Under EP each case runs over both transports: NCCL, and the peer exchange where the EP group has
+// peer access (auto then picks it; the block reports which it took).
+std::vector<EpTransport> transports(int ep) {
+  if (ep == 1) return {EpTransport::kAuto};
+  return {EpTransport::kNccl, EpTransport::kAuto};
+}
+
 void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t seed) {
   const int world = test::world_size();
   const int rank = test::world_rank();
@@ -54,6 +61,8 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
   const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
   const auto fwd = block.forward(Tensor(x_dev.data(), c.dtype, {T, c.hidden}));
+  INFO("transport " << ep_transport_name(block.ep_transport()));
+  if (c.ep_transport == EpTransport::kNccl) CHECK(block.ep_transport() == EpTransport::kNccl);
   const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
@@ -107,25 +116,31 @@ TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenate
   int index = 0;
   for (int ep = 1; ep <= world; ++ep) {
     if (world % ep != 0) continue;
-    for (const MoEConfig* base : {&softmax, &deepseek}) {
-      for (const DType dtype : {DType::kFP32, DType::kBF16}) {
-        MoEConfig c = *base;
-        c.dtype = dtype;
-        ++index;
-        run_mesh_case(c, ep, world / ep, index % 3 == 0, seed + index);
+    for (const EpTransport transport : transports(ep)) {
+      for (const MoEConfig* base : {&softmax, &deepseek}) {
+        for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+          MoEConfig c = *base;
+          c.dtype = dtype;
+          c.ep_transport = transport;
+          ++index;
+          run_mesh_case(c, ep, world / ep, index % 3 == 0, seed + index);
+        }
       }
+      MoEConfig half_grads = softmax;  // bf16 weight gradients, summed over DP through fp32
+      half_grads.dtype = DType::kBF16;
+      half_grads.grad_dtype = DType::kBF16;
+      half_grads.ep_transport = transport;
+      ++index;
+      run_mesh_case(half_grads, ep, world / ep, false, seed + index);
     }
-    MoEConfig half_grads = softmax;  // bf16 weight gradients, summed over DP through fp32
-    half_grads.dtype = DType::kBF16;
-    half_grads.grad_dtype = DType::kBF16;
-    ++index;
-    run_mesh_case(half_grads, ep, world / ep, false, seed + index);
   }
 }
 
 TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[mpi][block]") {
   const int world = test::world_size();
+  const EpTransport transport = GENERATE(EpTransport::kNccl, EpTransport::kAuto);
   MoEConfig c = test::small_config(64, 48, 8, 2);
+  c.ep_transport = transport;
   c.score_function = ScoreFunction::kSigmoid;
   c.expert_bias = true;
   c.aux_loss_coeff = 0.05;
@@ -153,6 +168,7 @@ TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[m
   const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
   const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
   const auto fwd = block.forward(Tensor(x_dev.data(), c.dtype, {T, c.hidden}));
+  INFO("transport " << ep_transport_name(block.ep_transport()));
   const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
@@ -161,4 +177,49 @@ TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[m
   CHECK(test::relative_error(test::read(dx, T, c.hidden),
                              reference::slice_rows(want.dx, first, first + T)) <= 1e-5);
   CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5));
+}
+
+TEST_CASE("steps of changing batch sizes on one EP block: buffers grow and are mapped again",
+          "[mpi][block]") {
+  // The peer exchange's buffers grow when a step routes more rows to a rank than any before; every
+  // rank maps the grown buffer again. Each step is checked against its own single run.
+  const int world = test::world_size();
+  const EpTransport transport = GENERATE(EpTransport::kNccl, EpTransport::kAuto);
+  MoEConfig c = test::small_config(64, 48, 8, 2);
+  c.aux_loss_coeff = 0.05;
+  c.align_size = 16;
+  c.ep = world;
+  c.dp = 1;
+  c.ep_transport = transport;
+  c.validate();
+  const auto seed = shared_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  auto params = test::round_params(test::random_params(c, rng), c.dtype);
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts);
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  const int E_loc = c.num_experts / world;
+  test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
+  MoEConfig single = c;
+  single.ep = 1;
+  for (const std::int64_t T :
+       {std::int64_t{5}, std::int64_t{300}, std::int64_t{17}, std::int64_t{1200}}) {
+    INFO("T " << T << " per rank");
+    Matrix x;
+    test::draw_separated(c, params, x, T * world, rng);
+    const Matrix dy = test::random_matrix(T * world, c.hidden, rng);
+    const auto want = reference::run_layer(single, params, x, dy, test::kAsStored);
+    const std::int64_t first = T * test::world_rank();
+    const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
+    const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
+    const auto fwd = block.forward(Tensor(x_dev.data(), c.dtype, {T, c.hidden}));
+    INFO("transport " << ep_transport_name(block.ep_transport()));
+    const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
+    MOE_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
+    CHECK(test::relative_error(test::read(fwd.out, T, c.hidden),
+                               reference::slice_rows(want.out, first, first + T)) <= 1e-5);
+    CHECK(test::relative_error(test::read(dx, T, c.hidden),
+                               reference::slice_rows(want.dx, first, first + T)) <= 1e-5);
+  }
 }

@@ -1,0 +1,54 @@
+// Buffers that every rank of the EP group can load from and store to (CUDA IPC, over NVLink on
+// one host), so that the dispatch and combine can be plain kernels writing rows where the experts
+// read them, instead of NCCL operations into staging buffers (docs/design.md, "Peer exchange").
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "moe/config.h"
+#include "moe/device.h"
+#include "moe/mesh.h"
+
+namespace moe {
+
+// Collective over the EP group: true on every rank when the group has 2 to kMaxPeerRanks ranks,
+// all on this host, and every rank's GPU can map every other's memory; false on every rank
+// otherwise (the answer is agreed, never half the group).
+bool ep_group_has_peer_access(const Mesh& mesh, cudaStream_t stream);
+
+// One grow-only device buffer per EP rank, each mapped into every rank of the group.
+class PeerBuffer {
+ public:
+  explicit PeerBuffer(const Mesh& mesh);
+  ~PeerBuffer();
+  PeerBuffer(const PeerBuffer&) = delete;
+  PeerBuffer& operator=(const PeerBuffer&) = delete;
+
+  // Collective over the EP group; every rank passes the same bytes[EP] (each rank's need, known
+  // everywhere from the all-gathered counts). Ranks whose buffer is smaller grow it, with
+  // headroom, and every rank maps the new buffers; when nothing grows it returns at once without
+  // communicating. Contents of a grown buffer are discarded. Waits for `stream` when it remaps.
+  void reserve(std::span<const std::size_t> bytes, cudaStream_t stream);
+
+  void* local() const { return local_.data(); }
+  std::size_t bytes() const { return local_.bytes(); }
+  // [EP rank] = that rank's buffer, addressable from this GPU (this rank's own at its index).
+  const std::array<void*, kMaxPeerRanks>& ranks() const { return mapped_; }
+
+ private:
+  void close_mapping(int rank) noexcept;
+
+  const Mesh& mesh_;
+  DeviceBuffer local_;
+  std::vector<std::size_t> capacity_;  // [EP], the same on every rank
+  std::array<void*, kMaxPeerRanks> mapped_{};
+  DeviceBuffer staging_;  // the handles' all-gather
+  Event done_;
+};
+
+}  // namespace moe
