@@ -65,19 +65,19 @@ bool ep_group_has_peer_access(const Mesh& mesh, cudaStream_t stream) {
   return std::all_of(votes.begin(), votes.end(), [](int v) { return v == 1; });
 }
 
-PeerBuffer::PeerBuffer(const Mesh& mesh) : mesh_(mesh), capacity_(mesh.ep(), 0) {
+PeerBuffer::PeerBuffer(const Mesh& mesh)
+    : mesh_(mesh), ranks_(mesh.ep()), me_(mesh.ep_index()), capacity_(mesh.ep(), 0) {
   if (mesh.ep() > kMaxPeerRanks)
     fail("PeerBuffer: ep = {} exceeds the {} ranks the peer exchange addresses", mesh.ep(),
          kMaxPeerRanks);
 }
 
 PeerBuffer::~PeerBuffer() {
-  for (int r = 0; r < mesh_.ep(); ++r) close_mapping(r);
+  for (int r = 0; r < ranks_; ++r) close_mapping(r);
 }
 
 void PeerBuffer::close_mapping(int rank) noexcept {
-  if (rank != mesh_.ep_index() && mapped_[rank] != nullptr)
-    (void)cudaIpcCloseMemHandle(mapped_[rank]);
+  if (rank != me_ && mapped_[rank] != nullptr) (void)cudaIpcCloseMemHandle(mapped_[rank]);
   mapped_[rank] = nullptr;
 }
 

@@ -43,7 +43,8 @@ class PeerBuffer {
  private:
   void close_mapping(int rank) noexcept;
 
-  const Mesh& mesh_;
+  const Mesh& mesh_;  // used only by reserve(); the destructor needs none of it
+  int ranks_, me_;
   DeviceBuffer local_;
   std::vector<std::size_t> capacity_;  // [EP], the same on every rank
   std::array<void*, kMaxPeerRanks> mapped_{};

@@ -78,6 +78,10 @@ T* typed(DeviceBuffer& buffer, std::size_t count) {
 // What a block needs only inside one call (MoEScratch): shared by the blocks built with it.
 struct MoEScratch::Buffers {
   DeviceBuffer a;  // SwiGLU output; dA, then a again, in the backward
+  // The peer exchange's Y (then dY, dX), mapped by every EP rank: made by the first block that
+  // takes the peer exchange, shared by the blocks of the same mesh.
+  std::unique_ptr<PeerBuffer> peer_Y;
+  const Mesh* peer_mesh = nullptr;
   DeviceBuffer Y;  // EP: staging and expert output; dY to send, dX (not kept across calls)
   DeviceBuffer dY, router_ws, layout_ws, chunk_ws, dprob, dlogits, dlogits_low, nonfinite,
       grad_stage;
@@ -86,7 +90,7 @@ struct MoEScratch::Buffers {
     for (const DeviceBuffer* b : {&a, &Y, &dY, &router_ws, &layout_ws, &chunk_ws, &dprob, &dlogits,
                                   &dlogits_low, &nonfinite, &grad_stage})
       total += b->bytes();
-    return total;
+    return total + (peer_Y ? peer_Y->bytes() : 0);
   }
 };
 
@@ -116,6 +120,7 @@ struct MoEBlock::State {
   // blocks (MoEScratch): a, dY, the workspaces, dprob, dlogits; Y too, unless it is kept from
   // forward to backward (keep_expert_input without EP).
   std::shared_ptr<MoEScratch> scratch;
+  MoEScratch::Buffers& scratch_buffers;
   DeviceBuffer &a, &dY, &router_ws, &layout_ws, &chunk_ws, &dprob, &dlogits, &dlogits_low,
       &nonfinite, &grad_stage;
   DeviceBuffer own_Y;
@@ -139,8 +144,12 @@ struct MoEBlock::State {
   // and output Y live in buffers every EP rank maps; senders store their rows straight into X and
   // load Y back, and Y then holds dY (stored by the senders) and dX (loaded by them).
   struct Peer {
-    explicit Peer(const Mesh& mesh) : X(mesh), Y(mesh) {}
-    PeerBuffer X, Y;
+    explicit Peer(const Mesh& mesh) : X(mesh) {}
+    PeerBuffer X;
+    // Y holds nothing from one call to the next (the combine keeps the rows it loaded), so the
+    // blocks of one mesh share it through the scratch; a block of another mesh has its own.
+    PeerBuffer* Y = nullptr;
+    std::unique_ptr<PeerBuffer> own_Y;
     DeviceBuffer all_counts;  // [EP, E]: every EP rank's rows per global expert
     DeviceBuffer slot_rows;   // [T, K]: each slot's row on its expert's rank (the context)
     DeviceBuffer returned;    // [T·K, H]: the Y rows the combine loaded, kept for its backward
@@ -176,6 +185,7 @@ struct MoEBlock::State {
         router(RouterParams::from(c)),
         experts(c.hidden, c.ffn_hidden, c.num_experts / m.ep(), c.dtype),
         scratch(std::move(shared)),
+        scratch_buffers(buffers),
         a(buffers.a),
         dY(buffers.dY),
         router_ws(buffers.router_ws),
@@ -206,6 +216,17 @@ struct MoEBlock::State {
     }
     if (use_peer) {
       peer.emplace(mesh);
+      auto& shared = scratch_buffers;
+      if (shared.peer_Y == nullptr) {
+        shared.peer_Y = std::make_unique<PeerBuffer>(mesh);
+        shared.peer_mesh = &mesh;
+      }
+      if (shared.peer_mesh == &mesh) {
+        peer->Y = shared.peer_Y.get();
+      } else {
+        peer->own_Y = std::make_unique<PeerBuffer>(mesh);
+        peer->Y = peer->own_Y.get();
+      }
       MOE_CHECK_CUDA(cudaMemsetAsync(typed<int>(peer->barrier, 1), 0, sizeof(int), stream));
     }
     transport_decided = true;
@@ -291,7 +312,7 @@ struct MoEBlock::State {
     MOE_CHECK_CUDA(cudaMemcpyAsync(plan_device, plan, plan_count * sizeof(std::int32_t),
                                    cudaMemcpyHostToDevice, stream));
     p.X.reserve(bytes, stream);
-    p.Y.reserve(bytes, stream);
+    p.Y->reserve(bytes, stream);
 
     auto* slot_rows = typed<std::int32_t>(p.slot_rows, static_cast<std::size_t>(T) * K);
     peer_row_map(row_map.as<std::int32_t>(), topk_idx.as<std::int32_t>(), plan_device, T * K,
@@ -303,7 +324,7 @@ struct MoEBlock::State {
 
   // The experts' input and output rows (padded expert-major) on this rank.
   void* expert_input() const { return peer ? peer->X.local() : X.data(); }
-  void* expert_output() const { return peer ? peer->Y.local() : Y.data(); }
+  void* expert_output() const { return peer ? peer->Y->local() : Y.data(); }
 
   // X, Y, dY and dX in X's buffer, X permuted from x again in the backward (MoEConfig).
   bool one_row_buffer() const { return !expert_parallel() && !config.keep_expert_input; }
@@ -582,7 +603,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
       // The loaded rows are kept: the combine backward then sends dY alone over the links
       // instead of loading Y a second time beside it.
       const Tensor kept = view(s.peer->returned, s.dtype, {T * K, H});
-      peer_unpermute_combine(s.peer_rows(s.peer->Y), topk_p, K, out, &kept, stream);
+      peer_unpermute_combine(s.peer_rows(*s.peer->Y), topk_p, K, out, &kept, stream);
       combined = nullptr;
     } else if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
@@ -637,7 +658,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
     Range r("moe combine backward", s.times, stream);
     if (s.peer_exchange()) {  // against the kept rows; dY over Y on the experts' ranks
       peer_combine_backward(dy, Tensor(s.peer->returned.data(), s.dtype, {T * K, H}),
-                            s.peer_rows(s.peer->Y), topk_p, K, s.own_offsets(), s.own_counts(),
+                            s.peer_rows(*s.peer->Y), topk_p, K, s.own_offsets(), s.own_counts(),
                             s.E_loc, peer_Y, dprob, stream);
       s.peer_barrier();                 // every rank's dY has landed
     } else if (!s.expert_parallel()) {  // one row buffer: dY over Y, in place
@@ -693,7 +714,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
     Tensor returned;
     if (s.peer_exchange()) {
       s.peer_barrier();  // every rank's dX is complete
-      peer_unpermute_combine(s.peer_rows(s.peer->Y), nullptr, K, dx, nullptr, stream);
+      peer_unpermute_combine(s.peer_rows(*s.peer->Y), nullptr, K, dx, nullptr, stream);
       rows_in = nullptr;
     } else if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
@@ -707,6 +728,9 @@ Tensor MoEBlock::backward(const Tensor& dy) {
       rows_in = &returned;
     }
     if (rows_in != nullptr) unpermute_combine(*rows_in, row_map, nullptr, K, dx, stream);
+    // The shared Y: the next block's combine backward may store its dY there as soon as this
+    // rank moves on, while a slower rank still loads this block's dX.
+    if (s.peer_exchange() && s.peer->own_Y == nullptr) s.peer_barrier();
   }
 
   // 2'-3'. Router backward with the loss gradients (mesh-wide f and T).

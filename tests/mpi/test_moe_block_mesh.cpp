@@ -223,3 +223,70 @@ TEST_CASE("steps of changing batch sizes on one EP block: buffers grow and are m
                                reference::slice_rows(want.dx, first, first + T)) <= 1e-5);
   }
 }
+
+TEST_CASE("two EP layers sharing a scratch: forward 1, forward 2, backward 2, backward 1",
+          "[mpi][block]") {
+  // Under the peer exchange the layers share Y through the scratch: each layer's rows must
+  // survive the other's use of it, and a fast rank must not overwrite what a slow one still reads.
+  const int world = test::world_size();
+  const EpTransport transport = GENERATE(EpTransport::kNccl, EpTransport::kAuto);
+  MoEConfig first_config = test::small_config(64, 48, 8, 2);
+  first_config.align_size = 16;
+  first_config.ep = world;
+  first_config.ep_transport = transport;
+  MoEConfig second_config = first_config;  // another shape: the shared buffers grow between
+  second_config.num_experts = 16;
+  second_config.topk = 4;
+  second_config.ffn_hidden = 40;
+  first_config.validate();
+  second_config.validate();
+  const auto seed = shared_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, 8);
+  Stream stream;
+  const auto scratch = std::make_shared<MoEScratch>();
+  const std::int64_t T = 64;
+  const std::int64_t first = T * test::world_rank();
+  struct Layer {
+    MoEConfig config;
+    reference::Params params;
+    Matrix x, dy;
+    reference::LayerResult want;
+    DeviceBuffer x_dev, dy_dev;
+    std::unique_ptr<MoEBlock> block;
+    MoEForward fwd;
+  };
+  std::vector<Layer> layers(2);
+  for (int l = 0; l < 2; ++l) {
+    Layer& L = layers[l];
+    L.config = l == 0 ? first_config : second_config;
+    L.params = test::round_params(test::random_params(L.config, rng), L.config.dtype);
+    test::draw_separated(L.config, L.params, L.x, T * world, rng);
+    L.dy = test::random_matrix(T * world, L.config.hidden, rng);
+    MoEConfig single = L.config;
+    single.ep = 1;
+    L.want = reference::run_layer(single, L.params, L.x, L.dy, test::kAsStored);
+    L.x_dev = test::upload_as(reference::slice_rows(L.x, first, first + T), L.config.dtype);
+    L.dy_dev = test::upload_as(reference::slice_rows(L.dy, first, first + T), L.config.dtype);
+    L.block = std::make_unique<MoEBlock>(L.config, mesh, stream.get(), scratch);
+    const int E_loc = L.config.num_experts / world;
+    test::load_params(*L.block, L.params, mesh.ep_index() * E_loc, E_loc);
+  }
+  for (auto& L : layers)
+    L.fwd = L.block->forward(Tensor(L.x_dev.data(), L.config.dtype, {T, L.config.hidden}));
+  std::vector<Tensor> dx(2);
+  for (int l = 1; l >= 0; --l) {
+    Layer& L = layers[l];
+    dx[l] = L.block->backward(Tensor(L.dy_dev.data(), L.config.dtype, {T, L.config.hidden}));
+  }
+  MOE_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
+  for (int l = 0; l < 2; ++l) {
+    const Layer& L = layers[l];
+    INFO("layer " << l + 1 << ", transport " << ep_transport_name(L.block->ep_transport()));
+    CHECK(test::relative_error(test::read(L.fwd.out, T, L.config.hidden),
+                               reference::slice_rows(L.want.out, first, first + T)) <= 1e-5);
+    CHECK(test::relative_error(test::read(dx[l], T, L.config.hidden),
+                               reference::slice_rows(L.want.dx, first, first + T)) <= 1e-5);
+  }
+}
