@@ -121,6 +121,10 @@ void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(dp >= 1, "dp = {} must be >= 1", dp);
   MOE_CONFIG_REQUIRE(num_experts % ep == 0, "ep = {} must divide num_experts = {}", ep,
                      num_experts);
+  MOE_CONFIG_REQUIRE(ep_transport == EpTransport::kAuto || ep_transport == EpTransport::kNccl ||
+                         ep_transport == EpTransport::kPeer,
+                     "ep_transport = {} must be auto, nccl or peer",
+                     static_cast<int>(ep_transport));
   MOE_CONFIG_REQUIRE(bench_tokens >= 0, "tokens = {} must be >= 0", bench_tokens);
 }
 

@@ -71,6 +71,10 @@ TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][c
   CHECK(config.ep_transport == EpTransport::kAuto);
   CHECK(parse_config(kBase + "ep_transport: nccl\n").ep_transport == EpTransport::kNccl);
   CHECK(parse_config(kBase + "ep_transport: peer\n").ep_transport == EpTransport::kPeer);
+  MoEConfig bad = config;
+  bad.ep_transport = static_cast<EpTransport>(7);
+  CHECK_THROWS_WITH(bad.validate(),
+                    test::contains_text("ep_transport = 7 must be auto, nccl or peer"));
 }
 
 TEST_CASE("padded rows round each group up to align_size", "[cpu][config]") {
