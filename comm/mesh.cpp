@@ -217,6 +217,38 @@ void Mesh::all_gather(const void* send, void* recv, std::size_t bytes, MeshGroup
   group_end("an all-gather");
 }
 
+void Mesh::connect(cudaStream_t stream) const {
+  if (!comms_) return;
+  // The layer's statistics and barriers are a few bytes, gradient reductions and row exchanges
+  // megabytes: NCCL may take another algorithm or protocol for each.
+  constexpr std::size_t kLarge = std::size_t{4} << 20;
+  DeviceBuffer buffer(kLarge * (static_cast<std::size_t>(world_size()) + 1));
+  MOE_CHECK_CUDA(cudaMemsetAsync(buffer.data(), 0, buffer.bytes(), stream));
+  for (const MeshGroup group :
+       {MeshGroup::kWorld, MeshGroup::kExpertParallel, MeshGroup::kDataParallel}) {
+    ncclComm_t c = comm(group);
+    if (c == nullptr) continue;
+    int size = 0, me = 0;
+    MOE_CHECK_NCCL(ncclCommCount(c, &size));
+    MOE_CHECK_NCCL(ncclCommUserRank(c, &me));
+    for (const std::size_t bytes : {std::size_t{4}, kLarge}) {
+      all_reduce_sum(buffer.data(), bytes / 4, ncclFloat32, group, stream);
+      all_gather(buffer.data(), buffer.as<char>() + kLarge, bytes, group, stream);
+      group_start();
+      for (int peer = 0; peer < size; ++peer) {
+        if (peer == me) continue;
+        MOE_CHECK_NCCL(ncclSend(buffer.data(), bytes, ncclInt8, peer, c, stream));
+        MOE_CHECK_NCCL(ncclRecv(buffer.as<char>() + kLarge * (1 + static_cast<std::size_t>(peer)),
+                                bytes, ncclInt8, peer, c, stream));
+      }
+      group_end("the connection of every peer");
+    }
+  }
+  Event done;
+  done.record(stream);
+  wait(done.get(), "the mesh's first collectives");
+}
+
 void Mesh::group_start() const {
   MOE_CHECK_NCCL(ncclGroupStart());
   ++group_depth_;

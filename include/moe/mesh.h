@@ -60,6 +60,12 @@ class Mesh {
   // (nothing but the copy for a group of one).
   void all_gather(const void* send, void* recv, std::size_t bytes, MeshGroup group,
                   cudaStream_t stream) const;
+  // Collective over the world: one small and one large collective of each kind the layer runs
+  // (all-reduce, all-gather, send and receive to every peer) on every group, then waits. NCCL
+  // connects lazily, allocating an algorithm's buffers at its first use; after this, steps
+  // allocate nothing for communication, and a benchmark can tell the mesh's memory (shared by
+  // every layer and the trainer) from a layer's.
+  void connect(cudaStream_t stream) const;
   // Brackets NCCL calls into one group (nestable); the outermost group_end launches them under
   // the watchdog, so a missing peer raises after the timeout instead of blocking the host.
   void group_start() const;
