@@ -71,6 +71,8 @@ int main(int argc, char** argv) {
   int ep = 0, dp = 0, tokens = 0, iters = 20, warmup = 5;
   std::string json_path, grad_dtype, ep_transport;
   bool keep_expert_input = false;
+  double activation_chunk_mib = -1;
+  int gemm_workspace_mib = -1;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(CLI::PositiveNumber);
@@ -85,6 +87,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "fp32"}));
   app.add_flag("--keep-expert-input", keep_expert_input,
                "keep the experts' input X for the backward instead of permuting x again");
+  app.add_option("--activation-chunk-mib", activation_chunk_mib,
+                 "the SwiGLU output in chunks of at most this many MiB, 0: every row at once "
+                 "(default: the config's)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--gemm-workspace-mib", gemm_workspace_mib,
+                 "cuBLASLt workspace per GEMM stream, MiB (default: the config's)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--ep-transport", ep_transport,
                  "rows across the EP group: auto, nccl or peer (default: the config's)")
       ->check(CLI::IsMember({"auto", "nccl", "peer"}));
@@ -109,6 +118,8 @@ int main(int argc, char** argv) {
     if (tokens > 0) config.bench_tokens = tokens;
     if (!grad_dtype.empty()) config.grad_dtype = parse_dtype(grad_dtype, "--grad-dtype");
     if (keep_expert_input) config.keep_expert_input = true;
+    if (activation_chunk_mib >= 0) config.activation_chunk_mib = activation_chunk_mib;
+    if (gemm_workspace_mib >= 0) config.gemm_workspace_mib = gemm_workspace_mib;
     if (!ep_transport.empty()) config.ep_transport = parse_ep_transport(ep_transport);
     if (config.bench_tokens <= 0) fail("moe_bench: the config sets no token count; pass --tokens");
     config.validate();
@@ -120,7 +131,12 @@ int main(int argc, char** argv) {
     const double copy_rate = bench::copy_bandwidth(stream.get());
     const double link_rate = p2p_rate(mesh, stream.get());
 
+    // The communicators' buffers belong to the mesh (every layer and the trainer's reductions
+    // share them; PyTorch's allocator statistics do not see them either): connected first.
+    const std::size_t memory_unconnected = used_device_memory();
+    mesh.connect(stream.get());
     const std::size_t memory_before = used_device_memory();
+    const std::size_t mesh_memory = memory_before - memory_unconnected;
     const auto scratch = std::make_shared<MoEScratch>();  // what a model's layers would share
     MoEBlock block(config, mesh, stream.get(), scratch);
     block.initialize(1234);
@@ -242,9 +258,11 @@ int main(int argc, char** argv) {
                    100 * link_floor_ms / total_ms);
       fmt::print(
           "device memory of the layer: {:.2f} GiB ({:.1f} KiB per token), of which {:.2f} GiB "
-          "scratch that a model's layers share\n",
+          "scratch that a model's layers share; the mesh's communicators took {:.2f} GiB "
+          "before\n",
           static_cast<double>(memory_peak) / (1 << 30), static_cast<double>(memory_peak) / 1024 / T,
-          static_cast<double>(scratch->bytes()) / (1 << 30));
+          static_cast<double>(scratch->bytes()) / (1 << 30),
+          static_cast<double>(mesh_memory) / (1 << 30));
       if (!json_path.empty()) {
         nlohmann::json report = {
             {"config", config.describe()},
@@ -254,6 +272,8 @@ int main(int argc, char** argv) {
             {"ep", ep},
             {"dp", dp},
             {"ep_transport", ep_transport_name(block.ep_transport())},
+            {"activation_chunk_mib", config.activation_chunk_mib},
+            {"gemm_workspace_mib", config.gemm_workspace_mib},
             {"tokens_per_gpu", T},
             {"dense_TFLOPs", gemm_rate / 1e12},
             {"dense_TFLOPs_burst", dense.burst / 1e12},
@@ -266,7 +286,8 @@ int main(int argc, char** argv) {
             {"fraction_of_dense_burst", tflops * 1e12 / dense.burst},
             {"link_floor_ms", link_floor_ms},
             {"memory_bytes", memory_peak},
-            {"scratch_bytes", scratch->bytes()}};
+            {"scratch_bytes", scratch->bytes()},
+            {"mesh_memory_bytes", mesh_memory}};
         for (const auto& name : stage_order) {
           report["stages_ms"][name] = stage_sum[name] / iters;
           if (floors.count(name)) report["stages_floor_ms"][name] = floors.at(name);

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <memory>
 
 #include "bench/bench_util.h"
 #include "kernels/experts.h"
@@ -15,7 +16,15 @@
 using namespace moe;
 
 int main(int argc, char** argv) try {
-  const auto options = bench::parse_options(argc, argv);
+  double chunk_mib = MoEConfig{}.activation_chunk_mib;
+  int workspace_mib = static_cast<int>(kDefaultGemmWorkspaceBytes >> 20);
+  const auto options = bench::parse_options(argc, argv, [&](CLI::App& app) {
+    app.add_option("--chunk-mib", chunk_mib,
+                   "the SwiGLU output in chunks of at most this many MiB (0: every row at once)")
+        ->check(CLI::NonNegativeNumber);
+    app.add_option("--workspace-mib", workspace_mib, "cuBLASLt workspace per stream, MiB")
+        ->check(CLI::NonNegativeNumber);
+  });
   Stream stream;
   const bench::GemmRate dense = bench::dense_gemm_rate(stream.get());
   const double rate = dense.sustained;
@@ -27,9 +36,11 @@ int main(int argc, char** argv) try {
                            {"dense_TFLOPs_burst", dense.burst / 1e12},
                            {"results", nlohmann::json::array()}};
   fmt::print(
-      "expert FFN fwd+bwd, T={} routed, bf16, bf16 grads; dense bf16 GEMM {:.0f} TFLOP/s "
-      "sustained, {:.0f} in a burst ({})\n",
-      T, rate / 1e12, dense.burst / 1e12, bench::device_name());
+      "expert FFN fwd+bwd, T={} routed, bf16, bf16 grads, a in chunks of {} MiB, workspace {} "
+      "MiB; dense bf16 GEMM {:.0f} TFLOP/s sustained, {:.0f} in a burst ({})\n",
+      T, chunk_mib, workspace_mib, rate / 1e12, dense.burst / 1e12, bench::device_name());
+  report["activation_chunk_mib"] = chunk_mib;
+  report["workspace_mib"] = workspace_mib;
   fmt::print("{:<16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>7}\n", "shape", "schedule", "rows/expert",
              "fwd us", "bwd us", "TFLOP/s", "dense%");
   for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
@@ -39,8 +50,15 @@ int main(int argc, char** argv) try {
     const auto offsets = bench::routed_offsets(T, config.topk, static_cast<int>(E), 16);
     const std::int64_t rows = offsets.back();
     const std::int64_t per_expert = rows / E;  // mean, for the table
+    auto make_ffn = [&](ExpertSchedule schedule) {
+      return std::make_unique<ExpertFFN>(static_cast<int>(H), static_cast<int>(F),
+                                         static_cast<int>(E), DType::kBF16, schedule, 4,
+                                         static_cast<std::size_t>(chunk_mib * (1 << 20)),
+                                         static_cast<std::size_t>(workspace_mib) << 20);
+    };
+    const std::int64_t a_rows = make_ffn(ExpertSchedule::kStreams)->activation_rows(offsets);
     DeviceBuffer X(rows * H * 2), dY(rows * H * 2), y(rows * H * 2), dX(rows * H * 2),
-        h(rows * 2 * F * 2), a(rows * F * 2), dA(rows * F * 2), dh(rows * 2 * F * 2),
+        h(rows * 2 * F * 2), a(a_rows * F * 2), dA(a_rows * F * 2), dh(rows * 2 * F * 2),
         w13(E * 2 * F * H * 2), w2(E * H * F * 2), dw13(E * 2 * F * H * 2), dw2(E * H * F * 2);
     // Random values, as training has and as the PyTorch peer uses: a GEMM on constant data draws
     // less power and runs faster, which would flatter the numbers.
@@ -51,17 +69,19 @@ int main(int argc, char** argv) try {
                 stream.get());
     init_normal(Tensor(w2.data(), d, {E, H, F}), 4, 0, 1.0f / std::sqrt(static_cast<float>(F)),
                 stream.get());
-    const ExpertActivations act{Tensor(h.data(), d, {rows, 2 * F}), Tensor(a.data(), d, {rows, F}),
-                                Tensor(dA.data(), d, {rows, F}),
+    const ExpertActivations act{Tensor(h.data(), d, {rows, 2 * F}),
+                                Tensor(a.data(), d, {a_rows, F}), Tensor(dA.data(), d, {a_rows, F}),
                                 Tensor(dh.data(), d, {rows, 2 * F})};
     const Tensor X_t(X.data(), d, {rows, H}), w13_t(w13.data(), d, {E, 2 * F, H}),
         w2_t(w2.data(), d, {E, H, F});
     const double flops_fwd = 6.0 * static_cast<double>(rows * H * F);
-    nlohmann::json entry = {{"name", name}, {"rows_per_expert", per_expert}};
+    nlohmann::json entry = {
+        {"name", name}, {"rows_per_expert", per_expert}, {"activation_rows", a_rows}};
     double best_us = 1e30;
     for (const ExpertSchedule schedule :
          {ExpertSchedule::kStreams, ExpertSchedule::kBatched, ExpertSchedule::kGrouped}) {
-      ExpertFFN ffn(static_cast<int>(H), static_cast<int>(F), static_cast<int>(E), d, schedule, 4);
+      const auto ffn_owned = make_ffn(schedule);
+      ExpertFFN& ffn = *ffn_owned;
       auto forward = [&](int) {
         ffn.forward(X_t, offsets, w13_t, w2_t, act, Tensor(y.data(), d, {rows, H}), stream.get());
       };

@@ -63,12 +63,14 @@ def main():
                             "--iters", str(args.iters), "--json", peer_path], peer_path)
             rows.append({"config": name, "ranks": ranks, "ours": ours, "peer": peer})
 
-    print("\nours GiB: device memory the layer took (cudaMemGetInfo); torch GiB: peak allocated with "
+    print("\nours GiB: device memory the layer took (cudaMemGetInfo, once the mesh's NCCL communicators "
+          "had connected: their buffers, mesh GiB, serve every layer and the trainer, and PyTorch's allocator "
+          "statistics do not count NCCL's either); torch GiB: peak allocated with "
           "gradients freed before each step; kept: with gradients kept across steps; reserved: peak the "
           "caching allocator held; dense%: of the dense GEMM rate under sustained load (TFLOP/s, and the "
           "rate of a short burst, in the last columns)")
     print(f"\n{'config':<16} {'GPUs':>4} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'dense%':>7} "
-          f"{'ours GiB':>9} {'torch GiB':>9} {'kept':>9} {'reserved':>9} {'dense':>6} {'burst':>6}")
+          f"{'ours GiB':>9} {'torch GiB':>9} {'kept':>9} {'reserved':>9} {'dense':>6} {'burst':>6} {'mesh GiB':>9}")
     for r in rows:
         o, p = r["ours"], r["peer"]
         ours_ms = o["total_ms"] if o else float("nan")
@@ -78,11 +80,12 @@ def main():
         peer_gib = p["memory_bytes"] / 2**30 if p else float("nan")
         peer_reserved = p.get("memory_reserved_bytes", float("nan")) / 2**30 if p else float("nan")
         peer_kept = p.get("memory_grads_kept_bytes", float("nan")) / 2**30 if p else float("nan")
+        mesh_gib = o.get("mesh_memory_bytes", float("nan")) / 2**30 if o else float("nan")
         dense_rate = o["dense_TFLOPs"] if o else float("nan")
         burst_rate = o.get("dense_TFLOPs_burst", float("nan")) if o else float("nan")
         print(f"{r['config']:<16} {r['ranks']:>4} {ours_ms:9.3f} {peer_ms:9.3f} {ours_ms / peer_ms:5.2f}x "
               f"{dense:6.0f}% {ours_gib:9.2f} {peer_gib:9.2f} {peer_kept:9.2f} {peer_reserved:9.2f} "
-              f"{dense_rate:6.0f} {burst_rate:6.0f}")
+              f"{dense_rate:6.0f} {burst_rate:6.0f} {mesh_gib:9.2f}")
     with open(os.path.join(args.out, "layer_compare.json"), "w") as f:
         json.dump(rows, f, indent=2)
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 
@@ -91,7 +92,7 @@ struct ExpertFFN::Grouped {
 };
 
 ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, ExpertSchedule schedule,
-                     int streams)
+                     int streams, std::size_t activation_chunk_bytes, std::size_t workspace_bytes)
     : hidden_(hidden), ffn_(ffn), experts_(local_experts), dtype_(dtype), schedule_(schedule) {
   if (hidden < 1 || ffn < 1 || local_experts < 1) {
     fail("ExpertFFN: hidden = {}, ffn_hidden = {}, local experts = {} must all be positive", hidden,
@@ -100,13 +101,22 @@ ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, Expert
   if (dtype != DType::kBF16 && dtype != DType::kFP32)
     fail("ExpertFFN: dtype = {} must be bf16 or fp32", dtype_name(dtype));
   if (streams < 1) fail("ExpertFFN: streams = {} must be >= 1", streams);
+  // Chunks of whole 64-row tiles where the budget allows (the down products' M, dw2's K), at
+  // least one row whatever the budget.
+  chunk_rows_ = std::numeric_limits<std::int64_t>::max();
+  if (activation_chunk_bytes > 0) {
+    const auto row_bytes = static_cast<std::size_t>(ffn) * dtype_size(dtype);
+    chunk_rows_ = static_cast<std::int64_t>(activation_chunk_bytes / row_bytes);
+    if (chunk_rows_ >= 128) chunk_rows_ -= chunk_rows_ % 64;
+    chunk_rows_ = std::max<std::int64_t>(chunk_rows_, 1);
+  }
   // Every stream runs the same products, so they share what tuning learns; only batched calls
   // are tuned (GemmTuning::plain_products).
   const auto tuning = std::make_shared<GemmTuning>();
   tuning->plain_products = false;
   for (int i = 0; i < streams; ++i) {
     streams_.emplace_back();
-    runners_.emplace_back(std::size_t{32} << 20, tuning);
+    runners_.emplace_back(workspace_bytes, tuning);
     joins_.emplace_back();
   }
   // At most three products per expert in one call (the backward's dw2, dw13 and dX), three
@@ -140,7 +150,48 @@ void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offs
   expect_tensor(w13, "ExpertFFN w13", dtype_, {E, 2 * F, H});
   expect_tensor(w2, "ExpertFFN w2", dtype_, {E, H, F});
   expect_tensor(act.h, "ExpertFFN h", dtype_, {rows, 2 * F});
-  expect_tensor(act.a, "ExpertFFN a", dtype_, {rows, F});
+  expect_tensor(act.a, "ExpertFFN a", dtype_, {activation_rows(offsets), F});
+}
+
+std::vector<ExpertFFN::Chunk> ExpertFFN::plan_chunks(std::span<const std::int64_t> offsets) const {
+  std::vector<Chunk> chunks;
+  Chunk open;
+  auto close = [&] {
+    if (open.rows > 0) chunks.push_back(std::move(open));
+    open = Chunk{};
+  };
+  for (int e = 0; e < experts_; ++e) {
+    const std::int64_t first = offsets[e], m = offsets[e + 1] - offsets[e];
+    if (m == 0) continue;
+    if (m > chunk_rows_ - open.rows) close();
+    if (m <= chunk_rows_) {
+      if (open.rows == 0) open.first_row = first;
+      open.pieces.push_back({e, first, m, true});
+      open.rows += m;
+      continue;
+    }
+    // Larger than a chunk: near-equal pieces (whole 64-row tiles where they fit), one a chunk.
+    const std::int64_t count = (m + chunk_rows_ - 1) / chunk_rows_;
+    std::int64_t piece = (m + count - 1) / count;
+    if (chunk_rows_ >= 64) piece = std::min(chunk_rows_, (piece + 63) / 64 * 64);
+    for (std::int64_t r = 0; r < m; r += piece) {
+      const std::int64_t n = std::min(piece, m - r);
+      chunks.push_back({first + r, n, {{e, first + r, n, r == 0}}});
+    }
+  }
+  close();
+  return chunks;
+}
+
+std::int64_t ExpertFFN::activation_rows(std::span<const std::int64_t> offsets) const {
+  if (std::ssize(offsets) != experts_ + 1) {
+    fail("ExpertFFN: {} offsets for {} local experts (expected {})", offsets.size(), experts_,
+         experts_ + 1);
+  }
+  if (chunk_rows_ >= offsets.back()) return offsets.back();
+  std::int64_t most = 0;
+  for (const auto& chunk : plan_chunks(offsets)) most = std::max(most, chunk.rows);
+  return most;
 }
 
 void ExpertFFN::up_products(const Tensor& X, std::span<const std::int64_t> offsets,
@@ -167,18 +218,22 @@ void ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets, 
 
   std::vector<Product> products;
   up_products(X, offsets, w13, act.h, products);
-  run(products, stream);                 // h = X·w13ᵀ
-  swiglu_forward(act.h, act.a, stream);  // a = silu(h_gate) ⊙ h_up
-  products.clear();
-  for (int e = 0; e < experts_; ++e) {
-    const std::int64_t m = offsets[e + 1] - offsets[e];
-    if (m == 0) continue;
-    products.push_back({{m, H, F, false, true, dtype_, dtype_, dtype_},
-                        act.a.as<char>() + offsets[e] * F * elem,
-                        w2.as<char>() + e * H * F * elem,
-                        y.as<char>() + offsets[e] * H * elem});
+  run(products, stream);  // h = X·w13ᵀ
+  // Per chunk (the next one's SwiGLU waits for these products, the last readers of a):
+  // a = silu(h_gate) ⊙ h_up, y = a·w2ᵀ.
+  for (const Chunk& chunk : plan_chunks(offsets)) {
+    swiglu_forward(
+        Tensor(act.h.as<char>() + chunk.first_row * 2 * F * elem, dtype_, {chunk.rows, 2 * F}),
+        Tensor(act.a.data, dtype_, {chunk.rows, F}), stream);
+    products.clear();
+    for (const Piece& p : chunk.pieces) {
+      products.push_back({{p.rows, H, F, false, true, dtype_, dtype_, dtype_},
+                          act.a.as<char>() + (p.first_row - chunk.first_row) * F * elem,
+                          w2.as<char>() + p.expert * H * F * elem,
+                          y.as<char>() + p.first_row * H * elem});
+    }
+    run(products, stream);
   }
-  run(products, stream);  // y = a·w2ᵀ
 }
 
 void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
@@ -192,7 +247,7 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   const std::int64_t H = hidden_, F = ffn_, E = experts_;
   expect_tensor(dY, "ExpertFFN dY", dtype_, {rows, H});
   expect_tensor(dX, "ExpertFFN dX", dtype_, {rows, H});
-  expect_tensor(act.dA, "ExpertFFN dA", dtype_, {rows, F});
+  expect_tensor(act.dA, "ExpertFFN dA", dtype_, {activation_rows(offsets), F});
   expect_tensor(act.dh, "ExpertFFN dh", dtype_, {rows, 2 * F});
   const DType grad_type = dw13.dtype;
   if (grad_type != DType::kBF16 && grad_type != DType::kFP32)
@@ -206,26 +261,47 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   if (recompute_h) {
     up_products(X, offsets, w13, act.h, products);
     run(products, stream);
+  }
+  // Per chunk: dA = dY·w2, then dh and a again from h and dA. Cut into chunks, each chunk's dw2 =
+  // dYᵀ·a follows before the next chunk's dA overwrites a; in one chunk, dw2 joins the fan-out
+  // below, the most overlap.
+  const std::vector<Chunk> chunks = plan_chunks(offsets);
+  const bool chunked = chunks.size() > 1;
+  for (const Chunk& chunk : chunks) {
     products.clear();
+    for (const Piece& p : chunk.pieces) {
+      products.push_back({{p.rows, F, H, false, false, dtype_, dtype_, dtype_},
+                          dY.as<char>() + p.first_row * H * elem,
+                          w2.as<char>() + p.expert * H * F * elem,
+                          act.dA.as<char>() + (p.first_row - chunk.first_row) * F * elem});
+    }
+    run(products, stream);
+    auto rows_of = [&](const Tensor& t, std::int64_t width) {
+      return Tensor(t.as<char>() + chunk.first_row * width * elem, dtype_, {chunk.rows, width});
+    };
+    swiglu_backward(rows_of(act.h, 2 * F), Tensor(act.dA.data, dtype_, {chunk.rows, F}),
+                    rows_of(act.dh, 2 * F), Tensor(act.a.data, dtype_, {chunk.rows, F}), stream);
+    if (!chunked) continue;
+    products.clear();
+    for (const Piece& p : chunk.pieces) {
+      products.push_back({{H, F, p.rows, true, false, dtype_, dtype_, grad_type},
+                          dY.as<char>() + p.first_row * H * elem,
+                          act.a.as<char>() + (p.first_row - chunk.first_row) * F * elem,
+                          dw2.as<char>() + p.expert * H * F * grad_elem,
+                          p.first_of_expert ? 0.0f : 1.0f});
+    }
+    run(products, stream);
   }
-  for (int e = 0; e < experts_; ++e) {  // dA = dY·w2
-    const std::int64_t m = offsets[e + 1] - offsets[e];
-    if (m == 0) continue;
-    products.push_back({{m, F, H, false, false, dtype_, dtype_, dtype_},
-                        dY.as<char>() + offsets[e] * H * elem,
-                        w2.as<char>() + e * H * F * elem,
-                        act.dA.as<char>() + offsets[e] * F * elem});
-  }
-  run(products, stream);
-  swiglu_backward(act.h, act.dA, act.dh, act.a, stream);
-  // dw2 = dYᵀ·a and dw13 = dhᵀ·X (with no rows, K = 0, these write zeros); dX = dh·w13.
-  // Separate buffers: one fan-out over all of them, the most overlap. dX over dY (X kept): one
-  // fan-out, each expert's dX behind its dw2 (the last reader of its rows of dY) on one stream.
-  // One buffer: dw2, X refilled, then each dw13 with its expert's dX behind it on one stream.
+  // dw2 = dYᵀ·a (unless done per chunk) and dw13 = dhᵀ·X (with no rows, K = 0, these write
+  // zeros); dX = dh·w13. Separate buffers: one fan-out over all of them, the most overlap. dX over
+  // dY (X kept): one fan-out, each expert's dX behind its dw2 (the last reader of its rows of dY)
+  // on one stream. One buffer: dw2, X refilled, then each dw13 with its expert's dX behind it on
+  // one stream.
   const bool dX_over_dY = !refill_input && dX.data == dY.data;
   std::vector<Product> all, dw2_products, dw13_products, dX_products;
   for (int e = 0; e < experts_; ++e) {
     const std::int64_t m = offsets[e + 1] - offsets[e];
+    const bool dw2_here = !chunked || m == 0;  // chunked: only the zeros of an empty expert
     const char* dh_e = act.dh.as<char>() + offsets[e] * 2 * F * elem;
     const Product dw2_e{{H, F, m, true, false, dtype_, dtype_, grad_type},
                         dY.as<char>() + offsets[e] * H * elem,
@@ -241,16 +317,21 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
                        dX.as<char>() + offsets[e] * H * elem};
     const Product none{};  // a follower slot with nothing to run (m·n = 0)
     if (dX_over_dY) {      // dw2_products holds the leads, dX_products their followers
-      dw2_products.push_back(dw2_e);
-      dX_products.push_back(dX_e);  // with no rows m = 0: nothing runs
+      if (dw2_here) {
+        dw2_products.push_back(dw2_e);
+        dX_products.push_back(dX_e);  // with no rows m = 0: nothing runs
+      } else {
+        dw2_products.push_back(dX_e);  // dY's readers of this expert ran chunk by chunk
+        dX_products.push_back(none);
+      }
       dw2_products.push_back(dw13_e);
       dX_products.push_back(none);
     } else if (refill_input) {
-      dw2_products.push_back(dw2_e);
+      if (dw2_here) dw2_products.push_back(dw2_e);
       dw13_products.push_back(dw13_e);
       dX_products.push_back(dX_e);  // aligned with dw13's, empty with no rows
     } else {
-      all.push_back(dw2_e);
+      if (dw2_here) all.push_back(dw2_e);
       all.push_back(dw13_e);
       if (m > 0) all.push_back(dX_e);
     }
@@ -278,7 +359,7 @@ std::vector<std::vector<const Product*>> same_shape_sets(const std::vector<Produ
   std::map<GemmShape, std::size_t> index;
   for (const auto& p : products) {
     if (p.shape.m == 0 || p.shape.n == 0) continue;
-    if (p.shape.k == 0) {
+    if (p.shape.k == 0 || p.beta != 0.0f) {  // batched calls take beta = 0 only
       sets.push_back({&p});
       continue;
     }
@@ -377,7 +458,8 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_
   auto launch_item = [&](const Item& item, std::size_t lane) {
     cudaStream_t lane_stream = streams_[lane].get();
     if (item.single != nullptr) {
-      runners_[lane].run(item.shape, item.single->a, item.single->b, item.single->c, lane_stream);
+      runners_[lane].run(item.shape, item.single->a, item.single->b, item.single->c, lane_stream,
+                         1.0f, item.single->beta);
     } else {
       const void* const* a = staged + item.first;
       runners_[lane].run_batched(item.shape, item.count, a, a + item.count,
@@ -426,7 +508,8 @@ void ExpertFFN::run_grouped(const std::vector<Product>& products, cudaStream_t s
   std::vector<Product> one_type, mixed;
   for (const auto& p : products) {
     if (p.shape.a_type != p.shape.b_type) fail("ExpertFFN: a product mixes input dtypes");
-    (p.shape.c_type == p.shape.a_type ? one_type : mixed).push_back(p);
+    // The grouped call here takes beta = 0: pieces that add to C run beside the mixed ones.
+    (p.shape.c_type == p.shape.a_type && p.beta == 0.0f ? one_type : mixed).push_back(p);
   }
   if (!mixed.empty()) run_on_streams(mixed, true, stream);
   // One group per shape; K = 0 products only zero their output.

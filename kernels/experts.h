@@ -15,6 +15,13 @@
 //            cuBLASLt call; ~8 calls instead of 128 per step at E_loc = 128 (the default);
 //   grouped: one cublasGemmGroupedBatchedEx call per step, products of one shape in one group
 //            (it takes no bf16 -> fp32 products: fp32 weight gradients of bf16 run batched).
+//
+// Activation chunks: the SwiGLU output a (and dA in the backward) holds nothing from one pass to
+// the next, so it need not span every row. With a chunk budget, the rows are cut into chunks of
+// whole experts (an expert larger than a chunk into near-equal pieces) and a is made and consumed
+// one chunk at a time in a buffer of one chunk: forward SwiGLU then the down products; backward
+// dA, SwiGLU backward, then dw2 (an expert cut into pieces sums its dw2 over them, beta = 1).
+// At mixtral-8x7b, T = 8192, a is 0.44 GiB over all rows against 64 MiB in chunks.
 #pragma once
 
 #include <cublas_v2.h>
@@ -37,18 +44,23 @@ enum class ExpertSchedule { kStreams, kBatched, kGrouped };
 std::string_view expert_schedule_name(ExpertSchedule schedule);
 
 // Per-row buffers [rows, ...] that the caller owns (rows = offsets.back()).
+// a and dA hold one chunk: [activation_rows(offsets), F] (all rows without a chunk budget).
 struct ExpertActivations {
   Tensor h;   // [rows, 2F]: written by forward, read by backward (or recomputed there)
-  Tensor a;   // [rows, F]:  scratch
-  Tensor dA;  // [rows, F]:  scratch of backward; may be a itself
+  Tensor a;   // [chunk rows, F]: scratch
+  Tensor dA;  // [chunk rows, F]: scratch of backward; may be a itself
   Tensor
       dh;  // [rows, 2F]: scratch of backward; may be h itself (h is dead after SwiGLU's backward)
 };
 
 class ExpertFFN {
  public:
+  // activation_chunk_bytes: the most bytes a chunk of a may take (0: all rows in one chunk).
+  // workspace_bytes: each stream's cuBLASLt workspace.
   ExpertFFN(int hidden, int ffn, int local_experts, DType dtype,
-            ExpertSchedule schedule = ExpertSchedule::kBatched, int streams = 4);
+            ExpertSchedule schedule = ExpertSchedule::kBatched, int streams = 4,
+            std::size_t activation_chunk_bytes = 0,
+            std::size_t workspace_bytes = kDefaultGemmWorkspaceBytes);
   ~ExpertFFN();
   ExpertFFN(const ExpertFFN&) = delete;
   ExpertFFN& operator=(const ExpertFFN&) = delete;
@@ -78,6 +90,9 @@ class ExpertFFN {
 
   ExpertSchedule schedule() const { return schedule_; }
 
+  // Rows that act.a and act.dA must have for these offsets: the largest chunk's.
+  std::int64_t activation_rows(std::span<const std::int64_t> offsets) const;
+
   // How the host waits for queued work before it times GEMM algorithms (once per size class).
   // Default: cudaEventSynchronize. MoEBlock passes its mesh's wait, which gives up after the
   // mesh timeout instead of blocking forever behind a collective whose peer is gone.
@@ -89,7 +104,23 @@ class ExpertFFN {
     const void* a;
     const void* b;
     void* c;
+    float beta = 0.0f;  // 1: add to C (a piece of an expert's dw2 after its first)
   };
+  // Rows [first_row, first_row + rows) of the padded buffer, all of one expert.
+  struct Piece {
+    int expert;
+    std::int64_t first_row;
+    std::int64_t rows;
+    bool first_of_expert;
+  };
+  // Consecutive rows whose a is made and consumed together: whole experts, or one piece of a
+  // large one.
+  struct Chunk {
+    std::int64_t first_row = 0;
+    std::int64_t rows = 0;
+    std::vector<Piece> pieces;
+  };
+  std::vector<Chunk> plan_chunks(std::span<const std::int64_t> offsets) const;
   void check_shapes(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
                     const Tensor& w2, const ExpertActivations& act) const;
   void up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
@@ -106,6 +137,7 @@ class ExpertFFN {
 
   int hidden_, ffn_, experts_;
   DType dtype_;
+  std::int64_t chunk_rows_;  // the most rows of a chunk
   ExpertSchedule schedule_;
   std::vector<Stream> streams_;
   std::vector<GemmRunner> runners_;  // one per stream: cuBLASLt workspaces must not be shared

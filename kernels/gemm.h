@@ -55,6 +55,9 @@ struct GemmTuning {
   std::map<GemmPlanKey, cublasLtMatmulAlgo_t> winners;
 };
 
+// cuBLASLt's workspace per runner (per stream that runs products concurrently).
+inline constexpr std::size_t kDefaultGemmWorkspaceBytes = std::size_t{4} << 20;
+
 class GemmRunner {
  public:
   // With `tuning`, the first product of each size class (extents rounded up to powers of two)
@@ -62,7 +65,7 @@ class GemmRunner {
   // keeps the fastest: the heuristic's first guess is up to 20% slower on some expert products
   // (docs/performance.md). Only products with beta = 0 are tuned (a trial overwrites C), and none
   // under stream capture. Without it, the heuristic's first proposal runs.
-  explicit GemmRunner(std::size_t workspace_bytes = 32u << 20,
+  explicit GemmRunner(std::size_t workspace_bytes = kDefaultGemmWorkspaceBytes,
                       std::shared_ptr<GemmTuning> tuning = nullptr);
 
   // Launches on `stream`. Zero-sized products are no-ops, except that M·N > 0 with K = 0 writes

@@ -117,6 +117,11 @@ void MoEConfig::validate() const {
                      "dtype = {} must be bf16 or fp32", dtype_name(dtype));
   MOE_CONFIG_REQUIRE(grad_dtype == DType::kBF16 || grad_dtype == DType::kFP32,
                      "grad_dtype = {} must be bf16 or fp32", dtype_name(grad_dtype));
+  MOE_CONFIG_REQUIRE(std::isfinite(activation_chunk_mib) && activation_chunk_mib >= 0,
+                     "activation_chunk_mib = {} must be >= 0 (0 = every row at once)",
+                     activation_chunk_mib);
+  MOE_CONFIG_REQUIRE(gemm_workspace_mib >= 0, "gemm_workspace_mib = {} must be >= 0",
+                     gemm_workspace_mib);
   MOE_CONFIG_REQUIRE(ep >= 1, "ep = {} must be >= 1", ep);
   MOE_CONFIG_REQUIRE(dp >= 1, "dp = {} must be >= 1", dp);
   MOE_CONFIG_REQUIRE(num_experts % ep == 0, "ep = {} must divide num_experts = {}", ep,
@@ -209,6 +214,8 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
          config.grad_dtype = parse_dtype(read_scalar<std::string>(n, k, source), "grad_dtype");
        }},
       {"keep_expert_input", flag(&MoEConfig::keep_expert_input)},
+      {"activation_chunk_mib", real(&MoEConfig::activation_chunk_mib)},
+      {"gemm_workspace_mib", integer(&MoEConfig::gemm_workspace_mib)},
       {"ep", integer(&MoEConfig::ep)},
       {"dp", integer(&MoEConfig::dp)},
       {"ep_transport",

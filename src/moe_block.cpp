@@ -183,7 +183,10 @@ struct MoEBlock::State {
         F(c.ffn_hidden),
         dtype(c.dtype),
         router(RouterParams::from(c)),
-        experts(c.hidden, c.ffn_hidden, c.num_experts / m.ep(), c.dtype),
+        gemm(static_cast<std::size_t>(c.gemm_workspace_mib) << 20),
+        experts(c.hidden, c.ffn_hidden, c.num_experts / m.ep(), c.dtype, ExpertSchedule::kBatched,
+                4, static_cast<std::size_t>(c.activation_chunk_mib * (1 << 20)),
+                static_cast<std::size_t>(c.gemm_workspace_mib) << 20),
         scratch(std::move(shared)),
         scratch_buffers(buffers),
         a(buffers.a),
@@ -587,7 +590,10 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   {
     Range r("moe experts", s.times, stream);
     const ExpertActivations act{
-        view(s.h, s.dtype, {s.rows, 2 * s.F}), view(s.a, s.dtype, {s.rows, s.F}), {}, {}};
+        view(s.h, s.dtype, {s.rows, 2 * s.F}),
+        view(s.a, s.dtype, {s.experts.activation_rows(s.expert_offsets), s.F}),
+        {},
+        {}};
     s.experts.forward(X, s.expert_offsets, s.params.w13, s.params.w2, act, Y, stream);
     s.check("experts", Y);
   }
@@ -692,7 +698,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
   {
     Range r("moe experts backward", s.times, stream);
     const Tensor h(s.h.data(), s.dtype, {rows, 2 * F});
-    const Tensor a(s.a.data(), s.dtype, {rows, F});
+    const Tensor a(s.a.data(), s.dtype, {s.experts.activation_rows(s.expert_offsets), F});
     const ExpertActivations act{h, a, a, h};
     ExpertFFN::RefillInput refill;
     if (s.one_row_buffer()) {

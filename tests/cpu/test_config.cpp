@@ -71,6 +71,10 @@ TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][c
   CHECK(config.ep_transport == EpTransport::kAuto);
   CHECK(parse_config(kBase + "ep_transport: nccl\n").ep_transport == EpTransport::kNccl);
   CHECK(parse_config(kBase + "ep_transport: peer\n").ep_transport == EpTransport::kPeer);
+  CHECK(config.activation_chunk_mib == 64.0);
+  CHECK(parse_config(kBase + "activation_chunk_mib: 0.5\n").activation_chunk_mib == 0.5);
+  CHECK(config.gemm_workspace_mib == 4);
+  CHECK(parse_config(kBase + "gemm_workspace_mib: 4\n").gemm_workspace_mib == 4);
   MoEConfig bad = config;
   bad.ep_transport = static_cast<EpTransport>(7);
   CHECK_THROWS_WITH(bad.validate(),
@@ -114,6 +118,9 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"aux_loss_coeff", "-0.1"}}, "aux_loss_coeff = -0.1 must be >= 0"},
       {{{"z_loss_coeff", "-1"}}, "z_loss_coeff = -1 must be >= 0"},
       {{{"align_size", "-8"}}, "align_size = -8 must be >= 0"},
+      {{{"activation_chunk_mib", "-1"}}, "activation_chunk_mib = -1 must be >= 0"},
+      {{{"activation_chunk_mib", ".nan"}}, "activation_chunk_mib = nan must be >= 0"},
+      {{{"gemm_workspace_mib", "-4"}}, "gemm_workspace_mib = -4 must be >= 0"},
       {{{"ep", "3"}}, "ep = 3 must divide num_experts = 8"},
       {{{"ep", "0"}}, "ep = 0 must be >= 1"},
       {{{"dp", "0"}}, "dp = 0 must be >= 1"},

@@ -46,9 +46,10 @@ struct Case {
   DType grad_dtype;
   ExpertSchedule schedule;
   bool recompute;
-  bool in_place = false;    // dh over h and dA over a, as MoEBlock runs it
-  bool one_buffer = false;  // X, y, dY and dX in one buffer, X refilled in backward (one GPU)
-  bool dX_over_dY = false;  // y, then dY, then dX in one buffer, X kept (the peer exchange)
+  bool in_place = false;        // dh over h and dA over a, as MoEBlock runs it
+  bool one_buffer = false;      // X, y, dY and dX in one buffer, X refilled in backward (one GPU)
+  bool dX_over_dY = false;      // y, then dY, then dX in one buffer, X kept (the peer exchange)
+  std::int64_t chunk_rows = 0;  // a in chunks of this many rows (0: every row at once)
   std::string describe() const {
     std::ostringstream s;
     s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert
@@ -59,7 +60,8 @@ struct Case {
       << " " << dtype_name(dtype) << " grads " << dtype_name(grad_dtype) << " "
       << expert_schedule_name(schedule) << (recompute ? " recompute h" : " keep h")
       << (in_place ? " in place" : "") << (one_buffer ? " one row buffer" : "")
-      << (dX_over_dY ? " dX over dY" : "");
+      << (dX_over_dY ? " dX over dY" : "")
+      << (chunk_rows > 0 ? " a in chunks of " + std::to_string(chunk_rows) + " rows" : "");
     return s.str();
   }
 };
@@ -118,21 +120,30 @@ void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) 
   const auto w13_dev = test::upload_as(stack(w13_t), c.dtype);
   const auto w2_dev = test::upload_as(stack(w2_t), c.dtype);
   const std::size_t elem = dtype_size(c.dtype), gelem = dtype_size(c.grad_dtype);
-  DeviceBuffer h(rows * 2 * F * elem + 16), a(rows * F * elem + 16), dA(rows * F * elem + 16),
+  std::optional<ExpertFFN> own;
+  if (shared == nullptr) {
+    own.emplace(H, F, E, c.dtype, c.schedule, 3,
+                static_cast<std::size_t>(c.chunk_rows) * static_cast<std::size_t>(F) * elem);
+  }
+  ExpertFFN& ffn = shared != nullptr ? *shared : *own;
+  const std::int64_t a_rows = ffn.activation_rows(offsets);
+  if (c.chunk_rows > 0) {
+    CHECK(a_rows <= c.chunk_rows);
+  } else {
+    CHECK(a_rows == rows);
+  }
+  DeviceBuffer h(rows * 2 * F * elem + 16), a(a_rows * F * elem + 16), dA(a_rows * F * elem + 16),
       dh(rows * 2 * F * elem + 16), y(rows * H * elem + 16), dX(rows * H * elem + 16),
       dw13(static_cast<std::size_t>(E) * 2 * F * H * gelem),
       dw2(static_cast<std::size_t>(E) * H * F * gelem);
   for (const auto* b : {&h, &a, &dA, &dh, &y, &dX, &dw13, &dw2}) test::poison(*b);
 
   const DType d = c.dtype;
-  const Tensor h_t(h.data(), d, {rows, 2 * F}), a_t(a.data(), d, {rows, F});
+  const Tensor h_t(h.data(), d, {rows, 2 * F}), a_t(a.data(), d, {a_rows, F});
   const ExpertActivations act = c.in_place
                                     ? ExpertActivations{h_t, a_t, a_t, h_t}
-                                    : ExpertActivations{h_t, a_t, Tensor(dA.data(), d, {rows, F}),
+                                    : ExpertActivations{h_t, a_t, Tensor(dA.data(), d, {a_rows, F}),
                                                         Tensor(dh.data(), d, {rows, 2 * F})};
-  std::optional<ExpertFFN> own;
-  if (shared == nullptr) own.emplace(H, F, E, d, c.schedule, 3);
-  ExpertFFN& ffn = shared != nullptr ? *shared : *own;
   Stream stream;
   const Tensor w13_t_(w13_dev.data(), d, {E, 2 * F, H}), w2_t_(w2_dev.data(), d, {E, H, F});
   const Tensor dw13_t(dw13.data(), c.grad_dtype, {E, 2 * F, H}),
@@ -222,8 +233,11 @@ TEST_CASE("expert FFN forward and backward against the reference", "[gpu][expert
         const DType grad = index % 3 == 0 ? DType::kFP32 : dtype;
         const int H = E >= 64 ? 64 : 96,
                   F = E >= 64 ? 40 : 72;  // F = 40: odd for 16-byte packs of bf16
+        // a in chunks: of about one expert (several small ones at E >= 64), and smaller than
+        // an expert, so that experts are cut into pieces whose dw2 add up.
+        const std::int64_t chunk_rows = index % 5 == 0 ? 40 : index % 5 == 3 ? 13 : 0;
         run_case({H, F, E, E >= 64 ? 6 : 24, rows, dtype, grad, schedule, index % 4 == 0,
-                  index % 4 >= 2, index % 4 == 2, index % 4 == 3},
+                  index % 4 >= 2, index % 4 == 2, index % 4 == 3, chunk_rows},
                  rng);
       }
     }
@@ -271,6 +285,17 @@ TEST_CASE("expert FFN at the model shapes, scaled down", "[gpu][experts]") {
   // dX over dY with X kept, as MoEBlock runs under the peer exchange.
   run_case({512, 192, 32, 16, Rows::kSomeEmpty, DType::kBF16, DType::kBF16,
             ExpertSchedule::kBatched, false, true, false, true},
+           rng);
+  // a in chunks, as MoEBlock runs it: mixtral's experts cut into pieces (64-row tiles), in one
+  // row buffer and with dX over dY; deepseek's several experts to a chunk.
+  run_case({512, 1792, 8, 64, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kBatched,
+            false, true, true, false, 64},
+           rng);
+  run_case({512, 1792, 8, 64, Rows::kSkewed, DType::kBF16, DType::kFP32, ExpertSchedule::kBatched,
+            false, true, false, true, 192},
+           rng);
+  run_case({448, 128, 16, 16, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kBatched,
+            false, true, false, true, 64},
            rng);
 }
 

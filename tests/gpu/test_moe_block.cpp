@@ -143,6 +143,20 @@ TEST_CASE("MoEBlock on one GPU equals the fp64 reference", "[gpu][block]") {
     kept.aux_loss_coeff = 0.05;
     run_case(kept, 45, rng);
   }
+  // The SwiGLU output in chunks of 1 KiB (5 fp32 or 10 bf16 rows of F = 48, 64 rows of F = 8):
+  // experts cut into pieces, several experts to a chunk, one row buffer and X kept.
+  for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+    for (const bool keep : {false, true}) {
+      MoEConfig chunked = base_config(dtype);
+      chunked.activation_chunk_mib = 1.0 / 1024;
+      chunked.align_size = keep ? 0 : 16;
+      chunked.keep_expert_input = keep;
+      chunked.grad_dtype = keep ? DType::kFP32 : dtype;
+      run_case(chunked, 45, rng);
+      chunked.ffn_hidden = 8;
+      run_case(chunked, 45, rng);
+    }
+  }
 }
 
 TEST_CASE("MoEBlock edge cases: T = 1, K = E, zero tokens, hard routing", "[gpu][block]") {
