@@ -314,23 +314,36 @@ struct MoEBlock::State {
     auto* plan_device = typed<std::int32_t>(p.plan, plan_count);
     MOE_CHECK_CUDA(cudaMemcpyAsync(plan_device, plan, plan_count * sizeof(std::int32_t),
                                    cudaMemcpyHostToDevice, stream));
-    p.X.reserve(bytes, stream);
+    if (config.keep_expert_input) p.X.reserve(bytes, stream);
     p.Y->reserve(bytes, stream);
 
     auto* slot_rows = typed<std::int32_t>(p.slot_rows, static_cast<std::size_t>(T) * K);
     peer_row_map(row_map.as<std::int32_t>(), topk_idx.as<std::int32_t>(), plan_device, T * K,
                  slot_rows, stream);
-    peer_permute(x, peer_rows(p.X), K, own_offsets(), own_counts(), E_loc,
-                 Tensor(p.X.local(), dtype, {rows, H}), stream);
-    peer_barrier();  // every rank's rows have landed in every X
+    // One row buffer: Y's buffer, which a slower rank may still be loading the previous layer's
+    // combine from; the counts all-gather above completed only once every rank's stream had
+    // reached it, past that combine.
+    peer_store_input(x);
+  }
+
+  // The peer exchange's expert input: x stored at every slot's row on its expert's rank, then
+  // every rank waits for every rank's stores.
+  PeerBuffer& peer_input_buffer() { return config.keep_expert_input ? peer->X : *peer->Y; }
+  void peer_store_input(const Tensor& x) {
+    PeerBuffer& buffer = peer_input_buffer();
+    peer_permute(x, peer_rows(buffer), K, own_offsets(), own_counts(), E_loc,
+                 Tensor(buffer.local(), dtype, {rows, H}), stream);
+    peer_barrier();  // every rank's rows have landed in every buffer
   }
 
   // The experts' input and output rows (padded expert-major) on this rank.
-  void* expert_input() const { return peer ? peer->X.local() : X.data(); }
+  void* expert_input() { return peer ? peer_input_buffer().local() : X.data(); }
   void* expert_output() const { return peer ? peer->Y->local() : Y.data(); }
 
-  // X, Y, dY and dX in X's buffer, X permuted from x again in the backward (MoEConfig).
+  // X, Y, dY and dX in one buffer, X permuted from x again in the backward (MoEConfig): X's
+  // buffer on one GPU, the shared Y's under the peer exchange.
   bool one_row_buffer() const { return !expert_parallel() && !config.keep_expert_input; }
+  bool peer_one_row_buffer() const { return peer_exchange() && !config.keep_expert_input; }
 
   void check(const char* stage, const Tensor& t) {
     if (!check_finite) return;
@@ -584,7 +597,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
 
   // 5. Experts: h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ; with one row buffer Y is written
   //    over X (the backward permutes x again instead of keeping X, docs/design.md "Buffers").
-  const Tensor Y = s.one_row_buffer()  ? X
+  const Tensor Y = s.one_row_buffer() || s.peer_one_row_buffer() ? X
                    : s.peer_exchange() ? Tensor(s.expert_output(), s.dtype, {s.rows, H})
                                        : view(s.Y, s.dtype, {s.rows, H});
   {
@@ -705,6 +718,13 @@ Tensor MoEBlock::backward(const Tensor& dy) {
       refill = [&s, &rows_buffer, row_map, K, E](cudaStream_t on) {
         permute_rows(s.x, row_map, K, s.layout_offsets.as<std::int32_t>(),
                      s.layout_counts.as<std::int32_t>(), E, rows_buffer, on);
+      };
+    } else if (s.peer_one_row_buffer()) {
+      // x stored into every rank's buffer again, once every rank has read its dY (the barrier
+      // follows each rank's dw2); the store ends with the barrier that dw13 needs.
+      refill = [&s](cudaStream_t) {
+        s.peer_barrier();
+        s.peer_store_input(s.x);
       };
     }
     s.experts.backward(dY, Tensor(s.expert_input(), s.dtype, {rows, H}), s.expert_offsets,

@@ -61,7 +61,9 @@ struct MoEConfig {
   // Without EP the backward permutes x again into the experts' input X instead of keeping it
   // from the forward, so that X, Y, dY and dX share one [rows, H] buffer: two such buffers less
   // (0.5 GiB at qwen3-30b-a3b, 1.8 GiB at deepseek-v3, T = 8192) for one more permute. true keeps
-  // X (and the separate buffers). Under EP X came over NVLink and is always kept.
+  // X (and the separate buffers). Under the peer exchange likewise: x is stored into the
+  // experts' ranks again (one more exchange), and X, Y, dY and dX share the exchange's buffer;
+  // over NCCL X is always kept.
   bool keep_expert_input = false;
 
   // The SwiGLU output a (and dA in the backward) lives only between two products, so it is made

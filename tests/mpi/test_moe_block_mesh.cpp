@@ -125,6 +125,8 @@ TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenate
           // Every other case makes the SwiGLU output in chunks of ~10 rows (1 KiB): experts cut
           // into pieces, their dw2 summed over them.
           if (index % 2 == 1) c.activation_chunk_mib = 0.001;
+          // X kept from the forward (else, under the peer exchange, stored again from x).
+          c.keep_expert_input = index % 4 == 2;
           ++index;
           run_mesh_case(c, ep, world / ep, index % 3 == 0, seed + index);
         }
