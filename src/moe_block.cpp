@@ -142,7 +142,8 @@ struct MoEBlock::State {
 
   // The peer exchange (EpTransport::kPeer, docs/design.md "Peer exchange"): the experts' input X
   // and output Y live in buffers every EP rank maps; senders store their rows straight into X and
-  // load Y back, and Y then holds dY (stored by the senders) and dX (loaded by them).
+  // load Y back, and Y then holds dY (stored by the senders) and dX (loaded by them). Unless X is
+  // kept, X is Y's buffer too, stored again from x in the backward (one row buffer).
   struct Peer {
     explicit Peer(const Mesh& mesh) : X(mesh) {}
     PeerBuffer X;
