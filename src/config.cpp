@@ -117,11 +117,12 @@ void MoEConfig::validate() const {
                      "dtype = {} must be bf16 or fp32", dtype_name(dtype));
   MOE_CONFIG_REQUIRE(grad_dtype == DType::kBF16 || grad_dtype == DType::kFP32,
                      "grad_dtype = {} must be bf16 or fp32", dtype_name(grad_dtype));
-  MOE_CONFIG_REQUIRE(std::isfinite(activation_chunk_mib) && activation_chunk_mib >= 0,
-                     "activation_chunk_mib = {} must be >= 0 (0 = every row at once)",
+  MOE_CONFIG_REQUIRE(std::isfinite(activation_chunk_mib) && activation_chunk_mib >= 0 &&
+                         activation_chunk_mib <= 1 << 20,
+                     "activation_chunk_mib = {} must be in [0, 1048576] (0 = every row at once)",
                      activation_chunk_mib);
-  MOE_CONFIG_REQUIRE(gemm_workspace_mib >= 0, "gemm_workspace_mib = {} must be >= 0",
-                     gemm_workspace_mib);
+  MOE_CONFIG_REQUIRE(gemm_workspace_mib >= 0 && gemm_workspace_mib <= 4096,
+                     "gemm_workspace_mib = {} must be in [0, 4096]", gemm_workspace_mib);
   MOE_CONFIG_REQUIRE(ep >= 1, "ep = {} must be >= 1", ep);
   MOE_CONFIG_REQUIRE(dp >= 1, "dp = {} must be >= 1", dp);
   MOE_CONFIG_REQUIRE(num_experts % ep == 0, "ep = {} must divide num_experts = {}", ep,
