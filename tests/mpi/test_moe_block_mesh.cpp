@@ -28,6 +28,25 @@ std::vector<EpTransport> transports(int ep) {
   return {EpTransport::kNccl, EpTransport::kAuto};
 }
 
+// This rank's rows [first, first + T) of the global batch's x and dy, on the GPU.
+struct RankRows {
+  DeviceBuffer x, dy;
+};
+RankRows upload_rank_rows(const Matrix& x, const Matrix& dy, std::int64_t first, std::int64_t T,
+                          DType dtype) {
+  return {test::upload_as(reference::slice_rows(x, first, first + T), dtype),
+          test::upload_as(reference::slice_rows(dy, first, first + T), dtype)};
+}
+
+// The block's out and dx against this rank's rows of the single run on the concatenated batch.
+void check_rank_rows(const Tensor& out, const Tensor& dx, const reference::LayerResult& want,
+                     std::int64_t first, std::int64_t T, std::int64_t hidden, double tolerance) {
+  CHECK(test::relative_error(test::read(out, T, hidden),
+                             reference::slice_rows(want.out, first, first + T)) <= tolerance);
+  CHECK(test::relative_error(test::read(dx, T, hidden),
+                             reference::slice_rows(want.dx, first, first + T)) <= tolerance);
+}
+
 void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t seed) {
   const int world = test::world_size();
   const int rank = test::world_rank();
@@ -58,22 +77,16 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   const std::int64_t first =
       std::accumulate(tokens.begin(), tokens.begin() + rank, std::int64_t{0});
   const std::int64_t T = tokens[rank];
-  const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
-  const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
-  const auto fwd = block.forward(Tensor(x_dev.data(), c.dtype, {T, c.hidden}));
+  const RankRows rows = upload_rank_rows(x, dy, first, T, c.dtype);
+  const auto fwd = block.forward(Tensor(rows.x.data(), c.dtype, {T, c.hidden}));
   INFO("transport " << ep_transport_name(block.ep_transport()));
   if (c.ep_transport == EpTransport::kNccl) CHECK(block.ep_transport() == EpTransport::kNccl);
-  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
+  const Tensor dx = block.backward(Tensor(rows.dy.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
 
   const double tol = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
-  if (T > 0) {
-    CHECK(test::relative_error(test::read(fwd.out, T, c.hidden),
-                               reference::slice_rows(want.out, first, first + T)) <= tol);
-    CHECK(test::relative_error(test::read(dx, T, c.hidden),
-                               reference::slice_rows(want.dx, first, first + T)) <= tol);
-  }
+  if (T > 0) check_rank_rows(fwd.out, dx, want, first, T, c.hidden, tol);
   CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5).margin(1e-9));
   CHECK(fwd.z_loss == Approx(want.z_loss).epsilon(1e-5).margin(1e-9));
   const auto& g = block.gradients();
@@ -170,17 +183,13 @@ TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[m
   single.ep = 1;
   const auto want = reference::run_layer(single, params, x, dy, test::kAsStored);
   const std::int64_t first = T * test::world_rank();
-  const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
-  const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
-  const auto fwd = block.forward(Tensor(x_dev.data(), c.dtype, {T, c.hidden}));
+  const RankRows rows = upload_rank_rows(x, dy, first, T, c.dtype);
+  const auto fwd = block.forward(Tensor(rows.x.data(), c.dtype, {T, c.hidden}));
   INFO("transport " << ep_transport_name(block.ep_transport()));
-  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
+  const Tensor dx = block.backward(Tensor(rows.dy.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
-  CHECK(test::relative_error(test::read(fwd.out, T, c.hidden),
-                             reference::slice_rows(want.out, first, first + T)) <= 1e-5);
-  CHECK(test::relative_error(test::read(dx, T, c.hidden),
-                             reference::slice_rows(want.dx, first, first + T)) <= 1e-5);
+  check_rank_rows(fwd.out, dx, want, first, T, c.hidden, 1e-5);
   CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5));
 }
 
@@ -216,16 +225,12 @@ TEST_CASE("steps of changing batch sizes on one EP block: buffers grow and are m
     const Matrix dy = test::random_matrix(T * world, c.hidden, rng);
     const auto want = reference::run_layer(single, params, x, dy, test::kAsStored);
     const std::int64_t first = T * test::world_rank();
-    const auto x_dev = test::upload_as(reference::slice_rows(x, first, first + T), c.dtype);
-    const auto dy_dev = test::upload_as(reference::slice_rows(dy, first, first + T), c.dtype);
-    const auto fwd = block.forward(Tensor(x_dev.data(), c.dtype, {T, c.hidden}));
+    const RankRows rows = upload_rank_rows(x, dy, first, T, c.dtype);
+    const auto fwd = block.forward(Tensor(rows.x.data(), c.dtype, {T, c.hidden}));
     INFO("transport " << ep_transport_name(block.ep_transport()));
-    const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
+    const Tensor dx = block.backward(Tensor(rows.dy.data(), c.dtype, {T, c.hidden}));
     MOE_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
-    CHECK(test::relative_error(test::read(fwd.out, T, c.hidden),
-                               reference::slice_rows(want.out, first, first + T)) <= 1e-5);
-    CHECK(test::relative_error(test::read(dx, T, c.hidden),
-                               reference::slice_rows(want.dx, first, first + T)) <= 1e-5);
+    check_rank_rows(fwd.out, dx, want, first, T, c.hidden, 1e-5);
   }
 }
 
@@ -258,7 +263,7 @@ TEST_CASE("two EP layers sharing a scratch: forward 1, forward 2, backward 2, ba
     reference::Params params;
     Matrix x, dy;
     reference::LayerResult want;
-    DeviceBuffer x_dev, dy_dev;
+    RankRows rows;
     std::unique_ptr<MoEBlock> block;
     MoEForward fwd;
   };
@@ -272,26 +277,22 @@ TEST_CASE("two EP layers sharing a scratch: forward 1, forward 2, backward 2, ba
     MoEConfig single = L.config;
     single.ep = 1;
     L.want = reference::run_layer(single, L.params, L.x, L.dy, test::kAsStored);
-    L.x_dev = test::upload_as(reference::slice_rows(L.x, first, first + T), L.config.dtype);
-    L.dy_dev = test::upload_as(reference::slice_rows(L.dy, first, first + T), L.config.dtype);
+    L.rows = upload_rank_rows(L.x, L.dy, first, T, L.config.dtype);
     L.block = std::make_unique<MoEBlock>(L.config, mesh, stream.get(), scratch);
     const int E_loc = L.config.num_experts / world;
     test::load_params(*L.block, L.params, mesh.ep_index() * E_loc, E_loc);
   }
   for (auto& L : layers)
-    L.fwd = L.block->forward(Tensor(L.x_dev.data(), L.config.dtype, {T, L.config.hidden}));
+    L.fwd = L.block->forward(Tensor(L.rows.x.data(), L.config.dtype, {T, L.config.hidden}));
   std::vector<Tensor> dx(2);
   for (int l = 1; l >= 0; --l) {
     Layer& L = layers[l];
-    dx[l] = L.block->backward(Tensor(L.dy_dev.data(), L.config.dtype, {T, L.config.hidden}));
+    dx[l] = L.block->backward(Tensor(L.rows.dy.data(), L.config.dtype, {T, L.config.hidden}));
   }
   MOE_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
   for (int l = 0; l < 2; ++l) {
     const Layer& L = layers[l];
     INFO("layer " << l + 1 << ", transport " << ep_transport_name(L.block->ep_transport()));
-    CHECK(test::relative_error(test::read(L.fwd.out, T, L.config.hidden),
-                               reference::slice_rows(L.want.out, first, first + T)) <= 1e-5);
-    CHECK(test::relative_error(test::read(dx[l], T, L.config.hidden),
-                               reference::slice_rows(L.want.dx, first, first + T)) <= 1e-5);
+    check_rank_rows(L.fwd.out, dx[l], L.want, first, T, L.config.hidden, 1e-5);
   }
 }
