@@ -69,9 +69,10 @@ int main(int argc, char** argv) try {
                 stream.get());
     init_normal(Tensor(w2.data(), d, {E, H, F}), 4, 0, 1.0f / std::sqrt(static_cast<float>(F)),
                 stream.get());
-    const ExpertActivations act{Tensor(h.data(), d, {rows, 2 * F}),
-                                Tensor(a.data(), d, {a_rows, F}), Tensor(dA.data(), d, {a_rows, F}),
-                                Tensor(dh.data(), d, {rows, 2 * F})};
+    const ExpertActivations act{.h = Tensor(h.data(), d, {rows, 2 * F}),
+                                .a = Tensor(a.data(), d, {a_rows, F}),
+                                .dA = Tensor(dA.data(), d, {a_rows, F}),
+                                .dh = Tensor(dh.data(), d, {rows, 2 * F})};
     const Tensor X_t(X.data(), d, {rows, H}), w13_t(w13.data(), d, {E, 2 * F, H}),
         w2_t(w2.data(), d, {E, H, F});
     const double flops_fwd = 6.0 * static_cast<double>(rows * H * F);

@@ -151,7 +151,17 @@ void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offs
   expect_tensor(w2, "ExpertFFN w2", dtype_, {E, H, F});
   expect_tensor(act.h, "ExpertFFN h", dtype_, {rows, 2 * F});
   expect_tensor(act.a, "ExpertFFN a", dtype_, {activation_rows(offsets), F});
+  if (!act.scale.shape.empty()) expect_tensor(act.scale, "ExpertFFN scale", DType::kFP32, {rows});
 }
+
+namespace {
+// Rows [first, first + count) of an optional per-row vector (Tensor{} stays Tensor{}).
+Tensor row_range(const Tensor& rows, std::int64_t first, std::int64_t count) {
+  if (rows.shape.empty()) return {};
+  return Tensor(rows.as<char>() + first * static_cast<std::int64_t>(dtype_size(rows.dtype)),
+                rows.dtype, {count});
+}
+}  // namespace
 
 std::vector<ExpertFFN::Chunk> ExpertFFN::plan_chunks(std::span<const std::int64_t> offsets) const {
   std::vector<Chunk> chunks;
@@ -224,7 +234,8 @@ void ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets, 
   for (const Chunk& chunk : plan_chunks(offsets)) {
     swiglu_forward(
         Tensor(act.h.as<char>() + chunk.first_row * 2 * F * elem, dtype_, {chunk.rows, 2 * F}),
-        Tensor(act.a.data, dtype_, {chunk.rows, F}), stream);
+        Tensor(act.a.data, dtype_, {chunk.rows, F}), stream,
+        row_range(act.scale, chunk.first_row, chunk.rows));
     products.clear();
     for (const Piece& p : chunk.pieces) {
       products.push_back({{p.rows, H, F, false, true, dtype_, dtype_, dtype_},
@@ -249,6 +260,11 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   expect_tensor(dX, "ExpertFFN dX", dtype_, {rows, H});
   expect_tensor(act.dA, "ExpertFFN dA", dtype_, {activation_rows(offsets), F});
   expect_tensor(act.dh, "ExpertFFN dh", dtype_, {rows, 2 * F});
+  if (act.scale.shape.empty() != act.dscale.shape.empty())
+    fail("ExpertFFN::backward: scale is {} and dscale {}; give both or neither",
+         act.scale.describe(), act.dscale.describe());
+  if (!act.dscale.shape.empty())
+    expect_tensor(act.dscale, "ExpertFFN dscale", DType::kFP32, {rows});
   const DType grad_type = dw13.dtype;
   if (grad_type != DType::kBF16 && grad_type != DType::kFP32)
     fail("ExpertFFN: dw13 dtype {} must be bf16 or fp32", dtype_name(grad_type));
@@ -280,7 +296,9 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
       return Tensor(t.as<char>() + chunk.first_row * width * elem, dtype_, {chunk.rows, width});
     };
     swiglu_backward(rows_of(act.h, 2 * F), Tensor(act.dA.data, dtype_, {chunk.rows, F}),
-                    rows_of(act.dh, 2 * F), Tensor(act.a.data, dtype_, {chunk.rows, F}), stream);
+                    rows_of(act.dh, 2 * F), Tensor(act.a.data, dtype_, {chunk.rows, F}), stream,
+                    row_range(act.scale, chunk.first_row, chunk.rows),
+                    row_range(act.dscale, chunk.first_row, chunk.rows));
     if (!chunked) continue;
     products.clear();
     for (const Piece& p : chunk.pieces) {

@@ -22,6 +22,9 @@
 // one chunk at a time in a buffer of one chunk: forward SwiGLU then the down products; backward
 // dA, SwiGLU backward, then dw2 (an expert cut into pieces sums its dw2 over them, beta = 1).
 // At mixtral-8x7b, T = 8192, a is 0.44 GiB over all rows against 64 MiB in chunks.
+//
+// Row weights (ExpertActivations::scale): a·diag(p) before the down product, so that the caller's
+// combine is a plain sum and its backward needs no y (docs/design.md).
 #pragma once
 
 #include <cublas_v2.h>
@@ -46,11 +49,16 @@ std::string_view expert_schedule_name(ExpertSchedule schedule);
 // Per-row buffers [rows, ...] that the caller owns (rows = offsets.back()).
 // a and dA hold one chunk: [activation_rows(offsets), F] (all rows without a chunk budget).
 struct ExpertActivations {
-  Tensor h;   // [rows, 2F]: written by forward, read by backward (or recomputed there)
-  Tensor a;   // [chunk rows, F]: scratch
-  Tensor dA;  // [chunk rows, F]: scratch of backward; may be a itself
+  Tensor h{};   // [rows, 2F]: written by forward, read by backward (or recomputed there)
+  Tensor a{};   // [chunk rows, F]: scratch
+  Tensor dA{};  // [chunk rows, F]: scratch of backward; may be a itself
   Tensor
-      dh;  // [rows, 2F]: scratch of backward; may be h itself (h is dead after SwiGLU's backward)
+      dh{};  // [rows, 2F]: scratch of backward; may be h itself (h is dead after SwiGLU's backward)
+  // Optional, fp32 [rows] (Tensor{} for none): each row's weight, applied to a before the down
+  // product, so y = (scale ⊙ a)·w2ᵀ comes out weighed (the routing probabilities, MoEBlock); the
+  // backward then writes each weight's gradient Σ_f dA·a to dscale, which may be scale itself.
+  Tensor scale{};
+  Tensor dscale{};
 };
 
 class ExpertFFN {

@@ -217,6 +217,7 @@ __device__ __forceinline__ Probs<kSlots> load_probs(const float* prob, std::int6
 struct LocalRows {
   static constexpr bool kRemote = false;
   const std::int32_t* row_map;  // [T, K]
+  float* scalars = nullptr;     // [rows]: a float beside each row (the slot's probability)
 
   template <int kSlots>
   struct Slots {
@@ -234,22 +235,9 @@ struct LocalRows {
     for (int k = 0; k < kSlots; ++k) slots.row[k] = __shfl_sync(kFullMask, mine, k);
     return slots;
   }
-};
-
-// SlotOrder: row t·K + k of the kernel's buffer (the sender's own copy of its slots' rows; only
-// ever read, so it declares no kRemote).
-struct SlotOrder {
-  template <int kSlots>
-  struct Slots {
-    std::int64_t first;
-    template <typename T>
-    __device__ __forceinline__ T* at(T* base, int k, int hidden) const {
-      return base + (first + k) * hidden;
-    }
-  };
-  template <int kSlots>
-  __device__ __forceinline__ Slots<kSlots> load(std::int64_t t, int topk, int) const {
-    return {t * topk};
+  // The float beside slot (t, lane)'s row (lane < topk).
+  __device__ __forceinline__ float* scalar_at(std::int64_t t, int topk, int lane) const {
+    return scalars + row_map[t * topk + lane];
   }
 };
 
@@ -262,6 +250,7 @@ struct PeerRowsOnDevice {
   const std::int32_t* topk_idx;  // [T, K]
   const std::int32_t* rows;      // [T, K]
   std::int64_t row_bytes;
+  float* scalars[kMaxPeerRanks];  // each rank's float per row, or null
 
   template <int kSlots>
   struct Slots {
@@ -285,6 +274,10 @@ struct PeerRowsOnDevice {
       slots.ptr[k] = reinterpret_cast<char*>(__shfl_sync(kFullMask, mine, k));
     return slots;
   }
+  __device__ __forceinline__ float* scalar_at(std::int64_t t, int topk, int lane) const {
+    const std::int64_t i = t * topk + lane;
+    return scalars[topk_idx[i] / experts_per_rank] + rows[i];
+  }
 };
 
 template <typename Rows>
@@ -306,6 +299,7 @@ struct Padding {
   const std::int32_t* offsets = nullptr;
   const std::int32_t* counts = nullptr;
   int groups = 0;
+  float* scalars = nullptr;  // the floats beside the rows, zeroed with them (may be null)
 };
 
 // True in the grid's padding blocks, after zeroing this block's group.
@@ -322,13 +316,17 @@ __device__ __forceinline__ bool zero_padding_block(const Padding& pad, int hidde
   for (int e = 0; e < kElems; ++e) zero.v[e] = from_float<T>(0.0f);
   P* rows = reinterpret_cast<P*>(out + begin * hidden);
   for (std::int64_t i = threadIdx.x; i < total; i += blockDim.x) rows[i] = zero;
+  if (pad.scalars != nullptr) {
+    for (std::int64_t r = begin + threadIdx.x; r < pad.offsets[group + 1]; r += blockDim.x)
+      pad.scalars[r] = 0.0f;
+  }
   return true;
 }
 
 template <typename T, int kElems, int kSlots, typename Rows>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     permute_kernel(const T* __restrict__ x, Rows rows, int topk, std::int64_t tokens, int hidden,
-                   T* __restrict__ out, Padding pad) {
+                   T* __restrict__ out, Padding pad, const float* __restrict__ prob) {
   if (zero_padding_block<T, kElems>(pad, hidden, out)) return;
   using P = Pack<T, kElems>;
   constexpr int kUnroll = column_unroll<kSlots>();
@@ -337,6 +335,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
   const auto slots = rows.template load<kSlots>(t, topk, lane);
+  if (prob != nullptr && lane < topk) *rows.scalar_at(t, topk, lane) = prob[t * topk + lane];
   const int units = hidden / kElems;
   const P* src = reinterpret_cast<const P*>(x + t * hidden);
   for (int base = lane; base < units; base += kWarpSize * kUnroll) {
@@ -357,13 +356,13 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   fence_remote_stores<Rows>();
 }
 
-// keep (may be null): each slot's row as loaded, stored at row t·K + k (the peer exchange keeps
-// the rows it pulled for the combine backward, so they cross the links once).
+// dprob (may be null): dprob[t, k] = the float beside slot (t, k)'s row (the gradient of its
+// probability, left there by experts that weighed their rows).
 template <typename T, int kElems, int kSlots, typename Rows>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     unpermute_combine_kernel(const T* __restrict__ y, Rows source, const float* __restrict__ prob,
                              int topk, std::int64_t tokens, int hidden, T* __restrict__ out,
-                             T* __restrict__ keep) {
+                             float* __restrict__ dprob) {
   using P = Pack<T, kElems>;
   constexpr int kUnroll = column_unroll<kSlots>();
   const int lane = threadIdx.x % kWarpSize;
@@ -372,6 +371,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   if (t >= tokens) return;
   const auto slots = source.template load<kSlots>(t, topk, lane);
   const auto probs = load_probs<kSlots>(prob, t, topk, lane);
+  if (dprob != nullptr && lane < topk) dprob[t * topk + lane] = *source.scalar_at(t, topk, lane);
   const int units = hidden / kElems;
   for (int base = lane; base < units; base += kWarpSize * kUnroll) {
     P rows[kUnroll][kSlots];
@@ -394,7 +394,6 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
         if (k < topk) {
 #pragma unroll
           for (int e = 0; e < kElems; ++e) acc[e] += probs.p[k] * to_float(rows[i][k].v[e]);
-          if (keep != nullptr) reinterpret_cast<P*>(keep + (t * topk + k) * hidden)[u] = rows[i][k];
         }
       }
       P result;
@@ -405,11 +404,9 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   }
 }
 
-// y's rows found by `from`, dY's by `to` (the same LocalRows on one rank; under the peer exchange
-// the sender's kept copy and the experts' ranks).
-template <typename T, int kElems, int kSlots, typename From, typename To>
+template <typename T, int kElems, int kSlots>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
-    combine_backward_kernel(const T* __restrict__ dy, const T* y, From from, To to,
+    combine_backward_kernel(const T* __restrict__ dy, const T* y, LocalRows rows,
                             const float* __restrict__ prob, int topk, std::int64_t tokens,
                             int hidden, T* dY, float* __restrict__ dprob, Padding pad) {
   // y and dY may be one buffer: each lane writes a row's units only after it has read them, and
@@ -421,14 +418,13 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   const std::int64_t t =
       static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
-  const auto read = from.template load<kSlots>(t, topk, lane);
-  const auto write = to.template load<kSlots>(t, topk, lane);
+  const auto slots = rows.template load<kSlots>(t, topk, lane);
   const auto probs = load_probs<kSlots>(prob, t, topk, lane);
   const int units = hidden / kElems;
   float dot[kSlots] = {};
   for (int base = lane; base < units; base += kWarpSize * kUnroll) {
     P g[kUnroll];
-    P rows[kUnroll][kSlots];
+    P rows_in[kUnroll][kSlots];
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
       const int u = base + i * kWarpSize;
@@ -436,7 +432,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         if (k < topk && u < units)
-          rows[i][k] = reinterpret_cast<const P*>(read.at(y, k, hidden))[u];
+          rows_in[i][k] = reinterpret_cast<const P*>(slots.at(y, k, hidden))[u];
       }
     }
 #pragma unroll
@@ -450,10 +446,10 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
 #pragma unroll
           for (int e = 0; e < kElems; ++e) {
             const float ge = to_float(g[i].v[e]);
-            dot[k] += ge * to_float(rows[i][k].v[e]);
+            dot[k] += ge * to_float(rows_in[i][k].v[e]);
             scaled.v[e] = from_float<T>(probs.p[k] * ge);
           }
-          reinterpret_cast<P*>(write.at(dY, k, hidden))[u] = scaled;
+          reinterpret_cast<P*>(slots.at(dY, k, hidden))[u] = scaled;
         }
       }
     }
@@ -467,7 +463,6 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       if (lane == 0) dprob[t * topk + k] = v;
     }
   }
-  fence_remote_stores<To>();
 }
 
 // rows[i] = row_map[i] + shift[topk_idx[i]]: a slot's row on its expert's rank.
@@ -584,6 +579,16 @@ void check_topk(int topk, const char* what) {
   }
 }
 
+// The floats that travel beside the rows come in pairs: a source and a destination, or neither.
+void check_scalar_pair(const void* from, const void* to, const char* what, const char* from_name,
+                       const char* to_name) {
+  if ((from == nullptr) != (to == nullptr)) {
+    fail(std::string(what) + ": " + from_name + " and " + to_name +
+         " must be given together (got " + (from ? "" : "no ") + from_name + ", " +
+         (to ? "" : "no ") + to_name + ")");
+  }
+}
+
 // Calls launch.operator()<T, kElems>() with 16-byte packs when every row allows them.
 template <typename Launch>
 void dispatch_rows(const Tensor& reference, std::initializer_list<const void*> pointers,
@@ -663,31 +668,35 @@ void build_layout(const LayoutArgs& a, cudaStream_t stream) {
 
 void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk,
                   const std::int32_t* offsets, const std::int32_t* counts, int experts,
-                  const Tensor& out, cudaStream_t stream) {
+                  const Tensor& out, cudaStream_t stream, const float* prob, float* row_prob) {
   check_activation(x, "permute_rows x");
   check_activation(out, "permute_rows out");
   check_same_width(x, out, "permute_rows");
   check_topk(topk, "permute_rows");
+  check_scalar_pair(prob, row_prob, "permute_rows", "prob", "row_prob");
   const std::int64_t tokens = x.dim(0);
   const int hidden = static_cast<int>(x.dim(1));
-  const Padding pad{offsets, counts, experts};
+  const Padding pad{offsets, counts, experts, row_prob};
   const unsigned grid = row_grid(tokens, pad);
   if (grid == 0) return;
   dispatch_rows(x, {x.data, out.data}, [&]<typename T, int kElems>() {
     dispatch_slots(topk, [&]<int kSlots>() {
       permute_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-          x.as<const T>(), LocalRows{row_map}, topk, tokens, hidden, out.as<T>(), pad);
+          x.as<const T>(), LocalRows{row_map, row_prob}, topk, tokens, hidden, out.as<T>(), pad,
+          prob);
       MOE_CHECK_LAUNCH();
     });
   });
 }
 
 void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float* prob, int topk,
-                       const Tensor& out, cudaStream_t stream) {
+                       const Tensor& out, cudaStream_t stream, const float* row_grad,
+                       float* dprob) {
   check_activation(y, "unpermute_combine y");
   check_activation(out, "unpermute_combine out");
   check_same_width(y, out, "unpermute_combine");
   check_topk(topk, "unpermute_combine");
+  check_scalar_pair(row_grad, dprob, "unpermute_combine", "row_grad", "dprob");
   const std::int64_t tokens = out.dim(0);
   if (tokens == 0) return;
   const int hidden = static_cast<int>(out.dim(1));
@@ -695,8 +704,8 @@ void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float
     dispatch_slots(topk, [&]<int kSlots>() {
       unpermute_combine_kernel<T, kElems, kSlots>
           <<<row_grid(tokens, Padding{}), kRowWarps * kWarpSize, 0, stream>>>(
-              y.as<const T>(), LocalRows{row_map}, prob, topk, tokens, hidden, out.as<T>(),
-              nullptr);
+              y.as<const T>(), LocalRows{row_map, const_cast<float*>(row_grad)}, prob, topk, tokens,
+              hidden, out.as<T>(), dprob);
       MOE_CHECK_LAUNCH();
     });
   });
@@ -721,8 +730,8 @@ void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row
   dispatch_rows(dy, {dy.data, y.data, dY.data}, [&]<typename T, int kElems>() {
     dispatch_slots(topk, [&]<int kSlots>() {
       combine_backward_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-          dy.as<const T>(), y.as<const T>(), LocalRows{row_map}, LocalRows{row_map}, prob, topk,
-          tokens, hidden, dY.as<T>(), dprob, pad);
+          dy.as<const T>(), y.as<const T>(), LocalRows{row_map}, prob, topk, tokens, hidden,
+          dY.as<T>(), dprob, pad);
       MOE_CHECK_LAUNCH();
     });
   });
@@ -784,7 +793,9 @@ void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Te
 // -------------------------------------------------------
 
 namespace {
-PeerRowsOnDevice on_device(const PeerRows& rows, std::int64_t row_bytes, const char* what) {
+// with_scalars: the kernel moves the floats beside the rows too, so every rank's must be mapped.
+PeerRowsOnDevice on_device(const PeerRows& rows, std::int64_t row_bytes, bool with_scalars,
+                           const char* what) {
   if (rows.ranks < 1 || rows.ranks > kMaxPeerRanks || rows.experts_per_rank < 1 ||
       rows.topk_idx == nullptr || rows.rows == nullptr) {
     fail(std::string(what) + ": ranks = " + std::to_string(rows.ranks) + " (1 to " +
@@ -796,6 +807,10 @@ PeerRowsOnDevice on_device(const PeerRows& rows, std::int64_t row_bytes, const c
     if (rows.base[r] == nullptr)
       fail(std::string(what) + ": rank " + std::to_string(r) + "'s buffer is null");
     d.base[r] = static_cast<char*>(rows.base[r]);
+    if (with_scalars && rows.scalars[r] == nullptr)
+      fail(std::string(what) + ": rank " + std::to_string(r) +
+           "'s floats beside the rows are null");
+    d.scalars[r] = static_cast<float*>(rows.scalars[r]);
   }
   d.experts_per_rank = rows.experts_per_rank;
   d.topk_idx = rows.topk_idx;
@@ -818,81 +833,44 @@ void peer_row_map(const std::int32_t* row_map, const std::int32_t* topk_idx,
 
 void peer_permute(const Tensor& x, const PeerRows& out, int topk, const std::int32_t* own_offsets,
                   const std::int32_t* own_counts, int own_experts, const Tensor& own,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const float* prob, float* own_prob) {
   check_activation(x, "peer_permute x");
   check_activation(own, "peer_permute own rows");
   check_same_width(x, own, "peer_permute");
   check_topk(topk, "peer_permute");
+  check_scalar_pair(prob, own_prob, "peer_permute", "prob", "own_prob");
   const std::int64_t tokens = x.dim(0);
   const int hidden = static_cast<int>(x.dim(1));
   const PeerRowsOnDevice rows =
-      on_device(out, hidden * static_cast<std::int64_t>(dtype_size(x.dtype)), "peer_permute");
-  const Padding pad{own_offsets, own_counts, own_experts};
+      on_device(out, hidden * static_cast<std::int64_t>(dtype_size(x.dtype)), prob != nullptr,
+                "peer_permute");
+  const Padding pad{own_offsets, own_counts, own_experts, own_prob};
   const unsigned grid = row_grid(tokens, pad);
   if (grid == 0) return;
   dispatch_rows(x, {x.data, own.data}, [&]<typename T, int kElems>() {
     dispatch_slots(topk, [&]<int kSlots>() {
       permute_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-          x.as<const T>(), rows, topk, tokens, hidden, own.as<T>(), pad);
+          x.as<const T>(), rows, topk, tokens, hidden, own.as<T>(), pad, prob);
       MOE_CHECK_LAUNCH();
     });
   });
 }
 
 void peer_unpermute_combine(const PeerRows& y, const float* prob, int topk, const Tensor& out,
-                            const Tensor* keep, cudaStream_t stream) {
+                            cudaStream_t stream, float* dprob) {
   check_activation(out, "peer_unpermute_combine out");
   check_topk(topk, "peer_unpermute_combine");
   const std::int64_t tokens = out.dim(0);
-  if (keep != nullptr) {
-    check_activation(*keep, "peer_unpermute_combine keep");
-    check_same_width(out, *keep, "peer_unpermute_combine");
-    if (keep->dim(0) != tokens * topk || keep->dtype != out.dtype)
-      fail("peer_unpermute_combine: keep is " + keep->describe() + ", expected " +
-           std::to_string(tokens * topk) + " rows of out's dtype");
-  }
   if (tokens == 0) return;
   const int hidden = static_cast<int>(out.dim(1));
-  const PeerRowsOnDevice rows = on_device(
-      y, hidden * static_cast<std::int64_t>(dtype_size(out.dtype)), "peer_unpermute_combine");
-  void* kept = keep != nullptr ? keep->data : nullptr;
-  dispatch_rows(out, {out.data, kept}, [&]<typename T, int kElems>() {
+  const PeerRowsOnDevice rows =
+      on_device(y, hidden * static_cast<std::int64_t>(dtype_size(out.dtype)), dprob != nullptr,
+                "peer_unpermute_combine");
+  dispatch_rows(out, {out.data}, [&]<typename T, int kElems>() {
     dispatch_slots(topk, [&]<int kSlots>() {
       unpermute_combine_kernel<T, kElems, kSlots>
           <<<row_grid(tokens, Padding{}), kRowWarps * kWarpSize, 0, stream>>>(
-              nullptr, rows, prob, topk, tokens, hidden, out.as<T>(), static_cast<T*>(kept));
-      MOE_CHECK_LAUNCH();
-    });
-  });
-}
-
-void peer_combine_backward(const Tensor& dy, const Tensor& y_kept, const PeerRows& dY,
-                           const float* prob, int topk, const std::int32_t* own_offsets,
-                           const std::int32_t* own_counts, int own_experts, const Tensor& own,
-                           float* dprob, cudaStream_t stream) {
-  check_activation(dy, "peer_combine_backward dy");
-  check_activation(y_kept, "peer_combine_backward y_kept");
-  check_activation(own, "peer_combine_backward own rows");
-  check_same_width(dy, own, "peer_combine_backward");
-  check_same_width(dy, y_kept, "peer_combine_backward");
-  check_topk(topk, "peer_combine_backward");
-  if (prob == nullptr || dprob == nullptr)
-    fail("peer_combine_backward: prob and dprob are required");
-  const std::int64_t tokens = dy.dim(0);
-  if (y_kept.dim(0) != tokens * topk)
-    fail("peer_combine_backward: y_kept is " + y_kept.describe() + ", expected " +
-         std::to_string(tokens * topk) + " rows");
-  const int hidden = static_cast<int>(dy.dim(1));
-  const PeerRowsOnDevice rows = on_device(
-      dY, hidden * static_cast<std::int64_t>(dtype_size(dy.dtype)), "peer_combine_backward");
-  const Padding pad{own_offsets, own_counts, own_experts};
-  const unsigned grid = row_grid(tokens, pad);
-  if (grid == 0) return;
-  dispatch_rows(dy, {dy.data, y_kept.data, own.data}, [&]<typename T, int kElems>() {
-    dispatch_slots(topk, [&]<int kSlots>() {
-      combine_backward_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-          dy.as<const T>(), y_kept.as<const T>(), SlotOrder{}, rows, prob, topk, tokens, hidden,
-          own.as<T>(), dprob, pad);
+              nullptr, rows, prob, topk, tokens, hidden, out.as<T>(), dprob);
       MOE_CHECK_LAUNCH();
     });
   });

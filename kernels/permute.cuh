@@ -34,14 +34,21 @@ std::size_t layout_workspace_bytes(std::int64_t tokens, int topk, int experts);
 void build_layout(const LayoutArgs& args, cudaStream_t stream);
 
 // out[row(t, k)] = x[t]; padding rows (offsets/counts of `experts` groups) are written as zeros.
+// With prob [T, K] and row_prob [rows of out] (both or neither): row_prob[row(t, k)] = prob[t, k]
+// too, padding rows 0 — each slot's probability beside its row, for experts that weigh their
+// own output (docs/design.md, "Probabilities inside the experts").
 void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk,
                   const std::int32_t* offsets, const std::int32_t* counts, int experts,
-                  const Tensor& out, cudaStream_t stream);
+                  const Tensor& out, cudaStream_t stream, const float* prob = nullptr,
+                  float* row_prob = nullptr);
 
 // out[t] = Σ_k prob[t, k]·y[row(t, k)] (prob null: plain sum, the permute backward), accumulated in
-// fp32 in slot order, written in out's dtype.
+// fp32 in slot order, written in out's dtype. With row_grad [rows of y] and dprob [T, K] (both or
+// neither): dprob[t, k] = row_grad[row(t, k)] too, the probabilities' gradients that the experts'
+// backward left beside their rows.
 void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float* prob, int topk,
-                       const Tensor& out, cudaStream_t stream);
+                       const Tensor& out, cudaStream_t stream, const float* row_grad = nullptr,
+                       float* dprob = nullptr);
 
 // Combine backward: dY[row(t, k)] = prob[t, k]·dy[t] (padding rows zero) and
 // dprob[t, k] = <dy[t], y[row(t, k)]>, with y the tensor the combine consumed. dY may be y itself.
@@ -72,6 +79,8 @@ void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Te
 // collective queued behind them on the stream marks the rows as landed on every rank.
 struct PeerRows {
   std::array<void*, kMaxPeerRanks> base{};
+  // Each rank's float per row (fp32 [rows]) beside the rows, for the kernels that move one.
+  std::array<void*, kMaxPeerRanks> scalars{};
   int ranks = 0;
   int experts_per_rank = 0;
   const std::int32_t* topk_idx = nullptr;  // [T, K]
@@ -86,23 +95,17 @@ void peer_row_map(const std::int32_t* row_map, const std::int32_t* topk_idx,
                   cudaStream_t stream);
 
 // Dispatch: x[t] stored at every slot's row on its rank; this rank's own padding rows (groups
-// own_offsets / own_counts of `own`, its buffer) zeroed in the same launch.
+// own_offsets / own_counts of `own`, its buffer) zeroed in the same launch. With prob [T, K] and
+// own_prob (both or neither): prob[t, k] stored beside the slot's row too (out.scalars), and
+// own_prob's padding rows zeroed.
 void peer_permute(const Tensor& x, const PeerRows& out, int topk, const std::int32_t* own_offsets,
                   const std::int32_t* own_counts, int own_experts, const Tensor& own,
-                  cudaStream_t stream);
+                  cudaStream_t stream, const float* prob = nullptr, float* own_prob = nullptr);
 
 // Combine: out[t] = Σ_k prob[t, k]·y(t, k) loaded from the slots' ranks (prob null: plain sum, the
-// dispatch backward), fp32 in slot order as unpermute_combine. keep (may be null) [T·K, H]: each
-// slot's row as loaded, at row t·K + k, for the combine backward.
+// dispatch backward), fp32 in slot order as unpermute_combine. With dprob: dprob[t, k] = the float
+// beside the slot's row (y.scalars), as unpermute_combine's row_grad.
 void peer_unpermute_combine(const PeerRows& y, const float* prob, int topk, const Tensor& out,
-                            const Tensor* keep, cudaStream_t stream);
-
-// Combine backward: dprob[t, k] = <dy[t], y_kept[t·K + k]> (the rows the combine kept) and
-// dY(t, k) = prob[t, k]·dy[t] stored on the slots' ranks; this rank's own padding rows (of `own`,
-// its dY buffer) zeroed as in peer_permute. Only dY crosses the links.
-void peer_combine_backward(const Tensor& dy, const Tensor& y_kept, const PeerRows& dY,
-                           const float* prob, int topk, const std::int32_t* own_offsets,
-                           const std::int32_t* own_counts, int own_experts, const Tensor& own,
-                           float* dprob, cudaStream_t stream);
+                            cudaStream_t stream, float* dprob = nullptr);
 
 }  // namespace moe

@@ -133,6 +133,10 @@ struct MoEBlock::State {
   // stages received rows and holds dX, dY stages rows in the forward; a holds dA; h holds dh. A
   // role takes its buffer (view) only once the previous role's content is dead.
   DeviceBuffer send_rows, X, h, out;
+  // The probability of each expert-major row (fp32 [rows]), beside X on one GPU, where the experts
+  // weigh their output with it; their backward leaves its gradient there (docs/design.md,
+  // "Probabilities inside the experts").
+  DeviceBuffer row_prob;
   PinnedBuffer host_scalars;
   Event copied;
   // One GPU: the row counts go to the host on their own stream, off the permute's path.
@@ -145,15 +149,15 @@ struct MoEBlock::State {
   // load Y back, and Y then holds dY (stored by the senders) and dX (loaded by them). Unless X is
   // kept, X is Y's buffer too, stored again from x in the backward (one row buffer).
   struct Peer {
-    explicit Peer(const Mesh& mesh) : X(mesh) {}
+    explicit Peer(const Mesh& mesh) : X(mesh), row_prob(mesh) {}
     PeerBuffer X;
+    PeerBuffer row_prob;  // fp32 [rows]: as State::row_prob, stored by the senders beside X
     // Y holds nothing from one call to the next (the combine keeps the rows it loaded), so the
     // blocks of one mesh share it through the scratch; a block of another mesh has its own.
     PeerBuffer* Y = nullptr;
     std::unique_ptr<PeerBuffer> own_Y;
     DeviceBuffer all_counts;  // [EP, E]: every EP rank's rows per global expert
     DeviceBuffer slot_rows;   // [T, K]: each slot's row on its expert's rank (the context)
-    DeviceBuffer returned;    // [T·K, H]: the Y rows the combine loaded, kept for its backward
     DeviceBuffer plan;        // shift [E], own offsets [E_loc + 1], own counts [E_loc]
     DeviceBuffer barrier;     // one int, zero, that the EP group all-reduces as a barrier
     PinnedBuffer host;        // the counts down, the plan up
@@ -204,6 +208,16 @@ struct MoEBlock::State {
 
   bool expert_parallel() const { return mesh.ep() > 1; }
   bool peer_exchange() const { return peer.has_value(); }
+  // The experts weigh their rows by the routing probabilities (a scaled before the down product),
+  // so the combine is a plain sum and its backward needs no Y: nothing [T·K, H] is kept for it,
+  // and dprob comes from the experts' backward. Over NCCL each probability would need an
+  // exchange of its own both ways, so there the combine weighs the returned rows as before.
+  bool probabilities_in_experts() const { return !expert_parallel() || peer_exchange(); }
+  // The probabilities beside the expert-major rows on this rank (see row_prob).
+  Tensor expert_row_prob() {
+    float* data = peer ? static_cast<float*>(peer->row_prob.local()) : row_prob.as<float>();
+    return Tensor(data, DType::kFP32, {rows});
+  }
 
   // Collective over the EP group, at the first forward under EP: the transport of the rows.
   void choose_transport() {
@@ -250,6 +264,7 @@ struct MoEBlock::State {
     r.experts_per_rank = E_loc;
     r.topk_idx = topk_idx.as<std::int32_t>();
     r.rows = peer->slot_rows.as<std::int32_t>();
+    r.scalars = peer->row_prob.ranks();
     return r;
   }
   const std::int32_t* own_offsets() const { return peer->plan.as<std::int32_t>() + E; }
@@ -317,6 +332,9 @@ struct MoEBlock::State {
                                    cudaMemcpyHostToDevice, stream));
     if (config.keep_expert_input) p.X.reserve(bytes, stream);
     p.Y->reserve(bytes, stream);
+    std::vector<std::size_t> prob_bytes(EP);
+    for (int r = 0; r < EP; ++r) prob_bytes[r] = bytes[r] / (H * dtype_size(dtype)) * sizeof(float);
+    p.row_prob.reserve(prob_bytes, stream);
 
     auto* slot_rows = typed<std::int32_t>(p.slot_rows, static_cast<std::size_t>(T) * K);
     peer_row_map(row_map.as<std::int32_t>(), topk_idx.as<std::int32_t>(), plan_device, T * K,
@@ -324,16 +342,17 @@ struct MoEBlock::State {
     // One row buffer: Y's buffer, which a slower rank may still be loading the previous layer's
     // combine from; the counts all-gather above completed only once every rank's stream had
     // reached it, past that combine.
-    peer_store_input(x);
+    peer_store_input(x, topk_p.as<float>());
   }
 
-  // The peer exchange's expert input: x stored at every slot's row on its expert's rank, then
-  // every rank waits for every rank's stores.
+  // The peer exchange's expert input: x stored at every slot's row on its expert's rank (with
+  // prob, each slot's probability beside it), then every rank waits for every rank's stores.
   PeerBuffer& peer_input_buffer() { return config.keep_expert_input ? peer->X : *peer->Y; }
-  void peer_store_input(const Tensor& x) {
+  void peer_store_input(const Tensor& x, const float* prob = nullptr) {
     PeerBuffer& buffer = peer_input_buffer();
     peer_permute(x, peer_rows(buffer), K, own_offsets(), own_counts(), E_loc,
-                 Tensor(buffer.local(), dtype, {rows, H}), stream);
+                 Tensor(buffer.local(), dtype, {rows, H}), stream, prob,
+                 prob != nullptr ? static_cast<float*>(peer->row_prob.local()) : nullptr);
     peer_barrier();  // every rank's rows have landed in every buffer
   }
 
@@ -560,8 +579,10 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
       s.copied.record(count_stream);
       const std::int64_t max_rows = T * K + std::int64_t{E} * std::max(align - 1, 0);
       s.X.reserve(std::max<std::int64_t>(max_rows * H, 1) * dtype_size(s.dtype));
+      s.row_prob.reserve(std::max<std::int64_t>(max_rows, 1) * sizeof(float));
       permute_rows(x, row_map, K, layout_offsets, layout_counts, E,
-                   Tensor(s.X.data(), s.dtype, {max_rows, H}), stream);
+                   Tensor(s.X.data(), s.dtype, {max_rows, H}), stream, topk_p,
+                   s.row_prob.as<float>());
       s.mesh.wait(s.copied.get(), "the forward's row counts");  // the one host synchronisation
       std::memcpy(&host, s.host_scalars.as<char>(), 16);
       const auto* off = reinterpret_cast<const std::int32_t*>(s.host_scalars.as<char>() + 16);
@@ -603,16 +624,16 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
                                        : view(s.Y, s.dtype, {s.rows, H});
   {
     Range r("moe experts", s.times, stream);
-    const ExpertActivations act{
-        view(s.h, s.dtype, {s.rows, 2 * s.F}),
-        view(s.a, s.dtype, {s.experts.activation_rows(s.expert_offsets), s.F}),
-        {},
-        {}};
+    ExpertActivations act{
+        .h = view(s.h, s.dtype, {s.rows, 2 * s.F}),
+        .a = view(s.a, s.dtype, {s.experts.activation_rows(s.expert_offsets), s.F})};
+    if (s.probabilities_in_experts()) act.scale = s.expert_row_prob();
     s.experts.forward(X, s.expert_offsets, s.params.w13, s.params.w2, act, Y, stream);
     s.check("experts", Y);
   }
 
-  // 6. Combine: back to the senders (EP), then out[t] = Σ_k p[t,k] · Y_row(t,k).
+  // 6. Combine: back to the senders (EP), then out[t] = Σ_k p[t,k] · Y_row(t,k) — a plain sum
+  //    where the experts weighed their rows.
   const Tensor out = view(s.out, s.dtype, {T, H});
   {
     Range r("moe combine", s.times, stream);
@@ -620,10 +641,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
     Tensor returned;
     if (s.peer_exchange()) {
       s.peer_barrier();  // every rank's Y is complete
-      // The loaded rows are kept: the combine backward then sends dY alone over the links
-      // instead of loading Y a second time beside it.
-      const Tensor kept = view(s.peer->returned, s.dtype, {T * K, H});
-      peer_unpermute_combine(s.peer_rows(*s.peer->Y), topk_p, K, out, &kept, stream);
+      peer_unpermute_combine(s.peer_rows(*s.peer->Y), nullptr, K, out, stream);
       combined = nullptr;
     } else if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
@@ -637,7 +655,10 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
                                 H * dtype_size(s.dtype), stream);
       combined = &returned;
     }
-    if (combined != nullptr) unpermute_combine(*combined, row_map, topk_p, K, out, stream);
+    if (combined != nullptr) {
+      unpermute_combine(*combined, row_map, s.probabilities_in_experts() ? nullptr : topk_p, K, out,
+                        stream);
+    }
     s.check("combine", out);
   }
 
@@ -672,19 +693,19 @@ Tensor MoEBlock::backward(const Tensor& dy) {
                                         : view(s.dY, s.dtype, {rows, H});
   const Tensor dx = view(s.dx, s.dtype, {T, H});
 
-  // 6'. Combine backward, against the Y the combine consumed in the layout it consumed it; EP:
-  //     back to the experts' ranks and into their padded layout.
+  // 6'. Combine backward. Probabilities inside the experts: dY(t, k) = dy[t] at every slot's row
+  //     (dY over the dead Y), on the experts' ranks under the peer exchange; dprob comes from the
+  //     experts' backward. Over NCCL against the Y the combine consumed, in the layout it consumed
+  //     it, then back to the experts' ranks and into their padded layout.
   {
     Range r("moe combine backward", s.times, stream);
-    if (s.peer_exchange()) {  // against the kept rows; dY over Y on the experts' ranks
-      peer_combine_backward(dy, Tensor(s.peer->returned.data(), s.dtype, {T * K, H}),
-                            s.peer_rows(*s.peer->Y), topk_p, K, s.own_offsets(), s.own_counts(),
-                            s.E_loc, peer_Y, dprob, stream);
-      s.peer_barrier();                 // every rank's dY has landed
-    } else if (!s.expert_parallel()) {  // one row buffer: dY over Y, in place
-      const Tensor Y = s.one_row_buffer() ? rows_buffer : Tensor(s.Y.data(), s.dtype, {rows, H});
-      combine_backward(dy, Y, row_map, topk_p, K, s.layout_offsets.as<std::int32_t>(),
-                       s.layout_counts.as<std::int32_t>(), E, dY, dprob, stream);
+    if (s.peer_exchange()) {
+      peer_permute(dy, s.peer_rows(*s.peer->Y), K, s.own_offsets(), s.own_counts(), s.E_loc, peer_Y,
+                   stream);
+      s.peer_barrier();  // every rank's dY has landed
+    } else if (!s.expert_parallel()) {
+      permute_rows(dy, row_map, K, s.layout_offsets.as<std::int32_t>(),
+                   s.layout_counts.as<std::int32_t>(), E, dY, stream);
     } else {
       const auto& c = s.exchange->counts();
       const Tensor dY_sent = view(s.Y, s.dtype, {T * K, H});  // Y is dead: the combine kept its own
@@ -713,7 +734,8 @@ Tensor MoEBlock::backward(const Tensor& dy) {
     Range r("moe experts backward", s.times, stream);
     const Tensor h(s.h.data(), s.dtype, {rows, 2 * F});
     const Tensor a(s.a.data(), s.dtype, {s.experts.activation_rows(s.expert_offsets), F});
-    const ExpertActivations act{h, a, a, h};
+    ExpertActivations act{.h = h, .a = a, .dA = a, .dh = h};
+    if (s.probabilities_in_experts()) act.scale = act.dscale = s.expert_row_prob();
     ExpertFFN::RefillInput refill;
     if (s.one_row_buffer()) {
       refill = [&s, &rows_buffer, row_map, K, E](cudaStream_t on) {
@@ -741,7 +763,7 @@ Tensor MoEBlock::backward(const Tensor& dy) {
     Tensor returned;
     if (s.peer_exchange()) {
       s.peer_barrier();  // every rank's dX is complete
-      peer_unpermute_combine(s.peer_rows(*s.peer->Y), nullptr, K, dx, nullptr, stream);
+      peer_unpermute_combine(s.peer_rows(*s.peer->Y), nullptr, K, dx, stream, dprob);
       rows_in = nullptr;
     } else if (s.expert_parallel()) {
       const auto& c = s.exchange->counts();
@@ -754,7 +776,11 @@ Tensor MoEBlock::backward(const Tensor& dy) {
                                 stream);
       rows_in = &returned;
     }
-    if (rows_in != nullptr) unpermute_combine(*rows_in, row_map, nullptr, K, dx, stream);
+    if (rows_in != nullptr && s.probabilities_in_experts()) {  // dprob from beside the rows
+      unpermute_combine(*rows_in, row_map, nullptr, K, dx, stream, s.row_prob.as<float>(), dprob);
+    } else if (rows_in != nullptr) {
+      unpermute_combine(*rows_in, row_map, nullptr, K, dx, stream);
+    }
     // The shared Y: the next block's combine backward may store its dY there as soon as this
     // rank moves on, while a slower rank still loads this block's dX.
     if (s.peer_exchange() && s.peer->own_Y == nullptr) s.peer_barrier();

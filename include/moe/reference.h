@@ -218,10 +218,23 @@ struct LayerResult {
   ExpertGrads expert_grads;  // dw13 / dw2 of this rank's experts, summed over its DP group
 };
 
+// Where dprob is formed, which decides what kAsStored rounds on its way there: in the combine
+// backward, dy·y with y stored (SPEC.md as stated; MoEBlock over NCCL), or in the experts that
+// weighed their own rows, <dy·w2ᵀ, a> with dy·w2ᵀ stored and a from the stored h (MoEBlock on
+// one GPU and over the peer exchange). The same number in exact arithmetic.
+enum class ProbabilityGradient { kCombine, kExperts };
+
+// dprob[t·K + k] = <dy[t]·w2_eᵀ, a(row(t, k))>, e the slot's expert, as the experts form it.
+std::vector<double> experts_prob_grads(const Matrix& dy, const ExpertActivations& act,
+                                       const Layout& layout, const Routing& routing,
+                                       const ExpertWeights& weights, Intermediates intermediates,
+                                       DType dtype);
+
 // One GPU: forward and backward of the batch x with output gradient dy.
 // With kAsStored the intermediates are rounded to config.dtype where the GPU stores them.
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
-                      const Matrix& dy, Intermediates intermediates = Intermediates::kExact);
+                      const Matrix& dy, Intermediates intermediates = Intermediates::kExact,
+                      ProbabilityGradient dprob_from = ProbabilityGradient::kCombine);
 
 // An EP×DP mesh (config.ep, config.dp), simulated exchange by exchange: x[r] and dy[r] are world
 // rank r's batch (r = dp_index·EP + ep_index), all ranks share params. Element r of the result is

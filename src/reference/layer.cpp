@@ -79,7 +79,8 @@ Forward forward(const MoEConfig& config, const Params& params, const Matrix& x,
 }  // namespace
 
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
-                      const Matrix& dy, Intermediates intermediates) {
+                      const Matrix& dy, Intermediates intermediates,
+                      ProbabilityGradient dprob_from) {
   const Forward f = forward(config, params, x, intermediates);
   if (dy.rows != f.out.rows || dy.cols != f.out.cols) {
     fail("run_layer: dy is [{},{}], out is [{},{}]", dy.rows, dy.cols, f.out.rows, f.out.cols);
@@ -90,7 +91,10 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Matri
 
   // Backward, the mirror: combine, experts, permute, router, gate.
   const Matrix dY = combine_backward_rows(dy, f.layout, f.front.routing);
-  const auto dprob = combine_backward_prob(dy, f.act.y, f.layout, f.front.routing);
+  const auto dprob = dprob_from == ProbabilityGradient::kExperts
+                         ? experts_prob_grads(dy, f.act, f.layout, f.front.routing, params.experts,
+                                              intermediates, config.dtype)
+                         : combine_backward_prob(dy, f.act.y, f.layout, f.front.routing);
   result.expert_grads = experts_backward(f.X, f.act, dY, f.layout.offsets, params.experts);
   result.dx = permute_backward(result.expert_grads.dX, f.layout, f.front.routing);
   router_back(config, params, x, f.front, f.front.aux, dprob, result, intermediates);

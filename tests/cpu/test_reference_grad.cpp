@@ -179,6 +179,10 @@ TEST_CASE("layer backward equals finite differences, every router mode", "[cpu][
     const Matrix dy = test::random_matrix(5, config.hidden, rng);
     const LayerResult result = run_layer(config, params, x, dy);
     auto objective = [&] { return layer_objective(config, params, x, dy); };
+    // dprob formed in the experts (<dy·w2ᵀ, a>) is dy·y in exact arithmetic.
+    const LayerResult in_experts =
+        run_layer(config, params, x, dy, Intermediates::kExact, ProbabilityGradient::kExperts);
+    CHECK(test::relative_error(in_experts.dlogits.data, result.dlogits.data) <= 1e-12);
 
     CHECK(test::relative_error(result.dx.data, finite_differences(x.data, objective)) <=
           kTolerance);

@@ -50,6 +50,8 @@ struct Case {
   bool one_buffer = false;      // X, y, dY and dX in one buffer, X refilled in backward (one GPU)
   bool dX_over_dY = false;      // y, then dY, then dX in one buffer, X kept (the peer exchange)
   std::int64_t chunk_rows = 0;  // a in chunks of this many rows (0: every row at once)
+  bool weighed =
+      false;  // rows weighed by probabilities inside the experts, their gradient in place
   std::string describe() const {
     std::ostringstream s;
     s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert
@@ -61,7 +63,8 @@ struct Case {
       << expert_schedule_name(schedule) << (recompute ? " recompute h" : " keep h")
       << (in_place ? " in place" : "") << (one_buffer ? " one row buffer" : "")
       << (dX_over_dY ? " dX over dY" : "")
-      << (chunk_rows > 0 ? " a in chunks of " + std::to_string(chunk_rows) + " rows" : "");
+      << (chunk_rows > 0 ? " a in chunks of " + std::to_string(chunk_rows) + " rows" : "")
+      << (weighed ? " rows weighed" : "");
     return s.str();
   }
 };
@@ -107,8 +110,27 @@ void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) 
   X = test::round_to(X, c.dtype);
   dY = test::round_to(dY, c.dtype);
 
-  const auto want = reference::experts_forward(X, offsets, weights);
-  const auto grads = reference::experts_backward(X, want, dY, offsets, weights);
+  // Weighed rows (MoEBlock's probabilities inside the experts): y = p ⊙ y_unweighed, so the
+  // unweighed reference's backward takes p ⊙ dY, and dp = <dY, y_unweighed> row by row. Padding
+  // rows weigh 0, as the permute writes them.
+  std::vector<float> p(static_cast<std::size_t>(rows), 1.0f);
+  Matrix dY_in = dY;
+  if (c.weighed) {
+    std::uniform_real_distribution<float> prob(0.05f, 1.0f);
+    for (int e = 0; e < E; ++e) {
+      for (auto r = offsets[e]; r < offsets[e + 1]; ++r) {
+        p[r] = r < offsets[e] + counts[e] ? prob(rng) : 0.0f;
+        for (int j = 0; j < H; ++j) dY_in(r, j) *= p[r];
+      }
+    }
+  }
+  auto want = reference::experts_forward(X, offsets, weights);
+  const auto grads = reference::experts_backward(X, want, dY_in, offsets, weights);
+  Matrix want_dp(rows, 1);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (int j = 0; j < H; ++j) want_dp(r, 0) += dY(r, j) * want.y(r, j);
+    for (int j = 0; j < H; ++j) want.y(r, j) *= p[r];
+  }
 
   std::vector<Matrix> w13_t, w2_t;  // nn.Linear layout on the GPU
   for (int e = 0; e < E; ++e) {
@@ -140,10 +162,13 @@ void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) 
 
   const DType d = c.dtype;
   const Tensor h_t(h.data(), d, {rows, 2 * F}), a_t(a.data(), d, {a_rows, F});
-  const ExpertActivations act = c.in_place
-                                    ? ExpertActivations{h_t, a_t, a_t, h_t}
-                                    : ExpertActivations{h_t, a_t, Tensor(dA.data(), d, {a_rows, F}),
-                                                        Tensor(dh.data(), d, {rows, 2 * F})};
+  ExpertActivations act = c.in_place ? ExpertActivations{.h = h_t, .a = a_t, .dA = a_t, .dh = h_t}
+                                     : ExpertActivations{.h = h_t,
+                                                         .a = a_t,
+                                                         .dA = Tensor(dA.data(), d, {a_rows, F}),
+                                                         .dh = Tensor(dh.data(), d, {rows, 2 * F})};
+  const auto scale_dev = test::upload(p);
+  if (c.weighed) act.scale = act.dscale = Tensor(scale_dev.data(), DType::kFP32, {rows});
   Stream stream;
   const Tensor w13_t_(w13_dev.data(), d, {E, 2 * F, H}), w2_t_(w2_dev.data(), d, {E, H, F});
   const Tensor dw13_t(dw13.data(), c.grad_dtype, {E, 2 * F, H}),
@@ -199,6 +224,10 @@ void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) 
 
   const double tolerance = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
   CHECK(test::relative_error(download_matrix(y, rows, H, d), want.y) <= tolerance);
+  if (c.weighed) {
+    CHECK(test::relative_error(download_matrix(scale_dev, rows, 1, DType::kFP32), want_dp) <=
+          tolerance);
+  }
   CHECK(test::relative_error(download_matrix(dX, rows, H, d), grads.dX) <= tolerance);
   const Matrix got_dw13 =
       download_matrix(dw13, static_cast<std::int64_t>(E) * 2 * F, H, c.grad_dtype);
@@ -237,7 +266,7 @@ TEST_CASE("expert FFN forward and backward against the reference", "[gpu][expert
         // an expert, so that experts are cut into pieces whose dw2 add up.
         const std::int64_t chunk_rows = index % 5 == 0 ? 40 : index % 5 == 3 ? 13 : 0;
         run_case({H, F, E, E >= 64 ? 6 : 24, rows, dtype, grad, schedule, index % 4 == 0,
-                  index % 4 >= 2, index % 4 == 2, index % 4 == 3, chunk_rows},
+                  index % 4 >= 2, index % 4 == 2, index % 4 == 3, chunk_rows, index % 3 != 1},
                  rng);
       }
     }
@@ -297,6 +326,17 @@ TEST_CASE("expert FFN at the model shapes, scaled down", "[gpu][experts]") {
   run_case({448, 128, 16, 16, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kBatched,
             false, true, false, true, 64},
            rng);
+  // Rows weighed inside the experts, as MoEBlock runs on one GPU and over the peer exchange:
+  // mixtral cut into pieces in one row buffer, deepseek's small experts with dX over dY, fp32.
+  run_case({512, 1792, 8, 64, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kBatched,
+            false, true, true, false, 64, true},
+           rng);
+  run_case({448, 128, 16, 16, Rows::kSomeEmpty, DType::kBF16, DType::kFP32,
+            ExpertSchedule::kBatched, false, true, false, true, 64, true},
+           rng);
+  run_case({448, 129, 16, 16, Rows::kSkewed, DType::kFP32, DType::kFP32, ExpertSchedule::kGrouped,
+            false, false, false, false, 0, true},
+           rng);
 }
 
 TEST_CASE("batched expert calls reuse their plans as row counts change", "[gpu][experts]") {
@@ -322,6 +362,6 @@ TEST_CASE("expert FFN rejects bad shapes", "[gpu][experts]") {
   ExpertFFN ffn(8, 8, 2, DType::kBF16);
   const std::vector<std::int64_t> offsets = {0, 4};  // one expert short
   const Tensor t(nullptr, DType::kBF16, {4, 8});
-  CHECK_THROWS_WITH(ffn.forward(t, offsets, t, t, {t, t, t, t}, t, nullptr),
+  CHECK_THROWS_WITH(ffn.forward(t, offsets, t, t, {.h = t, .a = t, .dA = t, .dh = t}, t, nullptr),
                     test::contains_text("2 offsets for 2 local experts"));
 }

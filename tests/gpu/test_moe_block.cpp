@@ -94,7 +94,8 @@ void run_case(MoEConfig c, std::int64_t tokens, std::mt19937_64& rng) {
   const Matrix dy = test::round_to(test::random_matrix(tokens, c.hidden, rng), c.dtype);
   test::load_params(block, params, 0, c.num_experts);
   const auto got = run_block(block, c, x, dy);
-  check_against_reference(c, got, reference::run_layer(c, params, x, dy, test::kAsStored));
+  check_against_reference(
+      c, got, reference::run_layer(c, params, x, dy, test::kAsStored, test::kDprobInExperts));
 }
 
 }  // namespace
@@ -188,7 +189,8 @@ TEST_CASE("MoEBlock edge cases: T = 1, K = E, zero tokens, hard routing", "[gpu]
   const Matrix dy = test::random_matrix(50, hard.hidden, rng);
   test::load_params(block, params, 0, 8);
   const auto got = run_block(block, hard, x, dy);
-  const auto want = reference::run_layer(hard, params, x, dy, test::kAsStored);
+  const auto want =
+      reference::run_layer(hard, params, x, dy, test::kAsStored, test::kDprobInExperts);
   for (int e = 0; e < 8; ++e) CHECK(want.tokens_per_expert[e] == (e < 2 ? 50 : 0));
   check_against_reference(hard, got, want);
   for (int e = 2; e < 8; ++e) {
@@ -220,8 +222,9 @@ TEST_CASE("two steps in a row equal two fresh runs", "[gpu][block]") {
   CHECK(again_big.dx.data == first_big.dx.data);
   CHECK(again_big.dgate.data == first_big.dgate.data);
   CHECK(again_big.dw13[3].data == first_big.dw13[3].data);
-  check_against_reference(c, then_small,
-                          reference::run_layer(c, params, small, dy_small, test::kAsStored));
+  check_against_reference(
+      c, then_small,
+      reference::run_layer(c, params, small, dy_small, test::kAsStored, test::kDprobInExperts));
 }
 
 TEST_CASE("layers sharing a scratch, run as a model runs them, each equal the reference",
@@ -267,10 +270,12 @@ TEST_CASE("layers sharing a scratch, run as a model runs them, each equal the re
     CHECK(scratch->bytes() > after_first);  // grown for the larger layer, held once
     const Results got2 = finish_block(layer2, second, std::move(pending2), dy2);
     const Results got1 = finish_block(layer1, first, std::move(pending1), dy1);
-    check_against_reference(second, got2,
-                            reference::run_layer(second, params2, x2, dy2, test::kAsStored));
-    check_against_reference(first, got1,
-                            reference::run_layer(first, params1, x1, dy1, test::kAsStored));
+    check_against_reference(
+        second, got2,
+        reference::run_layer(second, params2, x2, dy2, test::kAsStored, test::kDprobInExperts));
+    check_against_reference(
+        first, got1,
+        reference::run_layer(first, params1, x1, dy1, test::kAsStored, test::kDprobInExperts));
   }
 
   // Blocks that share a scratch must share the stream that orders their calls.

@@ -282,19 +282,32 @@ TEST_CASE("peer kernels over rows split between ranks' buffers equal the local k
     const auto x_dev = test::upload_as(x, dtype), y_dev = test::upload_as(y, dtype),
                dy_dev = test::upload_as(dy, dtype), y_local = test::upload_as(y, dtype);
     DeviceBuffer X(rows * row_bytes + 16), out(T * row_bytes + 16), dx(T * row_bytes + 16),
-        dprob(static_cast<std::size_t>(T * K) * 4 + 16);
+        dprob(static_cast<std::size_t>(T * K) * 4 + 16), row_prob(rows * 4 + 16);
+    for (const auto* b : {&X, &dprob, &row_prob}) test::poison(*b);
     const Tensor x_t(x_dev.data(), dtype, {T, H}), dy_t(dy_dev.data(), dtype, {T, H});
     const auto* rm = row_map.as<std::int32_t>();
+    // The probabilities beside the rows and back: row_prob[row(t, k)] = p[t, k] (padding 0), and
+    // the dispatch backward's gather of the floats beside the rows returns p itself.
     permute_rows(x_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E,
-                 Tensor(X.data(), dtype, {rows, H}), stream.get());
+                 Tensor(X.data(), dtype, {rows, H}), stream.get(), prob.as<float>(),
+                 row_prob.as<float>());
     unpermute_combine(Tensor(y_dev.data(), dtype, {rows, H}), rm, prob.as<float>(), K,
                       Tensor(out.data(), dtype, {T, H}), stream.get());
     unpermute_combine(Tensor(y_dev.data(), dtype, {rows, H}), rm, nullptr, K,
-                      Tensor(dx.data(), dtype, {T, H}), stream.get());
+                      Tensor(dx.data(), dtype, {T, H}), stream.get(), row_prob.as<float>(),
+                      dprob.as<float>());
+    // The combine backward with probabilities inside the experts: dy permuted over Y.
     const Tensor y_in_place(y_local.data(), dtype, {rows, H});
-    combine_backward(dy_t, y_in_place, rm, prob.as<float>(), K, offsets.as<std::int32_t>(),
-                     counts.as<std::int32_t>(), E, y_in_place, dprob.as<float>(), stream.get());
+    permute_rows(dy_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E, y_in_place,
+                 stream.get());
     stream.synchronize();
+    const auto got_row_prob = test::download<float>(row_prob, static_cast<std::size_t>(rows));
+    std::vector<float> want_row_prob(static_cast<std::size_t>(rows), 0.0f);
+    for (std::int64_t i = 0; i < T * K; ++i)
+      want_row_prob[layout.row[i]] = static_cast<float>(routing.prob[i]);
+    CHECK(got_row_prob == want_row_prob);
+    const auto probs32 = std::vector<float>(routing.prob.begin(), routing.prob.end());
+    CHECK(test::download<float>(dprob, static_cast<std::size_t>(T * K)) == probs32);
 
     // Slot rows on their ranks: the row in the whole layout minus the rank's first row.
     std::vector<std::int32_t> shift(E);
@@ -311,14 +324,17 @@ TEST_CASE("peer kernels over rows split between ranks' buffers equal the local k
       REQUIRE(got_slot_rows[i] == layout.row[i] - first_row(routing.expert[i] / E_loc));
     }
 
-    // Each rank's buffers: X (filled by the dispatch), and Y (y's slice, combined, then dY).
-    std::vector<DeviceBuffer> X_of, Y_of;
+    // Each rank's buffers: X (filled by the dispatch) with the probabilities beside it, and Y
+    // (y's slice, combined, then dY).
+    std::vector<DeviceBuffer> X_of, Y_of, P_of;
     std::vector<DeviceBuffer> own_offsets, own_counts;
     PeerRows X_rows, Y_rows;
     for (int r = 0; r < ranks; ++r) {
       const std::int64_t begin = first_row(r), end = first_row(r + 1);
       X_of.emplace_back((end - begin) * row_bytes + 16);
       test::poison(X_of.back());
+      P_of.emplace_back((end - begin) * 4 + 16);
+      test::poison(P_of.back());
       Y_of.emplace_back((end - begin) * row_bytes + 16);
       MOE_CHECK_CUDA(cudaMemcpy(Y_of.back().data(), y_dev.as<char>() + begin * row_bytes,
                                 (end - begin) * row_bytes, cudaMemcpyDeviceToDevice));
@@ -329,6 +345,7 @@ TEST_CASE("peer kernels over rows split between ranks' buffers equal the local k
       own_counts.push_back(test::upload(own_count));
       X_rows.base[r] = X_of.back().data();
       Y_rows.base[r] = Y_of.back().data();
+      X_rows.scalars[r] = Y_rows.scalars[r] = P_of.back().data();
     }
     for (PeerRows* p : {&X_rows, &Y_rows}) {
       p->ranks = ranks;
@@ -340,29 +357,22 @@ TEST_CASE("peer kernels over rows split between ranks' buffers equal the local k
       return Tensor(of[r].data(), dtype, {first_row(r + 1) - first_row(r), H});
     };
     // The dispatch, once as each rank (each zeroes its own padding; the rows are the same stores).
-    for (int r = 0; r < ranks; ++r)
+    for (int r = 0; r < ranks; ++r) {
       peer_permute(x_t, X_rows, K, own_offsets[r].as<std::int32_t>(),
-                   own_counts[r].as<std::int32_t>(), E_loc, own(X_of, r), stream.get());
-    DeviceBuffer peer_out(T * row_bytes + 16), peer_dx(T * row_bytes + 16),
-        peer_dprob(static_cast<std::size_t>(T * K) * 4 + 16), kept(T * K * row_bytes + 16);
-    for (const auto* b : {&peer_out, &peer_dx, &peer_dprob, &kept}) test::poison(*b);
-    const Tensor kept_t(kept.data(), dtype, {T * K, H});
-    peer_unpermute_combine(Y_rows, prob.as<float>(), K, Tensor(peer_out.data(), dtype, {T, H}),
-                           &kept_t, stream.get());
-    peer_unpermute_combine(Y_rows, nullptr, K, Tensor(peer_dx.data(), dtype, {T, H}), nullptr,
-                           stream.get());
-    peer_combine_backward(dy_t, kept_t, Y_rows, prob.as<float>(), K,
-                          own_offsets[0].as<std::int32_t>(), own_counts[0].as<std::int32_t>(),
-                          E_loc, own(Y_of, 0), peer_dprob.as<float>(), stream.get());
-    stream.synchronize();
-
-    // The kept rows: slot (t, k)'s row of y at t·K + k, bitwise.
-    const auto whole_y = test::download<char>(y_dev, rows * row_bytes);
-    const auto got_kept = test::download<char>(kept, T * K * row_bytes);
-    for (std::int64_t i = 0; i < T * K; ++i) {
-      REQUIRE(std::equal(got_kept.begin() + i * row_bytes, got_kept.begin() + (i + 1) * row_bytes,
-                         whole_y.begin() + layout.row[i] * row_bytes));
+                   own_counts[r].as<std::int32_t>(), E_loc, own(X_of, r), stream.get(),
+                   prob.as<float>(), P_of[r].as<float>());
     }
+    DeviceBuffer peer_out(T * row_bytes + 16), peer_dx(T * row_bytes + 16),
+        peer_dprob(static_cast<std::size_t>(T * K) * 4 + 16);
+    for (const auto* b : {&peer_out, &peer_dx, &peer_dprob}) test::poison(*b);
+    peer_unpermute_combine(Y_rows, prob.as<float>(), K, Tensor(peer_out.data(), dtype, {T, H}),
+                           stream.get());
+    peer_unpermute_combine(Y_rows, nullptr, K, Tensor(peer_dx.data(), dtype, {T, H}), stream.get(),
+                           peer_dprob.as<float>());
+    // The combine backward: dy stored at every slot's row over Y (rank 0 zeroes its padding).
+    peer_permute(dy_t, Y_rows, K, own_offsets[0].as<std::int32_t>(),
+                 own_counts[0].as<std::int32_t>(), E_loc, own(Y_of, 0), stream.get());
+    stream.synchronize();
 
     const auto n = static_cast<std::size_t>(T * H) * elem;
     CHECK(test::download<char>(peer_out, n) == test::download<char>(out, n));
@@ -376,6 +386,8 @@ TEST_CASE("peer kernels over rows split between ranks' buffers equal the local k
       const std::int64_t begin = first_row(r), end = first_row(r + 1);
       const auto got_X = test::download<char>(X_of[r], (end - begin) * row_bytes);
       CHECK(std::equal(got_X.begin(), got_X.end(), whole_X.begin() + begin * row_bytes));
+      const auto got_P = test::download<float>(P_of[r], static_cast<std::size_t>(end - begin));
+      CHECK(std::equal(got_P.begin(), got_P.end(), want_row_prob.begin() + begin));
       // dY in place: every routed row; rank 0 (the caller) also zeroed its padding.
       const auto got_dY = test::download<char>(Y_of[r], (end - begin) * row_bytes);
       for (int e = r * E_loc; e < (r + 1) * E_loc; ++e) {
@@ -400,6 +412,12 @@ TEST_CASE("permute kernels reject bad arguments", "[gpu][permute]") {
                     test::contains_text("dtype int32"));
   CHECK_THROWS_WITH(permute_rows(floats, nullptr, 17, nullptr, nullptr, 1, floats, nullptr),
                     test::contains_text("topk = 17"));
+  CHECK_THROWS_WITH(
+      permute_rows(floats, nullptr, 1, nullptr, nullptr, 1, floats, nullptr, storage, nullptr),
+      test::contains_text("prob and row_prob must be given together"));
+  CHECK_THROWS_WITH(
+      unpermute_combine(floats, nullptr, nullptr, 1, floats, nullptr, nullptr, storage),
+      test::contains_text("row_grad and dprob must be given together"));
   LayoutArgs args;
   args.experts = 0;
   args.topk = 1;

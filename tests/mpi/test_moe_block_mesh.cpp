@@ -65,10 +65,6 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   Matrix x;
   test::draw_separated(c, params, x, total, rng);
   const Matrix dy = test::round_to(test::random_matrix(total, c.hidden, rng), c.dtype);
-  MoEConfig single = c;
-  single.ep = single.dp = 1;
-  const auto want = reference::run_layer(single, params, x, dy, test::kAsStored);
-
   const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, c.num_experts);
   Stream stream;
   MoEBlock block(c, mesh, stream.get());
@@ -85,6 +81,10 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   block.reduce_gradients();
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
 
+  MoEConfig single = c;
+  single.ep = single.dp = 1;
+  const auto want =
+      reference::run_layer(single, params, x, dy, test::kAsStored, test::dprob_path(block));
   const double tol = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
   if (T > 0) check_rank_rows(fwd.out, dx, want, first, T, c.hidden, tol);
   CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5).margin(1e-9));

@@ -43,6 +43,13 @@ inline reference::Matrix read(const Tensor& t, std::int64_t rows, std::int64_t c
 // turns bf16 storage error into an unbounded relative error at small T (one token gave 2.5% where
 // the tolerance is 1%, reproduced exactly by the rounding reference).
 inline constexpr auto kAsStored = reference::Intermediates::kAsStored;
+// Where MoEBlock forms dprob: in the experts that weigh their rows (one GPU, the peer exchange),
+// in the combine over NCCL; the reference rounds along the same path (reference::run_layer).
+inline constexpr auto kDprobInExperts = reference::ProbabilityGradient::kExperts;
+inline reference::ProbabilityGradient dprob_path(const MoEBlock& block) {
+  return block.ep_transport() == EpTransport::kNccl ? reference::ProbabilityGradient::kCombine
+                                                    : kDprobInExperts;
+}
 
 // Parameters rounded to what the block stores (dtype for weights, fp32 for the bias).
 inline reference::Params round_params(reference::Params p, DType dtype) {
