@@ -218,7 +218,9 @@ int main(int argc, char** argv) {
         {"moe dispatch", moved_ms(T * H * b + rows * H * b)},
         {"moe experts", gemm_ms(6 * rows * H * F)},
         {"moe combine", moved_ms(rows * H * b + T * H * b)},
-        {"moe combine backward", moved_ms(T * H * b + 2 * rows * H * b)},
+        // Reads dy and writes dY; where the combine weighed the rows it also reads them (dprob).
+        {"moe combine backward",
+         moved_ms(T * H * b + (block.probabilities_in_experts() ? 1 : 2) * rows * H * b)},
         {"moe experts backward", gemm_ms(12 * rows * H * F)},
         {"moe dispatch backward", moved_ms(rows * H * b + T * H * b)},
         {"moe router backward", hbm_ms(2 * T * E * 4 + T * K * 12)},

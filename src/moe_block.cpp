@@ -867,6 +867,11 @@ EpTransport MoEBlock::ep_transport() const {
   return s.peer_exchange() ? EpTransport::kPeer : EpTransport::kNccl;
 }
 
+bool MoEBlock::probabilities_in_experts() const {
+  const auto& s = *s_;
+  return (s.transport_decided || !s.expert_parallel()) && s.probabilities_in_experts();
+}
+
 void MoEBlock::set_stage_timing(bool on) {
   s_->times.on = on;
   s_->times.used = 0;

@@ -110,6 +110,11 @@ class MoEBlock {
   // How rows cross the EP group: kPeer or kNccl once the first forward under EP has chosen
   // (config.ep_transport, kAuto resolved); kAuto before that and on a single EP rank.
   EpTransport ep_transport() const;
+  // Whether the experts weigh their rows by the routing probabilities, so that the combine is a
+  // plain sum and keeps nothing for its backward (one GPU, the peer exchange), or the combine
+  // weighs the rows it gets back (EP over NCCL). Under EP it is known after the first forward
+  // (with the transport); before that it answers false.
+  bool probabilities_in_experts() const;
   // Aux-loss-free balancing with the mesh-wide loads of the last forward.
   void update_expert_bias(float rate);
   // Check mode: after each stage, raise a moe::Error naming the first stage (and rank) whose

@@ -77,6 +77,8 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   const auto fwd = block.forward(Tensor(rows.x.data(), c.dtype, {T, c.hidden}));
   INFO("transport " << ep_transport_name(block.ep_transport()));
   if (c.ep_transport == EpTransport::kNccl) CHECK(block.ep_transport() == EpTransport::kNccl);
+  CHECK(block.probabilities_in_experts() ==
+        (ep == 1 || block.ep_transport() == EpTransport::kPeer));
   const Tensor dx = block.backward(Tensor(rows.dy.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   MOE_CHECK_CUDA(cudaDeviceSynchronize());

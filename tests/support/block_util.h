@@ -47,8 +47,8 @@ inline constexpr auto kAsStored = reference::Intermediates::kAsStored;
 // in the combine over NCCL; the reference rounds along the same path (reference::run_layer).
 inline constexpr auto kDprobInExperts = reference::ProbabilityGradient::kExperts;
 inline reference::ProbabilityGradient dprob_path(const MoEBlock& block) {
-  return block.ep_transport() == EpTransport::kNccl ? reference::ProbabilityGradient::kCombine
-                                                    : kDprobInExperts;
+  return block.probabilities_in_experts() ? kDprobInExperts
+                                          : reference::ProbabilityGradient::kCombine;
 }
 
 // Parameters rounded to what the block stores (dtype for weights, fp32 for the bias).
