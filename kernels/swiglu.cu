@@ -42,37 +42,47 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ h, T* __restrict__ a
   }
 }
 
+// One pack of the SwiGLU backward at row r, columns [c, c + kElems), with the row's weight w (1
+// unweighed): dh from w·dA, a = w·silu(gate)·up for dw2, and the pack's share of Σ dA·silu·up, the
+// weight's gradient. Reads every element before it writes dh and a, so they may be h and dA.
 template <typename T, int kElems>
-// In place allowed: dh may be h and a may be dA. Each thread reads its gate, up and dA elements
-// before it writes dh and a there, and no other thread touches them.
+__device__ __forceinline__ float swiglu_backward_pack(const T* h, const T* dA, T* dh, T* a,
+                                                      std::int64_t r, int ffn, int c, float w) {
+  using P = Pack<T, kElems>;
+  const P gate = *reinterpret_cast<const P*>(h + r * 2 * ffn + c);
+  const P up = *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c);
+  const P grad = *reinterpret_cast<const P*>(dA + r * ffn + c);
+  P dgate, dup, act;
+  float dot = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) {
+    const float g = to_float(gate.v[e]);
+    const float u = to_float(up.v[e]);
+    const float s = sigmoid(g);
+    const float silu = g * s;
+    const float unweighed = silu * u;
+    dot += to_float(grad.v[e]) * unweighed;
+    const float d = w * to_float(grad.v[e]);
+    dgate.v[e] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // silu'(g) = σ(1 + g(1 − σ))
+    dup.v[e] = from_float<T>(d * silu);
+    act.v[e] = from_float<T>(w * unweighed);
+  }
+  *reinterpret_cast<P*>(dh + r * 2 * ffn + c) = dgate;
+  *reinterpret_cast<P*>(dh + r * 2 * ffn + ffn + c) = dup;
+  *reinterpret_cast<P*>(a + r * ffn + c) = act;
+  return dot;
+}
+
+// In place allowed: dh may be h and a may be dA; no other thread touches a thread's elements.
+template <typename T, int kElems>
 __global__ void swiglu_backward_kernel(const T* h, const T* dA, T* dh, T* a, std::int64_t rows,
                                        int ffn) {
-  using P = Pack<T, kElems>;
   const int packs = ffn / kElems;
   const std::int64_t total = rows * packs;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t r = i / packs;
-    const int c = static_cast<int>(i % packs) * kElems;
-    const P gate = *reinterpret_cast<const P*>(h + r * 2 * ffn + c);
-    const P up = *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c);
-    const P grad = *reinterpret_cast<const P*>(dA + r * ffn + c);
-    P dgate, dup, act;
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      const float g = to_float(gate.v[e]);
-      const float u = to_float(up.v[e]);
-      const float d = to_float(grad.v[e]);
-      const float s = sigmoid(g);
-      const float silu = g * s;
-      dgate.v[e] =
-          from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // silu'(g) = σ(g)(1 + g(1 − σ(g)))
-      dup.v[e] = from_float<T>(d * silu);
-      act.v[e] = from_float<T>(silu * u);
-    }
-    *reinterpret_cast<P*>(dh + r * 2 * ffn + c) = dgate;
-    *reinterpret_cast<P*>(dh + r * 2 * ffn + ffn + c) = dup;
-    *reinterpret_cast<P*>(a + r * ffn + c) = act;
+    (void)swiglu_backward_pack<T, kElems>(h, dA, dh, a, i / packs, ffn,
+                                          static_cast<int>(i % packs) * kElems, 1.0f);
   }
 }
 
@@ -87,36 +97,14 @@ template <typename T, int kElems>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     swiglu_weighed_backward_kernel(const T* h, const T* dA, T* dh, T* a, std::int64_t rows, int ffn,
                                    const float* scale, float* dscale) {
-  using P = Pack<T, kElems>;
   const int packs = ffn / kElems;
   const int lane = threadIdx.x % kWarpSize;
   for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
        r < rows; r += static_cast<std::int64_t>(gridDim.x) * kRowWarps) {
     const float w = scale[r];
     float dot = 0.0f;
-    for (int i = lane; i < packs; i += kWarpSize) {
-      const int c = i * kElems;
-      const P gate = *reinterpret_cast<const P*>(h + r * 2 * ffn + c);
-      const P up = *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c);
-      const P grad = *reinterpret_cast<const P*>(dA + r * ffn + c);
-      P dgate, dup, act;
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) {
-        const float g = to_float(gate.v[e]);
-        const float u = to_float(up.v[e]);
-        const float s = sigmoid(g);
-        const float silu = g * s;
-        const float unweighed = silu * u;
-        dot += to_float(grad.v[e]) * unweighed;
-        const float d = w * to_float(grad.v[e]);
-        dgate.v[e] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));
-        dup.v[e] = from_float<T>(d * silu);
-        act.v[e] = from_float<T>(w * unweighed);
-      }
-      *reinterpret_cast<P*>(dh + r * 2 * ffn + c) = dgate;
-      *reinterpret_cast<P*>(dh + r * 2 * ffn + ffn + c) = dup;
-      *reinterpret_cast<P*>(a + r * ffn + c) = act;
-    }
+    for (int i = lane; i < packs; i += kWarpSize)
+      dot += swiglu_backward_pack<T, kElems>(h, dA, dh, a, r, ffn, i * kElems, w);
 #pragma unroll
     for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
       dot += __shfl_xor_sync(0xffffffffu, dot, offset);
