@@ -89,11 +89,24 @@ std::vector<double> experts_prob_grads(const Matrix& dy, const ExpertActivations
                                        const Layout& layout, const Routing& routing,
                                        const ExpertWeights& weights, Intermediates intermediates,
                                        DType dtype) {
-  std::vector<double> dprob(routing.expert.size(), 0.0);
   const std::int64_t F = act.h.cols / 2;
+  if (dy.rows != routing.tokens)
+    fail("experts_prob_grads: dy has {} rows for {} routed tokens", dy.rows, routing.tokens);
+  if (act.h.rows != layout.rows() || layout.row.size() != routing.expert.size())
+    fail("experts_prob_grads: h has {} rows, the layout {} ({} slots for {} routed)", act.h.rows,
+         layout.rows(), layout.row.size(), routing.expert.size());
+  for (const int e : routing.expert) {
+    if (e < 0 || static_cast<std::size_t>(e) >= weights.w2.size())
+      fail("experts_prob_grads: routed expert {} outside the {} w2 matrices", e, weights.w2.size());
+    const Matrix& w2 = weights.w2[static_cast<std::size_t>(e)];
+    if (w2.rows != F || w2.cols != dy.cols)
+      fail("experts_prob_grads: w2 of expert {} is [{},{}], expected [{},{}]", e, w2.rows, w2.cols,
+           F, dy.cols);
+  }
+  std::vector<double> dprob(routing.expert.size(), 0.0);
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
     for (int k = 0; k < routing.topk; ++k) {
-      const Matrix& w2 = weights.w2.at(static_cast<std::size_t>(routing.expert_of(t, k)));
+      const Matrix& w2 = weights.w2[static_cast<std::size_t>(routing.expert_of(t, k))];
       Matrix dA(1, F);  // dy[t]·w2ᵀ, the product's output
       for (std::int64_t j = 0; j < F; ++j) {
         for (std::int64_t i = 0; i < dy.cols; ++i) dA(0, j) += dy(t, i) * w2(j, i);

@@ -183,6 +183,14 @@ TEST_CASE("layer backward equals finite differences, every router mode", "[cpu][
     const LayerResult in_experts =
         run_layer(config, params, x, dy, Intermediates::kExact, ProbabilityGradient::kExperts);
     CHECK(test::relative_error(in_experts.dlogits.data, result.dlogits.data) <= 1e-12);
+    // Inputs that do not fit each other are refused, naming what is off.
+    const Routing routing = route(config, matmul_nt(x, params.gate_weight), params.expert_bias);
+    const Layout layout = make_layout(routing, config.num_experts, config.align_size);
+    const ExpertActivations act =
+        experts_forward(permute(x, layout, routing), layout.offsets, params.experts);
+    CHECK_THROWS_WITH(experts_prob_grads(Matrix(4, config.hidden), act, layout, routing,
+                                         params.experts, Intermediates::kExact, DType::kFP32),
+                      test::contains_text("dy has 4 rows for 5 routed tokens"));
 
     CHECK(test::relative_error(result.dx.data, finite_differences(x.data, objective)) <=
           kTolerance);
