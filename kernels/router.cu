@@ -342,24 +342,16 @@ __device__ __forceinline__ LaneBest lane_best(const unsigned (&keys)[V], unsigne
     if constexpr (kAfter) {
       if (key > after_key || (key == after_key && j <= after_j)) key = 0;
     }
-    if (key > b.key[2]) {
-      if (key > b.key[1]) {
-        b.key[2] = b.key[1];
-        b.j[2] = b.j[1];
-        if (key > b.key[0]) {
-          b.key[1] = b.key[0];
-          b.j[1] = b.j[0];
-          b.key[0] = key;
-          b.j[0] = j;
-        } else {
-          b.key[1] = key;
-          b.j[1] = j;
-        }
-      } else {
-        b.key[2] = key;
-        b.j[2] = j;
-      }
-    }
+    // Branch-free: the nested ifs compiled to divergent branches, ~20 instructions an entry
+    // and 30% of the forward's at E = 1024 (session 14's profile); selects and integer
+    // min/max take 13. Strict comparisons: an equal key does not displace an earlier entry.
+    const bool above0 = key > b.key[0], above1 = key > b.key[1], above2 = key > b.key[2];
+    b.j[2] = above1 ? b.j[1] : above2 ? j : b.j[2];
+    b.key[2] = max(b.key[2], min(b.key[1], key));
+    b.j[1] = above0 ? b.j[0] : above1 ? j : b.j[1];
+    b.key[1] = max(b.key[1], min(b.key[0], key));
+    b.j[0] = above0 ? j : b.j[0];
+    b.key[0] = max(b.key[0], key);
   }
   return b;
 }
@@ -451,6 +443,19 @@ __device__ __forceinline__ void row_softmax(const float (&l)[V], float (&ex)[V],
   row_sum = team_sum<S>(s);
 }
 
+// The row's max and Σ exp(l − max) alone, where the exponentials themselves are not needed.
+template <int S, int V>
+__device__ __forceinline__ void row_exp_sum(const float (&l)[V], float& row_max, float& row_sum) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < V; ++j) m = fmaxf(m, l[j]);
+  row_max = team_max<S>(m);
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) s += fast_exp(l[j] - row_max);
+  row_sum = team_sum<S>(s);
+}
+
 // ---- Forward
 // -------------------------------------------------------------------------------------
 
@@ -497,17 +502,35 @@ struct ForwardKernelArgs {
   ForwardState state;
 };
 
-// Shared memory of the forward: per-block totals, then each team's group scores (the general
-// group-limited path).
-__host__ __device__ inline std::size_t forward_shared_bytes(const RouterParams& p, int teams) {
-  return static_cast<std::size_t>(p.num_experts) * (kWarpsPerBlock * 4 + 4 + 4) +
-         kWarpsPerBlock * 4 + static_cast<std::size_t>(teams) * kWarpsPerBlock * p.num_groups * 4;
+// From 32 entries per lane on (one team per warp), the forward keeps the expert biases and the
+// aux score sums in shared memory rather than in 2·V registers: at E = 1024 the kernel held 255
+// registers, 8 warps per SM, and the shared-memory reads cost less than the warps lost.
+// Those rows are stored lane-major — a lane's entry j at j·S + rank — so that the warp's 32 lanes
+// reading their entry j hit 32 different banks (in expert order they all hit one bank: the
+// first try ran 2.6× slower at E = 1024).
+template <int V>
+constexpr bool kLaneRowsShared = V >= 32;
+template <int S, int V>
+__host__ __device__ constexpr int lane_major(int expert) {
+  return expert % V * S + expert / V;
 }
 
-// Blocks per SM the kernels are compiled for: registers for 32 warps per SM with up to 8 entries
-// per lane, whose chains of team steps need many tokens in flight.
+// Shared memory of the forward: the biases (kLaneRowsShared), per-block totals, then each team's
+// group scores (the general group-limited path).
+template <int S, int V>
+std::size_t forward_shared_bytes(const RouterParams& p) {
+  constexpr int kTeams = kWarpSize / S;
+  const std::size_t sums_stride = kLaneRowsShared<V> ? S * V : p.num_experts;
+  return (kLaneRowsShared<V> ? S * V * 4 : 0) + kWarpsPerBlock * sums_stride * 4 +
+         static_cast<std::size_t>(p.num_experts) * (4 + 4) + kWarpsPerBlock * 4 +
+         static_cast<std::size_t>(kTeams) * kWarpsPerBlock * p.num_groups * 4;
+}
+
+// Blocks per SM the kernels are compiled for: registers for 24 warps per SM with up to 8 entries
+// per lane, whose chains of team steps need many tokens in flight; 16 up to 32 entries (with
+// kLaneRowsShared, no look-ahead); 8 at 64 entries per lane (E > 1024).
 constexpr int min_blocks_per_sm(int V) {
-  return V <= 8 ? 3 : V <= 16 ? 2 : 1;
+  return V <= 8 ? 3 : V <= 32 ? 2 : 1;
 }
 
 template <int S, int V, typename In>
@@ -530,14 +553,23 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
 
   // Per-block totals: counts by shared-memory atomics (integer, so order-free), score sums per
   // warp then over the warps in order; then one global atomic per expert and block.
-  auto* warp_sums = reinterpret_cast<float*>(shared);  // [warps][E]
-  auto* block_counts = reinterpret_cast<int*>(warp_sums + kWarpsPerBlock * E);
+  constexpr bool kRowsShared = kLaneRowsShared<V>;
+  const int sums_stride = kRowsShared ? S * V : E;
+  float* bias_row = reinterpret_cast<float*>(shared);       // [S·V] lane-major when kRowsShared
+  float* warp_sums = bias_row + (kRowsShared ? S * V : 0);  // [warps][sums_stride]
+  auto* block_counts = reinterpret_cast<int*>(warp_sums + kWarpsPerBlock * sums_stride);
   int* block_aux_counts = block_counts + E;
   float* warp_z = reinterpret_cast<float*>(block_aux_counts + E);
   float* group_score = warp_z + kWarpsPerBlock + (warp * kTeams + team) * p.num_groups;
   for (int e = threadIdx.x; e < E; e += kThreads) {
     block_counts[e] = 0;
     block_aux_counts[e] = 0;
+  }
+  if constexpr (kRowsShared) {
+    // −∞ past E, as the registers' biases below.
+    for (int e = threadIdx.x; e < S * V; e += kThreads)
+      bias_row[lane_major<S, V>(e)] = e >= E ? -INFINITY : p.expert_bias ? a.expert_bias[e] : 0.0f;
+    for (int i = threadIdx.x; i < kWarpsPerBlock * sums_stride; i += kThreads) warp_sums[i] = 0.0f;
   }
   __syncthreads();
 
@@ -555,47 +587,106 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   // −∞ without a test per entry: such entries, ranked last and after every real one on ties
   // (higher index), are never selected.
   float bias[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j)
-    bias[j] = first + j >= E ? -INFINITY : p.expert_bias ? a.expert_bias[first + j] : 0.0f;
   float score_sum[V];
+  if constexpr (!kRowsShared) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) score_sum[j] = 0.0f;
+    for (int j = 0; j < V; ++j) {
+      bias[j] = first + j >= E ? -INFINITY : p.expert_bias ? a.expert_bias[first + j] : 0.0f;
+      score_sum[j] = 0.0f;
+    }
+  }
+  float* lane_sums = warp_sums + warp * sums_stride + rank;  // kRowsShared: entry j at j·S
   float z_acc = 0.0f;
 
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
   const std::int64_t start =
       (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
-  // The next token's row is loaded while this one is routed, hiding the load's latency.
+  // Up to 16 entries per lane the next token's row is loaded while this one is routed, hiding the
+  // load's latency; above, those V registers would halve the warps an SM holds (255 registers at
+  // E = 1024), and the warps themselves hide it.
+  constexpr bool kLoadAhead = V <= 16;
   float next_l[V];
-  load_chunk(next_l, a.logits, start + team, start + team < a.tokens, first, E, a.vector_rows);
+  if constexpr (kLoadAhead)
+    load_chunk(next_l, a.logits, start + team, start + team < a.tokens, first, E, a.vector_rows);
   // The loop bound is the warp's, not the team's: every lane joins every shuffle.
   for (std::int64_t base = start; base < a.tokens; base += step) {
     const std::int64_t t = base + team;
     const bool valid = t < a.tokens;
     float l[V];
+    if constexpr (kLoadAhead) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) l[j] = next_l[j];
-    load_chunk(next_l, a.logits, t + step, t + step < a.tokens, first, E, a.vector_rows);
+      for (int j = 0; j < V; ++j) l[j] = next_l[j];
+      load_chunk(next_l, a.logits, t + step, t + step < a.tokens, first, E, a.vector_rows);
+    } else {
+      load_chunk(l, a.logits, t, valid, first, E, a.vector_rows);
+    }
 
-    float ex[V];  // exp(l − max) when a softmax of the row is needed
+    // u: what the aux scores normalise — exp(l − max) (softmax, when the row's softmax is
+    // needed) or g(l) (sigmoid, sqrtsoftplus; 0 past E). The row's max and Σ exp(l − max) for
+    // the z-loss and the softmax.
+    float u[V];
     float row_max = 0.0f, row_sum = 1.0f;
-    if (need_row_softmax) row_softmax<S>(l, ex, row_max, row_sum);
+    if (softmax) {
+      if (need_row_softmax) row_softmax<S>(l, u, row_max, row_sum);
+    } else {
+      elementwise_scores(p.score_function, l, u);
+      if (p.z_loss) row_exp_sum<S>(l, row_max, row_sum);
+    }
     const float inv_row_sum = 1.0f / row_sum;
 
-    // Selection keys from the scores: logits (softmax post), softmax (pre), g(l) + bias
-    // (sigmoid, sqrtsoftplus); s keeps g(l) for the aux scores.
-    float s[V];
+    // The aux scores first, so that their inputs are dead before the selection's keys live: their
+    // sums P, and their own top-K unless the main routing is theirs.
     unsigned keys[V];
+    if (p.aux_loss) {
+      float inv_norm = inv_row_sum;
+      if (!softmax) {
+        float u_sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < V; ++j) u_sum += u[j];  // g(−∞) = 0 past E
+        inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float s_aux = u[j] * inv_norm;
+        if constexpr (kRowsShared) {
+          if (valid) lane_sums[j * S] += s_aux;  // 0 past E
+        } else if (valid) {
+          score_sum[j] += s_aux;  // 0 past E
+        }
+      }
+      // The aux routing's counts: the main counts when it is the main routing (the last block
+      // copies them), else its own top-K of the aux scores.
+      if (!p.aux_routing_is_main()) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) keys[j] = order_key(u[j] * inv_norm);  // 0 past E: ranked last
+        int aux_expert[kSlots];
+        unsigned aux_key[kSlots];
+        team_top_k<S, V>(keys, lane_best<false>(keys), K, rank, team_base, aux_expert, aux_key);
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          if (i * S >= K) break;
+          if (valid && i * S + rank < K) atomicAdd(&block_aux_counts[aux_expert[i]], 1);
+        }
+      }
+    }
+    if (p.z_loss && valid && rank == 0) {
+      const float lse = row_max + logf(row_sum);
+      z_acc += lse * lse;
+    }
+
+    // Selection keys from the scores: logits (softmax post), softmax (pre), g(l) + bias
+    // (sigmoid, sqrtsoftplus).
     {
       float r[V];
-      if (softmax) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) r[j] = p.pre_softmax ? ex[j] * inv_row_sum : l[j];
-      } else {
-        elementwise_scores(p.score_function, l, s);
-#pragma unroll
-        for (int j = 0; j < V; ++j) r[j] = s[j] + bias[j];
+      for (int j = 0; j < V; ++j) {
+        float b;
+        if constexpr (kRowsShared) {
+          b = bias_row[j * S + rank];
+        } else {
+          b = bias[j];
+        }
+        r[j] = !softmax ? u[j] + b : p.pre_softmax ? u[j] * inv_row_sum : l[j];
       }
       if (p.num_groups > 0 && !lane_groups) mask_groups<S>(r, p, rank, group_score);
 #pragma unroll
@@ -669,53 +760,20 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
         atomicAdd(&block_counts[slot_expert[i]], 1);
       }
     }
-
-    if (p.aux_loss) {
-      // Aux scores: softmax, or g(l) normalised over the row; their sums P and their own top-K.
-      float s_aux[V];
-      float inv_norm = inv_row_sum;
-      if (!softmax) {
-        float u_sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < V; ++j) u_sum += s[j];  // g(−∞) = 0 past E
-        inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        s_aux[j] = (softmax ? ex[j] : s[j]) * inv_norm;
-        if (valid) score_sum[j] += s_aux[j];  // 0 past E
-      }
-      // The aux routing's counts: the main counts when it is the main routing (the last block
-      // copies them), else its own top-K of the aux scores.
-      if (!p.aux_routing_is_main()) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) keys[j] = order_key(s_aux[j]);  // 0 past E: ranked last
-        int aux_expert[kSlots];
-        unsigned aux_key[kSlots];
-        team_top_k<S, V>(keys, lane_best<false>(keys), K, rank, team_base, aux_expert, aux_key);
-#pragma unroll
-        for (int i = 0; i < kSlots; ++i) {
-          if (i * S >= K) break;
-          if (valid && i * S + rank < K) atomicAdd(&block_aux_counts[aux_expert[i]], 1);
-        }
-      }
-    }
-    if (p.z_loss && valid && rank == 0) {
-      const float lse = row_max + logf(row_sum);
-      z_acc += lse * lse;
-    }
   }
 
   // This block's totals. Score sums over the warp's teams (lanes of equal rank hold the same
   // experts; shared-memory 64-bit atomics would be compare-and-swap loops under contention).
-  if (p.aux_loss) {
+  if constexpr (!kRowsShared) {  // else they are there already
+    if (p.aux_loss) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      float v = score_sum[j];
+      for (int j = 0; j < V; ++j) {
+        float v = score_sum[j];
 #pragma unroll
-      for (int offset = S; offset < kWarpSize; offset <<= 1)
-        v += __shfl_xor_sync(kFullMask, v, offset);
-      if (team == 0 && first + j < E) warp_sums[warp * E + first + j] = v;
+        for (int offset = S; offset < kWarpSize; offset <<= 1)
+          v += __shfl_xor_sync(kFullMask, v, offset);
+        if (team == 0 && first + j < E) warp_sums[warp * E + first + j] = v;
+      }
     }
   }
   z_acc = team_sum<kWarpSize>(z_acc);
@@ -733,7 +791,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       atomicAdd(&s.aux_tokens_per_expert[e], block_aux_counts[e]);
     if (p.aux_loss) {
       float sum = 0.0f;
-      for (int w = 0; w < kWarpsPerBlock; ++w) sum += warp_sums[w * E + e];
+      const int at = kRowsShared ? lane_major<S, V>(e) : e;
+      for (int w = 0; w < kWarpsPerBlock; ++w) sum += warp_sums[w * sums_stride + at];
       if (sum != 0.0f)
         atomicAdd(&s.aux_score_sum[e], __double2ull_rn(static_cast<double>(sum) * kSumScale));
     }
@@ -804,10 +863,15 @@ struct BackwardKernelArgs {
   float* dlogits;
 };
 
-// The backward's shared memory: one row of E floats per team, where the selected entries' terms
-// are added to the row's dense terms (aux, z) before the row is stored.
-inline std::size_t backward_shared_bytes(int experts, int teams) {
-  return static_cast<std::size_t>(teams) * kWarpsPerBlock * experts * 4;
+// The backward's shared memory: the aux gradients (kLaneRowsShared), then, with dprob, one row of
+// E floats per team, where the selected entries' terms are added to the row's dense terms (aux,
+// z) before the row is stored.
+template <int S, int V>
+std::size_t backward_shared_bytes(int experts, bool dprob) {
+  constexpr int kTeams = kWarpSize / S;
+  const std::size_t row = kLaneRowsShared<V> ? S * V : experts;
+  return (kLaneRowsShared<V> ? S * V * 4 : 0) +
+         (dprob ? static_cast<std::size_t>(kTeams) * kWarpsPerBlock * row * 4 : 0);
 }
 
 template <int S, int V, typename In>
@@ -831,77 +895,89 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   const bool z = a.z_factor != 0.0f;
   const bool need_row = (softmax && p.pre_softmax) || aux || z;
   const bool need_row_softmax = (softmax && (p.pre_softmax || aux)) || z;
-  float* row = reinterpret_cast<float*>(shared) + (warp * kTeams + team) * E;
+  constexpr bool kRowsShared = kLaneRowsShared<V>;
+  float* aux_grad_row = reinterpret_cast<float*>(shared);  // [S·V] lane-major when kRowsShared
+  float* row =
+      aux_grad_row + (kRowsShared ? S * V : 0) + (warp * kTeams + team) * (kRowsShared ? S * V : E);
   // 16-byte row moves when the lane's chunk starts on a 16-byte boundary and lies in the row.
   const bool vector_chunk = V % 4 == 0 && E % 4 == 0 && first + V <= E;
 
-  // ∂L_aux/∂s_aux[t, e] = factor · f_e is the same for every token: held in registers.
+  // ∂L_aux/∂s_aux[t, e] = factor · f_e is the same for every token: held in registers, or in
+  // shared memory from 32 entries per lane on (kLaneRowsShared).
+  auto aux_grad_of = [&](int e) {
+    return (aux && e < E) ? a.aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
+  };
   float aux_grad[V];
+  if constexpr (kRowsShared) {
+    for (int e = threadIdx.x; e < S * V; e += kThreads)
+      aux_grad_row[lane_major<S, V>(e)] = aux_grad_of(e);
+    __syncthreads();
+  } else {
 #pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int e = first + j;
-    aux_grad[j] =
-        (aux && e < E) ? a.aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
+    for (int j = 0; j < V; ++j) aux_grad[j] = aux_grad_of(first + j);
   }
+  auto lane_aux_grad = [&](int j) {
+    if constexpr (kRowsShared) {
+      return aux_grad_row[j * S + rank];
+    } else {
+      return aux_grad[j];
+    }
+  };
 
-  // Each iteration loads the next token's slots and row while it computes this one's: the loads'
-  // latency, not the bytes, bounded the loop (the session-7 profile: 30% of the stalls at the
-  // row load).
+  // Up to 16 entries per lane each iteration loads the next token's slots and row while it
+  // computes this one's: the loads' latency, not the bytes, bounded the loop (the session-7
+  // profile: 30% of the stalls at the row load). Above, the row's V registers would halve the
+  // warps an SM holds, and the warps hide the latency instead.
+  constexpr bool kLoadAhead = V <= 16;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
   const std::int64_t start =
       (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
-  int next_expert[kSlots];
-  float next_p[kSlots], next_dp[kSlots], next_l[V];
-  auto load_token = [&](std::int64_t t) {
+  auto load_token = [&](std::int64_t t, int(&expert)[kSlots], float(&prob)[kSlots],
+                        float(&dp)[kSlots], float(&row)[V]) {
     const bool valid = t < a.tokens;
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       const int k = i * S + rank;
       const bool active = valid && k < K && i * S < K;
-      next_expert[i] = active ? a.topk_idx[t * K + k] : 0;
-      next_p[i] = active ? a.topk_p[t * K + k] : 0.0f;
-      next_dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
+      expert[i] = active ? a.topk_idx[t * K + k] : 0;
+      prob[i] = active ? a.topk_p[t * K + k] : 0.0f;
+      dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
     }
     if (need_row) {
-      load_chunk(next_l, a.logits, t, valid, first, E, a.vector_rows);
+      load_chunk(row, a.logits, t, valid, first, E, a.vector_rows);
     } else {
 #pragma unroll
-      for (int j = 0; j < V; ++j) next_l[j] = -INFINITY;
+      for (int j = 0; j < V; ++j) row[j] = -INFINITY;
     }
   };
-  load_token(start + team);
+  int next_expert[kSlots];
+  float next_p[kSlots], next_dp[kSlots], next_l[V];
+  if constexpr (kLoadAhead) load_token(start + team, next_expert, next_p, next_dp, next_l);
   for (std::int64_t base = start; base < a.tokens; base += step) {
     const std::int64_t t = base + team;
     const bool valid = t < a.tokens;
     int slot_expert[kSlots];
     float slot_p[kSlots], slot_dp[kSlots], l[V];
+    if constexpr (kLoadAhead) {
 #pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      slot_expert[i] = next_expert[i];
-      slot_p[i] = next_p[i];
-      slot_dp[i] = next_dp[i];
-    }
+      for (int i = 0; i < kSlots; ++i) {
+        slot_expert[i] = next_expert[i];
+        slot_p[i] = next_p[i];
+        slot_dp[i] = next_dp[i];
+      }
 #pragma unroll
-    for (int j = 0; j < V; ++j) l[j] = next_l[j];
-    load_token(t + step);
-    // The row's softmax, when needed (pre-softmax routing, softmax aux scores, z-loss).
-    float sm[V];
-    float row_max = 0.0f, row_sum = 1.0f;
-    if (need_row_softmax) {
-      row_softmax<S>(l, sm, row_max, row_sum);
-      const float inv_row_sum = 1.0f / row_sum;
-#pragma unroll
-      for (int j = 0; j < V; ++j) sm[j] *= inv_row_sum;
+      for (int j = 0; j < V; ++j) l[j] = next_l[j];
+      load_token(t + step, next_expert, next_p, next_dp, next_l);
+    } else {
+      load_token(t, slot_expert, slot_p, slot_dp, l);
     }
 
-    // The dense terms of the row first (every entry); the selected entries' terms, slot_d, are
-    // added through shared memory below.
-    float g[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) g[j] = 0.0f;
+    // The selected entries' terms, slot_d, added through shared memory below; dense_dot, the
+    // pre-softmax's Σ s·ds that every entry's term carries.
     float slot_d[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) slot_d[i] = 0.0f;
+    float dense_dot = 0.0f;
 
     if (a.dprob != nullptr) {
       if (softmax && !p.pre_softmax) {
@@ -915,15 +991,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       } else if (softmax) {
         // ds = c·dp at the selected; dl = s ⊙ (ds − Σ s·ds), with s_m = p_m / c at the selected:
         // −s·Σ s·ds everywhere, and s_m·ds_m = p_m·dp_m at the selected.
-        float dot = 0.0f;
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
-          dot += (slot_p[i] * inv_c) * (c * slot_dp[i]);
+          dense_dot += (slot_p[i] * inv_c) * (c * slot_dp[i]);
           slot_d[i] = slot_p[i] * slot_dp[i];
         }
-        dot = team_sum<S>(dot);
-#pragma unroll
-        for (int j = 0; j < V; ++j) g[j] = -sm[j] * dot;
+        dense_dot = team_sum<S>(dense_dot);
       } else {
         float s[kSlots], ds_dl[kSlots];
         float s_sum = 0.0f, dp_dot_p = 0.0f;
@@ -952,47 +1025,69 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       }
     }
 
-    if (aux) {
-      if (softmax) {
+    // The dense terms of every entry (pre-softmax, aux, z), formed in one pass over the row: w
+    // holds softmax(l) (softmax) or g(l) (elementwise, with the aux loss), and nothing else of
+    // the row stays live beside it.
+    float w[V];
+    float row_max = 0.0f, row_sum = 1.0f;
+    if (softmax) {
+      if (need_row_softmax) {
+        row_softmax<S>(l, w, row_max, row_sum);
+        const float inv_row_sum = 1.0f / row_sum;
+#pragma unroll
+        for (int j = 0; j < V; ++j) w[j] *= inv_row_sum;
+      }
+    } else {
+      if (z) row_exp_sum<S>(l, row_max, row_sum);
+      if (aux) elementwise_scores(p.score_function, l, w);
+    }
+    const float z_scale = z ? a.z_factor * 2.0f * (row_max + logf(row_sum)) : 0.0f;
+    float g[V];
+    if (softmax) {
+      // Every dense term is softmax(l) times one coefficient of the token (plus f_e's factor):
+      // −Σ s·ds (pre-softmax), −Σ s·∂L_aux/∂s (aux), 2β/T·lse (z).
+      float coef = z_scale - dense_dot;
+      if (aux) {
         float s_dot_g = 0.0f;
 #pragma unroll
-        for (int j = 0; j < V; ++j) s_dot_g += sm[j] * aux_grad[j];
-        s_dot_g = team_sum<S>(s_dot_g);
+        for (int j = 0; j < V; ++j) s_dot_g += w[j] * lane_aux_grad(j);
+        coef -= team_sum<S>(s_dot_g);
+      }
 #pragma unroll
-        for (int j = 0; j < V; ++j) g[j] += sm[j] * (aux_grad[j] - s_dot_g);
-      } else {
-        // s_aux = u / S, u = g(l), S = Σu + ε:  du_m = g_m / S − Σ_i g_i u_i / S².
-        float u[V];
-        elementwise_scores(p.score_function, l, u);
+      for (int j = 0; j < V; ++j) g[j] = need_row_softmax ? w[j] * (coef + lane_aux_grad(j)) : 0.0f;
+    } else {
+      // s_aux = u / S, u = g(l), S = Σu + ε:  du_m = g_m / S − Σ_i g_i u_i / S².
+      float inv_norm = 0.0f, shift = 0.0f;
+      if (aux) {
         float u_sum = 0.0f, g_dot_u = 0.0f;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          if (first + j >= E) u[j] = 0.0f;
-          u_sum += u[j];
-          g_dot_u += aux_grad[j] * u[j];
+          u_sum += w[j];  // g(−∞) = 0 past E
+          g_dot_u += lane_aux_grad(j) * w[j];
         }
-        const float inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
-        const float shift = team_sum<S>(g_dot_u) * inv_norm * inv_norm;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          if (first + j < E) {
-            const float du = aux_grad[j] * inv_norm - shift;
-            g[j] += du * elementwise_score_derivative(p.score_function, l[j], u[j]);
-          }
-        }
+        inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
+        shift = team_sum<S>(g_dot_u) * inv_norm * inv_norm;
       }
-    }
-    if (z) {
-      const float scale = a.z_factor * 2.0f * (row_max + logf(row_sum));
+      const float z_coef = z_scale / row_sum;
 #pragma unroll
-      for (int j = 0; j < V; ++j) g[j] += scale * sm[j];
+      for (int j = 0; j < V; ++j) {
+        g[j] = 0.0f;
+        if (aux && first + j < E) {
+          const float du = lane_aux_grad(j) * inv_norm - shift;
+          g[j] = du * elementwise_score_derivative(p.score_function, l[j], w[j]);
+        }
+        if (z) g[j] += z_coef * fast_exp(l[j] - row_max);
+      }
     }
 
     // The row through shared memory: the dense terms in, each selected entry's term added by
     // its slot's lane (the K experts of a token differ), the row out to dlogits. A lane's chunk
-    // goes in and out as whole 16-byte packs where it can.
+    // goes in and out as whole 16-byte packs where it can, or lane-major (kLaneRowsShared).
     if (a.dprob != nullptr) {
-      if (vector_chunk) {
+      if constexpr (kRowsShared) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) row[j * S + rank] = g[j];
+      } else if (vector_chunk) {
 #pragma unroll
         for (int i = 0; i < V / 4; ++i)
           reinterpret_cast<float4*>(row + first)[i] =
@@ -1008,10 +1103,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       for (int i = 0; i < kSlots; ++i) {
         // A token's K experts differ (the forward's top-K), so no two lanes add into one entry;
         // tokens past the end (all slots 0) add nothing.
-        if (valid && i * S < K && i * S + rank < K) row[slot_expert[i]] += slot_d[i];
+        if (valid && i * S < K && i * S + rank < K)
+          row[kRowsShared ? lane_major<S, V>(slot_expert[i]) : slot_expert[i]] += slot_d[i];
       }
       __syncwarp();
-      if (vector_chunk) {
+      if constexpr (kRowsShared) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) g[j] = row[j * S + rank];
+      } else if (vector_chunk) {
 #pragma unroll
         for (int i = 0; i < V / 4; ++i) {
           const float4 v = reinterpret_cast<const float4*>(row + first)[i];
@@ -1215,7 +1314,7 @@ void launch_forward(const RouterParams& p, const RouterForwardArgs& args, cudaSt
                           forward_state(args.workspace, p.num_experts)};
   dispatch_layout(p.num_experts, [&]<int S, int V>() {
     constexpr int kTeams = kWarpSize / S;
-    const std::size_t shared = forward_shared_bytes(p, kTeams);
+    const std::size_t shared = forward_shared_bytes<S, V>(p);
     auto kernel = router_forward_kernel<S, V, In>;
     allow_shared_memory(kernel, shared);
     const int blocks = grid_size(reinterpret_cast<const void*>(kernel), shared, args.tokens,
@@ -1242,8 +1341,7 @@ void launch_backward(const RouterParams& p, const RouterBackwardArgs& args, cuda
   dispatch_layout(p.num_experts, [&]<int S, int V>() {
     constexpr int kTeams = kWarpSize / S;
     auto kernel = router_backward_kernel<S, V, In>;
-    const std::size_t shared =
-        args.dprob != nullptr ? backward_shared_bytes(p.num_experts, kTeams) : 0;
+    const std::size_t shared = backward_shared_bytes<S, V>(p.num_experts, args.dprob != nullptr);
     allow_shared_memory(kernel, shared);
     const int blocks = grid_size(reinterpret_cast<const void*>(kernel), shared, args.tokens,
                                  kWarpsPerBlock * kTeams);

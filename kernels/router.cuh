@@ -3,8 +3,10 @@
 // dlogits, and the aux-loss-free expert-bias update.
 //
 // A team of lanes handles one token (8 lanes for E ≤ 64, 16 for E ≤ 128, the whole warp above),
-// its E logits held in registers, so E up to 2048 and K up to 16 need no shared-memory rows
-// (the backward stages one row per team to add the selected entries' terms). The
+// its E logits held in registers, so E up to 2048 and K up to 16 need no shared-memory rows of
+// logits (the backward stages one row per team to add the selected entries' terms; above 512
+// experts the biases, score sums and aux gradients, the same for every token, sit in shared
+// memory to free registers). The
 // forward is one kernel: the last of its blocks to finish turns the per-block totals into the
 // counts and sums (no memsets, no second launch). Everything is deterministic: counts and the
 // aux score sums cross blocks as integers (sums in 64-bit fixed point), z in a fixed order.
