@@ -620,6 +620,41 @@ unsigned row_grid(std::int64_t rows, const Padding& pad) {
   return static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps + pad.groups);
 }
 
+// The permute over local rows (LocalRows) or rows on the EP group's ranks (PeerRowsOnDevice):
+// x's rows to their slots' places, `padded` taking the padding rows (and the local ones).
+template <typename Rows>
+void launch_permute(const Tensor& x, const Rows& rows, int topk, const Padding& pad,
+                    const Tensor& padded, const float* prob, cudaStream_t stream) {
+  const std::int64_t tokens = x.dim(0);
+  const int hidden = static_cast<int>(x.dim(1));
+  const unsigned grid = row_grid(tokens, pad);
+  if (grid == 0) return;
+  dispatch_rows(x, {x.data, padded.data}, [&]<typename T, int kElems>() {
+    dispatch_slots(topk, [&]<int kSlots>() {
+      permute_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
+          x.as<const T>(), rows, topk, tokens, hidden, padded.as<T>(), pad, prob);
+      MOE_CHECK_LAUNCH();
+    });
+  });
+}
+
+// The combine over local rows of y, or (y null) rows on the EP group's ranks.
+template <typename Rows>
+void launch_unpermute_combine(const Tensor* y, const Rows& rows, const float* prob, int topk,
+                              const Tensor& out, float* dprob, cudaStream_t stream) {
+  const std::int64_t tokens = out.dim(0);
+  if (tokens == 0) return;
+  const int hidden = static_cast<int>(out.dim(1));
+  dispatch_rows(out, {y ? y->data : nullptr, out.data}, [&]<typename T, int kElems>() {
+    dispatch_slots(topk, [&]<int kSlots>() {
+      unpermute_combine_kernel<T, kElems, kSlots>
+          <<<row_grid(tokens, Padding{}), kRowWarps * kWarpSize, 0, stream>>>(
+              y ? y->as<const T>() : nullptr, rows, prob, topk, tokens, hidden, out.as<T>(), dprob);
+      MOE_CHECK_LAUNCH();
+    });
+  });
+}
+
 int layout_blocks(std::int64_t tokens) {
   return static_cast<int>(std::max<std::int64_t>(1, (tokens + kLayoutTokens - 1) / kLayoutTokens));
 }
@@ -674,19 +709,8 @@ void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk,
   check_same_width(x, out, "permute_rows");
   check_topk(topk, "permute_rows");
   check_scalar_pair(prob, row_prob, "permute_rows", "prob", "row_prob");
-  const std::int64_t tokens = x.dim(0);
-  const int hidden = static_cast<int>(x.dim(1));
-  const Padding pad{offsets, counts, experts, row_prob};
-  const unsigned grid = row_grid(tokens, pad);
-  if (grid == 0) return;
-  dispatch_rows(x, {x.data, out.data}, [&]<typename T, int kElems>() {
-    dispatch_slots(topk, [&]<int kSlots>() {
-      permute_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-          x.as<const T>(), LocalRows{row_map, row_prob}, topk, tokens, hidden, out.as<T>(), pad,
-          prob);
-      MOE_CHECK_LAUNCH();
-    });
-  });
+  launch_permute(x, LocalRows{row_map, row_prob}, topk, Padding{offsets, counts, experts, row_prob},
+                 out, prob, stream);
 }
 
 void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float* prob, int topk,
@@ -697,18 +721,8 @@ void unpermute_combine(const Tensor& y, const std::int32_t* row_map, const float
   check_same_width(y, out, "unpermute_combine");
   check_topk(topk, "unpermute_combine");
   check_scalar_pair(row_grad, dprob, "unpermute_combine", "row_grad", "dprob");
-  const std::int64_t tokens = out.dim(0);
-  if (tokens == 0) return;
-  const int hidden = static_cast<int>(out.dim(1));
-  dispatch_rows(out, {y.data, out.data}, [&]<typename T, int kElems>() {
-    dispatch_slots(topk, [&]<int kSlots>() {
-      unpermute_combine_kernel<T, kElems, kSlots>
-          <<<row_grid(tokens, Padding{}), kRowWarps * kWarpSize, 0, stream>>>(
-              y.as<const T>(), LocalRows{row_map, const_cast<float*>(row_grad)}, prob, topk, tokens,
-              hidden, out.as<T>(), dprob);
-      MOE_CHECK_LAUNCH();
-    });
-  });
+  launch_unpermute_combine(&y, LocalRows{row_map, const_cast<float*>(row_grad)}, prob, topk, out,
+                           dprob, stream);
 }
 
 void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row_map,
@@ -839,41 +853,22 @@ void peer_permute(const Tensor& x, const PeerRows& out, int topk, const std::int
   check_same_width(x, own, "peer_permute");
   check_topk(topk, "peer_permute");
   check_scalar_pair(prob, own_prob, "peer_permute", "prob", "own_prob");
-  const std::int64_t tokens = x.dim(0);
-  const int hidden = static_cast<int>(x.dim(1));
   const PeerRowsOnDevice rows =
-      on_device(out, hidden * static_cast<std::int64_t>(dtype_size(x.dtype)), prob != nullptr,
+      on_device(out, x.dim(1) * static_cast<std::int64_t>(dtype_size(x.dtype)), prob != nullptr,
                 "peer_permute");
-  const Padding pad{own_offsets, own_counts, own_experts, own_prob};
-  const unsigned grid = row_grid(tokens, pad);
-  if (grid == 0) return;
-  dispatch_rows(x, {x.data, own.data}, [&]<typename T, int kElems>() {
-    dispatch_slots(topk, [&]<int kSlots>() {
-      permute_kernel<T, kElems, kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-          x.as<const T>(), rows, topk, tokens, hidden, own.as<T>(), pad, prob);
-      MOE_CHECK_LAUNCH();
-    });
-  });
+  launch_permute(x, rows, topk, Padding{own_offsets, own_counts, own_experts, own_prob}, own, prob,
+                 stream);
 }
 
 void peer_unpermute_combine(const PeerRows& y, const float* prob, int topk, const Tensor& out,
                             cudaStream_t stream, float* dprob) {
   check_activation(out, "peer_unpermute_combine out");
   check_topk(topk, "peer_unpermute_combine");
-  const std::int64_t tokens = out.dim(0);
-  if (tokens == 0) return;
-  const int hidden = static_cast<int>(out.dim(1));
+  if (out.dim(0) == 0) return;
   const PeerRowsOnDevice rows =
-      on_device(y, hidden * static_cast<std::int64_t>(dtype_size(out.dtype)), dprob != nullptr,
+      on_device(y, out.dim(1) * static_cast<std::int64_t>(dtype_size(out.dtype)), dprob != nullptr,
                 "peer_unpermute_combine");
-  dispatch_rows(out, {out.data}, [&]<typename T, int kElems>() {
-    dispatch_slots(topk, [&]<int kSlots>() {
-      unpermute_combine_kernel<T, kElems, kSlots>
-          <<<row_grid(tokens, Padding{}), kRowWarps * kWarpSize, 0, stream>>>(
-              nullptr, rows, prob, topk, tokens, hidden, out.as<T>(), dprob);
-      MOE_CHECK_LAUNCH();
-    });
-  });
+  launch_unpermute_combine(nullptr, rows, prob, topk, out, dprob, stream);
 }
 
 }  // namespace moe

@@ -334,8 +334,9 @@ TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  // E not a power of two: lanes holding part of a chunk or none; groups of 3, 12, 25 and 125
-  // experts, which fit the lane chunks neither way (the general group path), and 4 per group.
+  // E not a power of two: lanes holding part of a chunk or none; groups of 3, 12, 25, 125 and
+  // 250 experts, which fit the lane chunks neither way (the general group path), and 4 per group;
+  // and 64 entries per lane (E > 1024).
   struct Shape {
     int experts, topk;
     ScoreFunction f;
@@ -348,7 +349,9 @@ TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]
                                      {200, 6, ScoreFunction::kSqrtSoftplus, true, false},
                                      {200, 8, ScoreFunction::kSoftmax, false, true},
                                      {1000, 8, ScoreFunction::kSigmoid, true, true},
-                                     {520, 5, ScoreFunction::kSoftmax, false, false}};
+                                     {520, 5, ScoreFunction::kSoftmax, false, false},
+                                     {2000, 16, ScoreFunction::kSigmoid, true, true},
+                                     {2048, 8, ScoreFunction::kSoftmax, false, false}};
   for (const auto& shape : shapes) {
     for (const DType dtype : {DType::kFP32, DType::kBF16}) {
       for (const std::int64_t T : {7, 4096}) {
