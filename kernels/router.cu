@@ -188,8 +188,28 @@ __device__ __forceinline__ Candidate team_best(Candidate c) {
   }
 }
 
-// The lane's V logits of token t (−∞ past E or for a token past the end): 16-byte loads when the
-// rows allow them and the lane's chunk lies inside the row.
+// From 32 entries per lane on (one team per warp, E > 512) a lane owns experts rank, rank + 32,
+// rank + 64, … instead of a contiguous chunk, and the per-expert rows that are the same for every
+// token (biases, aux score sums, aux gradients) sit in shared memory instead of 2·V registers.
+// Strided, a warp's loads and stores of its entry j are one 128-byte line, where chunks of 128
+// bytes made every 16-byte access touch 32 lines; and the shared rows are in expert order with a
+// warp's 32 reads on 32 banks (chunks put them on one bank: a first try ran 2.6× slower). At
+// E = 1024 the kernels held 255 registers, 8 warps per SM; now 128 and 16.
+template <int V>
+constexpr bool kStridedLanes = V >= 32;
+
+// Expert of the lane's entry j.
+template <int S, int V>
+__device__ __forceinline__ int expert_of(int rank, int j) {
+  if constexpr (kStridedLanes<V>) {
+    return j * S + rank;
+  } else {
+    return rank * V + j;
+  }
+}
+
+// The lane's V logits of token t (−∞ past E or for a token past the end). Chunks move as 16-byte
+// loads when the rows allow them and the chunk lies inside the row.
 template <int V, typename In>
 __device__ __forceinline__ void load_chunk(float (&l)[V], const In* __restrict__ logits,
                                            std::int64_t t, bool valid, int first, int experts,
@@ -213,6 +233,20 @@ __device__ __forceinline__ void load_chunk(float (&l)[V], const In* __restrict__
     l[j] = (valid && first + j < experts) ? device::to_float(row[j]) : -INFINITY;
 }
 
+template <int S, int V, typename In>
+__device__ __forceinline__ void load_entries(float (&l)[V], const In* __restrict__ logits,
+                                             std::int64_t t, bool valid, int rank, int experts,
+                                             bool vector_rows) {
+  if constexpr (kStridedLanes<V>) {
+    const In* row = logits + t * experts + rank;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      l[j] = (valid && j * S + rank < experts) ? device::to_float(row[j * S]) : -INFINITY;
+  } else {
+    load_chunk(l, logits, t, valid, rank * V, experts, vector_rows);
+  }
+}
+
 // Group-limited selection: keeps the top group_topk groups (a group scores the sum of its top
 // K/GK entries) and sets the others' entries to −∞. `group_score` holds this team's G floats.
 // Who scores a group depends on how groups fall on the lanes: when a group spans a power of two
@@ -229,7 +263,11 @@ __device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p
   const int first = rank * V;
   const int spanned = per_group / V;
   int lanes, group_begin, groups;
-  if (per_group % V == 0 && (spanned & (spanned - 1)) == 0 && spanned <= S) {
+  if (kStridedLanes<V>) {  // a lane's entries lie in many groups
+    lanes = S;
+    group_begin = 0;
+    groups = G;
+  } else if (per_group % V == 0 && (spanned & (spanned - 1)) == 0 && spanned <= S) {
     lanes = spanned;
     group_begin = min(first / per_group, G - 1);
     groups = 1;
@@ -252,7 +290,7 @@ __device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p
       Candidate best = no_candidate();
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const int e = first + j;
+        const int e = expert_of<S, V>(rank, j);
         const float v = r[j] + 0.0f;
         if (e >= lo && e < hi && ranks_before(previous.value, previous.index, v, e) &&
             ranks_before(v, e, best.value, best.index)) {
@@ -280,15 +318,25 @@ __device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p
     }
     previous = team_best<S>(best);
   }
-  int g = first / per_group;
-  int offset = first - g * per_group;
+  if constexpr (kStridedLanes<V>) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) {
-    if (first + j < E && ranks_before(previous.value, previous.index, group_score[g], g))
-      r[j] = -INFINITY;
-    if (++offset == per_group) {
-      offset = 0;
-      ++g;
+    for (int j = 0; j < V; ++j) {
+      const int e = expert_of<S, V>(rank, j);
+      const int g = e / per_group;
+      if (e < E && ranks_before(previous.value, previous.index, group_score[g], g))
+        r[j] = -INFINITY;
+    }
+  } else {
+    int g = first / per_group;
+    int offset = first - g * per_group;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if (first + j < E && ranks_before(previous.value, previous.index, group_score[g], g))
+        r[j] = -INFINITY;
+      if (++offset == per_group) {
+        offset = 0;
+        ++g;
+      }
     }
   }
   __syncwarp();  // the team's next token reuses group_score
@@ -300,7 +348,8 @@ __device__ __forceinline__ void mask_groups(float (&r)[V], const RouterParams& p
 // entry out of the race) and its best three entries in SPEC.md's order. A round of top-K takes
 // the team's largest lane-best key by one team reduction; lanes hold consecutive experts, so the
 // lowest lane of the ballot of its holders holds the lowest expert index with that key (the tie
-// rule) without a second reduction. Only the winning lane moves on to its next best, and only a
+// rule) without a second reduction (strided lanes, kStridedLanes, take the lowest expert among
+// the holders by a second one). Only the winning lane moves on to its next best, and only a
 // lane that wins more than three times rescans its entries. A round thus costs a few dozen
 // instructions per team instead of passes over every entry (the session-7 profile: the forward
 // at E = 256 ran 2,300 instructions per token, most of them in those passes and in the
@@ -365,8 +414,18 @@ __device__ __forceinline__ void team_top_k(const unsigned (&keys)[V], LaneBest b
 #pragma unroll 1
   for (int k = 0; k < K; ++k) {
     unsigned top;
-    const int winner = team_argmax_lane<S>(best.key[0], team_base, top);
-    const int expert = (winner - team_base) * V + __shfl_sync(kFullMask, best.j[0], winner);
+    int winner, expert;
+    if constexpr (kStridedLanes<V>) {
+      // Equal keys on several lanes: the lowest expert is the lowest j, then the lowest lane.
+      static_assert(S == kWarpSize);
+      top = __reduce_max_sync(kFullMask, best.key[0]);
+      expert = static_cast<int>(__reduce_min_sync(
+          kFullMask, best.key[0] == top ? static_cast<unsigned>(best.j[0] * S + rank) : ~0u));
+      winner = expert % S;
+    } else {
+      winner = team_argmax_lane<S>(best.key[0], team_base, top);
+      expert = (winner - team_base) * V + __shfl_sync(kFullMask, best.j[0], winner);
+    }
     if constexpr (kSlots == 1) {
       if (rank == k) {
         slot_expert[0] = expert;
@@ -502,33 +561,20 @@ struct ForwardKernelArgs {
   ForwardState state;
 };
 
-// From 32 entries per lane on (one team per warp), the forward keeps the expert biases and the
-// aux score sums in shared memory rather than in 2·V registers: at E = 1024 the kernel held 255
-// registers, 8 warps per SM, and the shared-memory reads cost less than the warps lost.
-// Those rows are stored lane-major — a lane's entry j at j·S + rank — so that the warp's 32 lanes
-// reading their entry j hit 32 different banks (in expert order they all hit one bank: the
-// first try ran 2.6× slower at E = 1024).
-template <int V>
-constexpr bool kLaneRowsShared = V >= 32;
-template <int S, int V>
-__host__ __device__ constexpr int lane_major(int expert) {
-  return expert % V * S + expert / V;
-}
-
-// Shared memory of the forward: the biases (kLaneRowsShared), per-block totals, then each team's
+// Shared memory of the forward: the biases (kStridedLanes), per-block totals, then each team's
 // group scores (the general group-limited path).
 template <int S, int V>
 std::size_t forward_shared_bytes(const RouterParams& p) {
   constexpr int kTeams = kWarpSize / S;
-  const std::size_t sums_stride = kLaneRowsShared<V> ? S * V : p.num_experts;
-  return (kLaneRowsShared<V> ? S * V * 4 : 0) + kWarpsPerBlock * sums_stride * 4 +
+  const std::size_t sums_stride = kStridedLanes<V> ? S * V : p.num_experts;
+  return (kStridedLanes<V> ? S * V * 4 : 0) + kWarpsPerBlock * sums_stride * 4 +
          static_cast<std::size_t>(p.num_experts) * (4 + 4) + kWarpsPerBlock * 4 +
          static_cast<std::size_t>(kTeams) * kWarpsPerBlock * p.num_groups * 4;
 }
 
 // Blocks per SM the kernels are compiled for: registers for 24 warps per SM with up to 8 entries
 // per lane, whose chains of team steps need many tokens in flight; 16 up to 32 entries (with
-// kLaneRowsShared, no look-ahead); 8 at 64 entries per lane (E > 1024).
+// kStridedLanes, no look-ahead); 8 at 64 entries per lane (E > 1024).
 constexpr int min_blocks_per_sm(int V) {
   return V <= 8 ? 3 : V <= 32 ? 2 : 1;
 }
@@ -553,10 +599,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
 
   // Per-block totals: counts by shared-memory atomics (integer, so order-free), score sums per
   // warp then over the warps in order; then one global atomic per expert and block.
-  constexpr bool kRowsShared = kLaneRowsShared<V>;
-  const int sums_stride = kRowsShared ? S * V : E;
-  float* bias_row = reinterpret_cast<float*>(shared);       // [S·V] lane-major when kRowsShared
-  float* warp_sums = bias_row + (kRowsShared ? S * V : 0);  // [warps][sums_stride]
+  constexpr bool kStrided = kStridedLanes<V>;
+  const int sums_stride = kStrided ? S * V : E;
+  float* bias_row = reinterpret_cast<float*>(shared);    // [S·V] when kStrided
+  float* warp_sums = bias_row + (kStrided ? S * V : 0);  // [warps][sums_stride]
   auto* block_counts = reinterpret_cast<int*>(warp_sums + kWarpsPerBlock * sums_stride);
   int* block_aux_counts = block_counts + E;
   float* warp_z = reinterpret_cast<float*>(block_aux_counts + E);
@@ -565,10 +611,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
     block_counts[e] = 0;
     block_aux_counts[e] = 0;
   }
-  if constexpr (kRowsShared) {
+  if constexpr (kStrided) {
     // −∞ past E, as the registers' biases below.
     for (int e = threadIdx.x; e < S * V; e += kThreads)
-      bias_row[lane_major<S, V>(e)] = e >= E ? -INFINITY : p.expert_bias ? a.expert_bias[e] : 0.0f;
+      bias_row[e] = e >= E ? -INFINITY : p.expert_bias ? a.expert_bias[e] : 0.0f;
     for (int i = threadIdx.x; i < kWarpsPerBlock * sums_stride; i += kThreads) warp_sums[i] = 0.0f;
   }
   __syncthreads();
@@ -579,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   // fast path of team_keeps_group; any other grouping masks the scores in mask_groups.
   const int per_group = p.num_groups > 0 ? E / p.num_groups : E;
   const int spanned = per_group / V;
-  const bool lane_groups = p.num_groups > 0 && per_group % V == 0 && spanned <= S &&
+  const bool lane_groups = !kStrided && p.num_groups > 0 && per_group % V == 0 && spanned <= S &&
                            (spanned & (spanned - 1)) == 0 && p.topk / p.group_topk <= 2;
   const int group = first < E ? first / per_group : p.num_groups;
 
@@ -588,14 +634,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   // (higher index), are never selected.
   float bias[V];
   float score_sum[V];
-  if constexpr (!kRowsShared) {
+  if constexpr (!kStrided) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       bias[j] = first + j >= E ? -INFINITY : p.expert_bias ? a.expert_bias[first + j] : 0.0f;
       score_sum[j] = 0.0f;
     }
   }
-  float* lane_sums = warp_sums + warp * sums_stride + rank;  // kRowsShared: entry j at j·S
+  float* lane_sums = warp_sums + warp * sums_stride + rank;  // kStrided: entry j at j·S
   float z_acc = 0.0f;
 
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
@@ -607,7 +653,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   constexpr bool kLoadAhead = V <= 16;
   float next_l[V];
   if constexpr (kLoadAhead)
-    load_chunk(next_l, a.logits, start + team, start + team < a.tokens, first, E, a.vector_rows);
+    load_entries<S, V>(next_l, a.logits, start + team, start + team < a.tokens, rank, E,
+                       a.vector_rows);
   // The loop bound is the warp's, not the team's: every lane joins every shuffle.
   for (std::int64_t base = start; base < a.tokens; base += step) {
     const std::int64_t t = base + team;
@@ -616,9 +663,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
     if constexpr (kLoadAhead) {
 #pragma unroll
       for (int j = 0; j < V; ++j) l[j] = next_l[j];
-      load_chunk(next_l, a.logits, t + step, t + step < a.tokens, first, E, a.vector_rows);
+      load_entries<S, V>(next_l, a.logits, t + step, t + step < a.tokens, rank, E, a.vector_rows);
     } else {
-      load_chunk(l, a.logits, t, valid, first, E, a.vector_rows);
+      load_entries<S, V>(l, a.logits, t, valid, rank, E, a.vector_rows);
     }
 
     // u: what the aux scores normalise — exp(l − max) (softmax, when the row's softmax is
@@ -648,7 +695,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const float s_aux = u[j] * inv_norm;
-        if constexpr (kRowsShared) {
+        if constexpr (kStrided) {
           if (valid) lane_sums[j * S] += s_aux;  // 0 past E
         } else if (valid) {
           score_sum[j] += s_aux;  // 0 past E
@@ -681,7 +728,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         float b;
-        if constexpr (kRowsShared) {
+        if constexpr (kStrided) {
           b = bias_row[j * S + rank];
         } else {
           b = bias[j];
@@ -764,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
 
   // This block's totals. Score sums over the warp's teams (lanes of equal rank hold the same
   // experts; shared-memory 64-bit atomics would be compare-and-swap loops under contention).
-  if constexpr (!kRowsShared) {  // else they are there already
+  if constexpr (!kStrided) {  // else they are there already
     if (p.aux_loss) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -791,8 +838,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       atomicAdd(&s.aux_tokens_per_expert[e], block_aux_counts[e]);
     if (p.aux_loss) {
       float sum = 0.0f;
-      const int at = kRowsShared ? lane_major<S, V>(e) : e;
-      for (int w = 0; w < kWarpsPerBlock; ++w) sum += warp_sums[w * sums_stride + at];
+      for (int w = 0; w < kWarpsPerBlock; ++w) sum += warp_sums[w * sums_stride + e];
       if (sum != 0.0f)
         atomicAdd(&s.aux_score_sum[e], __double2ull_rn(static_cast<double>(sum) * kSumScale));
     }
@@ -863,14 +909,14 @@ struct BackwardKernelArgs {
   float* dlogits;
 };
 
-// The backward's shared memory: the aux gradients (kLaneRowsShared), then, with dprob, one row of
+// The backward's shared memory: the aux gradients (kStridedLanes), then, with dprob, one row of
 // E floats per team, where the selected entries' terms are added to the row's dense terms (aux,
 // z) before the row is stored.
 template <int S, int V>
 std::size_t backward_shared_bytes(int experts, bool dprob) {
   constexpr int kTeams = kWarpSize / S;
-  const std::size_t row = kLaneRowsShared<V> ? S * V : experts;
-  return (kLaneRowsShared<V> ? S * V * 4 : 0) +
+  const std::size_t row = kStridedLanes<V> ? S * V : experts;
+  return (kStridedLanes<V> ? S * V * 4 : 0) +
          (dprob ? static_cast<std::size_t>(kTeams) * kWarpsPerBlock * row * 4 : 0);
 }
 
@@ -895,29 +941,28 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   const bool z = a.z_factor != 0.0f;
   const bool need_row = (softmax && p.pre_softmax) || aux || z;
   const bool need_row_softmax = (softmax && (p.pre_softmax || aux)) || z;
-  constexpr bool kRowsShared = kLaneRowsShared<V>;
-  float* aux_grad_row = reinterpret_cast<float*>(shared);  // [S·V] lane-major when kRowsShared
+  constexpr bool kStrided = kStridedLanes<V>;
+  float* aux_grad_row = reinterpret_cast<float*>(shared);  // [S·V] when kStrided
   float* row =
-      aux_grad_row + (kRowsShared ? S * V : 0) + (warp * kTeams + team) * (kRowsShared ? S * V : E);
+      aux_grad_row + (kStrided ? S * V : 0) + (warp * kTeams + team) * (kStrided ? S * V : E);
   // 16-byte row moves when the lane's chunk starts on a 16-byte boundary and lies in the row.
   const bool vector_chunk = V % 4 == 0 && E % 4 == 0 && first + V <= E;
 
   // ∂L_aux/∂s_aux[t, e] = factor · f_e is the same for every token: held in registers, or in
-  // shared memory from 32 entries per lane on (kLaneRowsShared).
+  // shared memory from 32 entries per lane on (kStridedLanes).
   auto aux_grad_of = [&](int e) {
     return (aux && e < E) ? a.aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
   };
   float aux_grad[V];
-  if constexpr (kRowsShared) {
-    for (int e = threadIdx.x; e < S * V; e += kThreads)
-      aux_grad_row[lane_major<S, V>(e)] = aux_grad_of(e);
+  if constexpr (kStrided) {
+    for (int e = threadIdx.x; e < S * V; e += kThreads) aux_grad_row[e] = aux_grad_of(e);
     __syncthreads();
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) aux_grad[j] = aux_grad_of(first + j);
   }
   auto lane_aux_grad = [&](int j) {
-    if constexpr (kRowsShared) {
+    if constexpr (kStrided) {
       return aux_grad_row[j * S + rank];
     } else {
       return aux_grad[j];
@@ -944,7 +989,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
     }
     if (need_row) {
-      load_chunk(row, a.logits, t, valid, first, E, a.vector_rows);
+      load_entries<S, V>(row, a.logits, t, valid, rank, E, a.vector_rows);
     } else {
 #pragma unroll
       for (int j = 0; j < V; ++j) row[j] = -INFINITY;
@@ -1072,7 +1117,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         g[j] = 0.0f;
-        if (aux && first + j < E) {
+        if (aux && expert_of<S, V>(rank, j) < E) {
           const float du = lane_aux_grad(j) * inv_norm - shift;
           g[j] = du * elementwise_score_derivative(p.score_function, l[j], w[j]);
         }
@@ -1082,9 +1127,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
 
     // The row through shared memory: the dense terms in, each selected entry's term added by
     // its slot's lane (the K experts of a token differ), the row out to dlogits. A lane's chunk
-    // goes in and out as whole 16-byte packs where it can, or lane-major (kLaneRowsShared).
+    // goes in and out as whole 16-byte packs where it can, or entry by entry (kStridedLanes).
     if (a.dprob != nullptr) {
-      if constexpr (kRowsShared) {
+      if constexpr (kStrided) {
 #pragma unroll
         for (int j = 0; j < V; ++j) row[j * S + rank] = g[j];
       } else if (vector_chunk) {
@@ -1103,11 +1148,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       for (int i = 0; i < kSlots; ++i) {
         // A token's K experts differ (the forward's top-K), so no two lanes add into one entry;
         // tokens past the end (all slots 0) add nothing.
-        if (valid && i * S < K && i * S + rank < K)
-          row[kRowsShared ? lane_major<S, V>(slot_expert[i]) : slot_expert[i]] += slot_d[i];
+        if (valid && i * S < K && i * S + rank < K) row[slot_expert[i]] += slot_d[i];
       }
       __syncwarp();
-      if constexpr (kRowsShared) {
+      if constexpr (kStrided) {
 #pragma unroll
         for (int j = 0; j < V; ++j) g[j] = row[j * S + rank];
       } else if (vector_chunk) {
@@ -1128,16 +1172,24 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       __syncwarp();  // the team's next token rewrites the row
     }
     if (valid) {
-      float* out = a.dlogits + t * E + first;
-      if (vector_chunk && a.vector_rows) {
-#pragma unroll
-        for (int i = 0; i < V / 4; ++i)
-          reinterpret_cast<float4*>(out)[i] =
-              make_float4(g[4 * i], g[4 * i + 1], g[4 * i + 2], g[4 * i + 3]);
-      } else {
+      if constexpr (kStrided) {
+        float* out = a.dlogits + t * E + rank;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          if (first + j < E) out[j] = g[j];
+          if (j * S + rank < E) out[j * S] = g[j];
+        }
+      } else {
+        float* out = a.dlogits + t * E + first;
+        if (vector_chunk && a.vector_rows) {
+#pragma unroll
+          for (int i = 0; i < V / 4; ++i)
+            reinterpret_cast<float4*>(out)[i] =
+                make_float4(g[4 * i], g[4 * i + 1], g[4 * i + 2], g[4 * i + 3]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            if (first + j < E) out[j] = g[j];
+          }
         }
       }
     }

@@ -2,8 +2,9 @@
 // probabilities, scaling), the statistics of the aux and z losses, their values, the backward into
 // dlogits, and the aux-loss-free expert-bias update.
 //
-// A team of lanes handles one token (8 lanes for E ≤ 64, 16 for E ≤ 128, the whole warp above),
-// its E logits held in registers, so E up to 2048 and K up to 16 need no shared-memory rows of
+// A team of lanes handles one token (8 lanes for E ≤ 64, 16 for E ≤ 128, the whole warp above;
+// each lane a contiguous chunk of experts, or every 32nd expert above E = 512), its E logits
+// held in registers, so E up to 2048 and K up to 16 need no shared-memory rows of
 // logits (the backward stages one row per team to add the selected entries' terms; above 512
 // experts the biases, score sums and aux gradients, the same for every token, sit in shared
 // memory to free registers). The
