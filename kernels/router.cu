@@ -32,13 +32,15 @@ constexpr double kSumScale = 4294967296.0;
 
 // A float's bits turned into an unsigned integer with the same order, so that the warp's
 // integer reductions (one redux.sync instruction instead of five shuffle rounds) order floats.
-// -0 is folded into +0 first, as the float comparisons treat them as equal.
+// -0 is folded into +0 first, as the float comparisons treat them as equal. A mask from the sign
+// flips every bit of a negative value and only the sign bit of a positive one: a shift and one
+// three-input logic operation (a select there compiled to four instructions an entry).
 __device__ __forceinline__ unsigned order_key(float v) {
   const unsigned bits = __float_as_uint(v + 0.0f);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return bits ^ (static_cast<unsigned>(static_cast<int>(bits) >> 31) | 0x80000000u);
 }
 __device__ __forceinline__ float from_order_key(unsigned key) {
-  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+  return __uint_as_float(key ^ (static_cast<unsigned>(static_cast<int>(~key) >> 31) | 0x80000000u));
 }
 
 // e^x as one ex2 with flush to zero: __expf also rescales results below 2^-126 into denormals,
@@ -208,6 +210,21 @@ __device__ __forceinline__ int expert_of(int rank, int j) {
   }
 }
 
+// f(j) for each of the lane's entries inside the row: no test per entry when every lane's
+// entries are (E = S·V, the common case of a power-of-two E).
+template <int S, int V, typename F>
+__device__ __forceinline__ void for_entries_inside(int rank, int experts, F&& f) {
+  if (S * V <= experts) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) f(j);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if (expert_of<S, V>(rank, j) < experts) f(j);
+    }
+  }
+}
+
 // The lane's V logits of token t (−∞ past E or for a token past the end). Chunks move as 16-byte
 // loads when the rows allow them and the chunk lies inside the row.
 template <int V, typename In>
@@ -239,6 +256,11 @@ __device__ __forceinline__ void load_entries(float (&l)[V], const In* __restrict
                                              bool vector_rows) {
   if constexpr (kStridedLanes<V>) {
     const In* row = logits + t * experts + rank;
+    if (valid && S * V <= experts) {  // every entry inside the row: no test per entry
+#pragma unroll
+      for (int j = 0; j < V; ++j) l[j] = device::to_float(row[j * S]);
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < V; ++j)
       l[j] = (valid && j * S + rank < experts) ? device::to_float(row[j * S]) : -INFINITY;
@@ -485,7 +507,8 @@ __device__ __forceinline__ bool team_keeps_group(const LaneBest& best, int group
 }
 
 // exp(l − max) of each entry, the row's max and Σ exp(l − max); entries past E hold −∞ and add
-// nothing.
+// nothing. Callers that need only the max and the sum pass an array they never read: its
+// registers are dropped.
 template <int S, int V>
 __device__ __forceinline__ void row_softmax(const float (&l)[V], float (&ex)[V], float& row_max,
                                             float& row_sum) {
@@ -499,19 +522,6 @@ __device__ __forceinline__ void row_softmax(const float (&l)[V], float (&ex)[V],
     ex[j] = fast_exp(l[j] - row_max);
     s += ex[j];
   }
-  row_sum = team_sum<S>(s);
-}
-
-// The row's max and Σ exp(l − max) alone, where the exponentials themselves are not needed.
-template <int S, int V>
-__device__ __forceinline__ void row_exp_sum(const float (&l)[V], float& row_max, float& row_sum) {
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < V; ++j) m = fmaxf(m, l[j]);
-  row_max = team_max<S>(m);
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < V; ++j) s += fast_exp(l[j] - row_max);
   row_sum = team_sum<S>(s);
 }
 
@@ -677,7 +687,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       if (need_row_softmax) row_softmax<S>(l, u, row_max, row_sum);
     } else {
       elementwise_scores(p.score_function, l, u);
-      if (p.z_loss) row_exp_sum<S>(l, row_max, row_sum);
+      if (p.z_loss) {
+        float unused[V];
+        row_softmax<S>(l, unused, row_max, row_sum);
+      }
     }
     const float inv_row_sum = 1.0f / row_sum;
 
@@ -724,16 +737,23 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
     // Selection keys from the scores: logits (softmax post), softmax (pre), g(l) + bias
     // (sigmoid, sqrtsoftplus).
     {
+      // One loop per case: a select per entry made the compiler keep a predicate per entry.
       float r[V];
+      if (!softmax) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        float b;
-        if constexpr (kStrided) {
-          b = bias_row[j * S + rank];
-        } else {
-          b = bias[j];
+        for (int j = 0; j < V; ++j) {
+          if constexpr (kStrided) {
+            r[j] = u[j] + bias_row[j * S + rank];
+          } else {
+            r[j] = u[j] + bias[j];
+          }
         }
-        r[j] = !softmax ? u[j] + b : p.pre_softmax ? u[j] * inv_row_sum : l[j];
+      } else if (p.pre_softmax) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) r[j] = u[j] * inv_row_sum;
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) r[j] = l[j];
       }
       if (p.num_groups > 0 && !lane_groups) mask_groups<S>(r, p, rank, group_score);
 #pragma unroll
@@ -1083,7 +1103,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
         for (int j = 0; j < V; ++j) w[j] *= inv_row_sum;
       }
     } else {
-      if (z) row_exp_sum<S>(l, row_max, row_sum);
+      if (z) {
+        float unused[V];
+        row_softmax<S>(l, unused, row_max, row_sum);
+      }
       if (aux) elementwise_scores(p.score_function, l, w);
     }
     const float z_scale = z ? a.z_factor * 2.0f * (row_max + logf(row_sum)) : 0.0f;
@@ -1174,10 +1197,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
     if (valid) {
       if constexpr (kStrided) {
         float* out = a.dlogits + t * E + rank;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          if (j * S + rank < E) out[j * S] = g[j];
-        }
+        for_entries_inside<S, V>(rank, E, [&](int j) { out[j * S] = g[j]; });
       } else {
         float* out = a.dlogits + t * E + first;
         if (vector_chunk && a.vector_rows) {
