@@ -2,23 +2,30 @@
 //
 //   mpirun -np N build/apps/moe_bench [--config configs/X.yaml] [--ep E --dp D] [--tokens T]
 //                                      [--iters I] [--warmup W] [--grad-dtype bf16|fp32]
-//                                      [--keep-expert-input]
+//                                      [--keep-expert-input] [--stage-lead-ms L]
 //                                      [--json FILE]
 //
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
 // rate inside the EP group), then, after a warm-up as long as the GEMM rate's, times the layer
-// with CUDA events: per-stage breakdown, each stage against its own floor, total, TFLOP/s,
-// fractions of the GEMM and NVLink floors, and device memory. A table on rank 0; --json for the
+// with CUDA events: total, TFLOP/s, fractions of the GEMM and NVLink floors, device memory, and
+// per-stage breakdown with each stage against its own floor. A table on rank 0; --json for the
 // numbers.
+//
+// Each timed step starts on an idle GPU (the host waits for the step before), as the peer's steps
+// do, so the step's first stages also hold the host's launch latency. The stages are timed in a
+// second pass where the host queues each step behind a hold of --stage-lead-ms, as a layer inside
+// a model is queued behind the layers before it: their times are the GPU's.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include "bench/bench_util.h"
 #include "comm/bootstrap.h"
@@ -57,6 +64,12 @@ double p2p_rate(const Mesh& mesh, cudaStream_t stream) {
   return static_cast<double>(bytes) * (mesh.ep() - 1) / (ms * 1e-3);
 }
 
+// Holds the stream for the given milliseconds while the host runs ahead and queues what follows.
+void CUDART_CB hold_stream(void* milliseconds) {
+  std::this_thread::sleep_for(
+      std::chrono::duration<double, std::milli>(*static_cast<const double*>(milliseconds)));
+}
+
 std::size_t used_device_memory() {
   std::size_t free = 0, total = 0;
   MOE_CHECK_CUDA(cudaMemGetInfo(&free, &total));
@@ -73,6 +86,7 @@ int main(int argc, char** argv) {
   bool keep_expert_input = false;
   double activation_chunk_mib = -1;
   int gemm_workspace_mib = -1;
+  double stage_lead_ms = 1.0;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(CLI::PositiveNumber);
@@ -97,6 +111,10 @@ int main(int argc, char** argv) {
   app.add_option("--ep-transport", ep_transport,
                  "rows across the EP group: auto, nccl or peer (default: the config's)")
       ->check(CLI::IsMember({"auto", "nccl", "peer"}));
+  app.add_option("--stage-lead-ms", stage_lead_ms,
+                 "time the stages with the host this many ms ahead of the GPU (0: behind it, as "
+                 "in the timed steps)")
+      ->check(CLI::Range(0.0, 100.0));
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   CLI11_PARSE(app, argc, argv);
 
@@ -167,26 +185,35 @@ int main(int argc, char** argv) {
     MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &more_steps, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
     for (int i = 0; i < more_steps; ++i) step();
 
-    std::vector<double> totals;
+    // `iters` steps, each queued behind a hold of lead_ms (none at 0): their times (the slowest
+    // rank's), and with `stages` the stage times added up.
     std::map<std::string, double> stage_sum;
     std::vector<std::string> stage_order;
     Event start(true), stop(true);
-    for (int i = 0; i < iters; ++i) {
-      start.record(stream.get());
-      step();
-      stop.record(stream.get());
-      MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
-      double ms = stop.elapsed_ms_since(start);
-      MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX,
-                                  MPI_COMM_WORLD));  // the slowest rank
-      totals.push_back(ms);
-      for (const auto& s : block.stage_times()) {
-        if (!stage_sum.count(s.name)) stage_order.push_back(s.name);
-        stage_sum[s.name] += s.ms;
+    auto timed_steps = [&](double lead_ms, bool stages) {
+      std::vector<double> times;
+      for (int i = 0; i < iters; ++i) {
+        if (lead_ms > 0) MOE_CHECK_CUDA(cudaLaunchHostFunc(stream.get(), hold_stream, &lead_ms));
+        start.record(stream.get());
+        step();
+        stop.record(stream.get());
+        MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
+        double ms = stop.elapsed_ms_since(start);
+        MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX,
+                                    MPI_COMM_WORLD));  // the slowest rank
+        times.push_back(ms);
+        for (const auto& s : stages ? block.stage_times() : std::vector<MoEBlock::StageTime>{}) {
+          if (!stage_sum.count(s.name)) stage_order.push_back(s.name);
+          stage_sum[s.name] += s.ms;
+        }
+        if (root && iters > 20 && (i + 1) % 10 == 0)
+          std::fprintf(stderr, "moe_bench: %d / %d iterations\n", i + 1, iters);
       }
-      if (root && iters > 20 && (i + 1) % 10 == 0)
-        std::fprintf(stderr, "moe_bench: %d / %d iterations\n", i + 1, iters);
-    }
+      return times;
+    };
+    const std::vector<double> totals = timed_steps(0.0, stage_lead_ms == 0.0);
+    const std::vector<double> led_totals =
+        stage_lead_ms > 0.0 ? timed_steps(stage_lead_ms, true) : totals;
     const double reduce_ms = bench::median_ms([&](int) { block.reduce_gradients(); }, stream.get(),
                                               1, std::max(3, iters / 4));
 
@@ -237,6 +264,9 @@ int main(int argc, char** argv) {
           "ceilings per GPU: dense bf16 GEMM {:.0f} TFLOP/s sustained ({:.0f} in a burst), copy "
           "{:.0f} GB/s, p2p {:.0f} GB/s\n",
           gemm_rate / 1e12, dense.burst / 1e12, copy_rate / 1e9, link_rate / 1e9);
+      if (stage_lead_ms > 0)
+        fmt::print("stages timed with the host {:.1f} ms ahead (the step {:.3f} ms there)\n",
+                   stage_lead_ms, median(led_totals));
       fmt::print("{:<26} {:>10} {:>7} {:>10} {:>9}\n", "stage (rank 0, mean)", "ms", "share",
                  "floor ms", "of floor");
       for (const auto& name : stage_order) {
@@ -282,6 +312,8 @@ int main(int argc, char** argv) {
             {"copy_GBps", copy_rate / 1e9},
             {"p2p_GBps", link_rate / 1e9},
             {"total_ms", total_ms},
+            {"stage_lead_ms", stage_lead_ms},
+            {"total_ms_host_ahead", median(led_totals)},
             {"reduce_ms", reduce_ms},
             {"TFLOPs_per_gpu", tflops},
             {"fraction_of_dense", tflops * 1e12 / gemm_rate},
