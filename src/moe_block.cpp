@@ -109,6 +109,11 @@ struct MoEBlock::State {
   DType dtype;
   RouterParams router;
   GemmRunner gemm;
+  // The gate's weight gradient beside its input gradient (the backward's last stage): neither
+  // product fills the GPU, the first with E·H / tile ≈ 60–120 tiles over a long T.
+  GemmRunner gate_weight_gemm;
+  Stream gate_weight_stream;
+  Event gate_fork, gate_join;
   ExpertFFN experts;
   std::optional<ExpertExchange> exchange;  // EP > 1
 
@@ -189,6 +194,7 @@ struct MoEBlock::State {
         dtype(c.dtype),
         router(RouterParams::from(c)),
         gemm(static_cast<std::size_t>(c.gemm_workspace_mib) << 20),
+        gate_weight_gemm(static_cast<std::size_t>(c.gemm_workspace_mib) << 20),
         experts(c.hidden, c.ffn_hidden, c.num_experts / m.ep(), c.dtype, ExpertSchedule::kBatched,
                 4, static_cast<std::size_t>(c.activation_chunk_mib * (1 << 20)),
                 static_cast<std::size_t>(c.gemm_workspace_mib) << 20),
@@ -804,7 +810,8 @@ Tensor MoEBlock::backward(const Tensor& dy) {
     s.check("router backward", dlogits);
   }
 
-  // 1'. Gate backward: dx += dlogits · Wg, dWg = dlogitsᵀ · x (fp32 accumulation).
+  // 1'. Gate backward: dx += dlogits · Wg, dWg = dlogitsᵀ · x (fp32 accumulation), dWg on the
+  //     side stream beside dx.
   {
     Range r("moe gate backward", s.times, stream);
     Tensor dl = dlogits;
@@ -812,10 +819,15 @@ Tensor MoEBlock::backward(const Tensor& dy) {
       dl = view(s.dlogits_low, DType::kBF16, {T, E});
       convert(dlogits, dl, stream);
     }
+    const cudaStream_t side = s.gate_weight_stream.get();
+    s.gate_fork.record(stream);
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(side, s.gate_fork.get(), 0));
+    s.gate_weight_gemm.run({E, H, T, true, false, s.dtype, s.dtype, DType::kFP32}, dl.data,
+                           s.x.data, s.grads.gate_weight.data, side);
     s.gemm.run({T, H, E, false, false, s.dtype, s.dtype, s.dtype}, dl.data,
                s.params.gate_weight.data, dx.data, stream, 1.0f, 1.0f);
-    s.gemm.run({E, H, T, true, false, s.dtype, s.dtype, DType::kFP32}, dl.data, s.x.data,
-               s.grads.gate_weight.data, stream);
+    s.gate_join.record(side);
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, s.gate_join.get(), 0));  // dl and dWg are done
     s.check("gate backward", dx);
   }
   return dx;
