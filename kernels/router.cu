@@ -583,8 +583,8 @@ std::size_t forward_shared_bytes(const RouterParams& p) {
 }
 
 // Blocks per SM the kernels are compiled for: registers for 24 warps per SM with up to 8 entries
-// per lane, whose chains of team steps need many tokens in flight; 16 up to 32 entries (with
-// kStridedLanes, no look-ahead); 8 at 64 entries per lane (E > 1024).
+// per lane, whose chains of team steps need many tokens in flight; 16 up to 32 entries
+// (kStridedLanes); 8 at 64 entries per lane (E > 1024).
 constexpr int min_blocks_per_sm(int V) {
   return V <= 8 ? 3 : V <= 32 ? 2 : 1;
 }
@@ -657,26 +657,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
   const std::int64_t start =
       (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
-  // Up to 16 entries per lane the next token's row is loaded while this one is routed, hiding the
-  // load's latency; above, those V registers would halve the warps an SM holds (255 registers at
-  // E = 1024), and the warps themselves hide it.
-  constexpr bool kLoadAhead = V <= 16;
-  float next_l[V];
-  if constexpr (kLoadAhead)
-    load_entries<S, V>(next_l, a.logits, start + team, start + team < a.tokens, rank, E,
-                       a.vector_rows);
-  // The loop bound is the warp's, not the team's: every lane joins every shuffle.
+  // The loop bound is the warp's, not the team's: every lane joins every shuffle. The row is
+  // loaded when its token starts: loading the next token's row during this one's (sessions 7–14,
+  // up to 16 entries per lane) measured 2–6% slower once the rest of the loop had shrunk
+  // (docs/performance.md, router step 14).
   for (std::int64_t base = start; base < a.tokens; base += step) {
     const std::int64_t t = base + team;
     const bool valid = t < a.tokens;
     float l[V];
-    if constexpr (kLoadAhead) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) l[j] = next_l[j];
-      load_entries<S, V>(next_l, a.logits, t + step, t + step < a.tokens, rank, E, a.vector_rows);
-    } else {
-      load_entries<S, V>(l, a.logits, t, valid, rank, E, a.vector_rows);
-    }
+    load_entries<S, V>(l, a.logits, t, valid, rank, E, a.vector_rows);
 
     // u: what the aux scores normalise — exp(l − max) (softmax, when the row's softmax is
     // needed) or g(l) (sigmoid, sqrtsoftplus; 0 past E). The row's max and Σ exp(l − max) for
@@ -989,11 +978,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
     }
   };
 
-  // Up to 16 entries per lane each iteration loads the next token's slots and row while it
-  // computes this one's: the loads' latency, not the bytes, bounded the loop (the session-7
-  // profile: 30% of the stalls at the row load). Above, the row's V registers would halve the
-  // warps an SM holds, and the warps hide the latency instead.
-  constexpr bool kLoadAhead = V <= 16;
+  // Each token's slots and row are loaded when it starts, as in the forward.
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
   const std::int64_t start =
       (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
@@ -1015,27 +1000,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       for (int j = 0; j < V; ++j) row[j] = -INFINITY;
     }
   };
-  int next_expert[kSlots];
-  float next_p[kSlots], next_dp[kSlots], next_l[V];
-  if constexpr (kLoadAhead) load_token(start + team, next_expert, next_p, next_dp, next_l);
   for (std::int64_t base = start; base < a.tokens; base += step) {
     const std::int64_t t = base + team;
     const bool valid = t < a.tokens;
     int slot_expert[kSlots];
     float slot_p[kSlots], slot_dp[kSlots], l[V];
-    if constexpr (kLoadAhead) {
-#pragma unroll
-      for (int i = 0; i < kSlots; ++i) {
-        slot_expert[i] = next_expert[i];
-        slot_p[i] = next_p[i];
-        slot_dp[i] = next_dp[i];
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) l[j] = next_l[j];
-      load_token(t + step, next_expert, next_p, next_dp, next_l);
-    } else {
-      load_token(t, slot_expert, slot_p, slot_dp, l);
-    }
+    load_token(t, slot_expert, slot_p, slot_dp, l);
 
     // The selected entries' terms, slot_d, added through shared memory below; dense_dot, the
     // pre-softmax's Σ s·ds that every entry's term carries.
