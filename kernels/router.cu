@@ -978,34 +978,29 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
     }
   };
 
-  // Each token's slots and row are loaded when it starts, as in the forward.
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock * kTeams;
   const std::int64_t start =
       (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kTeams;
-  auto load_token = [&](std::int64_t t, int(&expert)[kSlots], float(&prob)[kSlots],
-                        float(&dp)[kSlots], float(&row)[V]) {
+  for (std::int64_t base = start; base < a.tokens; base += step) {
+    const std::int64_t t = base + team;
     const bool valid = t < a.tokens;
+    // The token's slots (slot k on team lane k % S) and its row.
+    int slot_expert[kSlots];
+    float slot_p[kSlots], slot_dp[kSlots], l[V];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       const int k = i * S + rank;
       const bool active = valid && k < K && i * S < K;
-      expert[i] = active ? a.topk_idx[t * K + k] : 0;
-      prob[i] = active ? a.topk_p[t * K + k] : 0.0f;
-      dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
+      slot_expert[i] = active ? a.topk_idx[t * K + k] : 0;
+      slot_p[i] = active ? a.topk_p[t * K + k] : 0.0f;
+      slot_dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
     }
     if (need_row) {
-      load_entries<S, V>(row, a.logits, t, valid, rank, E, a.vector_rows);
+      load_entries<S, V>(l, a.logits, t, valid, rank, E, a.vector_rows);
     } else {
 #pragma unroll
-      for (int j = 0; j < V; ++j) row[j] = -INFINITY;
+      for (int j = 0; j < V; ++j) l[j] = -INFINITY;
     }
-  };
-  for (std::int64_t base = start; base < a.tokens; base += step) {
-    const std::int64_t t = base + team;
-    const bool valid = t < a.tokens;
-    int slot_expert[kSlots];
-    float slot_p[kSlots], slot_dp[kSlots], l[V];
-    load_token(t, slot_expert, slot_p, slot_dp, l);
 
     // The selected entries' terms, slot_d, added through shared memory below; dense_dot, the
     // pre-softmax's Σ s·ds that every entry's term carries.
