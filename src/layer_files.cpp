@@ -23,9 +23,9 @@ const FileTensor& expect(const TensorFile& file, const std::string& name,
   return t;
 }
 
-reference::Matrix matrix(const FileTensor& t, std::int64_t rows, std::int64_t cols,
+// Rows [first_row, first_row + rows) of a row-major [·, cols] tensor's values.
+reference::Matrix matrix(const std::vector<double>& values, std::int64_t rows, std::int64_t cols,
                          std::int64_t first_row = 0) {
-  const auto values = file_values(t);
   reference::Matrix m(rows, cols);
   std::copy(values.begin() + first_row * cols, values.begin() + (first_row + rows) * cols,
             m.data.begin());
@@ -71,9 +71,11 @@ LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights
                               const TensorFile& inputs) {
   const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
   LayerInputs in;
-  in.params.gate_weight = matrix(expect(weights, "gate_weight", {E, H}), E, H);
-  const auto& w13 = expect(weights, "w13", {E, 2 * F, H});
-  const auto& w2 = expect(weights, "w2", {E, H, F});
+  in.params.gate_weight = matrix(file_values(expect(weights, "gate_weight", {E, H})), E, H);
+  // Each stack converted once (values, not references into the file: a reference returned by
+  // expect() beside its temporary arguments is what gcc 13's -Wdangling-reference flags).
+  const std::vector<double> w13 = file_values(expect(weights, "w13", {E, 2 * F, H}));
+  const std::vector<double> w2 = file_values(expect(weights, "w2", {E, H, F}));
   for (std::int64_t e = 0; e < E; ++e) {
     in.params.experts.w13.push_back(transpose(matrix(w13, 2 * F, H, e * 2 * F)));
     in.params.experts.w2.push_back(transpose(matrix(w2, H, F, e * H)));
@@ -87,8 +89,8 @@ LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights
   if (x.shape.size() != 2 || x.shape[1] != H)
     fail("tensor 'x' has shape [{}]; expected [T, {}]", fmt::join(x.shape, ", "), H);
   const std::int64_t T = x.shape[0];
-  in.x = matrix(expect(inputs, "x", {T, H}), T, H);
-  in.dy = matrix(expect(inputs, "dy", {T, H}), T, H);
+  in.x = matrix(file_values(expect(inputs, "x", {T, H})), T, H);
+  in.dy = matrix(file_values(expect(inputs, "dy", {T, H})), T, H);
   if (inputs.contains("tokens_per_rank")) {
     const auto& split = inputs.get("tokens_per_rank");
     if (split.dtype != FileDType::kI64 || split.shape.size() != 1)
