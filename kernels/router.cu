@@ -68,9 +68,19 @@ __device__ __forceinline__ float elementwise_score(ScoreFunction f, float l) {
 // The sigmoid's s·(1 − s) takes 1 − s as s·e^−l for l ≥ 0: where s nears 1 the subtraction
 // cancels, and the 2 ulp of the fast division in s became ~10⁻⁵ of 1 − s at l ≈ 4 (the test
 // grid's tolerance; seed 652691080432844090 at E = 256, K = 1, T = 1 failed by 4%).
-__device__ __forceinline__ float elementwise_score_derivative(ScoreFunction f, float l, float s) {
-  if (f == ScoreFunction::kSigmoid) return l >= 0.0f ? s * s * fast_exp(-l) : s * (1.0f - s);
+// Both sides are formed and one selected: with the exponential under the condition the compiler
+// kept a branch per entry (the inline ex2 is not speculated), and warps whose lanes held logits of
+// both signs ran both paths (the session-16 profile of the E = 1024 backward: a third of its
+// instructions in that loop). e^−l overflows only where l < 0, on the side not taken.
+__device__ __forceinline__ float sigmoid_derivative(float l, float s) {
+  const float e = fast_exp(-l);
+  return l >= 0.0f ? s * s * e : s * (1.0f - s);
+}
+__device__ __forceinline__ float sqrtsoftplus_derivative(float l, float s) {
   return __fdividef(sigmoid(l), 2.0f * s);
+}
+__device__ __forceinline__ float elementwise_score_derivative(ScoreFunction f, float l, float s) {
+  return f == ScoreFunction::kSigmoid ? sigmoid_derivative(l, s) : sqrtsoftplus_derivative(l, s);
 }
 // g over a lane's chunk, with the choice of function made once rather than per entry.
 template <int V>
@@ -1101,15 +1111,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
         inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
         shift = team_sum<S>(g_dot_u) * inv_norm * inv_norm;
       }
-      const float z_coef = z_scale / row_sum;
+      // One loop per score function and per term: choices made per entry compiled to a test and
+      // a branch per entry.
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        g[j] = 0.0f;
-        if (aux && expert_of<S, V>(rank, j) < E) {
-          const float du = lane_aux_grad(j) * inv_norm - shift;
-          g[j] = du * elementwise_score_derivative(p.score_function, l[j], w[j]);
+      for (int j = 0; j < V; ++j) g[j] = 0.0f;
+      if (aux) {
+        auto add_aux_terms = [&](auto derivative) {
+          for_entries_inside<S, V>(rank, E, [&](int j) {
+            g[j] = (lane_aux_grad(j) * inv_norm - shift) * derivative(l[j], w[j]);
+          });
+        };
+        if (p.score_function == ScoreFunction::kSigmoid) {
+          add_aux_terms(sigmoid_derivative);
+        } else {
+          add_aux_terms(sqrtsoftplus_derivative);
         }
-        if (z) g[j] += z_coef * fast_exp(l[j] - row_max);
+      }
+      if (z) {
+        const float z_coef = z_scale / row_sum;
+#pragma unroll
+        for (int j = 0; j < V; ++j) g[j] += z_coef * fast_exp(l[j] - row_max);
       }
     }
 
