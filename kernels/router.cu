@@ -200,29 +200,63 @@ __device__ __forceinline__ Candidate team_best(Candidate c) {
   }
 }
 
-// From 32 entries per lane on (one team per warp, E > 512) a lane owns experts rank, rank + 32,
-// rank + 64, … instead of a contiguous chunk, and the per-expert rows that are the same for every
-// token (biases, aux score sums, aux gradients) sit in shared memory instead of 2·V registers.
-// Strided, a warp's loads and stores of its entry j are one 128-byte line, where chunks of 128
-// bytes made every 16-byte access touch 32 lines; and the shared rows are in expert order with a
-// warp's 32 reads on 32 banks (chunks put them on one bank: a first try ran 2.6× slower). At
-// E = 1024 the kernels held 255 registers, 8 warps per SM; now 128 and 16.
+// From 32 entries per lane on (one team per warp, E > 512) a lane owns runs of kRun consecutive
+// experts strided over the row — run r of lane `rank` is experts (r·S + rank)·kRun + [0, kRun) —
+// instead of one contiguous chunk, and the per-expert rows that are the same for every token
+// (biases, aux score sums, aux gradients) sit in shared memory instead of 2·V registers.
+// Strided, a warp's access to its run r is one contiguous span of the row: chunks of 128 bytes
+// made every 16-byte access touch 32 lines (session 14). The shared rows are in expert order, so
+// that a warp's accesses to run r are free of bank conflicts. At E = 1024 the kernels held 255
+// registers, 8 warps per SM, before the stride; now 128 and 16.
+//
+// The forward takes runs of one entry (kRun = 1: entry j is expert j·S + rank, a warp's access one
+// 128-byte line); the backward runs of four, each moved as one 16-byte access to the logits, to
+// dlogits and to its shared rows (a quarter of the instructions for those moves). Runs of four in
+// the forward ran 5% slower read entry by entry, and 10% slower read as 16-byte runs, with which
+// ptxas spilled 412 bytes at its 128 registers (session 16).
 template <int V>
 constexpr bool kStridedLanes = V >= 32;
+constexpr int kBackwardRun = 4;
 
-// Expert of the lane's entry j.
-template <int S, int V>
+// Expert of the lane's entry j (kRun: the strided layout's run length, above).
+template <int S, int V, int kRun = 1>
 __device__ __forceinline__ int expert_of(int rank, int j) {
   if constexpr (kStridedLanes<V>) {
-    return j * S + rank;
+    return ((j / kRun) * S + rank) * kRun + j % kRun;
   } else {
     return rank * V + j;
   }
 }
 
+// kStridedLanes in the backward: the lane's V entries of a shared-memory row in expert order, as
+// V / 4 runs of 16 bytes, read and written whole.
+template <int S, int V>
+__device__ __forceinline__ void read_runs(const float* row, int rank, float (&v)[V]) {
+  constexpr int kRun = kBackwardRun;
+  static_assert(kStridedLanes<V> && V % kRun == 0 && kRun == 4);
+  const float4* runs = reinterpret_cast<const float4*>(row) + rank;
+#pragma unroll
+  for (int r = 0; r < V / kRun; ++r) {
+    const float4 run = runs[r * S];
+    v[r * kRun] = run.x;
+    v[r * kRun + 1] = run.y;
+    v[r * kRun + 2] = run.z;
+    v[r * kRun + 3] = run.w;
+  }
+}
+template <int S, int V>
+__device__ __forceinline__ void write_runs(float* row, int rank, const float (&v)[V]) {
+  constexpr int kRun = kBackwardRun;
+  static_assert(kStridedLanes<V> && V % kRun == 0 && kRun == 4);
+  float4* runs = reinterpret_cast<float4*>(row) + rank;
+#pragma unroll
+  for (int r = 0; r < V / kRun; ++r)
+    runs[r * S] = make_float4(v[r * kRun], v[r * kRun + 1], v[r * kRun + 2], v[r * kRun + 3]);
+}
+
 // f(j) for each of the lane's entries inside the row: no test per entry when every lane's
 // entries are (E = S·V, the common case of a power-of-two E).
-template <int S, int V, typename F>
+template <int S, int V, int kRun = 1, typename F>
 __device__ __forceinline__ void for_entries_inside(int rank, int experts, F&& f) {
   if (S * V <= experts) {
 #pragma unroll
@@ -230,7 +264,7 @@ __device__ __forceinline__ void for_entries_inside(int rank, int experts, F&& f)
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      if (expert_of<S, V>(rank, j) < experts) f(j);
+      if (expert_of<S, V, kRun>(rank, j) < experts) f(j);
     }
   }
 }
@@ -260,20 +294,34 @@ __device__ __forceinline__ void load_chunk(float (&l)[V], const In* __restrict__
     l[j] = (valid && first + j < experts) ? device::to_float(row[j]) : -INFINITY;
 }
 
-template <int S, int V, typename In>
+template <int S, int V, int kRun = 1, typename In>
 __device__ __forceinline__ void load_entries(float (&l)[V], const In* __restrict__ logits,
                                              std::int64_t t, bool valid, int rank, int experts,
                                              bool vector_rows) {
   if constexpr (kStridedLanes<V>) {
-    const In* row = logits + t * experts + rank;
+    const In* row = logits + t * experts;
     if (valid && S * V <= experts) {  // every entry inside the row: no test per entry
+      if constexpr (kRun > 1) {
+        if (vector_rows) {  // whole runs
+          const auto* runs = reinterpret_cast<const device::Pack<In, kRun>*>(row) + rank;
 #pragma unroll
-      for (int j = 0; j < V; ++j) l[j] = device::to_float(row[j * S]);
+          for (int r = 0; r < V / kRun; ++r) {
+            const auto run = runs[r * S];
+#pragma unroll
+            for (int q = 0; q < kRun; ++q) l[r * kRun + q] = device::to_float(run.v[q]);
+          }
+          return;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) l[j] = device::to_float(row[expert_of<S, V, kRun>(rank, j)]);
       return;
     }
 #pragma unroll
-    for (int j = 0; j < V; ++j)
-      l[j] = (valid && j * S + rank < experts) ? device::to_float(row[j * S]) : -INFINITY;
+    for (int j = 0; j < V; ++j) {
+      const int e = expert_of<S, V, kRun>(rank, j);
+      l[j] = (valid && e < experts) ? device::to_float(row[e]) : -INFINITY;
+    }
   } else {
     load_chunk(l, logits, t, valid, rank * V, experts, vector_rows);
   }
@@ -704,13 +752,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
         for (int j = 0; j < V; ++j) u_sum += u[j];  // g(−∞) = 0 past E
         inv_norm = 1.0f / (team_sum<S>(u_sum) + kNormEpsilon);
       }
+      if constexpr (kStrided) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float s_aux = u[j] * inv_norm;
-        if constexpr (kStrided) {
-          if (valid) lane_sums[j * S] += s_aux;  // 0 past E
-        } else if (valid) {
-          score_sum[j] += s_aux;  // 0 past E
+        for (int j = 0; j < V; ++j) {
+          if (valid) lane_sums[j * S] += u[j] * inv_norm;  // 0 past E
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if (valid) score_sum[j] += u[j] * inv_norm;  // 0 past E
         }
       }
       // The aux routing's counts: the main counts when it is the main routing (the last block
@@ -982,7 +1032,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
   }
   auto lane_aux_grad = [&](int j) {
     if constexpr (kStrided) {
-      return aux_grad_row[j * S + rank];
+      // One 16-byte read per run serves its four entries (the loops are unrolled).
+      const float4 run =
+          reinterpret_cast<const float4*>(aux_grad_row)[(j / kBackwardRun) * S + rank];
+      const int q = j % kBackwardRun;
+      return q == 0 ? run.x : q == 1 ? run.y : q == 2 ? run.z : run.w;
     } else {
       return aux_grad[j];
     }
@@ -1006,7 +1060,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       slot_dp[i] = (active && a.dprob != nullptr) ? a.dprob[t * K + k] : 0.0f;
     }
     if (need_row) {
-      load_entries<S, V>(l, a.logits, t, valid, rank, E, a.vector_rows);
+      load_entries<S, V, kBackwardRun>(l, a.logits, t, valid, rank, E, a.vector_rows);
     } else {
 #pragma unroll
       for (int j = 0; j < V; ++j) l[j] = -INFINITY;
@@ -1117,7 +1171,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       for (int j = 0; j < V; ++j) g[j] = 0.0f;
       if (aux) {
         auto add_aux_terms = [&](auto derivative) {
-          for_entries_inside<S, V>(rank, E, [&](int j) {
+          for_entries_inside<S, V, kBackwardRun>(rank, E, [&](int j) {
             g[j] = (lane_aux_grad(j) * inv_norm - shift) * derivative(l[j], w[j]);
           });
         };
@@ -1139,8 +1193,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
     // goes in and out as whole 16-byte packs where it can, or entry by entry (kStridedLanes).
     if (a.dprob != nullptr) {
       if constexpr (kStrided) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) row[j * S + rank] = g[j];
+        write_runs<S>(row, rank, g);
       } else if (vector_chunk) {
 #pragma unroll
         for (int i = 0; i < V / 4; ++i)
@@ -1161,8 +1214,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
       }
       __syncwarp();
       if constexpr (kStrided) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) g[j] = row[j * S + rank];
+        read_runs<S>(row, rank, g);
       } else if (vector_chunk) {
 #pragma unroll
         for (int i = 0; i < V / 4; ++i) {
@@ -1182,8 +1234,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
     }
     if (valid) {
       if constexpr (kStrided) {
-        float* out = a.dlogits + t * E + rank;
-        for_entries_inside<S, V>(rank, E, [&](int j) { out[j * S] = g[j]; });
+        float* out = a.dlogits + t * E;
+        if (a.vector_rows && S * V <= E) {
+          write_runs<S>(out, rank, g);
+        } else {
+          for_entries_inside<S, V, kBackwardRun>(
+              rank, E, [&](int j) { out[expert_of<S, V, kBackwardRun>(rank, j)] = g[j]; });
+        }
       } else {
         float* out = a.dlogits + t * E + first;
         if (vector_chunk && a.vector_rows) {
