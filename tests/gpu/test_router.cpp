@@ -98,11 +98,28 @@ Matrix draw_tied_logits(std::int64_t tokens, int experts, std::mt19937_64& rng) 
   return logits;
 }
 
+// Rows outside the range where the backward takes the shifted sigmoid (largest logit in
+// [−80, 16], kernels/router.cu): every third row has its largest logit raised to 17, every third
+// one (t % 3 == 1) is lowered by 86 as a whole; the others stay. Raised rows keep their top K
+// apart in fp32 (17, then the grid's largest, ≤ 5), unlike a whole row near 17, where σ rounds
+// to 1.
+void move_rows_to_the_sigmoid_fallback(Matrix& logits) {
+  for (std::int64_t t = 0; t < logits.rows; ++t) {
+    auto row = logits.row(t);
+    if (t % 3 == 0) {
+      *std::max_element(row.begin(), row.end()) = 17.0;
+    } else if (t % 3 == 1) {
+      for (double& l : row) l -= 86.0;
+    }
+  }
+}
+
 struct Case {
   MoEConfig config;
   std::int64_t tokens;
   DType dtype;
   bool tied = false;  // draw_tied_logits, and the selection must equal the reference's exactly
+  bool fallback_rows = false;  // move_rows_to_the_sigmoid_fallback (fp32 logits)
   std::string describe() const {
     std::ostringstream s;
     s << config.describe() << " T=" << tokens << " logits " << dtype_name(dtype);
@@ -118,8 +135,9 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   INFO(c.describe());
   const RouterParams params = RouterParams::from(config);
 
-  const Matrix logits = c.tied ? test::round_to(draw_tied_logits(T, E, rng), c.dtype)
-                               : draw_logits(T, E, c.dtype, rng);
+  Matrix logits = c.tied ? test::round_to(draw_tied_logits(T, E, rng), c.dtype)
+                         : draw_logits(T, E, c.dtype, rng);
+  if (c.fallback_rows) move_rows_to_the_sigmoid_fallback(logits);
   const std::vector<double> bias = config.expert_bias ? draw_bias(E, rng) : std::vector<double>{};
   const Matrix dprob = test::random_matrix(T, K, rng);
 
@@ -359,6 +377,27 @@ TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]
                                     shape.grouped, 2.5, true);
         config.validate();
         run_case({config, T, dtype}, rng);
+      }
+    }
+  }
+}
+
+TEST_CASE("sigmoid rows whose largest logit is above 16 or below -80", "[gpu][router]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  // The shifted form from 32 entries per lane (E = 1024, 2048: one token per warp, the rows of
+  // both forms in one launch); the plain form alone below (E = 8, 128, 256) on the same rows;
+  // with and without the aux and z losses (without them the backward needs no row).
+  for (const int E : {8, 128, 256, 1024, 2048}) {
+    for (const bool bias : {false, true}) {
+      for (const bool losses : {true, false}) {
+        auto config = router_config(E, E == 8 ? 2 : 8, ScoreFunction::kSigmoid, false, bias, false,
+                                    1.0, losses);
+        config.validate();
+        Case c{config, 301, DType::kFP32};
+        c.fallback_rows = true;
+        run_case(c, rng);
       }
     }
   }
