@@ -564,16 +564,22 @@ __device__ __forceinline__ bool team_keeps_group(const LaneBest& best, int group
   return kept;
 }
 
+// The row's max (a team reduction of the lanes' maxima).
+template <int S, int V>
+__device__ __forceinline__ float row_max_of(const float (&l)[V]) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < V; ++j) m = fmaxf(m, l[j]);
+  return team_max<S>(m);
+}
+
 // exp(l − max) of each entry, the row's max and Σ exp(l − max); entries past E hold −∞ and add
 // nothing. Callers that need only the max and the sum pass an array they never read: its
 // registers are dropped.
 template <int S, int V>
 __device__ __forceinline__ void row_softmax(const float (&l)[V], float (&ex)[V], float& row_max,
                                             float& row_sum) {
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < V; ++j) m = fmaxf(m, l[j]);
-  row_max = team_max<S>(m);
+  row_max = row_max_of<S>(l);
   float s = 0.0f;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -606,15 +612,6 @@ constexpr float kShiftedSigmoidMinRowMax = -80.0f;
 __device__ __forceinline__ bool warp_takes_shifted_sigmoid(float row_max, bool valid) {
   return __all_sync(kFullMask, !valid || (row_max >= kShiftedSigmoidMinRowMax &&
                                           row_max <= kShiftedSigmoidMaxRowMax));
-}
-
-// The row's max alone (a team reduction of the lanes' maxima).
-template <int S, int V>
-__device__ __forceinline__ float row_max_of(const float (&l)[V]) {
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < V; ++j) m = fmaxf(m, l[j]);
-  return team_max<S>(m);
 }
 
 // ---- Forward
