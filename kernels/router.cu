@@ -671,15 +671,24 @@ std::size_t forward_shared_bytes(const RouterParams& p) {
          static_cast<std::size_t>(kTeams) * kWarpsPerBlock * p.num_groups * 4;
 }
 
-// Blocks per SM the kernels are compiled for: registers for 24 warps per SM with up to 8 entries
-// per lane, whose chains of team steps need many tokens in flight; 16 up to 32 entries
-// (kStridedLanes); 8 at 64 entries per lane (E > 1024).
-constexpr int min_blocks_per_sm(int V) {
-  return V <= 8 ? 3 : V <= 32 ? 2 : 1;
+// Blocks per SM the kernels are compiled for. Up to 8 entries per lane, whose chains of team
+// steps need many tokens in flight: 32 warps per SM (64 registers) for the backward and for the
+// forward of whole-warp teams (E = 129 to 256), 24 (80 registers) for the forward of narrower
+// teams, which spilled 112 bytes at 64 (E = 128: 3–5% slower). 32 warps also make the rounds of
+// tokens per warp fewer: at T = 8192 and E = 256, 2 instead of 3 (session 17: the forward 29.4
+// → 27.7 µs, the backward 15.1 → 13.6). 16 warps up to 32 entries (kStridedLanes); 8 at 64 per
+// lane (E > 1024).
+template <int V>
+constexpr int backward_blocks_per_sm() {
+  return V <= 8 ? 4 : V <= 32 ? 2 : 1;
+}
+template <int S, int V>
+constexpr int forward_blocks_per_sm() {
+  return V <= 8 && S < kWarpSize ? 3 : backward_blocks_per_sm<V>();
 }
 
 template <int S, int V, typename In>
-__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
+__global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V>())
     router_forward_kernel(ForwardKernelArgs<In> a) {
   constexpr int kTeams = kWarpSize / S;
   constexpr int kSlots = (kMaxTopK + S - 1) / S;  // slot k lives on team lane k % S
@@ -1021,7 +1030,7 @@ std::size_t backward_shared_bytes(int experts, bool dprob) {
 }
 
 template <int S, int V, typename In>
-__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(V))
+__global__ void __launch_bounds__(kThreads, backward_blocks_per_sm<V>())
     router_backward_kernel(BackwardKernelArgs<In> a) {
   constexpr int kTeams = kWarpSize / S;
   constexpr int kSlots = (kMaxTopK + S - 1) / S;
