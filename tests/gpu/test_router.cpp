@@ -356,7 +356,8 @@ TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]
   std::mt19937_64 rng(seed);
   // E not a power of two: lanes holding part of a chunk or none; groups of 3, 12, 25, 125 and
   // 250 experts, which fit the lane chunks neither way (the general group path), and 4 per group;
-  // and 64 entries per lane (E > 1024).
+  // and 64 entries per lane (E > 1024); from 32 per lane both forward kernels (the lean one for
+  // elementwise scores without groups or biases).
   struct Shape {
     int experts, topk;
     ScoreFunction f;
@@ -369,6 +370,8 @@ TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]
                                      {200, 6, ScoreFunction::kSqrtSoftplus, true, false},
                                      {200, 8, ScoreFunction::kSoftmax, false, true},
                                      {1000, 8, ScoreFunction::kSigmoid, true, true},
+                                     {1000, 8, ScoreFunction::kSigmoid, false, false},
+                                     {1500, 16, ScoreFunction::kSqrtSoftplus, false, false},
                                      {520, 5, ScoreFunction::kSoftmax, false, false},
                                      {2000, 16, ScoreFunction::kSigmoid, true, true},
                                      {2048, 8, ScoreFunction::kSoftmax, false, false}};
