@@ -685,12 +685,13 @@ constexpr int backward_blocks_per_sm() {
 }
 //
 // The lean forward (kLean, strided layouts only) leaves out the softmax and the aux routing's own
-// top-K: it serves elementwise scores (sigmoid, sqrtsoftplus) whose aux routing is the main one
-// (no groups, no bias). Its largest live state is then one array of the row, scores in place of
-// logits, and at E = 1024 it fits 64 registers without spills: 32 warps per SM instead of 16.
-// Measured at T = 16384 (session 18): the E = 1024 forward 60.6–62.0 → 54.3–54.8 µs; 55.3–56.1 at
-// 24 warps. Halving the warps instead (16 → 8, by shared memory) made it 62 → 85 µs: the
-// strided forward is bound by the latency of each token's chain, and more tokens in flight hide it.
+// top-K: it serves elementwise scores (sigmoid, sqrtsoftplus) without groups whose aux routing,
+// if any, is the main one (no bias then; takes_lean_forward). Its largest live state is then one
+// array of the row, scores in place of logits, and at E = 1024 it fits 64 registers without spills:
+// 32 warps per SM instead of 16. Measured at T = 16384 (session 18): the E = 1024 forward 60.6–62.0
+// → 54.3–54.8 µs; 55.3–56.1 at 24 warps. Halving the warps instead (16 → 8, by shared memory) made
+// it 62 → 85 µs: the strided forward is bound by the latency of each token's chain, and more tokens
+// in flight hide it.
 template <int S, int V, bool kLean>
 constexpr int forward_blocks_per_sm() {
   if constexpr (kLean) {
@@ -785,12 +786,13 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
     float row_max = 0.0f, row_sum = 1.0f;
     if (softmax) {
       if (need_row_softmax) row_softmax<S>(l, u, row_max, row_sum);
-    } else if constexpr (kShiftedSigmoid<V>) {
+    } else {
       // Scores in place of the logits (l dies as u is formed), so that only one array of the row
-      // is live: the z terms first, then g(l); or both from one exponential where the sigmoid
-      // may be shifted (the same sums, to the bit, as row_softmax forms them).
+      // is live: the z terms first, then g(l); or, from 32 entries per lane, both from one
+      // exponential where the sigmoid may be shifted (the same sums, to the bit, as row_softmax
+      // forms them).
       bool shifted = false;
-      if (p.z_loss && p.score_function == ScoreFunction::kSigmoid) {
+      if (kShiftedSigmoid<V> && p.z_loss && p.score_function == ScoreFunction::kSigmoid) {
         row_max = row_max_of<S>(l);
         shifted = warp_takes_shifted_sigmoid(row_max, valid);
       }
@@ -804,18 +806,13 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
           u[j] = __fdividef(x, x + exp_neg_max);
         }
         row_sum = team_sum<S>(sum);
-      } else {
+      }
+      if (!shifted) {
         if (p.z_loss) {
           float unused[V];
           row_softmax<S>(l, unused, row_max, row_sum);
         }
         elementwise_scores(p.score_function, l, u);
-      }
-    } else {
-      elementwise_scores(p.score_function, l, u);
-      if (p.z_loss) {
-        float unused[V];
-        row_softmax<S>(l, unused, row_max, row_sum);
       }
     }
     const float inv_row_sum = 1.0f / row_sum;
