@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "moe/error.h"
@@ -50,6 +51,23 @@ __device__ __forceinline__ float fast_exp(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
   return y;
+}
+
+// 1/y as one rcp.approx for a y known to be a normal float. __fdividef tests its divisor for the
+// range where it rescales (two predicated multiplications and a compare an entry in the shifted
+// sigmoid: the session-19 profile of the E = 1024 forward); for a normal y its result is the same
+// bits as x · reciprocal(y).
+__device__ __forceinline__ float reciprocal(float y) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return r;
+}
+
+// The order key of a score known to be +0 or above (an elementwise score without a bias): the
+// sign bit set, the same key as order_key gives it, in one instruction instead of four (the bias
+// addition, the fold of −0, the sign mask).
+__device__ __forceinline__ unsigned nonnegative_order_key(float v) {
+  return __float_as_uint(v) | 0x80000000u;
 }
 
 // Fast reciprocal division: the IEEE division's slow path for special operands cost a branch per
@@ -535,6 +553,96 @@ __device__ __forceinline__ void team_top_k(const unsigned (&keys)[V], LaneBest b
   }
 }
 
+// The K best of a warp-wide strided row (kStridedLanes, S = 32: entry j of lane `rank` is expert
+// j·32 + rank) by a threshold instead of K rounds. τ, the K-th largest of the lanes' largest keys,
+// is at most the row's K-th largest key (K lanes hold an entry ≥ τ), so the row's K best are
+// among its entries ≥ τ — typically a few more than K. Each lane marks its entries ≥ τ in a bit
+// mask, writes them to `gathered` (the warp's [32] in shared memory) at its place among the
+// lanes, with each key formed again by `key_of(j)` from the row (in L1) — a register array cannot
+// be indexed by a varying j — and every gathered entry is ranked by counting those before it.
+// Per entry that is a max, a compare and an or, against the 11 instructions of the best-three
+// insert; and K − 1 short rounds over the lane maxima instead of K rounds of ~30 instructions
+// (the session-19 profile of the E = 1024 forward: insert and rounds were 39% of its
+// instructions). key_of must give the bits of keys[j]. Returns false, having chosen nothing,
+// where more than 32 entries reach τ (many ties, or many of the best entries on one lane); the
+// caller takes the rounds then. Slot k goes to lane k.
+template <int V, typename KeyOf>
+__device__ __forceinline__ bool strided_top_k(const unsigned (&keys)[V], int K, int rank,
+                                              uint2* gathered, KeyOf&& key_of, int& slot_expert,
+                                              unsigned& slot_key) {
+  static_assert(kStridedLanes<V> && V <= 64);
+  using Mask = std::conditional_t<(V > 32), unsigned long long, unsigned>;
+  unsigned lane_max = 0;
+#pragma unroll
+  for (int j = 0; j < V; ++j) lane_max = max(lane_max, keys[j]);
+  // τ: each of K − 1 rounds takes one holder of the largest lane maximum out (ties count once
+  // each).
+  for (int k = 1; k < K; ++k) {
+    const unsigned top = __reduce_max_sync(kFullMask, lane_max);
+    if (rank == __ffs(__ballot_sync(kFullMask, lane_max == top)) - 1) lane_max = 0;
+  }
+  const unsigned threshold = __reduce_max_sync(kFullMask, lane_max);
+
+  Mask reaching = 0;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (keys[j] >= threshold) reaching |= Mask{1} << j;
+  }
+  const int count = V > 32 ? __popcll(reaching) : __popc(static_cast<unsigned>(reaching));
+  int end = count;  // Σ of the counts of the lanes up to this one
+#pragma unroll
+  for (int d = 1; d < kWarpSize; d <<= 1) {
+    const int below = __shfl_up_sync(kFullMask, end, d);
+    if (rank >= d) end += below;
+  }
+  const int gathered_count = __shfl_sync(kFullMask, end, kWarpSize - 1);
+  if (gathered_count > kWarpSize) return false;
+  for (int at = end - count; reaching != 0; ++at) {
+    const int j = (V > 32 ? __ffsll(reaching) : __ffs(static_cast<unsigned>(reaching))) - 1;
+    reaching &= reaching - 1;
+    gathered[at] = make_uint2(key_of(j), static_cast<unsigned>(j * kWarpSize + rank));
+  }
+  __syncwarp();
+
+  // Rank: the gathered entries ranked before this lane's — a larger key, or an equal one of a
+  // lower expert.
+  const uint2 mine = rank < gathered_count ? gathered[rank] : make_uint2(0u, ~0u);
+  int before = 0;
+  for (int m = 0; m < gathered_count; ++m) {
+    const unsigned key = __shfl_sync(kFullMask, mine.x, m);
+    const unsigned expert = __shfl_sync(kFullMask, mine.y, m);
+    before += key > mine.x || (key == mine.x && expert < mine.y);
+  }
+  __syncwarp();
+  if (rank < gathered_count && before < K) gathered[before] = mine;
+  __syncwarp();
+  if (rank < K) {
+    slot_key = gathered[rank].x;
+    slot_expert = static_cast<int>(gathered[rank].y);
+  }
+  __syncwarp();  // the next token's writes after these reads
+  return true;
+}
+
+// strided_top_k's fallback, the rounds of team_top_k, out of line: the keys cross the call in
+// memory, so that the threshold path, taken by almost every token, needs no registers for them
+// after its gather (inlined, this path made ptxas spill 192 bytes at 64 registers).
+template <int V>
+struct StridedKeys {
+  unsigned key[V];
+};
+struct Slot {
+  int expert;
+  unsigned key;
+};
+template <int V>
+__device__ __noinline__ Slot strided_top_k_by_rounds(StridedKeys<V> keys, int K, int rank) {
+  int slot_expert[1] = {0};
+  unsigned slot_key[1] = {0};
+  team_top_k<kWarpSize, V>(keys.key, lane_best<false>(keys.key), K, rank, 0, slot_expert, slot_key);
+  return {slot_expert[0], slot_key[0]};
+}
+
 // Group-limited selection when each group is a power of two of whole lane chunks (E/G a multiple
 // of V) and at most two entries score a group: a group's score, the sum of its top K/GK, comes
 // from its lanes' best two, and the top group_topk groups are taken by rounds like the experts.
@@ -608,6 +716,11 @@ constexpr bool kShiftedSigmoid = kStridedLanes<V>;
 constexpr float kShiftedSigmoidMaxRowMax = 16.0f;
 constexpr float kShiftedSigmoidMinRowMax = -80.0f;
 
+// σ(l) from x = e^(l − m) and c = e^−m. x + c ≥ e^−16 is a normal float, so one rcp.approx does.
+__device__ __forceinline__ float shifted_sigmoid(float x, float exp_neg_max) {
+  return x * reciprocal(x + exp_neg_max);
+}
+
 // Whether every team of the warp may take the shifted sigmoid (lanes past the tokens' end do not
 // count: their results are never used).
 __device__ __forceinline__ bool warp_takes_shifted_sigmoid(float row_max, bool valid) {
@@ -667,7 +780,7 @@ template <int S, int V>
 std::size_t forward_shared_bytes(const RouterParams& p) {
   constexpr int kTeams = kWarpSize / S;
   const std::size_t sums_stride = kStridedLanes<V> ? S * V : p.num_experts;
-  return (kStridedLanes<V> ? S * V * 4 : 0) + kWarpsPerBlock * sums_stride * 4 +
+  return (kStridedLanes<V> ? S * V * 4 + kThreads * 8 : 0) + kWarpsPerBlock * sums_stride * 4 +
          static_cast<std::size_t>(p.num_experts) * (4 + 4) + kWarpsPerBlock * 4 +
          static_cast<std::size_t>(kTeams) * kWarpsPerBlock * p.num_groups * 4;
 }
@@ -723,8 +836,12 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
   // warp then over the warps in order; then one global atomic per expert and block.
   constexpr bool kStrided = kStridedLanes<V>;
   const int sums_stride = kStrided ? S * V : E;
-  float* bias_row = reinterpret_cast<float*>(shared);    // [S·V] when kStrided
-  float* warp_sums = bias_row + (kStrided ? S * V : 0);  // [warps][sums_stride]
+  float* bias_row = reinterpret_cast<float*>(shared);  // [S·V] when kStrided
+  // [warps][32] when kStrided: strided_top_k's gathered entries
+  auto* gathered = reinterpret_cast<uint2*>(bias_row + (kStrided ? S * V : 0));
+  uint2* warp_gathered = gathered + warp * kWarpSize;
+  float* warp_sums =
+      reinterpret_cast<float*>(gathered + (kStrided ? kThreads : 0));  // [warps][sums_stride]
   auto* block_counts = reinterpret_cast<int*>(warp_sums + kWarpsPerBlock * sums_stride);
   int* block_aux_counts = block_counts + E;
   float* warp_z = reinterpret_cast<float*>(block_aux_counts + E);
@@ -783,7 +900,8 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
     // needed) or g(l) (sigmoid, sqrtsoftplus; 0 past E). The row's max and Σ exp(l − max) for
     // the z-loss and the softmax.
     float u[V];
-    float row_max = 0.0f, row_sum = 1.0f;
+    float row_max = 0.0f, row_sum = 1.0f, exp_neg_max = 0.0f;
+    bool shifted = false;  // the scores are the shifted sigmoid's
     if (softmax) {
       if (need_row_softmax) row_softmax<S>(l, u, row_max, row_sum);
     } else {
@@ -791,19 +909,18 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
       // is live: the z terms first, then g(l); or, from 32 entries per lane, both from one
       // exponential where the sigmoid may be shifted (the same sums, to the bit, as row_softmax
       // forms them).
-      bool shifted = false;
       if (kShiftedSigmoid<V> && p.z_loss && p.score_function == ScoreFunction::kSigmoid) {
         row_max = row_max_of<S>(l);
         shifted = warp_takes_shifted_sigmoid(row_max, valid);
       }
       if (shifted) {
-        const float exp_neg_max = fast_exp(-row_max);
+        exp_neg_max = fast_exp(-row_max);
         float sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const float x = fast_exp(l[j] - row_max);
           sum += x;
-          u[j] = __fdividef(x, x + exp_neg_max);
+          u[j] = shifted_sigmoid(x, exp_neg_max);
         }
         row_sum = team_sum<S>(sum);
       }
@@ -861,7 +978,13 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
 
     // Selection keys from the scores: logits (softmax post), softmax (pre), g(l) + bias
     // (sigmoid, sqrtsoftplus).
-    {
+    // g(l) ≥ +0 without a bias, and 0 past E (ranked after every real entry on ties, by index).
+    // Not compiled into the strided kernel that is not lean: it never takes the case (the lean
+    // one does), and with it ptxas spilled 564 bytes there.
+    if ((kLean || !kStrided) && !softmax && !p.expert_bias && p.num_groups == 0) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) keys[j] = nonnegative_order_key(u[j]);
+    } else {
       // One loop per case: a select per entry made the compiler keep a predicate per entry.
       float r[V];
       if (!softmax) {
@@ -884,12 +1007,6 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
 #pragma unroll
       for (int j = 0; j < V; ++j) keys[j] = order_key(r[j]);
     }
-    LaneBest best = lane_best<false>(keys);
-    if (lane_groups && !team_keeps_group<S>(best, group, p.num_groups, spanned,
-                                            p.topk / p.group_topk, p.group_topk, team_base)) {
-      best = LaneBest{};
-    }
-
     int slot_expert[kSlots];
     unsigned slot_key[kSlots];
 #pragma unroll
@@ -897,7 +1014,36 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
       slot_expert[i] = 0;
       slot_key[i] = 0;
     }
-    team_top_k<S, V>(keys, best, K, rank, team_base, slot_expert, slot_key);
+    bool selected = false;
+    if constexpr (kLean) {
+      // The key of entry j as formed above, from its logit read again.
+      auto key_of = [&](int j) {
+        const int expert = j * S + rank;
+        const float logit = expert < E ? device::to_float(a.logits[t * E + expert]) : -INFINITY;
+        const float score = shifted ? shifted_sigmoid(fast_exp(logit - row_max), exp_neg_max)
+                                    : elementwise_score(p.score_function, logit);
+        return p.expert_bias ? order_key(score + bias_row[expert]) : nonnegative_order_key(score);
+      };
+      selected =
+          strided_top_k<V>(keys, K, rank, warp_gathered, key_of, slot_expert[0], slot_key[0]);
+      if (!selected) {
+        StridedKeys<V> copy;
+#pragma unroll
+        for (int j = 0; j < V; ++j) copy.key[j] = keys[j];
+        const Slot slot = strided_top_k_by_rounds<V>(copy, K, rank);
+        slot_expert[0] = slot.expert;
+        slot_key[0] = slot.key;
+        selected = true;
+      }
+    }
+    if (!selected) {
+      LaneBest best = lane_best<false>(keys);
+      if (lane_groups && !team_keeps_group<S>(best, group, p.num_groups, spanned,
+                                              p.topk / p.group_topk, p.group_topk, team_base)) {
+        best = LaneBest{};
+      }
+      team_top_k<S, V>(keys, best, K, rank, team_base, slot_expert, slot_key);
+    }
     float slot_score[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i)
@@ -1223,7 +1369,7 @@ __global__ void __launch_bounds__(kThreads, backward_blocks_per_sm<V>())
         for (int j = 0; j < V; ++j) {
           l[j] = fast_exp(l[j] - row_max);
           sum += l[j];
-          w[j] = __fdividef(1.0f, l[j] + exp_neg_max);
+          w[j] = reciprocal(l[j] + exp_neg_max);  // ≥ e^−16: a normal float
         }
         if (z) row_sum = team_sum<S>(sum);
       } else {

@@ -4,6 +4,7 @@
 // determinism.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -116,12 +117,33 @@ void move_rows_to_the_sigmoid_fallback(Matrix& logits) {
   }
 }
 
+// Rows whose largest entries crowd into one lane of the strided layout (from 32 entries per lane,
+// lane r holds experts r, r + 32, ...): every other row's values rearranged so that its largest
+// sit on the experts ≡ t (mod 32), the rest on the other experts at random. More than 32 entries
+// then reach the threshold selection's bound without any tie, and it takes the rounds instead
+// (strided_top_k in kernels/router.cu). The values themselves, and so their gaps, are unchanged.
+void crowd_rows_into_one_lane(Matrix& logits, std::mt19937_64& rng) {
+  const int experts = static_cast<int>(logits.cols);
+  for (std::int64_t t = 0; t < logits.rows; t += 2) {
+    auto row = logits.row(t);
+    std::vector<double> values(row.begin(), row.end());
+    std::sort(values.begin(), values.end(), std::greater<>());
+    std::vector<int> lane, others;
+    for (int e = 0; e < experts; ++e) (e % 32 == t % 32 ? lane : others).push_back(e);
+    std::shuffle(lane.begin(), lane.end(), rng);
+    std::shuffle(others.begin(), others.end(), rng);
+    lane.insert(lane.end(), others.begin(), others.end());
+    for (int i = 0; i < experts; ++i) row[lane[i]] = values[i];
+  }
+}
+
 struct Case {
   MoEConfig config;
   std::int64_t tokens;
   DType dtype;
   bool tied = false;  // draw_tied_logits, and the selection must equal the reference's exactly
   bool fallback_rows = false;  // move_rows_to_the_sigmoid_fallback (fp32 logits)
+  bool crowded_rows = false;   // crowd_rows_into_one_lane
   std::string describe() const {
     std::ostringstream s;
     s << config.describe() << " T=" << tokens << " logits " << dtype_name(dtype);
@@ -140,6 +162,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   Matrix logits = c.tied ? test::round_to(draw_tied_logits(T, E, rng), c.dtype)
                          : draw_logits(T, E, c.dtype, rng);
   if (c.fallback_rows) move_rows_to_the_sigmoid_fallback(logits);
+  if (c.crowded_rows) crowd_rows_into_one_lane(logits, rng);
   const std::vector<double> bias = config.expert_bias ? draw_bias(E, rng) : std::vector<double>{};
   const Matrix dprob = test::random_matrix(T, K, rng);
 
@@ -402,6 +425,23 @@ TEST_CASE("sigmoid rows whose largest logit is above 16 or below -80", "[gpu][ro
         config.validate();
         Case c{config, 301, DType::kFP32};
         c.fallback_rows = true;
+        run_case(c, rng);
+      }
+    }
+  }
+}
+
+TEST_CASE("rows whose best entries crowd into one lane of the strided layout", "[gpu][router]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const int E : {1000, 1024, 2048}) {
+    for (const ScoreFunction f : {ScoreFunction::kSigmoid, ScoreFunction::kSqrtSoftplus}) {
+      for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+        auto config = router_config(E, E == 1000 ? 16 : 8, f, false, false, false, 1.0, true);
+        config.validate();
+        Case c{config, 301, dtype};
+        c.crowded_rows = true;
         run_case(c, rng);
       }
     }
