@@ -129,19 +129,48 @@ __device__ __forceinline__ Candidate before_all() {
   return {INFINITY, -1};
 }
 
-// Σ of one value per thread over a block of kN threads, as a tree in shared memory `tree` [kN]:
-// the same additions in the same order on every run (bitwise deterministic); every thread gets
-// the total. The leading barrier lets the caller reuse `tree` for another sum right away.
+// Σ of one value per thread over a block of kN threads: xor butterflies within each warp, then
+// the warps' totals in warp order — the same additions in the same order on every run (bitwise
+// deterministic; both lanes of a butterfly pair add the same two values, so every lane holds the
+// same bits). Every thread gets the total. `tree` holds kN / 32 values; the leading barrier lets
+// the caller reuse it for another sum right away. Two barriers, not one per level of a tree in
+// shared memory (router step 34).
 template <int kN, typename V>
 __device__ V block_tree_sum(V value, V* tree) {
+  static_assert(kN % kWarpSize == 0);
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
+    value += __shfl_xor_sync(kFullMask, value, offset);
   __syncthreads();
-  tree[threadIdx.x] = value;
+  if (threadIdx.x % kWarpSize == 0) tree[threadIdx.x / kWarpSize] = value;
   __syncthreads();
-  for (int width = kN / 2; width > 0; width /= 2) {
-    if (threadIdx.x < width) tree[threadIdx.x] += tree[threadIdx.x + width];
-    __syncthreads();
+  V total = tree[0];
+#pragma unroll
+  for (int w = 1; w < kN / kWarpSize; ++w) total += tree[w];
+  return total;
+}
+
+// row[e] = value_of(e) for e < n, over the block. Each thread reads all of its values before it
+// stores any, so that their global loads are in flight together: a loop of load-then-store
+// waited one round trip per iteration before the block's first token (router step 34).
+template <int kMax, typename ValueOf>
+__device__ __forceinline__ void fill_shared_row(float* row, int n, ValueOf value_of) {
+  constexpr int kPerThread = (kMax + kThreads - 1) / kThreads;
+  constexpr int kBatch = kPerThread < 4 ? kPerThread : 4;  // loads in flight, bounded in registers
+#pragma unroll
+  for (int b = 0; b < kPerThread; b += kBatch) {
+    float value[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int e = static_cast<int>(threadIdx.x) + (b + i) * kThreads;
+      value[i] = e < n ? value_of(e) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int e = static_cast<int>(threadIdx.x) + (b + i) * kThreads;
+      if (e < n) row[e] = value[i];
+    }
   }
-  return tree[0];
 }
 
 // ---- Teams: the lanes that share one token
@@ -821,7 +850,7 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
   constexpr int kSlots = (kMaxTopK + S - 1) / S;  // slot k lives on team lane k % S
   extern __shared__ __align__(16) unsigned char shared[];
   __shared__ int is_last_block;
-  __shared__ float z_tree[kThreads];
+  __shared__ float z_tree[kThreads / kWarpSize];
   const RouterParams& p = a.p;
   const int E = p.num_experts;
   const int K = p.topk;
@@ -852,8 +881,9 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
   }
   if constexpr (kStrided) {
     // −∞ past E, as the registers' biases below.
-    for (int e = threadIdx.x; e < S * V; e += kThreads)
-      bias_row[e] = e >= E ? -INFINITY : p.expert_bias ? a.expert_bias[e] : 0.0f;
+    fill_shared_row<S * V>(bias_row, S * V, [&](int e) {
+      return e >= E ? -INFINITY : p.expert_bias ? a.expert_bias[e] : 0.0f;
+    });
     for (int i = threadIdx.x; i < kWarpsPerBlock * sums_stride; i += kThreads) warp_sums[i] = 0.0f;
   }
   __syncthreads();
@@ -1147,17 +1177,40 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
   __syncthreads();
   if (!is_last_block) return;
   __threadfence();
+  // Every other block has finished, so the totals are read with plain L2 loads, all of a
+  // thread's issued before the first is used: atomic exchanges in a loop waited one round trip
+  // per expert (1–2 µs of the forward at E = 1024, router step 34).
+  constexpr int kPerThread = (S * V + kThreads - 1) / kThreads;  // S·V ≥ E
+  const bool aux_counts_own = p.aux_loss && !p.aux_routing_is_main();
+  unsigned count[kPerThread], aux_count[kPerThread];
+  unsigned long long fixed_sum[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = threadIdx.x + i * kThreads;
+    if (e < E) {
+      count[i] = __ldcg(&s.tokens_per_expert[e]);
+      if (aux_counts_own) aux_count[i] = __ldcg(&s.aux_tokens_per_expert[e]);
+      if (p.aux_loss) fixed_sum[i] = __ldcg(&s.aux_score_sum[e]);
+    }
+  }
+  float z_block_sum = 0.0f;
+  if (p.z_loss) {
+    // Σ of the blocks' partials in a fixed order: a strided pass, then a tree (below).
+    for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += kThreads)
+      z_block_sum += __ldcg(&s.z_partials[b]);
+  }
   float aux_partial = 0.0f;  // Σ_e f_e·P_e over this thread's experts, for the fused losses
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    const auto count = static_cast<std::int32_t>(atomicExch(&s.tokens_per_expert[e], 0u));
-    a.tokens_per_expert[e] = count;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = threadIdx.x + i * kThreads;
+    if (e >= E) break;
+    s.tokens_per_expert[e] = 0u;  // zero for the next call
+    a.tokens_per_expert[e] = static_cast<std::int32_t>(count[i]);
     if (p.aux_loss) {
-      const std::int32_t f =
-          p.aux_routing_is_main()
-              ? count
-              : static_cast<std::int32_t>(atomicExch(&s.aux_tokens_per_expert[e], 0u));
-      const auto score_sum = static_cast<float>(
-          static_cast<double>(atomicExch(&s.aux_score_sum[e], 0ull)) / kSumScale);
+      const auto f = static_cast<std::int32_t>(aux_counts_own ? aux_count[i] : count[i]);
+      if (aux_counts_own) s.aux_tokens_per_expert[e] = 0u;
+      s.aux_score_sum[e] = 0ull;
+      const auto score_sum = static_cast<float>(static_cast<double>(fixed_sum[i]) / kSumScale);
       a.aux_tokens_per_expert[e] = f;
       a.aux_score_sum[e] = score_sum;
       aux_partial += score_sum * static_cast<float>(f);
@@ -1165,11 +1218,7 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
   }
   float z_total = 0.0f;
   if (p.z_loss) {
-    // Σ of the blocks' partials in a fixed order: a strided pass, then a tree.
-    float sum = 0.0f;
-    for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += kThreads)
-      sum += __ldcg(&s.z_partials[b]);
-    z_total = block_tree_sum<kThreads>(sum, z_tree);
+    z_total = block_tree_sum<kThreads>(z_block_sum, z_tree);
     if (threadIdx.x == 0) *a.z_sum = z_total;
   }
   if (a.losses != nullptr) {  // the same sums, in the same order, as router_losses_kernel
@@ -1246,7 +1295,7 @@ __global__ void __launch_bounds__(kThreads, backward_blocks_per_sm<V>())
   };
   float aux_grad[V];
   if constexpr (kStrided) {
-    for (int e = threadIdx.x; e < S * V; e += kThreads) aux_grad_row[e] = aux_grad_of(e);
+    fill_shared_row<S * V>(aux_grad_row, S * V, aux_grad_of);
     __syncthreads();
   } else {
 #pragma unroll
@@ -1525,7 +1574,7 @@ __global__ void router_losses_kernel(int experts, int topk, const std::int32_t* 
                                      const float* score_sum, const float* z_sum,
                                      const std::int64_t* global_tokens, double aux_coeff,
                                      double z_coeff, float* losses) {
-  __shared__ float partial[kReduceThreads];
+  __shared__ float partial[kReduceThreads / kWarpSize];
   float sum = 0.0f;
   if (f != nullptr) {
     for (int e = threadIdx.x; e < experts; e += kReduceThreads)
@@ -1543,7 +1592,7 @@ __global__ void router_losses_kernel(int experts, int topk, const std::int32_t* 
 
 __global__ void update_expert_bias_kernel(float* bias, const std::int32_t* load, int experts,
                                           float rate) {
-  __shared__ long long partial[kReduceThreads];
+  __shared__ long long partial[kReduceThreads / kWarpSize];
   long long sum = 0;
   for (int e = threadIdx.x; e < experts; e += kReduceThreads) sum += load[e];
   // Compare load_i · E with the total rather than with a rounded mean: the sign is exact.
