@@ -27,6 +27,9 @@ constexpr float kNormEpsilon = 1e-20f;
 // is associative, so the sum is the same whatever order the blocks finish in (deterministic
 // without a second pass), and each s_aux ≤ 1 keeps 2^31 tokens within range.
 constexpr double kSumScale = 4294967296.0;
+// The last block reads up to this many z partials per thread in one batch (2048 blocks: 256 SMs
+// at 8 blocks each); a loop takes any beyond.
+constexpr int kZPartialsPerThread = 8;
 
 // ---- Device helpers
 // ------------------------------------------------------------------------------
@@ -1177,13 +1180,16 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
   __syncthreads();
   if (!is_last_block) return;
   __threadfence();
-  // Every other block has finished, so the totals are read with plain L2 loads, all of a
-  // thread's issued before the first is used: atomic exchanges in a loop waited one round trip
-  // per expert (1–2 µs of the forward at E = 1024, router step 34).
+  // Every other block has finished, so the totals and the blocks' z partials are read with plain
+  // L2 loads, all of a thread's issued before the first is used: atomic exchanges in a loop
+  // waited one round trip per expert (1–2 µs of the forward at E = 1024, router step 34), and a
+  // loop over the partials one per partial (step 39).
   constexpr int kPerThread = (S * V + kThreads - 1) / kThreads;  // S·V ≥ E
   const bool aux_counts_own = p.aux_loss && !p.aux_routing_is_main();
+  const int blocks = static_cast<int>(gridDim.x);
   unsigned count[kPerThread], aux_count[kPerThread];
   unsigned long long fixed_sum[kPerThread];
+  float z_partial[kZPartialsPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int e = threadIdx.x + i * kThreads;
@@ -1193,10 +1199,21 @@ __global__ void __launch_bounds__(kThreads, forward_blocks_per_sm<S, V, kLean>()
       if (p.aux_loss) fixed_sum[i] = __ldcg(&s.aux_score_sum[e]);
     }
   }
+  if (p.z_loss) {
+#pragma unroll
+    for (int i = 0; i < kZPartialsPerThread; ++i) {
+      const int b = threadIdx.x + i * kThreads;
+      z_partial[i] = b < blocks ? __ldcg(&s.z_partials[b]) : 0.0f;
+    }
+  }
   float z_block_sum = 0.0f;
   if (p.z_loss) {
     // Σ of the blocks' partials in a fixed order: a strided pass, then a tree (below).
-    for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += kThreads)
+#pragma unroll
+    for (int i = 0; i < kZPartialsPerThread; ++i) {
+      if (threadIdx.x + i * kThreads < blocks) z_block_sum += z_partial[i];
+    }
+    for (int b = threadIdx.x + kZPartialsPerThread * kThreads; b < blocks; b += kThreads)
       z_block_sum += __ldcg(&s.z_partials[b]);
   }
   float aux_partial = 0.0f;  // Σ_e f_e·P_e over this thread's experts, for the fused losses
