@@ -5,6 +5,7 @@
 #include <random>
 
 #include "bench/bench_util.h"
+#include "bench/streaming_pass.h"
 #include "kernels/router.cuh"
 #include "moe/config.h"
 
@@ -60,8 +61,9 @@ int main(int argc, char** argv) try {
   fmt::print(
       "router fwd+bwd, T={}, fp32 logits, aux + z losses on; copy bandwidth {:.0f} GB/s ({})\n", T,
       bandwidth / 1e9, bench::device_name());
-  fmt::print("{:<48} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8}\n", "shape", "fwd us",
-             "bwd us", "total us", "floor us", "floor%", "b2b us", "floor%", "b2b sz%");
+  fmt::print("{:<48} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8}\n", "shape",
+             "fwd us", "bwd us", "total us", "floor us", "floor%", "b2b us", "floor%", "b2b sz%",
+             "2pass us", "ceil%", "of 2pass");
   for (const auto& shape : shapes) {
     if (!options.selected(shape.name)) continue;
     const auto& c = shape.config;
@@ -147,11 +149,34 @@ int main(int argc, char** argv) try {
              bench::copy_bandwidth_at(static_cast<std::size_t>(bytes - forward_bytes), true,
                                       stream.get())) *
         1e3;
+    // The same bytes moved by two bare passes (bench/streaming_pass.h), one launch each, timed
+    // as the router is (isolated, events around both): the best fraction of the floor that any
+    // forward and backward of one launch each can reach at this size ("ceil%").
+    DeviceBuffer pass_out(static_cast<std::size_t>(T * K) * 8 + 16),
+        pass_in(static_cast<std::size_t>(T * K) * 12 + 16);
+    MOE_CHECK_CUDA(cudaMemsetAsync(pass_in.data(), 0, pass_in.bytes(), stream.get()));
+    auto two_passes = [&](int i) {
+      bench::launch_streaming_pass({.first = logits[i % sets].data(),
+                                    .first_bytes = logits_bytes,
+                                    .out = pass_out.data(),
+                                    .out_bytes = static_cast<std::size_t>(T * K) * 8},
+                                   stream.get());
+      bench::launch_streaming_pass({.first = logits[i % sets].data(),
+                                    .first_bytes = logits_bytes,
+                                    .second = pass_in.data(),
+                                    .second_bytes = static_cast<std::size_t>(T * K) * 12,
+                                    .out = dlogits[i % sets].data(),
+                                    .out_bytes = logits_bytes},
+                                   stream.get());
+    };
+    const double passes_ms = bench::median_ms(two_passes, stream.get(), warmup, repeats);
     fmt::print(
-        "{:<48} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>7.0f}% {:>9.1f} {:>7.0f}% {:>7.0f}%\n",
+        "{:<48} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>7.0f}% {:>9.1f} {:>7.0f}% {:>7.0f}% "
+        "{:>9.1f} {:>7.0f}% {:>7.0f}%\n",
         shape.name, fwd_ms * 1e3, bwd_ms * 1e3, total_ms * 1e3, floor_ms * 1e3,
         100 * floor_ms / total_ms, b2b_ms * 1e3, 100 * floor_ms / b2b_ms,
-        100 * sized_b2b_floor_ms / b2b_ms);
+        100 * sized_b2b_floor_ms / b2b_ms, passes_ms * 1e3, 100 * floor_ms / passes_ms,
+        100 * passes_ms / total_ms);
     report["results"].push_back(
         {{"name", shape.name},
          {"experts", E},
@@ -162,7 +187,10 @@ int main(int argc, char** argv) try {
          {"back_to_back_us", b2b_ms * 1e3},
          {"floor_us", floor_ms * 1e3},
          {"fraction_of_floor", floor_ms / total_ms},
-         {"back_to_back_fraction_of_same_size_copy", sized_b2b_floor_ms / b2b_ms}});
+         {"back_to_back_fraction_of_same_size_copy", sized_b2b_floor_ms / b2b_ms},
+         {"two_passes_us", passes_ms * 1e3},
+         {"two_passes_fraction_of_floor", floor_ms / passes_ms},
+         {"fraction_of_two_passes", passes_ms / total_ms}});
   }
   options.check_matched();
   bench::write_json(options, report);

@@ -29,8 +29,14 @@ def main():
         for r, peer_us, floor, sized in rows(ours, peer):
             text = f"{100 * floor:.0f}% {peer_us / r['total_us']:.1f}x" if floor is not None else \
                 f"{peer_us / r['total_us']:.1f}x"
+            extras = []
             if sized is not None:  # against copies of the stage's own size, back to back
-                text += f" (sized {100 * sized:.0f}%)"
+                extras.append(f"sized {100 * sized:.0f}%")
+            ceiling = r.get("two_passes_fraction_of_floor")
+            if ceiling is not None:  # the floor fraction that bare passes of these bytes reach
+                extras.append(f"two-pass ceiling {100 * ceiling:.0f}%")
+            if extras:
+                text += f" ({', '.join(extras)})"
             parts.append(text)
         print("; ".join(parts))
         return
