@@ -1,6 +1,8 @@
 #include "bench/streaming_pass.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
 
 #include "moe/error.h"
 
@@ -51,6 +53,15 @@ std::size_t words_of(std::size_t bytes) {
 }  // namespace
 
 void launch_streaming_pass(const StreamingPass& pass, cudaStream_t stream) {
+  auto check = [](const void* buffer, std::size_t bytes, const char* name) {
+    if (bytes > 0 && (buffer == nullptr || reinterpret_cast<std::uintptr_t>(buffer) % 16 != 0)) {
+      throw Error(std::string("launch_streaming_pass: ") + name +
+                  " must be a 16-byte aligned buffer for " + std::to_string(bytes) + " bytes");
+    }
+  };
+  check(pass.first, pass.first_bytes, "first");
+  check(pass.second, pass.second_bytes, "second");
+  check(pass.out, pass.out_bytes, "out");
   // Every SM full (the occupancy query is remembered: it costs microseconds of host time).
   static const int max_blocks = [] {
     int device = 0, sms = 0, per_sm = 0;
