@@ -150,21 +150,22 @@ int main(int argc, char** argv) try {
                                       stream.get())) *
         1e3;
     // The same bytes moved by two bare passes (bench/streaming_pass.h), one launch each, timed
-    // as the router is (isolated, events around both): the best fraction of the floor that any
-    // forward and backward of one launch each can reach at this size ("ceil%").
-    DeviceBuffer pass_out(static_cast<std::size_t>(T * K) * 8 + 16),
-        pass_in(static_cast<std::size_t>(T * K) * 12 + 16);
+    // as the router is (isolated, events around both): about the most of the floor that a
+    // forward and a backward of one launch each can reach at this size ("ceil%").
+    const auto slot_bytes = static_cast<std::size_t>(T * K) * 4;
+    DeviceBuffer pass_out(2 * slot_bytes + 16), pass_in(3 * slot_bytes + 16);
     MOE_CHECK_CUDA(cudaMemsetAsync(pass_in.data(), 0, pass_in.bytes(), stream.get()));
     auto two_passes = [&](int i) {
+      // Forward: the logits in, idx and p out. Backward: the logits, idx, p and dp in, dlogits out.
       bench::launch_streaming_pass({.first = logits[i % sets].data(),
                                     .first_bytes = logits_bytes,
                                     .out = pass_out.data(),
-                                    .out_bytes = static_cast<std::size_t>(T * K) * 8},
+                                    .out_bytes = 2 * slot_bytes},
                                    stream.get());
       bench::launch_streaming_pass({.first = logits[i % sets].data(),
                                     .first_bytes = logits_bytes,
                                     .second = pass_in.data(),
-                                    .second_bytes = static_cast<std::size_t>(T * K) * 12,
+                                    .second_bytes = 3 * slot_bytes,
                                     .out = dlogits[i % sets].data(),
                                     .out_bytes = logits_bytes},
                                    stream.get());

@@ -55,7 +55,8 @@ std::size_t words_of(std::size_t bytes) {
 void launch_streaming_pass(const StreamingPass& pass, cudaStream_t stream) {
   auto check = [](const void* buffer, std::size_t bytes, const char* name) {
     if (bytes > 0 && (buffer == nullptr || reinterpret_cast<std::uintptr_t>(buffer) % 16 != 0)) {
-      throw Error(std::string("launch_streaming_pass: ") + name +
+      throw Error(std::string("launch_streaming_pass: ") + name + " = " +
+                  std::to_string(reinterpret_cast<std::uintptr_t>(buffer)) +
                   " must be a 16-byte aligned buffer for " + std::to_string(bytes) + " bytes");
     }
   };
