@@ -18,10 +18,10 @@
 #include "comm/bootstrap.h"
 #include "moe/device.h"
 #include "moe/error.h"
-#include "moe/layer_files.h"
+#include "io/layer_files.h"
 #include "moe/mesh.h"
 #include "moe/moe_block.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 
 using namespace moe;
 

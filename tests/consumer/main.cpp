@@ -1,20 +1,26 @@
-// Uses the installed headers and library: a config, the fp64 reference, a tensor file.
+// Uses the installed headers and library as a trainer's project would: a config, a tensor view,
+// a safetensors file round trip, and a clear error for bad input.
 #include <moe/config.h>
-#include <moe/reference.h>
+#include <moe/error.h>
 #include <moe/safetensors.h>
 
+#include <cstdint>
 #include <cstdio>
+#include <vector>
 
 int main() {
   const auto config = moe::parse_config("hidden: 4\nffn_hidden: 4\nnum_experts: 4\ntopk: 2\n");
-  moe::reference::Matrix logits(1, 4);
-  logits.data = {0.1, 2.0, -1.0, 1.0};
-  const auto routing = moe::reference::route(config, logits, {});
+  const std::vector<std::int32_t> experts = {1, 3};
   moe::TensorFile file;
-  file.add("experts", moe::FileDType::kI32, {2}, routing.expert.data());
+  file.add("experts", moe::FileDType::kI32, {2}, experts.data());
   const auto back = moe::TensorFile::parse(file.serialize());
-  const bool ok =
-      routing.expert[0] == 1 && routing.expert[1] == 3 && back.get("experts").shape[0] == 2;
+  bool rejected = false;
+  try {
+    moe::parse_config("hidden: 4\nffn_hidden: 4\nnum_experts: 4\ntopk: 9\n");
+  } catch (const moe::Error&) {
+    rejected = true;
+  }
+  const bool ok = config.num_experts == 4 && back.get("experts").shape[0] == 2 && rejected;
   std::printf("consumer: %s (%s)\n", ok ? "ok" : "WRONG", config.describe().c_str());
   return ok ? 0 : 1;
 }

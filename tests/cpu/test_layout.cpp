@@ -4,7 +4,7 @@
 #include <set>
 #include <tuple>
 
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "support/catch.h"
 #include "support/test_util.h"
 

@@ -2,7 +2,7 @@
 // single run's values for its tokens, the same losses, and the reduced gradients.
 #include <random>
 
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "support/catch.h"
 #include "support/test_util.h"
 

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <random>
 
-#include "moe/layer_files.h"
+#include "io/layer_files.h"
 #include "support/catch.h"
 #include "support/test_util.h"
 

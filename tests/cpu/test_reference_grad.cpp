@@ -3,7 +3,7 @@
 #include <random>
 #include <string>
 
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "support/catch.h"
 #include "support/test_util.h"
 

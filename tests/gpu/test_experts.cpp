@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "kernels/experts.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
 #include "support/test_util.h"

@@ -6,7 +6,7 @@
 #include "kernels/elementwise.cuh"
 #include "kernels/gemm.h"
 #include "moe/device.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "support/catch.h"
 #include "support/test_util.h"
 

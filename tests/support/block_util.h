@@ -6,7 +6,7 @@
 #include <random>
 
 #include "moe/moe_block.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "support/gpu_util.h"
 #include "support/test_util.h"
 

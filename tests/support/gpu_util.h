@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "moe/device.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "moe/tensor.h"
 #include "support/test_util.h"
 

@@ -9,7 +9,7 @@
 #include <random>
 #include <string>
 
-#include "moe/layer_files.h"
+#include "io/layer_files.h"
 #include "support/test_util.h"
 
 using namespace moe;

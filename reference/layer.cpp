@@ -1,6 +1,6 @@
 // The whole layer on one GPU in fp64: SPEC.md's six steps, then the backward as their mirror.
 #include "moe/error.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "stages.h"
 
 namespace moe::reference {

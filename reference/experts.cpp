@@ -2,7 +2,7 @@
 #include <cmath>
 
 #include "moe/error.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 
 namespace moe::reference {
 namespace {

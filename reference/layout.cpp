@@ -1,7 +1,7 @@
 // SPEC.md steps 4 and 6 on one rank in fp64: padded expert-major layout, permute, combine, the EP
 // receiver's chunk sort, and their backward.
 #include "moe/error.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 
 namespace moe::reference {
 

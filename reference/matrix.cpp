@@ -1,5 +1,5 @@
 #include "moe/error.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "moe/tensor.h"
 
 namespace moe::reference {

@@ -1,7 +1,7 @@
 // Pieces of the reference layer shared by the one-GPU and the mesh runs (private to src/).
 #pragma once
 
-#include "moe/reference.h"
+#include "reference/reference.h"
 
 namespace moe::reference {
 

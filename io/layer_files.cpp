@@ -1,4 +1,4 @@
-#include "moe/layer_files.h"
+#include "io/layer_files.h"
 
 #include <fmt/ranges.h>
 

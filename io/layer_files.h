@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "moe/config.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "moe/safetensors.h"
 
 namespace moe {

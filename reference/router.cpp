@@ -6,7 +6,7 @@
 #include <numeric>
 
 #include "moe/error.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 
 namespace moe::reference {
 namespace {

@@ -3,7 +3,7 @@
 // (source rank, local expert) chunks into the padded expert-major layout; then the mirror, and the
 // gradient reductions (experts over the DP group, gate over the world).
 #include "moe/error.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 #include "stages.h"
 
 namespace moe::reference {
