@@ -1,27 +1,42 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: configure, build on all cores, run every gpu and mpi test (mpirun
 # over all local GPUs) and the quick benchmarks, then print a short summary last.
-#   scripts/gpu-check.sh [--sanitize] [--no-bench]
-# --sanitize also runs the gpu test binaries under compute-sanitizer (memcheck, racecheck).
-# Logs go to build/gpu-check/; when $OUT is set (the device tool's folder) they are also packed
-# into $OUT/gpu-check-logs.tgz, with the benchmark results as $OUT/*.json.
+#   scripts/gpu-check.sh [--sanitize] [--no-tests] [--no-bench] [--repeat N] OUTDIR
+# --sanitize  runs every gpu test binary under compute-sanitizer's memcheck, racecheck, initcheck
+#             and synccheck (the four tools side by side, each over the binaries in turn).
+# --repeat N  runs the router and MoEBlock suites N times under racecheck and N times plainly,
+#             each run with a fresh seed (scripts/repeat-test.sh).
+# Every test binary prints its run's seed first; the summary names the seed of any failure, and
+# MOE_TEST_SEED=<seed> replays it. A run stopped by its time limit is reported as timed out: Catch2
+# itself would count the SIGTERM as one failed assertion.
+# OUTDIR receives the console output as it happens (gpu-check.txt), the logs packed as
+# gpu-check-logs.tgz, and the benchmark results as *.json.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-sanitize=0 bench=1
-for arg in "$@"; do
-  case $arg in
+usage() { echo "usage: $0 [--sanitize] [--no-tests] [--no-bench] [--repeat N] OUTDIR" >&2; exit 2; }
+sanitize=0 tests=1 bench=1 repeat=0 out=""
+while [ $# -gt 0 ]; do
+  case $1 in
     --sanitize) sanitize=1 ;;
+    --no-tests) tests=0 ;;
     --no-bench) bench=0 ;;
-    *) echo "usage: $0 [--sanitize] [--no-bench]" >&2; exit 2 ;;
+    --repeat) [ $# -ge 2 ] || usage; repeat=$2; shift ;;
+    -*) usage ;;
+    *) [ -z "$out" ] || usage; out=$1 ;;
   esac
+  shift
 done
+[ -n "$out" ] || usage
+[[ "$repeat" =~ ^[0-9]+$ ]] || { echo "error: --repeat '$repeat' is not a count" >&2; exit 2; }
+mkdir -p "$out" || exit 2
+out=$(cd "$out" && pwd)
 logs=$MOE_BUILD_DIR/gpu-check
 rm -rf "$logs"
 mkdir -p "$logs"
-# On the device machine everything printed also goes to $OUT as it happens, so a call that is
-# killed at its time limit still brings back how far it got.
-if [ -n "${OUT:-}" ]; then exec > >(tee "$OUT/gpu-check.txt") 2>&1; fi
+# Everything printed also goes to OUTDIR as it happens, so a call that is stopped at a time limit
+# still leaves how far it got.
+exec > >(tee "$out/gpu-check.txt") 2>&1
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared hosts
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 summary=()
@@ -62,24 +77,73 @@ run_label() {  # run_label LABEL: ctest over one label, one summary line
   [ $rc -ne 0 ] && { status=1; grep -E "Failed|FAILED|\*\*\*" "$logs/ctest-$label.log" | head -20; }
   note "$label tests: ${line:-no ctest summary} (skipped: $skipped)"
 }
-echo "== gpu tests"
-run_label gpu
-echo "== mpi tests"
-run_label mpi
+if [ $tests -eq 1 ]; then
+  echo "== gpu tests"
+  run_label gpu
+  echo "== mpi tests"
+  run_label mpi
+fi
 
+# The sanitizer tools over every gpu test binary (racecheck without cuBLASLt's kernels: common.sh).
+sanitize_tool() {  # sanitize_tool TOOL: every gpu test binary under TOOL, one line per binary
+  local tool=$1 binary name log rc seed
+  local extra=()
+  [ "$tool" = racecheck ] && extra=("${MOE_RACECHECK_EXCLUDE[@]}")
+  for binary in "$MOE_BUILD_DIR"/tests/test_gpu_*; do
+    name=$(basename "$binary")
+    log=$logs/sanitize-$tool-$name.log
+    timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 99 "${extra[@]}" "$binary" \
+      >"$log" 2>&1
+    rc=$?
+    seed=$(grep -m1 -oE "test seed: [0-9]+" "$log" | grep -oE "[0-9]+$")
+    case $rc in
+      0) echo "sanitizer $tool $name: clean (seed ${seed:-?})" ;;
+      124) echo "sanitizer $tool $name: TIMED OUT after 900 s (seed ${seed:-?}, log $(basename "$log"))" ;;
+      99) echo "sanitizer $tool $name: ERRORS $(grep -m1 -E "(ERROR|RACECHECK) SUMMARY" "$log") (seed ${seed:-?}, log $(basename "$log"))" ;;
+      *) echo "sanitizer $tool $name: FAILED, exit $rc (seed ${seed:-?}, log $(basename "$log"))" ;;
+    esac
+  done
+}
 if [ $sanitize -eq 1 ]; then
   echo "== compute-sanitizer"
-  for tool in memcheck racecheck; do
-    for binary in "$MOE_BUILD_DIR"/tests/test_gpu_*; do
-      name=$(basename "$binary")
-      if compute-sanitizer --tool $tool --error-exitcode 99 "$binary" >"$logs/sanitize-$tool-$name.log" 2>&1; then
-        note "sanitizer $tool $name: clean"
-      else
-        status=1
-        tail -20 "$logs/sanitize-$tool-$name.log"
-        note "sanitizer $tool $name: ERRORS (log sanitize-$tool-$name.log)"
-      fi
+  if ! command -v compute-sanitizer >/dev/null 2>&1; then
+    status=1
+    note "sanitizer: compute-sanitizer not found"
+  else
+    for tool in memcheck racecheck initcheck synccheck; do
+      sanitize_tool $tool >"$logs/sanitize-$tool.txt" 2>&1 &
     done
+    wait
+    for tool in memcheck racecheck initcheck synccheck; do
+      while IFS= read -r line; do
+        echo "$line"
+        note "$line"
+        [[ "$line" == *": clean "* ]] || status=1
+      done <"$logs/sanitize-$tool.txt"
+    done
+    # The machine's runtime may refuse the device to the sanitizer (seen on gVisor).
+    if grep -qs "Device not supported" "$logs"/sanitize-*.log; then
+      note "sanitizer: the device was refused on this machine's runtime"
+    fi
+  fi
+fi
+
+if [ "$repeat" -gt 0 ]; then
+  echo "== repeated runs ($repeat each, fresh seeds)"
+  for suite in test_gpu_router test_gpu_moe_block; do
+    for tool in racecheck plain; do
+      args=(--runs "$repeat" --logs "$logs/repeat")
+      [ $tool = racecheck ] && args+=(--tool racecheck)
+      bash "$MOE_ROOT/scripts/repeat-test.sh" "${args[@]}" "$MOE_BUILD_DIR/tests/$suite" \
+        >"$logs/repeat-$suite-$tool.txt" 2>&1 &
+    done
+  done
+  wait
+  for file in "$logs"/repeat-*.txt; do
+    cat "$file"
+    line=$(tail -1 "$file")
+    note "repeat: $line"
+    grep -q "FAIL\|TIMED OUT" "$file" && { status=1; note "$(grep -m3 "FAIL\|TIMED OUT" "$file")"; }
   done
 fi
 
@@ -120,10 +184,8 @@ if [ $bench -eq 1 ]; then
   cat "$logs/moe_bench.txt"
 fi
 
-if [ -n "${OUT:-}" ]; then
-  tar -czf "$OUT/gpu-check-logs.tgz" -C "$MOE_BUILD_DIR" gpu-check
-  cp "$logs"/*.json "$OUT"/ 2>/dev/null
-fi
+tar -czf "$out/gpu-check-logs.tgz" -C "$MOE_BUILD_DIR" gpu-check
+cp "$logs"/*.json "$out"/ 2>/dev/null
 echo
 echo "SUMMARY ($(date -u +%Y-%m-%dT%H:%MZ), $(hostname))"
 for line in "${summary[@]}"; do echo "  $line"; done

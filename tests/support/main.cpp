@@ -7,8 +7,13 @@
 #include <catch2/catch.hpp>
 #endif
 
+#include <cerrno>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <random>
+#include <string>
 
 #include "comm/bootstrap.h"
 #include "moe/device.h"
@@ -18,7 +23,25 @@ namespace moe::test {
 namespace {
 int g_rank = 0;
 int g_size = 1;
+std::uint64_t g_seed = 0;
+
+std::uint64_t draw_run_seed() {
+  if (const char* fixed = std::getenv("MOE_TEST_SEED")) {
+    char* end = nullptr;
+    errno = 0;
+    const auto seed = std::strtoull(fixed, &end, 10);
+    if (end == fixed || *end != '\0' || errno == ERANGE || fixed[0] == '-')
+      throw moe::Error(std::string("MOE_TEST_SEED = '") + fixed +
+                       "' is not an unsigned 64-bit integer");
+    return seed;
+  }
+  std::random_device device;
+  return (static_cast<std::uint64_t>(device()) << 32) ^ device();
+}
 }  // namespace
+std::uint64_t run_seed() {
+  return g_seed;
+}
 int world_rank() {
   return g_rank;
 }
@@ -36,6 +59,15 @@ int main(int argc, char** argv) {
       mpi = std::make_unique<moe::comm::MpiSession>(&argc, &argv);
       moe::test::g_rank = mpi->rank();
       moe::test::g_size = mpi->size();
+    }
+    moe::test::g_seed = moe::test::draw_run_seed();  // every rank: a bad MOE_TEST_SEED fails all
+    if (mpi) MOE_CHECK_MPI(MPI_Bcast(&moe::test::g_seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
+    // First line of the output, on rank 0: a failure anywhere in the run replays from it.
+    if (moe::test::g_rank == 0) {
+      std::printf("test seed: %llu (replay: MOE_TEST_SEED=%llu)\n",
+                  static_cast<unsigned long long>(moe::test::g_seed),
+                  static_cast<unsigned long long>(moe::test::g_seed));
+      std::fflush(stdout);
     }
     if (needs != Needs::kCpu) {
       const int gpus = moe::cuda_device_count();

@@ -13,24 +13,28 @@
 
 #include "moe/config.h"
 #include "moe/error.h"
-#include "moe/reference.h"
+#include "reference/reference.h"
 
 namespace moe::test {
 
 using reference::Matrix;
 
-// A fresh seed per run (fresh random inputs every time); tests print it with INFO so a failure
-// can be replayed: MOE_TEST_SEED=<seed> makes every test case draw from that seed instead.
+// The run's seed (support/main.cpp): drawn fresh for every run of a test binary, or taken from
+// MOE_TEST_SEED, printed first, and the same on every rank. Every test case draws its inputs from
+// it, so `MOE_TEST_SEED=<seed> <binary> "<test name>"` replays one failing case exactly.
+std::uint64_t run_seed();
 inline std::uint64_t fresh_seed() {
-  if (const char* fixed = std::getenv("MOE_TEST_SEED")) {
-    char* end = nullptr;
-    const auto seed = std::strtoull(fixed, &end, 10);
-    if (end == fixed || *end != '\0')
-      throw Error(std::string("MOE_TEST_SEED = '") + fixed + "' is not an unsigned integer");
-    return seed;
-  }
-  std::random_device device;
-  return (static_cast<std::uint64_t>(device()) << 32) ^ device();
+  return run_seed();
+}
+
+// MOE_TEST_LONG=1 turns on the exhaustive sweeps: larger token counts and every combination.
+// The default run stays short (seconds) so that it can be repeated, and run under the
+// compute-sanitizer tools, within one call on the GPU machine.
+inline bool long_run() {
+  const char* value = std::getenv("MOE_TEST_LONG");
+  if (value == nullptr || std::string(value) == "0" || std::string(value).empty()) return false;
+  if (std::string(value) == "1") return true;
+  throw Error(std::string("MOE_TEST_LONG = '") + value + "' must be 0 or 1");
 }
 
 inline Matrix random_matrix(std::int64_t rows, std::int64_t cols, std::mt19937_64& rng,

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Runs one test binary again and again, plainly or under a compute-sanitizer tool, each run with a
+# fresh seed, and records the seed and outcome of every run: the way to find a failure that shows
+# once in many runs, and to replay it (MOE_TEST_SEED=<seed>).
+#   scripts/repeat-test.sh [--tool memcheck|racecheck|initcheck|synccheck] [--runs N]
+#                          [--seconds S] [--timeout S] [--logs DIR] BINARY [test-spec...]
+# Stops after N runs (default 20) or once S seconds have passed (default: no limit), whichever
+# comes first; a run still going after --timeout seconds (default 900) is stopped and reported
+# as timed out, never as a failed check. One line per run on stdout; each run's whole output in DIR (default: a temp dir).
+# Exit status: 0 when every run passed, 1 otherwise.
+set -uo pipefail
+source "$(dirname "$0")/common.sh"
+
+tool="" runs=20 seconds=0 logs="" per_run=900
+while [ $# -gt 0 ]; do
+  case $1 in
+    --tool) tool=$2; shift 2 ;;
+    --runs) runs=$2; shift 2 ;;
+    --seconds) seconds=$2; shift 2 ;;
+    --logs) logs=$2; shift 2 ;;
+    --timeout) per_run=$2; shift 2 ;;
+    --) shift; break ;;
+    -*) echo "usage: $0 [--tool T] [--runs N] [--seconds S] [--logs DIR] BINARY [test-spec...]" >&2
+        exit 2 ;;
+    *) break ;;
+  esac
+done
+[ $# -ge 1 ] || { echo "usage: $0 [options] BINARY [test-spec...]" >&2; exit 2; }
+binary=$1
+shift
+[ -x "$binary" ] || { echo "error: '$binary' is not an executable file" >&2; exit 2; }
+case $tool in
+  "" | memcheck | racecheck | initcheck | synccheck) ;;
+  *) echo "error: --tool '$tool' must be memcheck, racecheck, initcheck or synccheck" >&2; exit 2 ;;
+esac
+[ -n "$logs" ] || logs=$(mktemp -d)
+mkdir -p "$logs"
+
+name=$(basename "$binary")-${tool:-plain}
+launcher=()
+# --error-exitcode: a hazard the tool reports fails the run even when every check passed.
+[ -n "$tool" ] && launcher=(compute-sanitizer --tool "$tool" --error-exitcode 99)
+[ "$tool" = racecheck ] && launcher+=("${MOE_RACECHECK_EXCLUDE[@]}")
+
+start=$SECONDS failed=0 done_runs=0
+for ((i = 1; i <= runs; ++i)); do
+  if [ "$seconds" -gt 0 ] && [ $((SECONDS - start)) -ge "$seconds" ]; then break; fi
+  log=$logs/$name-$i.log
+  run_start=$SECONDS
+  timeout "$per_run" "${launcher[@]}" "$binary" "$@" >"$log" 2>&1
+  rc=$?
+  done_runs=$i
+  seed=$(grep -m1 -oE "test seed: [0-9]+" "$log" | grep -oE "[0-9]+$")
+  assertions=$(grep -E "^(test cases|assertions|All tests passed)" "$log" | tr -s '\n ' ' ')
+  if [ $rc -eq 124 ]; then
+    failed=$((failed + 1))
+    echo "$name run $i: TIMED OUT after $per_run s, seed ${seed:-?}, log $log"
+  elif [ $rc -eq 0 ]; then
+    echo "$name run $i: pass, seed ${seed:-?}, $((SECONDS - run_start)) s (${assertions:-no summary})"
+  else
+    failed=$((failed + 1))
+    echo "$name run $i: FAIL (exit $rc), seed ${seed:-?}, $((SECONDS - run_start)) s (${assertions:-no summary}), log $log"
+    # The failed checks with the context Catch printed for them (file:line, INFO lines, values).
+    grep -B3 -A12 -E "FAILED|ERROR SUMMARY: [1-9]|Race reported|Hazard" "$log" | head -60 | sed 's/^/    /'
+  fi
+done
+echo "$name: $((done_runs - failed)) of $done_runs runs passed"
+[ $failed -eq 0 ]
