@@ -42,6 +42,10 @@ if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_
 summary=()
 status=0
 note() { summary+=("$1"); }
+# The logs are packed into OUTDIR however the script ends, a time limit's SIGTERM included.
+pack_logs() { tar -czf "$out/gpu-check-logs.tgz" -C "$MOE_BUILD_DIR" gpu-check 2>/dev/null; }
+trap pack_logs EXIT
+trap 'echo "gpu-check: stopped by a signal"; exit 143' TERM INT
 
 echo "== machine"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$logs/gpus.txt"
@@ -74,7 +78,17 @@ run_label() {  # run_label LABEL: ctest over one label, one summary line
   line=$(grep -E "tests passed|tests failed" "$logs/ctest-$label.log" | tail -1)
   local skipped
   skipped=$(grep -c "(Skipped)" "$logs/ctest-$label.log")
-  [ $rc -ne 0 ] && { status=1; grep -E "Failed|FAILED|\*\*\*" "$logs/ctest-$label.log" | head -20; }
+  if [ $rc -ne 0 ]; then
+    status=1
+    # Each failed check with what Catch printed around it: the test seed, the INFO context, the
+    # expression and its values.
+    grep -E "^test seed:|FAILED|\*\*\*Failed|Timeout" "$logs/ctest-$label.log" | head -20
+    grep -B2 -A16 -E "^[^ ].*: FAILED:" "$logs/ctest-$label.log" | head -120
+    for seed in $(grep -B200 -E ": FAILED:" "$logs/ctest-$label.log" | grep -oE "^test seed: [0-9]+" |
+                  grep -oE "[0-9]+$" | sort -u); do
+      note "$label: a failure replays with MOE_TEST_SEED=$seed"
+    done
+  fi
   note "$label tests: ${line:-no ctest summary} (skipped: $skipped)"
 }
 if [ $tests -eq 1 ]; then
@@ -184,7 +198,6 @@ if [ $bench -eq 1 ]; then
   cat "$logs/moe_bench.txt"
 fi
 
-tar -czf "$out/gpu-check-logs.tgz" -C "$MOE_BUILD_DIR" gpu-check
 cp "$logs"/*.json "$out"/ 2>/dev/null
 echo
 echo "SUMMARY ($(date -u +%Y-%m-%dT%H:%MZ), $(hostname))"
