@@ -148,6 +148,7 @@ struct MoEBlock::State {
   Stream count_stream;
   Event layout_built;
   DeviceBuffer dx;  // the backward's output
+  Event initialized;  // initialize() waits for its writes
 
   // The peer exchange (EpTransport::kPeer, docs/design.md "Peer exchange"): the experts' input X
   // and output Y live in buffers every EP rank maps; senders store their rows straight into X and
@@ -460,6 +461,11 @@ void MoEBlock::initialize(std::uint64_t seed) {
               1.0f / std::sqrt(static_cast<float>(s.F)), s.stream);
   MOE_CHECK_CUDA(
       cudaMemsetAsync(s.params.expert_bias.data, 0, s.params.expert_bias.bytes(), s.stream));
+  // Returns once the values are written. The caller may overwrite the parameters next from any
+  // stream (a checkpoint loaded with cudaMemcpy, say), which nothing would order after these
+  // writes: queued behind slow work, they used to land after the caller's own and replace them.
+  s.initialized.record(s.stream);
+  s.mesh.wait(s.initialized.get(), "the parameters' initialisation");
 }
 
 MoEForward MoEBlock::forward(const Tensor& x) {

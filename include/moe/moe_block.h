@@ -94,7 +94,8 @@ class MoEBlock {
   // Use memory the trainer owns; shapes and dtypes are checked first (nothing changes on error).
   void bind(const MoEParameters& parameters, const MoEGradients& gradients);
   // Seeded initialisation, identical on every rank for the same global expert: gate and experts
-  // ~ N(0, 1/fan_in), bias 0.
+  // ~ N(0, 1/fan_in), bias 0. The constructor runs it with seed 0. It returns once the values are
+  // written, so that the caller may then overwrite parameters() from any stream.
   void initialize(std::uint64_t seed);
 
   // x [T, H] in config.dtype. Saves the context for backward.

@@ -1,8 +1,10 @@
 // MoEBlock on one GPU against the fp64 reference of the whole layer: output, losses, dx and every
 // weight gradient, over router modes, losses, alignments and dtypes; hard routing; repeat steps;
 // bad use.
+#include <chrono>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "moe/device.h"
 #include "moe/mesh.h"
@@ -196,6 +198,32 @@ TEST_CASE("MoEBlock edge cases: T = 1, K = E, zero tokens, hard routing", "[gpu]
   for (int e = 2; e < 8; ++e) {
     for (const double v : got.dw13[e].data) REQUIRE(v == 0.0);
   }
+}
+
+// The block's stream is held up by 300 ms of earlier work when the block is built, so that its
+// initialisation stays queued while the test writes the weights with cudaMemcpy, which nothing
+// orders against that stream. The constructor must have waited for its own writes: else they
+// land after the test's and replace its weights.
+TEST_CASE("weights written right after construction are the ones used", "[gpu][block]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig c = base_config(DType::kFP32);
+  c.aux_loss_coeff = 0.05;
+  c.validate();
+  Stream stream;
+  const auto hold = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); };
+  MOE_CHECK_CUDA(cudaLaunchHostFunc(stream.get(), hold, nullptr));
+  const Mesh mesh = Mesh::single();
+  MoEBlock block(c, mesh, stream.get());
+  auto params = test::random_params(c, rng);
+  test::load_params(block, params, 0, c.num_experts);  // at once: no host work in between
+  Matrix x;
+  test::draw_separated(c, params, x, 40, rng);
+  const Matrix dy = test::random_matrix(40, c.hidden, rng);
+  check_against_reference(
+      c, run_block(block, c, x, dy),
+      reference::run_layer(c, params, x, dy, test::kAsStored, test::kDprobInExperts));
 }
 
 TEST_CASE("two steps in a row equal two fresh runs", "[gpu][block]") {

@@ -175,7 +175,7 @@ TEST_CASE("layout, permute, combine and their backward over the grid", "[gpu][pe
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  const std::int64_t token_counts[] = {0, 1, 7, test::long_run() ? 4096 : 1024};
+  const std::int64_t token_counts[] = {0, 1, 7, test::by_run_size(300, 1024, 4096)};
   const int hiddens[] = {128, 2048, 7168,
                          100};  // 100: bf16 rows of 200 bytes take the element path
   int index = 0;
@@ -201,7 +201,7 @@ TEST_CASE("permute at many tokens and odd widths", "[gpu][permute]") {
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  const std::int64_t many = test::long_run() ? 65536 : 16384;
+  const std::int64_t many = test::by_run_size(4096, 16384, 65536);
   run_case({many, 128, 256, 8, 128, false, DType::kBF16}, rng);
   run_case({many, 128, 8, 2, 16, true, DType::kFP32}, rng);
   run_case({300, 7, 8, 2, 8, false, DType::kFP32}, rng);  // fp32 rows of 28 bytes: element path

@@ -328,7 +328,7 @@ TEST_CASE("router forward and backward over the grid of modes and shapes", "[gpu
       {ScoreFunction::kSqrtSoftplus, false, false}, {ScoreFunction::kSqrtSoftplus, false, true}};
   // Several waves of blocks at the larger count in the long run; the default run keeps one count
   // above a block's tokens, and the model shapes below cover several waves.
-  const std::int64_t token_counts[] = {0, 1, 7, test::long_run() ? 4096 : 1024};
+  const std::int64_t token_counts[] = {0, 1, 7, test::by_run_size(300, 1024, 4096)};
   int case_index = 0;
   for (const auto& mode : modes) {
     for (const bool grouped : {false, true}) {
@@ -356,7 +356,7 @@ TEST_CASE("router at many waves of blocks for the model shapes", "[gpu][router]"
   // Many waves of the persistent grid (one wave holds 2-13 thousand tokens, by E), so that every
   // block strides over several tokens and the forward's last block sums many partials.
   const bool long_run = test::long_run();
-  const std::int64_t T = long_run ? 65536 : 16384;
+  const std::int64_t T = test::by_run_size(4096, 16384, 65536);
   // deepseek-v3, mixtral, qwen3, a large sqrtsoftplus layer, pre-softmax top-1.
   run_case({router_config(256, 8, ScoreFunction::kSigmoid, false, true, true, 2.5, true), T,
             DType::kBF16},
@@ -368,7 +368,7 @@ TEST_CASE("router at many waves of blocks for the model shapes", "[gpu][router]"
             DType::kBF16},
            rng);
   run_case({router_config(1024, 6, ScoreFunction::kSqrtSoftplus, false, true, false, 1.0, true),
-            long_run ? T : 8192, DType::kFP32},
+            test::by_run_size(2048, 8192, T), DType::kFP32},
            rng);
   if (!long_run) return;
   run_case({router_config(64, 1, ScoreFunction::kSoftmax, true, false, false, 1.0, false), T,
@@ -406,7 +406,7 @@ TEST_CASE("router at expert counts that fill the lanes unevenly", "[gpu][router]
                                      {2048, 8, ScoreFunction::kSoftmax, false, false}};
   for (const auto& shape : shapes) {
     for (const DType dtype : {DType::kFP32, DType::kBF16}) {
-      for (const std::int64_t T : {std::int64_t{7}, std::int64_t{test::long_run() ? 4096 : 1024}}) {
+      for (const std::int64_t T : {std::int64_t{7}, test::by_run_size(300, 1024, 4096)}) {
         auto config = router_config(shape.experts, shape.topk, shape.f, false, shape.bias,
                                     shape.grouped, 2.5, true);
         config.validate();

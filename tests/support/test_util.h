@@ -27,14 +27,37 @@ inline std::uint64_t fresh_seed() {
   return run_seed();
 }
 
+// How much a run covers. The default run stays short (seconds), so that it can be repeated within
+// one call on the GPU machine; MOE_TEST_QUICK=1 shrinks it further for the compute-sanitizer
+// tools, which slow kernels down tens of times (every code path is still taken, on fewer tokens);
 // MOE_TEST_LONG=1 turns on the exhaustive sweeps: larger token counts and every combination.
-// The default run stays short (seconds) so that it can be repeated, and run under the
-// compute-sanitizer tools, within one call on the GPU machine.
-inline bool long_run() {
-  const char* value = std::getenv("MOE_TEST_LONG");
-  if (value == nullptr || std::string(value) == "0" || std::string(value).empty()) return false;
+enum class RunSize { kQuick, kDefault, kLong };
+inline bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || value[0] == '\0' || std::string(value) == "0") return false;
   if (std::string(value) == "1") return true;
-  throw Error(std::string("MOE_TEST_LONG = '") + value + "' must be 0 or 1");
+  throw Error(std::string(name) + " = '" + value + "' must be 0 or 1");
+}
+inline RunSize run_size() {
+  const bool quick = env_flag("MOE_TEST_QUICK");
+  const bool long_sweeps = env_flag("MOE_TEST_LONG");
+  if (quick && long_sweeps) throw Error("MOE_TEST_QUICK and MOE_TEST_LONG are both set");
+  return quick ? RunSize::kQuick : long_sweeps ? RunSize::kLong : RunSize::kDefault;
+}
+inline bool long_run() {
+  return run_size() == RunSize::kLong;
+}
+// The value for this run's size.
+inline std::int64_t by_run_size(std::int64_t quick, std::int64_t normal, std::int64_t long_sweep) {
+  switch (run_size()) {
+    case RunSize::kQuick:
+      return quick;
+    case RunSize::kLong:
+      return long_sweep;
+    case RunSize::kDefault:
+      break;
+  }
+  return normal;
 }
 
 inline Matrix random_matrix(std::int64_t rows, std::int64_t cols, std::mt19937_64& rng,
