@@ -109,7 +109,7 @@ inline double copy_bandwidth(cudaStream_t stream) {
 
 // A busy GPU runs slower than a fresh one: under sustained GEMMs an H200 reaches its 700 W power
 // cap within ~100 ms and nvidia-smi shows the SM clock fall from 1980 to ~1400-1500 MHz (throttle
-// reason "SW power cap"). The session-8 probe: an 8192^3 product ran at 797 TFLOP/s over its first
+// reason "SW power cap"). Measured on an H200: an 8192^3 product ran at 797 TFLOP/s over its first
 // ~20 ms and at 683-690 TFLOP/s from then on, for seconds. A rate taken in the first milliseconds
 // is a burst, not a ceiling; ceilings, and the timings compared with them, are taken after this
 // much load.

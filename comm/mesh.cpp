@@ -277,8 +277,8 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
   // The waits on a step's path (the dispatch's row counts) are for work queued a fraction of a
   // millisecond earlier, and the GPU idles from the event until the host queues what follows:
   // a sleeping poll overshot by the sleep's timer slack (~50 µs on Linux) plus up to the length
-  // of its last backoff step, 0.1–0.2 ms per step at the layer's shapes (the session-9
-  // reading of moe_bench's dispatch stage). So spin, yielding, for the first few milliseconds;
+  // of its last backoff step, 0.1–0.2 ms per step at the layer's shapes (moe_bench's
+  // dispatch stage). So spin, yielding, for the first few milliseconds;
   // a longer wait is for a peer, and backs off to 1 ms sleeps that also check the
   // communicators' errors and the deadline.
   constexpr auto kSpin = std::chrono::milliseconds(5);

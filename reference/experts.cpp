@@ -1,4 +1,5 @@
-// SPEC.md step 5 in fp64: SwiGLU experts over the padded expert-major rows, and their backward.
+// Forward step 5 of docs/design.md in fp64: SwiGLU experts over the padded expert-major
+// rows, and their backward.
 #include <cmath>
 
 #include "moe/error.h"

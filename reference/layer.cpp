@@ -1,4 +1,4 @@
-// The whole layer on one GPU in fp64: SPEC.md's six steps, then the backward as their mirror.
+// The whole layer on one GPU in fp64: the six forward steps of docs/design.md, then the backward as their mirror.
 #include "moe/error.h"
 #include "reference/reference.h"
 #include "stages.h"

@@ -1,4 +1,4 @@
-// SPEC.md steps 4 and 6 on one rank in fp64: padded expert-major layout, permute, combine, the EP
+// Forward steps 4 and 6 of docs/design.md on one rank in fp64: padded expert-major layout, permute, combine, the EP
 // receiver's chunk sort, and their backward.
 #include "moe/error.h"
 #include "reference/reference.h"

@@ -1,4 +1,4 @@
-// An EP×DP mesh in fp64, simulated exchange by exchange as SPEC.md describes it: the sender orders
+// An EP×DP mesh in fp64, simulated exchange by exchange as docs/design.md describes it: the sender orders
 // rows by global expert without padding, all-to-allv inside the EP group, the receiver sorts
 // (source rank, local expert) chunks into the padded expert-major layout; then the mirror, and the
 // gradient reductions (experts over the DP group, gate over the world).
@@ -136,7 +136,7 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
       const auto& routing = front[rank(i)].routing;
       result[rank(i)].out = unpermute_combine(y_send_layout[i], send_layout[rank(i)], routing);
       dy_send_layout[i] = combine_backward_rows(dy[rank(i)], send_layout[rank(i)], routing);
-      // The combine consumed Y in the sender's layout: dp is taken there (SPEC.md pitfall 3).
+      // The combine consumed Y in the sender's layout: dp is taken there (docs/design.md, "Combine backward").
       dprob[i] =
           combine_backward_prob(dy[rank(i)], y_send_layout[i], send_layout[rank(i)], routing);
     }

@@ -1,4 +1,4 @@
-// The fp64 CPU reference of the whole layer: SPEC.md, forward and backward, stage by stage.
+// The fp64 CPU reference of the whole layer, forward and backward, stage by stage, as docs/design.md states it.
 //
 // Every GPU kernel has a counterpart here and every GPU test compares against it. Users may run it
 // to check the layer too. Nothing here is fast; everything here is plain.
@@ -59,7 +59,7 @@ enum class Intermediates { kExact, kAsStored };
 // ---- Step 2: router
 // ------------------------------------------------------------------------------
 
-// Top-K per token, in descending score order: topk_idx and topk_p (scaled) of SPEC.md.
+// Top-K per token, in descending score order: topk_idx and topk_p (scaled).
 struct Routing {
   std::int64_t tokens = 0;
   int topk = 0;
@@ -81,7 +81,7 @@ std::vector<double> router_scores(const MoEConfig& config, std::span<const doubl
 // elementwise score plus the expert bias (sigmoid, sqrtsoftplus).
 std::vector<double> selection_scores(const MoEConfig& config, std::span<const double> logits,
                                      std::span<const double> expert_bias);
-// SPEC.md's plain or group-limited top-K over selection scores; descending, ties to the lower
+// The plain or group-limited top-K over selection scores; descending, ties to the lower
 // index.
 std::vector<int> select_experts(const MoEConfig& config, std::span<const double> scores);
 
@@ -219,7 +219,7 @@ struct LayerResult {
 };
 
 // Where dprob is formed, which decides what kAsStored rounds on its way there: in the combine
-// backward, dy·y with y stored (SPEC.md as stated; MoEBlock over NCCL), or in the experts that
+// backward, dy·y with y stored (the combine as docs/design.md states it; MoEBlock over NCCL), or in the experts that
 // weighed their own rows, <dy·w2ᵀ, a> with dy·w2ᵀ stored and a from the stored h (MoEBlock on
 // one GPU and over the peer exchange). The same number in exact arithmetic.
 enum class ProbabilityGradient { kCombine, kExperts };

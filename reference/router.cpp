@@ -1,4 +1,4 @@
-// SPEC.md steps 2 and 3 in fp64: score functions, (grouped) top-K, probabilities, aux and z losses,
+// Forward steps 2 and 3 of docs/design.md in fp64: score functions, (grouped) top-K, probabilities, aux and z losses,
 // and their backward.
 #include <algorithm>
 #include <cmath>
@@ -11,7 +11,7 @@
 namespace moe::reference {
 namespace {
 
-constexpr double kNormEpsilon = 1e-20;  // SPEC.md's guard in the sigmoid normalisations
+constexpr double kNormEpsilon = 1e-20;  // the guard of the sigmoid normalisations
 
 double sigmoid(double v) {
   return 1.0 / (1.0 + std::exp(-v));

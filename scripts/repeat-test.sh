@@ -7,9 +7,9 @@
 # Stops after N runs (default 20) or once S seconds have passed (default: no limit), whichever
 # comes first; a run still going after --timeout seconds (default 900) is stopped and reported
 # as timed out, never as a failed check. One line per run on stdout; each run's whole output in DIR (default: a temp dir).
+# Under a tool the suites run their quick sizes (MOE_TEST_QUICK=1, unless set otherwise).
 # Exit status: 0 when every run passed, 1 otherwise.
 set -uo pipefail
-source "$(dirname "$0")/common.sh"
 
 tool="" runs=20 seconds=0 logs="" per_run=900
 while [ $# -gt 0 ]; do
@@ -39,8 +39,10 @@ mkdir -p "$logs"
 name=$(basename "$binary")-${tool:-plain}
 launcher=()
 # --error-exitcode: a hazard the tool reports fails the run even when every check passed.
-[ -n "$tool" ] && launcher=(compute-sanitizer --tool "$tool" --error-exitcode 99)
-[ "$tool" = racecheck ] && launcher+=("${MOE_RACECHECK_EXCLUDE[@]}")
+if [ -n "$tool" ]; then
+  launcher=(compute-sanitizer --tool "$tool" --error-exitcode 99)
+  export MOE_TEST_QUICK=${MOE_TEST_QUICK:-1}
+fi
 
 start=$SECONDS failed=0 done_runs=0
 for ((i = 1; i <= runs; ++i)); do

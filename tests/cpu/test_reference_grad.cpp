@@ -123,7 +123,7 @@ TEST_CASE("router backward equals finite differences of Σ p·dp", "[cpu][refere
   }
 }
 
-TEST_CASE("routing follows SPEC.md on hand-worked rows", "[cpu][reference][router]") {
+TEST_CASE("routing follows the design on hand-worked rows", "[cpu][reference][router]") {
   MoEConfig config = test::small_config(4, 4, 4, 2);
   Matrix logits(1, 4);
   logits.data = {1.0, 3.0, 2.0, 3.0};  // a tie: the lower index (1) wins
@@ -226,7 +226,7 @@ TEST_CASE("aux and z losses alone: values and gradients", "[cpu][reference][loss
       logits = test::random_matrix(11, config.num_experts, rng, 2.0);
     } while (!test::well_separated(config, logits, params.expert_bias, 1e-3));
 
-    // The loss values against a direct transcription of SPEC.md.
+    // The loss values against a direct transcription of docs/design.md.
     const AuxStats stats = aux_stats(config, logits);
     const double T = 11;
     double expected_aux = 0.0;
