@@ -1,4 +1,4 @@
-// SPEC.md step 5 on the GPU: every local expert's SwiGLU FFN over its row group of the padded
+// The experts on the GPU: every local expert's SwiGLU FFN over its row group of the padded
 // expert-major buffer, forward and backward.
 //
 // Weights follow PyTorch nn.Linear (out_features × in_features, row-major), so checkpoints map

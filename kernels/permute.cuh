@@ -1,9 +1,13 @@
-// SPEC.md steps 4 and 6 on one rank: the padded expert-major layout built from topk_idx, permute,
+// Dispatch and combine on one rank: the padded expert-major layout built from topk_idx, permute,
 // unpermute-combine and their backward; and the EP receiver's chunk sort between (source rank,
 // local expert) order and the padded expert-major layout.
 //
 // Rows are moved with 16-byte vector accesses when a row's bytes allow it (H·elem % 16 == 0),
 // element by element otherwise. Row indices are int32 (up to 2^31 rows).
+//
+// The implementation: permute_layout.cu (the layout), permute_rows.cu (the row kernels, local and
+// over the peer exchange), permute_chunks.cu (the chunk sort), with the device code they share in
+// permute_device.cuh and the host side of their launches in permute_launch.h / permute_launch.cpp.
 #pragma once
 
 #include <cuda_runtime_api.h>

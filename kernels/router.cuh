@@ -1,16 +1,19 @@
-// SPEC.md steps 2 and 3 on the GPU: the fused router (score function, grouped top-K, expert bias,
+// The router on the GPU: the fused routing (score function, grouped top-K, expert bias,
 // probabilities, scaling), the statistics of the aux and z losses, their values, the backward into
 // dlogits, and the aux-loss-free expert-bias update.
 //
 // A team of lanes handles one token (8 lanes for E ≤ 64, 16 for E ≤ 128, the whole warp above;
-// each lane a contiguous chunk of experts, or every 32nd expert above E = 512), its E logits
-// held in registers, so E up to 2048 and K up to 16 need no shared-memory rows of
-// logits (the backward stages one row per team to add the selected entries' terms; above 512
-// experts the biases, score sums and aux gradients, the same for every token, sit in shared
-// memory to free registers). The
+// each lane a contiguous chunk of experts, or every 32nd expert above E = 512), its E logits held
+// in registers, so E up to 2048 and K up to 16 need no shared-memory rows of logits (the backward
+// stages one row per team to add the selected entries' terms; above 512 experts the biases, score
+// sums and aux gradients, the same for every token, sit in shared memory to free registers). The
 // forward is one kernel: the last of its blocks to finish turns the per-block totals into the
 // counts and sums (no memsets, no second launch). Everything is deterministic: counts and the
 // aux score sums cross blocks as integers (sums in 64-bit fixed point), z in a fixed order.
+//
+// The implementation: router_forward.cu, router_backward.cu and router_losses.cu, with the device
+// code they share in router_device.cuh, the forward's selection in router_select.cuh, and the host
+// side of their launches in router_launch.h / router_launch.cpp.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -9,7 +9,7 @@
 #include <random>
 #include <sstream>
 
-#include "kernels/router.cuh"
+#include "kernels/router_device.cuhh"
 #include "reference/reference.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
@@ -100,8 +100,8 @@ Matrix draw_tied_logits(std::int64_t tokens, int experts, std::mt19937_64& rng) 
 }
 
 // Rows outside the range where the backward takes the shifted sigmoid (largest logit in
-// [−80, 16], kernels/router.cu): every third row has its largest logit raised to 17, every third
-// one (t % 3 == 1) is lowered by 84 as a whole; the others stay. Raised rows keep their top K
+// [−80, 16], kernels/router_device.cuh): every third row has its largest logit raised to 17, every
+// third one (t % 3 == 1) is lowered by 84 as a whole; the others stay. Raised rows keep their top K
 // apart in fp32 (17, then the grid's largest, ≤ 5), unlike a whole row near 17, where σ rounds
 // to 1. Lowered rows stay above −87.3 at E = 8, where the selection under biases can reach any
 // entry: below it the sigmoid's fast division flushes to 0, and the reference's tiny scores there
@@ -121,7 +121,8 @@ void move_rows_to_the_sigmoid_fallback(Matrix& logits) {
 // lane r holds experts r, r + 32, ...): every other row's values rearranged so that its largest
 // sit on the experts ≡ t (mod 32), the rest on the other experts at random. More than 32 entries
 // then reach the threshold selection's bound without any tie, and it takes the rounds instead
-// (strided_top_k in kernels/router.cu). The values themselves, and so their gaps, are unchanged.
+// (strided_top_k in kernels/router_select.cuh). The values themselves, and so their gaps, are
+// unchanged.
 void crowd_rows_into_one_lane(Matrix& logits, std::mt19937_64& rng) {
   const int experts = static_cast<int>(logits.cols);
   for (std::int64_t t = 0; t < logits.rows; t += 2) {

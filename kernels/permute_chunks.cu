@@ -1,0 +1,148 @@
+// The EP receiver's chunk sort: rows ordered by (source rank, local expert), unpadded, moved to or
+// from the padded expert-major layout.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "moe/error.h"
+#include "permute.cuh"
+#include "permute_device.cuh"
+#include "permute_launch.h"
+#include "vector_access.cuh"
+
+namespace moe {
+
+using namespace permute_detail;  // the code that the permute_*.cu files share
+
+namespace {
+
+// Chunk table of the EP receiver: chunk c = s·E_loc + e starts at source_start[c] in the
+// source-major rows and at expert_start[c] in the padded expert-major rows; group offsets and
+// counts per expert.
+struct ChunkTable {
+  std::int32_t* source_start;   // [C + 1]
+  std::int32_t* expert_start;   // [C]
+  std::int32_t* group_offsets;  // [E_loc + 1]
+  std::int32_t* group_counts;   // [E_loc]
+};
+
+ChunkTable chunk_table(void* workspace, int sources, int local_experts) {
+  auto* base = static_cast<std::int32_t*>(workspace);
+  const int chunks = sources * local_experts;
+  return {base, base + chunks + 1, base + 2 * chunks + 1, base + 2 * chunks + local_experts + 2};
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+    chunk_table_kernel(const std::int32_t* __restrict__ counts, int sources, int local_experts,
+                       int align, ChunkTable table) {
+  extern __shared__ int scan[];  // [chunks] then [local_experts]
+  __shared__ int totals[kScanThreads];
+  const int chunks = sources * local_experts;
+  int* padded = scan + chunks;
+  for (int c = threadIdx.x; c < chunks; c += kScanThreads) scan[c] = counts[c];
+  for (int e = threadIdx.x; e < local_experts; e += kScanThreads) {
+    int rows = 0;
+    for (int s = 0; s < sources; ++s) rows += counts[s * local_experts + e];
+    table.group_counts[e] = rows;
+    padded[e] = align > 1 ? (rows + align - 1) / align * align : rows;
+  }
+  __syncthreads();
+  const int source_rows = block_exclusive_scan(scan, chunks, totals);
+  const int expert_rows = block_exclusive_scan(padded, local_experts, totals);
+  for (int c = threadIdx.x; c < chunks; c += kScanThreads) table.source_start[c] = scan[c];
+  for (int e = threadIdx.x; e < local_experts; e += kScanThreads) {
+    table.group_offsets[e] = padded[e];
+    int start = padded[e];
+    for (int s = 0; s < sources; ++s) {
+      table.expert_start[s * local_experts + e] = start;
+      start += counts[s * local_experts + e];
+    }
+  }
+  if (threadIdx.x == 0) {
+    table.source_start[chunks] = source_rows;
+    table.group_offsets[local_experts] = expert_rows;
+  }
+}
+
+// One warp per source-major row: finds its chunk by binary search and copies the row to or from
+// its expert-major place.
+template <typename T, int kElems, bool kToExpertMajor>
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    chunk_copy_kernel(const T* __restrict__ from, T* __restrict__ to, std::int64_t rows, int hidden,
+                      int chunks, const std::int32_t* __restrict__ source_start,
+                      const std::int32_t* __restrict__ expert_start, Padding pad) {
+  if (kToExpertMajor && zero_padding_block<T, kElems>(pad, hidden, to)) return;
+  using P = Pack<T, kElems>;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t row =
+      static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  if (row >= rows) return;
+  int lo = 0, hi = chunks;  // last chunk with source_start <= row (empty chunks share starts)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (source_start[mid] <= row)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  const std::int64_t expert_row = expert_start[lo] + (row - source_start[lo]);
+  const std::int64_t src_row = kToExpertMajor ? row : expert_row;
+  const std::int64_t dst_row = kToExpertMajor ? expert_row : row;
+  const P* src = reinterpret_cast<const P*>(from + src_row * hidden);
+  P* dst = reinterpret_cast<P*>(to + dst_row * hidden);
+  for (int u = lane; u < hidden / kElems; u += kWarpSize) dst[u] = src[u];
+}
+
+template <bool kToExpertMajor>
+void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
+                 const Tensor& source_major, const Tensor& expert_major, cudaStream_t stream) {
+  if (c.sources < 1 || c.local_experts < 1 || c.counts == nullptr || c.workspace == nullptr) {
+    fail("chunk sort: sources = " + std::to_string(c.sources) + ", local_experts = " +
+         std::to_string(c.local_experts) + "; counts and workspace are required");
+  }
+  check_activation(source_major, "chunk sort source-major rows");
+  check_activation(expert_major, "chunk sort expert-major rows");
+  check_same_width(source_major, expert_major, "chunk sort");
+  const int chunks = c.sources * c.local_experts;
+  const ChunkTable table = chunk_table(c.workspace, c.sources, c.local_experts);
+  const std::size_t shared = (static_cast<std::size_t>(chunks) + c.local_experts) * sizeof(int);
+  if (shared > 48 * 1024)
+    fail("chunk sort: " + std::to_string(chunks) +
+         " chunks exceed the table kernel's shared memory");
+  chunk_table_kernel<<<1, kScanThreads, shared, stream>>>(c.counts, c.sources, c.local_experts,
+                                                          c.align, table);
+  MOE_CHECK_LAUNCH();
+  const std::int64_t rows = source_major.dim(0);
+  const int hidden = static_cast<int>(source_major.dim(1));
+  // Sorting into the expert-major layout also zeroes its padding; the way back has none to write.
+  const Padding pad = kToExpertMajor
+                          ? Padding{table.group_offsets, table.group_counts, c.local_experts}
+                          : Padding{};
+  const unsigned grid = row_grid(rows, pad);
+  if (grid == 0) return;
+  dispatch_rows(source_major, {from.data, to.data}, [&]<typename T, int kElems>() {
+    chunk_copy_kernel<T, kElems, kToExpertMajor><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
+        from.as<const T>(), to.as<T>(), rows, hidden, chunks, table.source_start,
+        table.expert_start, pad);
+    MOE_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace
+
+std::size_t chunk_workspace_bytes(int sources, int local_experts) {
+  const auto chunks = static_cast<std::size_t>(sources) * local_experts;
+  return (2 * chunks + 2 * static_cast<std::size_t>(local_experts) + 2) * sizeof(std::int32_t);
+}
+
+void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tensor& expert_major,
+                 cudaStream_t stream) {
+  copy_chunks<true>(chunks, source_major, expert_major, source_major, expert_major, stream);
+}
+
+void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,
+                   cudaStream_t stream) {
+  copy_chunks<false>(chunks, expert_major, source_major, source_major, expert_major, stream);
+}
+
+}  // namespace moe
