@@ -9,7 +9,7 @@
 #include <random>
 #include <sstream>
 
-#include "kernels/router_device.cuhh"
+#include "kernels/router.cuh"
 #include "reference/reference.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
