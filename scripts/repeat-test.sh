@@ -47,7 +47,7 @@ fi
 start=$SECONDS failed=0 done_runs=0
 for ((i = 1; i <= runs; ++i)); do
   if [ "$seconds" -gt 0 ] && [ $((SECONDS - start)) -ge "$seconds" ]; then break; fi
-  log=$logs/$name-$i.log
+  log=$logs/$name-$$-$i.log  # the PID: several loops may share DIR
   run_start=$SECONDS
   timeout "$per_run" "${launcher[@]}" "$binary" "$@" >"$log" 2>&1
   rc=$?
