@@ -4,21 +4,28 @@
 //   mpirun -np N build/apps/moe_run --config C.yaml --weights W.safetensors --inputs I.safetensors
 //                                   --out R.safetensors [--ep E --dp D]
 //   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs
+//   build/apps/moe_run ... --no-check-finite   # skip the NaN/Inf check of weights and inputs
 //
 // The files hold the global batch and all experts (names and layouts: include/moe/layer_files.h).
 // Under mpirun each rank takes its tokens (tokens_per_rank, or an even split) and its experts;
 // rank 0 gathers the results into one file.
+//
+// Everything that can be checked on the files is checked before MPI starts, on every rank alike
+// (each reads the same files), so that a bad file stops all ranks at once with one message.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <numeric>
+#include <utility>
 
 #include "comm/bootstrap.h"
+#include "io/layer_files.h"
 #include "moe/device.h"
 #include "moe/error.h"
-#include "io/layer_files.h"
 #include "moe/mesh.h"
 #include "moe/moe_block.h"
 #include "reference/reference.h"
@@ -27,10 +34,33 @@ using namespace moe;
 
 namespace {
 
+// The results file must not be one of the inputs: opening it for writing would truncate that
+// input. Checked as paths (after resolving `.`, `..` and symbolic links) and as files
+// (std::filesystem::equivalent: also a hard link), before anything is read or written.
+void refuse_overwriting_inputs(const std::string& out,
+                               const std::vector<std::pair<std::string, std::string>>& inputs) {
+  namespace fs = std::filesystem;
+  std::error_code out_error;
+  const fs::path out_path = fs::weakly_canonical(out, out_error);
+  for (const auto& [option, path] : inputs) {
+    std::error_code same_error, path_error;
+    const bool same_file = fs::equivalent(out, path, same_error) && !same_error;
+    const fs::path in_path = fs::weakly_canonical(path, path_error);
+    const bool same_path = !out_error && !path_error && in_path == out_path;
+    if (same_file || same_path)
+      fail("--out '{}' is the {} file '{}': refusing to overwrite an input", out, option, path);
+  }
+}
+
 // Elements [first, first + count) of a file tensor in `dtype` (bf16 or fp32), ready to copy.
-std::vector<std::byte> host_bytes(const FileTensor& t, std::int64_t first, std::int64_t count,
-                                  DType dtype) {
-  const auto values = file_values(t);
+std::vector<std::byte> host_bytes(const FileTensor& t, const std::string& name, std::int64_t first,
+                                  std::int64_t count, DType dtype) {
+  const auto values = file_values(t, name);
+  // The range comes from the config and the rank; the tensor's size from its file.
+  if (first < 0 || count < 0 || first > std::ssize(values) - count) {
+    fail("moe_run: elements [{}, {} + {}) of tensor '{}' lie outside its {} elements", first, first,
+         count, name, values.size());
+  }
   std::vector<std::byte> out(static_cast<std::size_t>(count) * dtype_size(dtype));
   for (std::int64_t i = 0; i < count; ++i) {
     const auto v = static_cast<float>(values[static_cast<std::size_t>(first + i)]);
@@ -61,16 +91,39 @@ std::vector<float> download_floats(const Tensor& t) {
   return out;
 }
 
-// Rank 0 receives every rank's `local` in rank order; counts in elements.
+// Rank 0 receives every rank's `local` in rank order (other ranks get an empty vector). The
+// sizes grow with the files (T·H per rank; E·2F·H for the gradients, 7.5e9 elements at
+// deepseek-v3), past MPI's int counts and displacements, so the counts travel as int64 and the
+// data point to point in pieces that an int always counts. Messages between two ranks arrive in
+// the order sent, so the pieces land in order.
 template <typename T>
-std::vector<T> gather(const std::vector<T>& local, MPI_Datatype type, int world) {
-  int count = static_cast<int>(local.size());
-  std::vector<int> counts(world), displs(world);
-  MOE_CHECK_MPI(MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, MPI_COMM_WORLD));
-  std::partial_sum(counts.begin(), counts.end() - 1, displs.begin() + 1);
-  std::vector<T> all(static_cast<std::size_t>(displs.back() + counts.back()));
-  MOE_CHECK_MPI(MPI_Gatherv(local.data(), count, type, all.data(), counts.data(), displs.data(),
-                            type, 0, MPI_COMM_WORLD));
+std::vector<T> gather(const std::vector<T>& local, MPI_Datatype type, int world, int rank) {
+  constexpr std::int64_t kPiece = std::int64_t{1} << 26;  // elements per message
+  constexpr int kTag = 0;
+  const auto mine = static_cast<std::int64_t>(local.size());
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(world));
+  MOE_CHECK_MPI(
+      MPI_Gather(&mine, 1, MPI_INT64_T, counts.data(), 1, MPI_INT64_T, 0, MPI_COMM_WORLD));
+  if (rank != 0) {
+    for (std::int64_t first = 0; first < mine; first += kPiece) {
+      MOE_CHECK_MPI(MPI_Send(local.data() + first, static_cast<int>(std::min(kPiece, mine - first)),
+                             type, 0, kTag, MPI_COMM_WORLD));
+    }
+    return {};
+  }
+  const std::int64_t total = std::accumulate(counts.begin(), counts.end(), std::int64_t{0});
+  std::vector<T> all(static_cast<std::size_t>(total));
+  std::copy(local.begin(), local.end(), all.begin());
+  std::int64_t offset = mine;
+  for (int r = 1; r < world; ++r) {
+    const std::int64_t count = counts[static_cast<std::size_t>(r)];
+    for (std::int64_t first = 0; first < count; first += kPiece) {
+      MOE_CHECK_MPI(MPI_Recv(all.data() + offset + first,
+                             static_cast<int>(std::min(kPiece, count - first)), type, r, kTag,
+                             MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+    }
+    offset += count;
+  }
   return all;
 }
 
@@ -103,17 +156,18 @@ int run_mesh(MoEConfig config, const TensorFile& weights, const TensorFile& inpu
   Stream stream;
   MoEBlock block(config, mesh, stream.get());
   const auto& p = block.parameters();
-  upload(p.gate_weight, host_bytes(weights.get("gate_weight"), 0, E * H, config.dtype));
-  upload(p.w13, host_bytes(weights.get("w13"), mesh.ep_index() * E_loc * 2 * F * H,
+  upload(p.gate_weight,
+         host_bytes(weights.get("gate_weight"), "gate_weight", 0, E * H, config.dtype));
+  upload(p.w13, host_bytes(weights.get("w13"), "w13", mesh.ep_index() * E_loc * 2 * F * H,
                            E_loc * 2 * F * H, config.dtype));
-  upload(p.w2, host_bytes(weights.get("w2"), mesh.ep_index() * E_loc * H * F, E_loc * H * F,
+  upload(p.w2, host_bytes(weights.get("w2"), "w2", mesh.ep_index() * E_loc * H * F, E_loc * H * F,
                           config.dtype));
   const std::vector<float> bias(in.params.expert_bias.begin(), in.params.expert_bias.end());
   copy_to_device(p.expert_bias.data, bias.data(), bias.size() * 4);
   DeviceBuffer x(std::max<std::int64_t>(T * H, 1) * dtype_size(config.dtype)), dy(x.bytes());
   const Tensor x_t(x.data(), config.dtype, {T, H}), dy_t(dy.data(), config.dtype, {T, H});
-  upload(x_t, host_bytes(inputs.get("x"), first * H, T * H, config.dtype));
-  upload(dy_t, host_bytes(inputs.get("dy"), first * H, T * H, config.dtype));
+  upload(x_t, host_bytes(inputs.get("x"), "x", first * H, T * H, config.dtype));
+  upload(dy_t, host_bytes(inputs.get("dy"), "dy", first * H, T * H, config.dtype));
 
   const auto fwd = block.forward(x_t);
   const Tensor dx = block.backward(dy_t);
@@ -124,16 +178,16 @@ int run_mesh(MoEConfig config, const TensorFile& weights, const TensorFile& inpu
   std::vector<std::int32_t> idx(static_cast<std::size_t>(T * K)), load(static_cast<std::size_t>(E));
   copy_to_host(idx.data(), routing.topk_idx.data, idx.size() * 4);
   copy_to_host(load.data(), routing.tokens_per_expert.data, load.size() * 4);
-  const auto out_all = gather(download_floats(fwd.out), MPI_FLOAT, world);
-  const auto dx_all = gather(download_floats(dx), MPI_FLOAT, world);
-  const auto p_all = gather(download_floats(routing.topk_p), MPI_FLOAT, world);
-  const auto idx_all = gather(idx, MPI_INT32_T, world);
+  const auto out_all = gather(download_floats(fwd.out), MPI_FLOAT, world, rank);
+  const auto dx_all = gather(download_floats(dx), MPI_FLOAT, world, rank);
+  const auto p_all = gather(download_floats(routing.topk_p), MPI_FLOAT, world, rank);
+  const auto idx_all = gather(idx, MPI_INT32_T, world, rank);
   MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, load.data(), static_cast<int>(E), MPI_INT32_T, MPI_SUM,
                               MPI_COMM_WORLD));
   // Ranks 0 .. EP-1 (DP index 0) hold the DP-summed gradients of consecutive expert slices.
   const auto& g = block.gradients();
-  const auto w13_all = gather(download_floats(g.w13), MPI_FLOAT, world);
-  const auto w2_all = gather(download_floats(g.w2), MPI_FLOAT, world);
+  const auto w13_all = gather(download_floats(g.w13), MPI_FLOAT, world, rank);
+  const auto w2_all = gather(download_floats(g.w2), MPI_FLOAT, world, rank);
   const auto gate = download_floats(g.gate_weight);
   if (rank != 0) return 0;
 
@@ -164,6 +218,7 @@ int main(int argc, char** argv) {
   std::string config_path, weights_path, inputs_path, out_path;
   int ep = 0, dp = 0;
   bool use_reference = false;
+  bool check_finite_values = true;
   app.add_option("--config", config_path, "layer config (YAML)")
       ->required()
       ->check(CLI::ExistingFile);
@@ -179,12 +234,21 @@ int main(int argc, char** argv) {
   app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--reference", use_reference, "run the fp64 CPU reference instead of the GPUs");
+  app.add_flag("--check-finite,!--no-check-finite", check_finite_values,
+               "refuse weights and inputs holding NaN or Inf, naming the tensor (default: on)");
   CLI11_PARSE(app, argc, argv);
   try {
+    refuse_overwriting_inputs(
+        out_path,
+        {{"--config", config_path}, {"--weights", weights_path}, {"--inputs", inputs_path}});
     auto config = load_config(config_path);
     const auto weights = TensorFile::read(weights_path);
     const auto inputs = TensorFile::read(inputs_path);
     const auto in = read_layer_inputs(config, weights, inputs);
+    if (check_finite_values) {
+      check_finite(weights);
+      check_finite(inputs);
+    }
     if (use_reference) {
       config.ep = config.dp = 1;
       return run_reference(config, in, out_path);

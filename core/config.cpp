@@ -1,12 +1,16 @@
 #include "moe/config.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
+#include <cerrno>
 #include <cmath>
-#include <fstream>
 #include <functional>
 #include <map>
-#include <sstream>
+#include <set>
+#include <system_error>
 
 #include "moe/error.h"
 
@@ -64,13 +68,25 @@ template <typename... Args>
   if (!(condition)) invalid(__VA_ARGS__)
 
 std::int64_t MoEConfig::padded_rows(std::int64_t count) const {
+  // Counts come from routing over files of any size, and a config built in code may skip
+  // validate(): the rounding is checked rather than trusted not to wrap.
+  if (count < 0) fail("padded_rows: count = {} must be >= 0", count);
+  if (align_size < 0 || align_size > kMaxAlignSize)
+    fail("padded_rows: align_size = {} must be in [0, {}]", align_size, kMaxAlignSize);
   if (align_size <= 1) return count;
-  return (count + align_size - 1) / align_size * align_size;
+  std::int64_t rounded_up = 0;
+  if (__builtin_add_overflow(count, std::int64_t{align_size} - 1, &rounded_up))
+    fail("padded_rows: {} rows padded to a multiple of {} overflow int64", count, align_size);
+  return rounded_up / align_size * align_size;
 }
 
 void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(hidden > 0, "hidden = {} must be positive", hidden);
   MOE_CONFIG_REQUIRE(ffn_hidden > 0, "ffn_hidden = {} must be positive", ffn_hidden);
+  MOE_CONFIG_REQUIRE(hidden <= kMaxHidden, "hidden = {} exceeds the supported maximum {}", hidden,
+                     kMaxHidden);
+  MOE_CONFIG_REQUIRE(ffn_hidden <= kMaxHidden, "ffn_hidden = {} exceeds the supported maximum {}",
+                     ffn_hidden, kMaxHidden);
   MOE_CONFIG_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts,
                      "num_experts = {} must be in [1, {}]", num_experts, kMaxExperts);
   MOE_CONFIG_REQUIRE(topk >= 1 && topk <= num_experts, "topk = {} must be in [1, num_experts = {}]",
@@ -111,8 +127,11 @@ void MoEConfig::validate() const {
                      "aux_loss_coeff = {} must be >= 0 and finite", aux_loss_coeff);
   MOE_CONFIG_REQUIRE(std::isfinite(z_loss_coeff) && z_loss_coeff >= 0,
                      "z_loss_coeff = {} must be >= 0 and finite", z_loss_coeff);
-  MOE_CONFIG_REQUIRE(align_size >= 0, "align_size = {} must be >= 0 (0 or 1 = no padding)",
-                     align_size);
+  // Bounded (kMaxAlignSize says why): a typo fails here, not in an allocation minutes later.
+  MOE_CONFIG_REQUIRE(align_size >= 0 && align_size <= kMaxAlignSize,
+                     "align_size = {} must be in [0, {}] (0 or 1 = no padding; a GEMM tile is "
+                     "16 to 256 rows)",
+                     align_size, kMaxAlignSize);
   MOE_CONFIG_REQUIRE(dtype == DType::kBF16 || dtype == DType::kFP32,
                      "dtype = {} must be bf16 or fp32", dtype_name(dtype));
   MOE_CONFIG_REQUIRE(grad_dtype == DType::kBF16 || grad_dtype == DType::kFP32,
@@ -153,7 +172,8 @@ namespace {
 // Reads one scalar, turning yaml-cpp's conversion failure into an error that names the key.
 template <typename T>
 T read_scalar(const YAML::Node& node, const std::string& key, std::string_view source) {
-  if (!node.IsScalar()) fail("{}: '{}' must be a scalar", source, key);
+  if (node.IsNull()) fail("{}: '{}' has no value", source, key);
+  if (!node.IsScalar()) fail("{}: '{}' must be a scalar, not a list or map", source, key);
   try {
     return node.as<T>();
   } catch (const YAML::Exception&) {
@@ -226,25 +246,77 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"tokens", integer(&MoEConfig::bench_tokens)},
   };
 
+  // yaml-cpp keeps every entry of a mapping, repeated keys included, and lookups see the first:
+  // walking the entries is where a repeated key shows, and it is an error (which one was meant?).
+  std::set<std::string> seen;
   for (const auto& entry : root) {
-    const auto key = entry.first.as<std::string>();
+    if (!entry.first.IsScalar())
+      fail("{}: a key must be a plain name, not a {}", source,
+           entry.first.IsSequence() ? "list"
+           : entry.first.IsMap()    ? "map"
+                                    : "null");
+    const std::string key = entry.first.Scalar();
+    if (!seen.insert(key).second) {
+      fail("{}: key '{}' appears more than once (line {})", source, key,
+           entry.first.Mark().line + 1);
+    }
     const auto setter = setters.find(key);
     if (setter == setters.end()) fail("{}: unknown key '{}'", source, key);
     setter->second(entry.second, key);
   }
   for (const char* required : {"hidden", "ffn_hidden", "num_experts", "topk"}) {
-    if (!root[required]) fail("{}: missing required key '{}'", source, required);
+    if (seen.count(required) == 0) fail("{}: missing required key '{}'", source, required);
   }
   config.validate();
   return config;
 }
 
+namespace {
+
+// The text of a config file. It is opened without blocking and checked on the open descriptor
+// before a byte is read, so that a FIFO, a directory or a device such as /dev/zero is refused with
+// a message instead of hanging or reading forever, and its size is bounded first.
+std::string read_config_file(const std::filesystem::path& path) {
+  struct Descriptor {
+    int fd;
+    ~Descriptor() {
+      if (fd >= 0) ::close(fd);
+    }
+  } file{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
+  const auto why = [] { return std::error_code(errno, std::generic_category()).message(); };
+  if (file.fd < 0) fail("cannot open config file '{}': {}", path.string(), why());
+  struct stat status {};
+  if (::fstat(file.fd, &status) != 0)
+    fail("cannot stat config file '{}': {}", path.string(), why());
+  if (!S_ISREG(status.st_mode)) {
+    fail("config file '{}' is {}; only regular files are read", path.string(),
+         S_ISDIR(status.st_mode)    ? "a directory"
+         : S_ISFIFO(status.st_mode) ? "a FIFO (named pipe)"
+         : S_ISCHR(status.st_mode)  ? "a character device"
+                                    : "not a regular file");
+  }
+  const auto size = static_cast<std::uint64_t>(status.st_size);
+  if (size > kMaxConfigBytes) {
+    fail("config file '{}' has {} bytes, more than the limit of {} bytes", path.string(), size,
+         kMaxConfigBytes);
+  }
+  std::string text(static_cast<std::size_t>(size), '\0');
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t got = ::read(file.fd, text.data() + done, text.size() - done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) fail("reading config file '{}' failed: {}", path.string(), why());
+    if (got == 0) break;  // shrank while read: parse what is there
+    done += static_cast<std::size_t>(got);
+  }
+  text.resize(done);
+  return text;
+}
+
+}  // namespace
+
 MoEConfig load_config(const std::filesystem::path& path) {
-  std::ifstream file(path);
-  if (!file) fail("cannot open config file '{}'", path.string());
-  std::stringstream text;
-  text << file.rdbuf();
-  return parse_config(text.str(), path.string());
+  return parse_config(read_config_file(path), path.string());
 }
 
 }  // namespace moe

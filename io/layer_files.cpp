@@ -2,7 +2,9 @@
 
 #include <fmt/ranges.h>
 
+#include <cmath>
 #include <cstring>
+#include <set>
 
 #include "moe/error.h"
 
@@ -15,12 +17,25 @@ const FileTensor& expect(const TensorFile& file, const std::string& name,
                          std::vector<std::int64_t> shape, bool float_only = true) {
   const FileTensor& t = file.get(name);
   if (float_only && t.dtype != FileDType::kBF16 && t.dtype != FileDType::kF32) {
-    fail("tensor '{}' is {}; expected BF16 or F32", name, file_dtype_name(t.dtype));
+    fail("{}: tensor '{}' is {}; expected BF16 or F32", file.source(), name,
+         file_dtype_name(t.dtype));
   }
   if (t.shape != shape)
-    fail("tensor '{}' has shape [{}]; expected [{}]", name, fmt::join(t.shape, ", "),
-         fmt::join(shape, ", "));
+    fail("{}: tensor '{}' has shape [{}]; expected [{}]", file.source(), name,
+         fmt::join(t.shape, ", "), fmt::join(shape, ", "));
   return t;
+}
+
+// Every tensor of `file` is one the layer reads: a misspelt or stray tensor (w1 and w3 instead of
+// w13, an expert_bias the config does not use) is an error, not silently left out.
+void expect_only(const TensorFile& file, const std::set<std::string>& known, std::string_view what,
+                 std::string_view expected) {
+  for (const auto& [name, tensor] : file.tensors()) {
+    if (known.count(name) == 0) {
+      fail("{}: tensor '{}' is not one of the {} tensors the layer reads ({})", file.source(), name,
+           what, expected);
+    }
+  }
 }
 
 // Rows [first_row, first_row + rows) of a row-major [·, cols] tensor's values.
@@ -50,59 +65,119 @@ std::vector<double> stacked_transposed(const std::vector<reference::Matrix>& exp
 
 }  // namespace
 
-std::vector<double> file_values(const FileTensor& t) {
+std::vector<double> file_values(const FileTensor& t, std::string_view name) {
+  if (t.dtype != FileDType::kBF16 && t.dtype != FileDType::kF32)
+    fail("tensor '{}' is {}, not a floating-point type", name, file_dtype_name(t.dtype));
+  // FileTensor's fields are public: the bytes are checked against the shape before being read.
   const auto n = static_cast<std::size_t>(t.numel());
+  const std::size_t element = file_dtype_size(t.dtype);
+  if (t.data.size() % element != 0 || t.data.size() / element != n) {
+    fail("tensor '{}' holds {} bytes but {}[{}] needs {} elements of {} bytes", name, t.data.size(),
+         file_dtype_name(t.dtype), fmt::join(t.shape, ", "), n, element);
+  }
   std::vector<double> values(n);
-  if (t.dtype == FileDType::kBF16) {
-    std::vector<BF16> raw(n);
-    std::memcpy(raw.data(), t.data.data(), n * 2);
-    for (std::size_t i = 0; i < n; ++i) values[i] = from_bf16(raw[i]);
-  } else if (t.dtype == FileDType::kF32) {
-    std::vector<float> raw(n);
-    std::memcpy(raw.data(), t.data.data(), n * 4);
-    for (std::size_t i = 0; i < n; ++i) values[i] = raw[i];
-  } else {
-    fail("file_values: {} is not a floating-point type", file_dtype_name(t.dtype));
+  for (std::size_t i = 0; i < n; ++i) {  // element-wise memcpy: no alignment assumed, no null
+    if (t.dtype == FileDType::kBF16) {
+      BF16 raw;
+      std::memcpy(&raw, t.data.data() + i * 2, 2);
+      values[i] = from_bf16(raw);
+    } else {
+      float raw = 0;
+      std::memcpy(&raw, t.data.data() + i * 4, 4);
+      values[i] = raw;
+    }
   }
   return values;
+}
+
+void check_finite(const TensorFile& file) {
+  for (const auto& [name, t] : file.tensors()) {
+    if (t.dtype != FileDType::kBF16 && t.dtype != FileDType::kF32) continue;
+    const std::vector<double> values = file_values(t, name);
+    std::size_t bad = 0, first = 0;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      if (!std::isfinite(values[i]) && bad++ == 0) first = i;
+    }
+    if (bad == 0) continue;
+    // The first bad element by its index in every dimension, as a framework would print it.
+    std::vector<std::int64_t> index(t.shape.size());
+    std::size_t rest = first;
+    for (std::size_t d = t.shape.size(); d-- > 0;) {
+      const auto extent = static_cast<std::size_t>(t.shape[d]);
+      index[d] = static_cast<std::int64_t>(rest % extent);
+      rest /= extent;
+    }
+    fail("{}: tensor '{}' holds {} at [{}] ({} of its {} elements are NaN or Inf)", file.source(),
+         name, values[first], fmt::join(index, ", "), bad, values.size());
+  }
 }
 
 LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights,
                               const TensorFile& inputs) {
   const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
   LayerInputs in;
-  in.params.gate_weight = matrix(file_values(expect(weights, "gate_weight", {E, H})), E, H);
+  if (config.expert_bias) {
+    expect_only(weights, {"gate_weight", "w13", "w2", "expert_bias"}, "weights",
+                "gate_weight, w13, w2, expert_bias");
+  } else {
+    if (weights.contains("expert_bias")) {
+      fail("{}: tensor 'expert_bias' is given but the config has expert_bias: false",
+           weights.source());
+    }
+    expect_only(weights, {"gate_weight", "w13", "w2"}, "weights", "gate_weight, w13, w2");
+  }
+  expect_only(inputs, {"x", "dy", "tokens_per_rank"}, "inputs", "x, dy, tokens_per_rank");
+  in.params.gate_weight =
+      matrix(file_values(expect(weights, "gate_weight", {E, H}), "gate_weight"), E, H);
   // Each stack converted once (values, not references into the file: a reference returned by
   // expect() beside its temporary arguments is what gcc 13's -Wdangling-reference flags).
-  const std::vector<double> w13 = file_values(expect(weights, "w13", {E, 2 * F, H}));
-  const std::vector<double> w2 = file_values(expect(weights, "w2", {E, H, F}));
+  const std::vector<double> w13 = file_values(expect(weights, "w13", {E, 2 * F, H}), "w13");
+  const std::vector<double> w2 = file_values(expect(weights, "w2", {E, H, F}), "w2");
   for (std::int64_t e = 0; e < E; ++e) {
     in.params.experts.w13.push_back(transpose(matrix(w13, 2 * F, H, e * 2 * F)));
     in.params.experts.w2.push_back(transpose(matrix(w2, H, F, e * H)));
   }
   if (config.expert_bias) {
-    in.params.expert_bias = file_values(expect(weights, "expert_bias", {E}));
+    in.params.expert_bias = file_values(expect(weights, "expert_bias", {E}), "expert_bias");
   } else {
     in.params.expert_bias.assign(E, 0.0);
   }
   const auto& x = inputs.get("x");
   if (x.shape.size() != 2 || x.shape[1] != H)
-    fail("tensor 'x' has shape [{}]; expected [T, {}]", fmt::join(x.shape, ", "), H);
+    fail("{}: tensor 'x' has shape [{}]; expected [T, {}]", inputs.source(),
+         fmt::join(x.shape, ", "), H);
   const std::int64_t T = x.shape[0];
-  in.x = matrix(file_values(expect(inputs, "x", {T, H})), T, H);
-  in.dy = matrix(file_values(expect(inputs, "dy", {T, H})), T, H);
+  in.x = matrix(file_values(expect(inputs, "x", {T, H}), "x"), T, H);
+  in.dy = matrix(file_values(expect(inputs, "dy", {T, H}), "dy"), T, H);
   if (inputs.contains("tokens_per_rank")) {
     const auto& split = inputs.get("tokens_per_rank");
-    if (split.dtype != FileDType::kI64 || split.shape.size() != 1)
-      fail("tensor 'tokens_per_rank' must be I64 [world]");
-    in.tokens_per_rank.resize(static_cast<std::size_t>(split.shape[0]));
-    std::memcpy(in.tokens_per_rank.data(), split.data.data(), in.tokens_per_rank.size() * 8);
-    std::int64_t sum = 0;
-    for (const auto t : in.tokens_per_rank) {
-      if (t < 0) fail("tokens_per_rank holds a negative count {}", t);
-      sum += t;
+    if (split.dtype != FileDType::kI64 || split.shape.size() != 1) {
+      fail("{}: tensor 'tokens_per_rank' is {}[{}]; expected I64 [world]", inputs.source(),
+           file_dtype_name(split.dtype), fmt::join(split.shape, ", "));
     }
-    if (sum != T) fail("tokens_per_rank sums to {} but x has {} tokens", sum, T);
+    // Empty means "not given" to the caller, so an empty tensor would be silently ignored.
+    if (split.shape[0] == 0)
+      fail("{}: tensor 'tokens_per_rank' has no entries; expected [world]", inputs.source());
+    const auto n = static_cast<std::size_t>(split.shape[0]);
+    if (split.data.size() / 8 != n || split.data.size() % 8 != 0)
+      fail("{}: tensor 'tokens_per_rank' holds {} bytes for {} counts", inputs.source(),
+           split.data.size(), n);
+    in.tokens_per_rank.resize(n);
+    std::memcpy(in.tokens_per_rank.data(), split.data.data(), n * 8);
+    std::int64_t sum = 0;
+    for (std::size_t r = 0; r < n; ++r) {
+      const std::int64_t count = in.tokens_per_rank[r];
+      if (count < 0)
+        fail("{}: tensor 'tokens_per_rank' holds a negative count {} at [{}]", inputs.source(),
+             count, r);
+      // The counts come from a file: their sum is checked, not left to overflow.
+      if (__builtin_add_overflow(sum, count, &sum)) {
+        fail("{}: tensor 'tokens_per_rank' sums past int64 at [{}] (count {})", inputs.source(), r,
+             count);
+      }
+    }
+    if (sum != T)
+      fail("{}: tensor 'tokens_per_rank' sums to {} but x has {} tokens", inputs.source(), sum, T);
   }
   return in;
 }

@@ -10,11 +10,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "moe/config.h"
-#include "reference/reference.h"
 #include "moe/safetensors.h"
+#include "reference/reference.h"
 
 namespace moe {
 
@@ -26,7 +27,9 @@ struct LayerInputs {
 };
 
 // Checks every tensor's presence, dtype and shape against the config (errors name the tensor,
-// what was expected and what came).
+// what was expected and what came); a tensor the layer does not read (including expert_bias
+// when the config has none) is an error, and tokens_per_rank must hold counts >= 0 whose sum,
+// checked for overflow, is the batch's.
 LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights,
                               const TensorFile& inputs);
 
@@ -37,7 +40,12 @@ TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix
 // The results file of a single run over the whole batch (the fp64 reference's, or gathered).
 TensorFile layer_results_file(const MoEConfig& config, const reference::LayerResult& result);
 
-// Element values of a BF16 or F32 file tensor, as doubles.
-std::vector<double> file_values(const FileTensor& tensor);
+// Element values of a BF16 or F32 file tensor, as doubles; `name` names it in errors (another
+// dtype, or bytes that do not match the shape).
+std::vector<double> file_values(const FileTensor& tensor, std::string_view name = "?");
+
+// Throws moe::Error naming the file, the tensor, the first NaN or Inf (its index and value) and
+// how many there are, when a BF16 or F32 tensor of `file` is not finite everywhere.
+void check_finite(const TensorFile& file);
 
 }  // namespace moe

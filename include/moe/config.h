@@ -26,8 +26,18 @@ EpTransport parse_ep_transport(std::string_view text);
 // Limits of the GPU kernels; the CPU reference has none.
 inline constexpr int kMaxExperts = 2048;
 inline constexpr int kMaxTopK = 16;
+// The largest hidden and ffn_hidden: far above today's models (H = 16384, F = 53248 fit 16 times
+// over), and small enough that sizes built from them (2·F in int; E·2F·H elements in int64) cannot
+// overflow in the kernels, the reference or the file checks.
+inline constexpr int kMaxHidden = 1 << 20;
 // The most EP ranks the peer exchange addresses (one host's GPUs); larger groups use NCCL.
 inline constexpr int kMaxPeerRanks = 8;
+// The largest align_size. Padding exists so that each expert's row group starts on a GEMM tile
+// (16 to 256 rows in practice); each group gains up to align_size - 1 rows, so a typo such as
+// 1000000 would multiply every row buffer (and the CPU reference's matrices) by orders of
+// magnitude and fail late, in an allocation. 4096 is far above any tile and keeps the padding of
+// kMaxExperts groups under 8.4M rows, well inside the kernels' int32 row index.
+inline constexpr int kMaxAlignSize = 4096;
 
 struct MoEConfig {
   // Shapes.
@@ -48,7 +58,8 @@ struct MoEConfig {
   double aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;
 
-  // Layout (SPEC.md step 4): each expert's row group padded to a multiple; 0 or 1 = none.
+  // Layout (SPEC.md step 4): each expert's row group padded to a multiple; 0 or 1 = none;
+  // at most kMaxAlignSize.
   int align_size = 0;
 
   DType dtype = DType::kBF16;  // activations and weights: bf16 or fp32
@@ -85,7 +96,8 @@ struct MoEConfig {
 
   bool grouped_routing() const { return num_groups > 0; }
   int local_experts() const { return num_experts / ep; }  // E_loc
-  // Rows an expert group of `count` rows occupies after padding to align_size.
+  // Rows an expert group of `count` rows occupies after padding to align_size, in 64 bits; a
+  // negative count, an align_size outside [0, kMaxAlignSize] or an overflow throws moe::Error.
   std::int64_t padded_rows(std::int64_t count) const;
 
   // Throws moe::Error naming the first invalid parameter and its value.
@@ -95,7 +107,11 @@ struct MoEConfig {
 };
 
 // Loads a YAML file of flat `key: value` pairs (the fields above; `tokens` for bench_tokens).
-// Unknown keys are errors, so a typo is never silently ignored. The result is validated.
+// Unknown and repeated keys are errors, so a typo or a stale duplicate line is never silently
+// ignored. The result is validated. load_config reads regular files of at most kMaxConfigBytes
+// only (a FIFO or a device is refused instead of read forever); 1 MiB is thousands of times a
+// real config's size.
+inline constexpr std::uint64_t kMaxConfigBytes = 1 << 20;
 MoEConfig load_config(const std::filesystem::path& path);
 MoEConfig parse_config(std::string_view yaml_text, std::string_view source = "<string>");
 

@@ -1,4 +1,12 @@
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -6,6 +14,7 @@
 #include "moe/config.h"
 #include "moe/error.h"
 #include "support/catch.h"
+#include "support/test_util.h"
 
 using namespace moe;
 
@@ -25,6 +34,28 @@ std::string error_of(const std::string& yaml) {
     return e.what();
   }
   return "(no error)";
+}
+
+std::string load_error(const std::filesystem::path& path) {
+  try {
+    load_config(path);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// The required keys and their values, in a random order, one `key: value` line each.
+std::vector<std::string> base_lines(std::mt19937_64& rng) {
+  std::vector<std::string> lines = {"hidden: 64", "ffn_hidden: 32", "num_experts: 8", "topk: 2"};
+  std::shuffle(lines.begin(), lines.end(), rng);
+  return lines;
+}
+
+std::string joined(const std::vector<std::string>& lines) {
+  std::string text;
+  for (const auto& line : lines) text += line + "\n";
+  return text;
 }
 
 }  // namespace
@@ -117,7 +148,13 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"scaling_factor", "0"}}, "scaling_factor = 0 must be positive"},
       {{{"aux_loss_coeff", "-0.1"}}, "aux_loss_coeff = -0.1 must be >= 0"},
       {{{"z_loss_coeff", "-1"}}, "z_loss_coeff = -1 must be >= 0"},
-      {{{"align_size", "-8"}}, "align_size = -8 must be >= 0"},
+      {{{"align_size", "-8"}}, "align_size = -8 must be in [0, 4096]"},
+      {{{"align_size", "4097"}}, "align_size = 4097 must be in [0, 4096]"},
+      {{{"align_size", "3000000000"}}, "align_size = '3000000000' is not a valid value"},
+      {{{"hidden", "1048577"}}, "hidden = 1048577 exceeds the supported maximum 1048576"},
+      {{{"ffn_hidden", "2000000000"}}, "ffn_hidden = 2000000000 exceeds the supported maximum"},
+      {{{"hidden", ""}}, "'hidden' has no value"},
+      {{{"hidden", "[64]"}}, "'hidden' must be a scalar, not a list or map"},
       {{{"activation_chunk_mib", "-1"}}, "activation_chunk_mib = -1 must be in [0, 1048576]"},
       {{{"activation_chunk_mib", ".nan"}}, "activation_chunk_mib = nan must be in [0, 1048576]"},
       {{{"activation_chunk_mib", "1e30"}}, "activation_chunk_mib = 1e+30 must be in [0, 1048576]"},
@@ -158,4 +195,92 @@ TEST_CASE("valid grouped and biased settings are accepted", "[cpu][config]") {
   CHECK(config.local_experts() == 2);
   CHECK(config.dtype == DType::kFP32);
   CHECK_THAT(config.describe(), test::contains_text("sqrtsoftplus+bias groups=4/top2"));
+}
+
+TEST_CASE("a repeated key is an error naming the key, never a silent choice", "[cpu][config]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const std::vector<std::string> keys = {"hidden",     "ffn_hidden",     "num_experts", "topk",
+                                         "align_size", "scaling_factor", "dtype",       "tokens"};
+  const std::map<std::string, std::vector<std::string>> values = {
+      {"hidden", {"64", "128"}},   {"ffn_hidden", {"32", "48"}}, {"num_experts", {"8", "16"}},
+      {"topk", {"2", "1"}},        {"align_size", {"16", "0"}},  {"scaling_factor", {"2.5", "1.0"}},
+      {"dtype", {"bf16", "fp32"}}, {"tokens", {"512", "1024"}}};
+  for (int round = 0; round < 10; ++round) {
+    auto lines = base_lines(rng);
+    const auto& key = keys[std::uniform_int_distribution<std::size_t>(0, keys.size() - 1)(rng)];
+    const auto& pair = values.at(key);
+    // The key twice (with equal or different values, in either order), at random places.
+    const bool same = std::bernoulli_distribution(0.5)(rng);
+    const bool flip = std::bernoulli_distribution(0.5)(rng);
+    for (const auto& value : {pair[flip ? 1 : 0], pair[same ? (flip ? 1 : 0) : (flip ? 0 : 1)]}) {
+      const auto where = std::uniform_int_distribution<std::size_t>(0, lines.size())(rng);
+      lines.insert(lines.begin() + static_cast<std::ptrdiff_t>(where), key + ": " + value);
+    }
+    // A required key given twice also appears in base_lines: that is a third line of it.
+    INFO(joined(lines));
+    CHECK_THAT(error_of(joined(lines)),
+               test::contains_text("test.yaml: key '" + key + "' appears more than once (line "));
+  }
+  // Quoting does not make a key different.
+  CHECK_THAT(error_of("hidden: 64\n\"hidden\": 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n"),
+             test::contains_text("key 'hidden' appears more than once (line 2)"));
+  CHECK_THAT(error_of("[hidden]: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n"),
+             test::contains_text("a key must be a plain name, not a list"));
+  CHECK_THAT(error_of("? {hidden: 64}\n: 1\n"),
+             test::contains_text("a key must be a plain name, not a map"));
+}
+
+TEST_CASE("align_size is bounded: a huge value fails at once, not in an allocation",
+          "[cpu][config]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::vector<int> huge = {1000000, 2000000000, INT_MAX, kMaxAlignSize + 1};
+  huge.push_back(std::uniform_int_distribution<int>(kMaxAlignSize + 1, INT_MAX)(rng));
+  for (const int align : huge) {
+    INFO("align_size " << align);
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THAT(
+        error_of(joined(base_lines(rng)) + "align_size: " + std::to_string(align) + "\n"),
+        test::contains_text("align_size = " + std::to_string(align) + " must be in [0, 4096]"));
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(1));
+    MoEConfig config = test::small_config(8, 8, 4, 2);
+    config.align_size = align;  // a config built in code, never validated
+    CHECK_THROWS_WITH(config.padded_rows(1), test::contains_text("must be in [0, 4096]"));
+  }
+  // Within the bound: 64-bit rounding, and overflow is an error.
+  MoEConfig config = test::small_config(8, 8, 4, 2);
+  for (int round = 0; round < 100; ++round) {
+    config.align_size = std::uniform_int_distribution<int>(0, kMaxAlignSize)(rng);
+    const std::int64_t count = std::uniform_int_distribution<std::int64_t>(0, 1LL << 62)(rng);
+    // Counts below 2^62 leave room for the padding in int64: the expected value is exact.
+    const std::int64_t a = std::max(config.align_size, 1);
+    const std::int64_t want = count % a == 0 ? count : count + (a - count % a);
+    INFO("align " << config.align_size << " count " << count);
+    CHECK(config.padded_rows(count) == want);
+  }
+  config.align_size = 16;
+  CHECK_THROWS_WITH(config.padded_rows(INT64_MAX - 3), test::contains_text("overflow int64"));
+  CHECK_THROWS_WITH(config.padded_rows(-1), test::contains_text("count = -1 must be >= 0"));
+  CHECK(config.padded_rows(INT64_MAX - 15) == INT64_MAX - 15);
+}
+
+TEST_CASE("load_config reads regular files of bounded size only", "[cpu][config]") {
+  const auto dir =
+      std::filesystem::temp_directory_path() /
+      ("moe_config_" + std::to_string(::getpid()) + "_" + std::to_string(test::fresh_seed()));
+  std::filesystem::create_directories(dir);
+  CHECK_THAT(load_error(dir), test::contains_text("config file '" + dir.string() +
+                                                  "' is a directory; only regular files"));
+  const auto fifo = dir / "fifo.yaml";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_THAT(load_error(fifo), test::contains_text("is a FIFO"));  // and returns: no hang
+  CHECK_THAT(load_error("/dev/zero"), test::contains_text("is a character device"));
+  std::ofstream(dir / "big.yaml") << kBase << "# " << std::string(kMaxConfigBytes, 'x') << "\n";
+  CHECK_THAT(load_error(dir / "big.yaml"), test::contains_text("more than the limit of 1048576"));
+  std::ofstream(dir / "ok.yaml") << kBase;
+  CHECK(load_config(dir / "ok.yaml").hidden == 64);
+  std::filesystem::remove_all(dir);
 }

@@ -1,9 +1,21 @@
 // moe_run's tensor files, end to end on the CPU: files written here, `moe_run --reference` run on
 // them, its results file equal to the fp64 reference computed directly; bad files rejected.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <numeric>
 #include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "io/layer_files.h"
 #include "support/catch.h"
@@ -42,6 +54,67 @@ reference::Params float_params(reference::Params p) {
   }
   for (auto& v : p.expert_bias) v = static_cast<float>(v);
   return p;
+}
+
+// A small layer's files in a fresh directory: config.yaml, weights.safetensors,
+// inputs.safetensors. Removed with the object.
+struct RunDir {
+  std::filesystem::path dir;
+  MoEConfig config;
+  Files files;
+
+  explicit RunDir(std::mt19937_64& rng, const std::string& config_extra = "") {
+    dir = std::filesystem::temp_directory_path() /
+          ("moe_run_" + std::to_string(::getpid()) + "_" + std::to_string(rng()));
+    std::filesystem::create_directories(dir);
+    config = test::small_config(6, 4, 4, 2);
+    const auto params = float_params(test::random_params(config, rng));
+    const Matrix x = test::round_to(test::random_matrix(5, 6, rng), DType::kFP32);
+    const Matrix dy = test::round_to(test::random_matrix(5, 6, rng), DType::kFP32);
+    files = make_files(config, params, x, dy);
+    std::ofstream(dir / "config.yaml")
+        << "hidden: 6\nffn_hidden: 4\nnum_experts: 4\ntopk: 2\ndtype: fp32\n"
+        << config_extra;
+    files.weights.write(dir / "weights.safetensors");
+    files.inputs.write(dir / "inputs.safetensors");
+  }
+  ~RunDir() { std::filesystem::remove_all(dir); }
+  RunDir(const RunDir&) = delete;
+  RunDir& operator=(const RunDir&) = delete;
+
+  std::string path(const std::string& name) const { return (dir / name).string(); }
+
+  // moe_run --reference on these files (the inputs file and --out chosen by the caller, and any
+  // extra flags); its exit status, and what it wrote to stderr in `error`.
+  int run(const std::string& inputs, const std::string& out, std::string* error,
+          const std::string& flags = "") const {
+    const std::string command = std::string(MOE_RUN_PATH) + " --reference --config " +
+                                path("config.yaml") + " --weights " + path("weights.safetensors") +
+                                " --inputs " + inputs + " --out " + out + " " + flags + " 2>" +
+                                path("stderr.txt");
+    const int status = std::system(command.c_str());
+    std::ifstream in(path("stderr.txt"));
+    std::stringstream text;
+    text << in.rdbuf();
+    *error = text.str();
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  }
+};
+
+std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::string layer_error(const MoEConfig& c, const TensorFile& weights, const TensorFile& inputs) {
+  try {
+    read_layer_inputs(c, weights, inputs);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
 }
 
 }  // namespace
@@ -132,4 +205,204 @@ TEST_CASE("layer files: every tensor checked by name, dtype and shape", "[cpu][m
   ints.add("gate_weight", FileDType::kI32, {4, 6}, zeros.data());
   CHECK_THROWS_WITH(read_layer_inputs(c, ints, files.inputs),
                     test::contains_text("'gate_weight' is I32; expected BF16 or F32"));
+}
+
+TEST_CASE("moe_run refuses an --out that is one of its inputs, before writing anything",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const RunDir d(rng);
+  std::filesystem::create_hard_link(d.dir / "weights.safetensors", d.dir / "hard.safetensors");
+  std::filesystem::create_symlink(d.dir / "config.yaml", d.dir / "link.yaml");
+  const std::string weights = file_bytes(d.dir / "weights.safetensors");
+  const std::string inputs = file_bytes(d.dir / "inputs.safetensors");
+  const std::string config = file_bytes(d.dir / "config.yaml");
+  const std::vector<std::pair<std::string, std::string>> outs = {
+      {d.path("weights.safetensors"), "--weights"},
+      {d.path("inputs.safetensors"), "--inputs"},
+      {(d.dir / "." / "inputs.safetensors").string(), "--inputs"},
+      {(d.dir / "sub" / ".." / "config.yaml").string(), "--config"},
+      {d.path("hard.safetensors"), "--weights"},
+      {d.path("link.yaml"), "--config"}};
+  std::filesystem::create_directories(d.dir / "sub");
+  for (const auto& [out, option] : outs) {
+    INFO("--out " << out);
+    std::string error;
+    CHECK(d.run(d.path("inputs.safetensors"), out, &error) == 1);
+    CHECK_THAT(error, test::contains_text("--out '" + out + "' is the " + option + " file"));
+    CHECK_THAT(error, test::contains_text("refusing to overwrite an input"));
+  }
+  CHECK(file_bytes(d.dir / "weights.safetensors") == weights);
+  CHECK(file_bytes(d.dir / "inputs.safetensors") == inputs);
+  CHECK(file_bytes(d.dir / "config.yaml") == config);
+  std::string error;
+  CHECK(d.run(d.path("inputs.safetensors"), d.path("out.safetensors"), &error) == 0);
+}
+
+TEST_CASE("moe_run names the tensor holding NaN or Inf; --no-check-finite lets it through",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const RunDir d(rng);
+  const std::vector<std::string> names = {"x", "dy", "gate_weight", "w13", "w2"};
+  for (int round = 0; round < 3; ++round) {
+    const auto& name = names[std::uniform_int_distribution<std::size_t>(0, names.size() - 1)(rng)];
+    const bool input = name == "x" || name == "dy";
+    TensorFile file = input ? d.files.inputs : d.files.weights;
+    FileTensor& t = file.get(name);
+    const auto n = static_cast<std::size_t>(t.numel());
+    const auto at = std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
+    const float bad[3] = {std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()};
+    const int which = std::uniform_int_distribution<int>(0, 2)(rng);
+    std::memcpy(t.data.data() + at * 4, &bad[which], 4);
+    // The element's index in every dimension.
+    std::string index;
+    std::size_t rest = at;
+    for (std::size_t dim = t.shape.size(); dim-- > 0;) {
+      const auto extent = static_cast<std::size_t>(t.shape[dim]);
+      index = std::to_string(rest % extent) + (index.empty() ? "" : ", " + index);
+      rest /= extent;
+    }
+    // A bad inputs file is given as --inputs; bad weights replace weights.safetensors.
+    const std::string bad_path = input ? d.path("bad.safetensors") : d.path("weights.safetensors");
+    const std::string inputs = input ? bad_path : d.path("inputs.safetensors");
+    file.write(bad_path);
+    INFO("tensor " << name << " element " << at);
+    std::string error;
+    const std::string value = which == 0 ? "nan" : which == 1 ? "inf" : "-inf";
+    CHECK(d.run(inputs, d.path("out.safetensors"), &error) == 1);
+    CHECK_THAT(error, test::contains_text(bad_path + ": tensor '" + name + "' holds " + value +
+                                          " at [" + index + "] (1 of its " + std::to_string(n) +
+                                          " elements are NaN or Inf)"));
+    CHECK_FALSE(std::filesystem::exists(d.dir / "out.safetensors"));
+    // Turned off, the values go through (the results then hold NaN: the caller asked for it).
+    CHECK(d.run(inputs, d.path("out.safetensors"), &error, "--no-check-finite") == 0);
+    CHECK(std::filesystem::exists(d.dir / "out.safetensors"));
+    std::filesystem::remove(d.dir / "out.safetensors");
+    d.files.weights.write(d.dir / "weights.safetensors");
+  }
+}
+
+TEST_CASE("moe_run: an align_size beyond the bound fails at once with its value",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const char* align : {"1000000", "2000000000"}) {
+    const RunDir d(rng, std::string("align_size: ") + align + "\n");
+    std::string error;
+    const auto start = std::chrono::steady_clock::now();
+    CHECK(d.run(d.path("inputs.safetensors"), d.path("out.safetensors"), &error) == 1);
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+    CHECK_THAT(error,
+               test::contains_text(std::string("align_size = ") + align + " must be in [0, 4096]"));
+  }
+}
+
+TEST_CASE("layer files: tokens_per_rank counts are checked, their sum for overflow",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig c = test::small_config(6, 4, 4, 2);
+  const auto params = test::random_params(c, rng);
+  const Matrix x = test::random_matrix(3, 6, rng), dy = test::random_matrix(3, 6, rng);
+  const auto files = make_files(c, params, x, dy);
+  const auto with_split = [&](FileDType dtype, std::vector<std::int64_t> shape, const void* data) {
+    auto inputs = files.inputs;
+    inputs.add("tokens_per_rank", dtype, std::move(shape), data);
+    return layer_error(c, files.weights, inputs);
+  };
+  // Two counts whose sum passes INT64_MAX, each valid alone.
+  const std::int64_t max = std::numeric_limits<std::int64_t>::max();
+  const std::int64_t a = std::uniform_int_distribution<std::int64_t>(max / 2, max)(rng);
+  const std::int64_t b = std::uniform_int_distribution<std::int64_t>(max - a + 1, max)(rng);
+  const std::int64_t overflow[3] = {1, a, b};
+  CHECK_THAT(with_split(FileDType::kI64, {3}, overflow),
+             test::contains_text("tensor 'tokens_per_rank' sums past int64 at [2] (count " +
+                                 std::to_string(b) + ")"));
+  const std::int64_t negative_count = -std::uniform_int_distribution<std::int64_t>(1, max)(rng);
+  const std::int64_t negative[2] = {3, negative_count};
+  CHECK_THAT(with_split(FileDType::kI64, {2}, negative),
+             test::contains_text("tensor 'tokens_per_rank' holds a negative count " +
+                                 std::to_string(negative_count) + " at [1]"));
+  CHECK_THAT(with_split(FileDType::kI64, {0}, nullptr),
+             test::contains_text("tensor 'tokens_per_rank' has no entries"));
+  const std::int32_t ints[2] = {1, 2};
+  CHECK_THAT(with_split(FileDType::kI32, {2}, ints),
+             test::contains_text("tensor 'tokens_per_rank' is I32[2]; expected I64 [world]"));
+  const std::int64_t good[2] = {1, 2};
+  CHECK_THAT(with_split(FileDType::kI64, {1, 2}, good),
+             test::contains_text("tensor 'tokens_per_rank' is I64[1, 2]"));
+  CHECK_THAT(with_split(FileDType::kI64, {2}, good), test::contains_text("(no error)"));
+}
+
+TEST_CASE("layer files: a tensor the layer does not read is an error naming it", "[cpu][moe_run]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  MoEConfig c = test::small_config(6, 4, 4, 2);
+  const auto params = test::random_params(c, rng);
+  const Matrix x = test::random_matrix(3, 6, rng), dy = test::random_matrix(3, 6, rng);
+  const auto files = make_files(c, params, x, dy);
+  auto weights = files.weights;
+  add(weights, "w1", {4, 4, 6}, std::vector<double>(96, 0.0));
+  CHECK_THAT(layer_error(c, weights, files.inputs),
+             test::contains_text("tensor 'w1' is not one of the weights tensors the layer reads"));
+  auto biased = files.weights;
+  add(biased, "expert_bias", {4}, {0.1, 0.2, 0.3, 0.4});
+  CHECK_THAT(layer_error(c, biased, files.inputs),
+             test::contains_text("tensor 'expert_bias' is given but the config has expert_bias: "
+                                 "false"));
+  auto inputs = files.inputs;
+  add(inputs, "labels", {3}, {0, 1, 2});
+  CHECK_THAT(layer_error(c, files.weights, inputs),
+             test::contains_text("tensor 'labels' is not one of the inputs tensors"));
+}
+
+TEST_CASE("check_finite finds the first NaN or Inf of BF16 and F32 tensors", "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const FileDType dtype : {FileDType::kBF16, FileDType::kF32}) {
+    const std::vector<std::int64_t> shape = {
+        std::uniform_int_distribution<std::int64_t>(1, 4)(rng),
+        std::uniform_int_distribution<std::int64_t>(1, 5)(rng),
+        std::uniform_int_distribution<std::int64_t>(1, 6)(rng)};
+    const auto n = static_cast<std::size_t>(shape[0] * shape[1] * shape[2]);
+    std::vector<float> values(n);
+    for (auto& v : values) v = std::normal_distribution<float>(0, 1)(rng);
+    TensorFile clean;
+    const auto put = [&](TensorFile& file) {
+      if (dtype == FileDType::kF32) {
+        file.add("t", dtype, shape, values.data());
+      } else {
+        std::vector<BF16> bf(n);
+        for (std::size_t i = 0; i < n; ++i) bf[i] = to_bf16(values[i]);
+        file.add("t", dtype, shape, bf.data());
+      }
+    };
+    put(clean);
+    CHECK_NOTHROW(check_finite(clean));
+    const auto bad =
+        std::uniform_int_distribution<std::size_t>(1, std::min<std::size_t>(n, 4))(rng);
+    std::vector<std::size_t> at(n);
+    std::iota(at.begin(), at.end(), 0);
+    std::shuffle(at.begin(), at.end(), rng);
+    at.resize(bad);
+    for (const auto i : at) values[i] = std::numeric_limits<float>::infinity();
+    const auto first = *std::min_element(at.begin(), at.end());
+    const auto plane = static_cast<std::size_t>(shape[1] * shape[2]);
+    TensorFile dirty;
+    put(dirty);
+    const std::string index = std::to_string(first / plane) + ", " +
+                              std::to_string(first % plane / shape[2]) + ", " +
+                              std::to_string(first % static_cast<std::size_t>(shape[2]));
+    CHECK_THROWS_WITH(
+        check_finite(dirty),
+        test::contains_text("tensor 't' holds inf at [" + index + "] (" + std::to_string(bad) +
+                            " of its " + std::to_string(n) + " elements are NaN or Inf)"));
+  }
 }

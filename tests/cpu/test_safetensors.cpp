@@ -1,6 +1,15 @@
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <numeric>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "moe/error.h"
 #include "moe/safetensors.h"
@@ -10,11 +19,93 @@
 using namespace moe;
 
 namespace {
+// The 8-byte little-endian length prefix of the format.
+std::string length_prefix(std::uint64_t length) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+  return out;
+}
+
 // A file assembled by hand, byte by byte, as the format specifies.
 std::string hand_made(const std::string& header, const std::string& data) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-  return out + header + data;
+  return length_prefix(header.size()) + header + data;
+}
+
+// One header entry, written by hand so that any value (wrong ones included) can be given.
+std::string entry(const std::string& name, const std::string& dtype, const std::string& shape,
+                  const std::string& offsets) {
+  return "\"" + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":" + shape +
+         ",\"data_offsets\":" + offsets + "}";
+}
+
+std::string error_of(const std::string& bytes) {
+  try {
+    TensorFile::parse(bytes, "f.safetensors");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::string read_error(const std::filesystem::path& path, std::uint64_t max_bytes) {
+  try {
+    TensorFile::read(path, max_bytes);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::filesystem::path temp_path(const std::string& stem) {
+  return std::filesystem::temp_directory_path() /
+         ("moe_test_" + stem + "_" + std::to_string(::getpid()) + "_" +
+          std::to_string(test::fresh_seed()));
+}
+
+// F32 tensors of random sizes (zero-sized ones included) laid out in a random order, their JSON
+// entries in another: the layout `begin`/`end` and the data the offsets describe.
+struct Layout {
+  std::vector<std::string> names;
+  std::vector<std::int64_t> counts;  // elements
+  std::vector<std::uint64_t> begin, end;
+  std::string data;
+};
+
+Layout random_layout(std::mt19937_64& rng) {
+  Layout l;
+  const int n = std::uniform_int_distribution<int>(3, 6)(rng);
+  for (int i = 0; i < n; ++i) {
+    l.names.push_back(fmt::format("t{}", i));
+    l.counts.push_back(std::uniform_int_distribution<std::int64_t>(0, 5)(rng));
+  }
+  l.counts[std::uniform_int_distribution<int>(0, n - 1)(rng)] = 0;  // one zero-size at least
+  std::vector<int> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  l.begin.resize(n);
+  l.end.resize(n);
+  std::uint64_t offset = 0;
+  for (const int i : order) {
+    l.begin[i] = offset;
+    offset += static_cast<std::uint64_t>(l.counts[i]) * 4;
+    l.end[i] = offset;
+  }
+  for (std::uint64_t b = 0; b < offset; ++b)
+    l.data.push_back(static_cast<char>(std::uniform_int_distribution<int>(0, 255)(rng)));
+  return l;
+}
+
+std::string layout_header(const Layout& l, std::mt19937_64& rng) {
+  std::vector<std::size_t> keys(l.names.size());
+  std::iota(keys.begin(), keys.end(), 0);
+  std::shuffle(keys.begin(), keys.end(), rng);
+  std::string header = "{";
+  for (const auto i : keys) {
+    if (header.size() > 1) header += ",";
+    header += entry(l.names[i], "F32", fmt::format("[{}]", l.counts[i]),
+                    fmt::format("[{},{}]", l.begin[i], l.end[i]));
+  }
+  return header + "}";
 }
 }  // namespace
 
@@ -87,4 +178,206 @@ TEST_CASE("safetensors: malformed files get errors naming the problem", "[cpu][s
   CHECK_THROWS_WITH(TensorFile::parse(hand_made("{}", ""), "f.safetensors").get("w"),
                     test::contains_text("f.safetensors: no tensor named 'w'"));
   CHECK_THROWS_AS(TensorFile::read("/nonexistent/x.safetensors"), Error);
+}
+
+TEST_CASE("safetensors: sizes from the header are checked for overflow, naming the tensor",
+          "[cpu][safetensors]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  // Element counts beyond int64, and byte counts beyond 64 bits from a fitting element count.
+  const auto big = [&] {
+    return std::uniform_int_distribution<std::uint64_t>(1ULL << 32, 1ULL << 40)(rng);
+  };
+  const auto d0 = std::to_string(big()), d1 = std::to_string(big());
+  CHECK_THAT(
+      error_of(hand_made("{" + entry("huge", "F32", "[" + d0 + "," + d1 + "]", "[0,0]") + "}", "")),
+      test::contains_text("tensor 'huge' of shape [" + d0 + ", " + d1 +
+                          "] has more elements or bytes than 64 bits count"));
+  CHECK_THAT(
+      error_of(hand_made("{" + entry("wide", "I64", "[2305843009213693952,2]", "[0,0]") + "}", "")),
+      test::contains_text("tensor 'wide' of shape [2305843009213693952, 2] has more"));
+  CHECK_THAT(
+      error_of(hand_made("{" + entry("d", "F32", "[18446744073709551615]", "[0,0]") + "}", "")),
+      test::contains_text("tensor 'd' has dimension 0 = 18446744073709551615, beyond int64"));
+  CHECK_THAT(error_of(hand_made("{" + entry("n", "F32", "[2,-1]", "[0,0]") + "}", "")),
+             test::contains_text("tensor 'n' has a negative dimension 1 = -1"));
+  CHECK(TensorFile::parse(hand_made("{" + entry("z", "F32", "[-0]", "[-0,0]") + "}", ""), "f")
+            .get("z")
+            .shape == std::vector<std::int64_t>{0});
+  CHECK_THAT(error_of(hand_made("{" + entry("f", "F32", "[1.5]", "[0,0]") + "}", "")),
+             test::contains_text("tensor 'f' has dimension 0 = 1.5, not an integer"));
+  const std::uint64_t far = big();
+  CHECK_THAT(error_of(hand_made(
+                 "{" +
+                     entry("o", "F32", "[1]",
+                           "[" + std::to_string(far) + "," + std::to_string(far + 4) + "]") +
+                     "}",
+                 "abcd")),
+             test::contains_text("tensor 'o' has data_offsets [" + std::to_string(far) + ", " +
+                                 std::to_string(far + 4) + "] outside the 4 data bytes"));
+  CHECK_THAT(error_of(hand_made("{" + entry("o", "F32", "[1]", "[-4,0]") + "}", "abcd")),
+             test::contains_text("tensor 'o' has data_offsets [-4, 0]; expected [begin, end]"));
+  CHECK_THAT(error_of(hand_made("{" + entry("o", "F32", "[1]", "[0.0,4]") + "}", "abcd")),
+             test::contains_text("tensor 'o' has data_offsets [0.0, 4]"));
+  CHECK_THAT(error_of(hand_made("{" + entry("o", "F32", "[1]", "[0,4,8]") + "}", "abcd")),
+             test::contains_text("tensor 'o' has data_offsets a list of 3 items"));
+  // A length prefix of any 64-bit value: never read past the end, never allocated.
+  const std::uint64_t length = std::uniform_int_distribution<std::uint64_t>(1ULL << 33)(rng);
+  CHECK_THAT(error_of(length_prefix(length) + "{}"),
+             test::contains_text("header of " + std::to_string(length) + " bytes runs past"));
+  CHECK_THAT(error_of(length_prefix(~0ULL) + "{}"), test::contains_text("runs past the end"));
+}
+
+TEST_CASE("safetensors: the header length is bounded at 100 MB before anything is read",
+          "[cpu][safetensors]") {
+  // A sparse file: its size passes, its header length does not, and no byte of it is read.
+  const auto path = temp_path("long_header");
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << length_prefix(kMaxHeaderBytes + 1) << "{";
+  }
+  std::filesystem::resize_file(path, kMaxHeaderBytes + 64);
+  CHECK_THAT(read_error(path, kMaxTensorFileBytes),
+             test::contains_text("header of 100000001 bytes exceeds the format's limit of "
+                                 "100000000 bytes"));
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("safetensors: data_offsets must tile the data section exactly", "[cpu][safetensors]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int round = 0; round < 20; ++round) {
+    const Layout l = random_layout(rng);
+    const std::string header = layout_header(l, rng);
+    INFO(header);
+    // Valid whatever the order of the entries or of the tensors in the data.
+    const auto file = TensorFile::parse(hand_made(header, l.data), "f");
+    for (std::size_t i = 0; i < l.names.size(); ++i) {
+      const auto& t = file.get(l.names[i]);
+      REQUIRE(t.data.size() == l.end[i] - l.begin[i]);
+      CHECK(std::equal(t.data.begin(), t.data.end(),
+                       reinterpret_cast<const std::byte*>(l.data.data() + l.begin[i])));
+    }
+    // Trailing bytes no tensor covers.
+    CHECK_THAT(error_of(hand_made(header, l.data + "tail")),
+               test::contains_text("the data section has " + std::to_string(l.data.size() + 4) +
+                                   " bytes but the tensors cover only the first " +
+                                   std::to_string(l.data.size())));
+    // A tensor with data, moved: 4 bytes later (a gap) or 4 bytes earlier (an overlap), or its
+    // offsets swapped.
+    std::vector<std::size_t> filled;
+    for (std::size_t i = 0; i < l.names.size(); ++i) {
+      if (l.counts[i] > 0) filled.push_back(i);
+    }
+    if (filled.empty()) continue;
+    const auto pick = filled[std::uniform_int_distribution<std::size_t>(0, filled.size() - 1)(rng)];
+    Layout later = l;
+    for (std::size_t i = 0; i < l.names.size(); ++i) {
+      if (l.begin[i] >= l.begin[pick] && l.counts[i] > 0) later.begin[i] += 4, later.end[i] += 4;
+      if (l.begin[i] > l.begin[pick] && l.counts[i] == 0) later.begin[i] += 4, later.end[i] += 4;
+    }
+    later.data.insert(l.begin[pick], "gap!");
+    CHECK_THAT(error_of(hand_made(layout_header(later, rng), later.data)),
+               test::contains_text("bytes [" + std::to_string(l.begin[pick]) + ", " +
+                                   std::to_string(l.begin[pick] + 4) +
+                                   ") of the data section "
+                                   "belong to no tensor"));
+    if (l.begin[pick] > 0) {
+      Layout earlier = l;
+      earlier.begin[pick] -= 4;
+      earlier.end[pick] -= 4;
+      CHECK_THAT(error_of(hand_made(layout_header(earlier, rng), l.data)),
+                 test::contains_text("overlaps tensor"));
+    }
+    Layout reversed = l;
+    std::swap(reversed.begin[pick], reversed.end[pick]);
+    CHECK_THAT(error_of(hand_made(layout_header(reversed, rng), l.data)),
+               test::contains_text("tensor '" + l.names[pick] + "' has data_offsets [" +
+                                   std::to_string(l.end[pick]) + ", " +
+                                   std::to_string(l.begin[pick]) + "]: begin after end"));
+  }
+}
+
+TEST_CASE("safetensors: repeated keys and unknown fields are rejected", "[cpu][safetensors]") {
+  const std::string x = entry("x", "F32", "[1]", "[0,4]");
+  CHECK_THAT(error_of(hand_made("{" + x + "," + x + "}", "abcd")),
+             test::contains_text("f.safetensors: tensor 'x' appears twice in the header"));
+  CHECK_THAT(error_of(hand_made(R"({"x":{"dtype":"F32","shape":[1],"dtype":"I32",)"
+                                R"("data_offsets":[0,4]}})",
+                                "abcd")),
+             test::contains_text("key 'dtype' appears twice in the header's entry 'x'"));
+  CHECK_THAT(error_of(hand_made("{" + x + R"(,"__metadata__":{"a":"1","a":"2"}})", "abcd")),
+             test::contains_text("key 'a' appears twice in the header's entry '__metadata__'"));
+  CHECK_THAT(error_of(hand_made(R"({"__metadata__":{},"__metadata__":{}})", "")),
+             test::contains_text("key '__metadata__' appears twice"));
+  CHECK_THAT(error_of(hand_made(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],)"
+                                R"("offset":0}})",
+                                "abcd")),
+             test::contains_text("tensor 'x' has the unknown field 'offset'"));
+  CHECK_THAT(error_of(hand_made(R"({"x":{"dtype":"F32","shape":[1]}})", "")),
+             test::contains_text("tensor 'x' has no 'data_offsets'"));
+  CHECK_THAT(error_of(hand_made(R"({"x":[1,2]})", "")),
+             test::contains_text("tensor 'x' has the entry a list of 2 items; expected an object"));
+  CHECK_THAT(error_of(hand_made(R"({"x":{"dtype":7,"shape":[1],"data_offsets":[0,4]}})", "abcd")),
+             test::contains_text("tensor 'x' has dtype 7; expected a string"));
+  CHECK_THAT(error_of(hand_made(" {}", "")), test::contains_text("must be a JSON object"));
+  CHECK_THAT(error_of(hand_made("", "")), test::contains_text("must be a JSON object"));
+  CHECK_THAT(error_of(hand_made(R"({"__metadata__":{"a":1}})", "")),
+             test::contains_text("metadata 'a' is 1, not a string"));
+  // Nesting deep enough to exhaust a recursive parser's stack is an error like any other.
+  CHECK_THAT(error_of(hand_made("{\"x\":" + std::string(1 << 20, '['), "")),
+             test::contains_text("not valid JSON"));
+}
+
+TEST_CASE("safetensors: zero-size tensors round-trip without touching a null pointer",
+          "[cpu][safetensors]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  TensorFile file;
+  const int n = std::uniform_int_distribution<int>(1, 4)(rng);
+  for (int i = 0; i < n; ++i) {
+    std::vector<std::int64_t> shape = {std::uniform_int_distribution<std::int64_t>(1, 9)(rng), 0};
+    std::shuffle(shape.begin(), shape.end(), rng);
+    file.add("empty" + std::to_string(i), FileDType::kBF16, shape, nullptr);
+  }
+  const auto back = TensorFile::parse(file.serialize(), "f");
+  CHECK(back.tensors().size() == static_cast<std::size_t>(n));
+  for (const auto& [name, t] : back.tensors()) CHECK(t.data.empty());
+  CHECK(TensorFile::parse(hand_made("{}", ""), "f").tensors().empty());
+  CHECK_THROWS_WITH(file.add("x", FileDType::kF32, {2}, nullptr),
+                    test::contains_text("tensor 'x' has 8 bytes but no data"));
+  CHECK_THROWS_WITH(file.add("y", FileDType::kF32, {-1}, nullptr),
+                    test::contains_text("tensor 'y' of shape [-1] has a negative dimension"));
+}
+
+TEST_CASE("safetensors: only regular files of bounded size are read", "[cpu][safetensors]") {
+  const auto dir = temp_path("dir");
+  std::filesystem::create_directories(dir);
+  CHECK_THAT(read_error(dir, kMaxTensorFileBytes), test::contains_text("is a directory"));
+  const auto fifo = dir / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  // Opened without blocking and refused: a FIFO without a writer would otherwise hang here.
+  CHECK_THAT(read_error(fifo, kMaxTensorFileBytes), test::contains_text("is a FIFO"));
+  CHECK_THAT(read_error("/dev/zero", kMaxTensorFileBytes),
+             test::contains_text("'/dev/zero' is a character device; only regular files"));
+  CHECK_THAT(read_error(dir / "absent", kMaxTensorFileBytes),
+             test::contains_text("No such file or directory"));
+  TensorFile file;
+  const float one = 1.0f;
+  file.add("x", FileDType::kF32, {1}, &one);
+  file.write(dir / "x.safetensors");
+  const auto size = std::filesystem::file_size(dir / "x.safetensors");
+  CHECK(TensorFile::read(dir / "x.safetensors", size).get("x").data.size() == 4);
+  CHECK_THAT(read_error(dir / "x.safetensors", size - 1),
+             test::contains_text("has " + std::to_string(size) + " bytes, more than the limit of " +
+                                 std::to_string(size - 1)));
+  // A file cut short: the header promises data the file does not have.
+  std::filesystem::resize_file(dir / "x.safetensors", size - 2);
+  CHECK_THAT(read_error(dir / "x.safetensors", size),
+             test::contains_text("tensor 'x' has data_offsets [0, 4] outside the 2 data bytes"));
+  CHECK_THAT(read_error(dir / "x.safetensors", size), test::contains_text("x.safetensors"));
+  std::filesystem::remove_all(dir);
 }
