@@ -1,6 +1,6 @@
-// Dispatch and combine across the EP group (SPEC.md steps 4 and 6): the counts exchange, which
-// carries the forward's one host synchronisation, and the rows' all-to-allv by grouped
-// ncclSend/ncclRecv. Zero rows to or from a peer are allowed.
+// The EP group's all-to-allv collectives, which the NCCL token exchange (src/exchange_nccl.cpp)
+// stands on: the counts exchange, which carries the forward's one host synchronisation, and the
+// rows' all-to-allv by grouped ncclSend/ncclRecv. Zero rows to or from a peer are allowed.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,6 +1,7 @@
 // Buffers that every rank of the EP group can load from and store to (CUDA IPC, over NVLink on
 // one host), so that the dispatch and combine can be plain kernels writing rows where the experts
-// read them, instead of NCCL operations into staging buffers (docs/design.md, "Peer exchange").
+// read them, instead of NCCL operations into staging buffers: the plumbing of the peer token
+// exchange (src/exchange_peer.cpp; docs/design.md, "Transports").
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,5 +1,5 @@
-// moe::MoEBlock: the whole MoE layer of SPEC.md, forward and backward at one boundary, on one GPU
-// or on an EP×DP mesh.
+// moe::MoEBlock: the whole MoE layer of docs/design.md, forward and backward at one boundary, on
+// one GPU or on an EP×DP mesh.
 //
 //   moe::MoEBlock block(config, mesh, stream);
 //   block.initialize(seed);                       // or bind() the trainer's own memory
@@ -69,7 +69,7 @@ class MoEScratch {
   MoEScratch(const MoEScratch&) = delete;
   MoEScratch& operator=(const MoEScratch&) = delete;
   std::size_t bytes() const;  // device memory held now
-  struct Buffers;             // defined by the block
+  struct Buffers;             // defined in src/scratch.h
 
  private:
   friend class MoEBlock;

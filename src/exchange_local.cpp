@@ -1,0 +1,160 @@
+// The token exchange on one EP rank: the permute writes the experts' input directly, padded
+// expert-major, with each row's probability beside it (the experts apply it); nothing crosses a
+// link. Without keep_expert_input, X, Y, dY and dX are one buffer (docs/design.md, "Buffers").
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kernels/permute.cuh"
+#include "moe/error.h"
+#include "src/exchange_impl.h"
+#include "src/stage_support.h"
+
+namespace moe {
+namespace {
+
+class LocalExchange final : public TokenExchange {
+ public:
+  explicit LocalExchange(const ExchangeSetup& setup)
+      : config_(setup.config),
+        mesh_(setup.mesh),
+        stream_(setup.stream),
+        E_(setup.config.num_experts),
+        K_(setup.config.topk),
+        H_(setup.config.hidden),
+        dtype_(setup.config.dtype),
+        layout_(setup.scratch.layout_ws),
+        dY_(setup.scratch.dY) {}
+
+  EpTransport transport() const override { return EpTransport::kAuto; }
+  bool probabilities_in_experts() const override { return true; }
+
+  void permute(const Tensor& x, const SlotRouting& routing) override {
+    const std::int64_t T = x.dim(0);
+    const int align = config_.align_size;
+    layout_.build(routing.topk_idx, T, K_, E_, align, stream_);
+    // The permute starts as soon as the layout is built: on the main stream the two copies took
+    // 9–10 µs of the dispatch stage, and the host can learn the counts while the GPU permutes,
+    // since X holds the most rows any routing can pad to.
+    layout_built_.record(stream_);
+    const cudaStream_t count_stream = count_stream_.get();
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(count_stream, layout_built_.get(), 0));
+    host_.reserve(routing.totals_bytes + (E_ + 1) * sizeof(std::int32_t));
+    totals_bytes_ = routing.totals_bytes;
+    MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>(), routing.totals, totals_bytes_,
+                                   cudaMemcpyDeviceToHost, count_stream));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>() + totals_bytes_, layout_.offsets(),
+                                   (E_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
+                                   count_stream));
+    copied_.record(count_stream);
+    const std::int64_t max_rows = T * K_ + std::int64_t{E_} * std::max(align - 1, 0);
+    X_.reserve(std::max<std::int64_t>(max_rows * H_, 1) * dtype_size(dtype_));
+    row_prob_.reserve(std::max<std::int64_t>(max_rows, 1) * sizeof(float));
+    permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_,
+                 Tensor(X_.data(), dtype_, {max_rows, H_}), stream_, routing.topk_p,
+                 row_prob_.as<float>());
+  }
+
+  void dispatch(const Tensor&, void* totals) override {
+    mesh_.wait(copied_.get(), "the forward's row counts");  // the one host synchronisation
+    std::memcpy(totals, host_.as<char>(), totals_bytes_);
+    const auto* offsets = reinterpret_cast<const std::int32_t*>(host_.as<char>() + totals_bytes_);
+    saved_.expert_offsets.assign(offsets, offsets + E_ + 1);
+    saved_.rows = saved_.expert_offsets.back();
+  }
+
+  ExpertRows expert_rows() override {
+    // One row buffer: the down products write Y over X once the up products have read it.
+    const Tensor Y = one_row_buffer() ? rows(X_) : view(Y_, dtype_, {saved_.rows, H_});
+    return {rows(X_), Y, row_prob(), saved_.expert_offsets};
+  }
+
+  void combine() override {}  // the experts' output is already where the unpermute reads it
+
+  void unpermute(const Tensor& out) override {
+    const Tensor Y = one_row_buffer() ? rows(X_) : rows(Y_);
+    unpermute_combine(Y, layout_.row_map(), nullptr, K_, out, stream_);
+  }
+
+  // dY(t, k) = dy[t]: the probabilities are inside the experts, whose backward forms dprob.
+  void unpermute_backward(const Tensor& dy, float*) override {
+    // One row buffer: dY over the dead Y. Else the scratch's dY.
+    const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.rows, H_});
+    permute_rows(dy, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_, dY, stream_);
+  }
+
+  void combine_backward() override {}
+
+  ExpertGradRows expert_grad_rows(const Tensor& x) override {
+    ExpertGradRows g;
+    g.input = rows(X_);
+    g.scale = row_prob();
+    g.offsets = saved_.expert_offsets;
+    if (one_row_buffer()) {
+      // X permuted from x again over dY once dY is dead, dX over X once dw13 has read it.
+      g.dY = g.dX = g.input;
+      g.refill = [this, x, X = g.input](cudaStream_t on) {
+        permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_, X, on);
+      };
+    } else {
+      g.dY = rows(dY_);
+      g.dX = rows(Y_);  // dead since the unpermute
+    }
+    return g;
+  }
+
+  void dispatch_backward() override {}
+
+  void permute_backward(const Tensor& dx, float* dprob) override {
+    const Tensor dX = one_row_buffer() ? rows(X_) : rows(Y_);
+    // dprob from beside the rows, where the experts' backward left it.
+    unpermute_combine(dX, layout_.row_map(), nullptr, K_, dx, stream_, row_prob_.as<float>(),
+                      dprob);
+  }
+
+ private:
+  bool one_row_buffer() const { return !config_.keep_expert_input; }
+  Tensor rows(const DeviceBuffer& buffer) const {
+    return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
+  }
+  Tensor row_prob() const { return Tensor(row_prob_.data(), DType::kFP32, {saved_.rows}); }
+
+  MoEConfig config_;
+  const Mesh& mesh_;
+  cudaStream_t stream_;
+  int E_, K_;
+  std::int64_t H_;
+  DType dtype_;
+  SlotLayout layout_;
+  // X: the experts' input; without keep_expert_input also Y, dY (over the dead Y), X permuted
+  // again, dX. Sized for the most rows any routing can pad to, so that the permute need not wait
+  // for the counts.
+  DeviceBuffer X_;
+  // Each row's probability (fp32 [rows]), which the experts apply; their backward leaves its
+  // gradient in its place (docs/design.md, "Probabilities inside the experts").
+  DeviceBuffer row_prob_;
+  // With keep_expert_input: the experts' output, then dX. Nothing in it outlives a call, yet it is
+  // the block's own, not the scratch's.
+  DeviceBuffer Y_;
+  DeviceBuffer& dY_;  // the scratch's; with keep_expert_input
+  // The counts go to the host on their own stream, off the permute's path.
+  Stream count_stream_;
+  Event layout_built_, copied_;
+  PinnedBuffer host_;  // routing.totals, then the layout's offsets
+
+  std::size_t totals_bytes_ = 0;  // where the offsets start in host_
+
+  // What the forward keeps for the backward, beside the layout, X (unless refilled) and row_prob.
+  struct Saved {
+    std::int64_t rows = 0;  // padding included
+    std::vector<std::int64_t> expert_offsets;
+  } saved_;
+};
+
+}  // namespace
+
+std::unique_ptr<TokenExchange> make_local_exchange(const ExchangeSetup& setup) {
+  return std::make_unique<LocalExchange>(setup);
+}
+
+}  // namespace moe

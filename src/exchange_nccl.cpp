@@ -1,0 +1,163 @@
+// The token exchange over NCCL: the sender gathers its rows by global expert, unpadded, so that
+// each EP peer's rows are one range (docs/design.md, "The exchange across EP × DP"); the counts
+// and the rows cross by grouped send/receive (ExpertExchange); the receiver sorts the (source,
+// expert) chunks into the padded expert-major layout and back. The unpermute weighs the returned
+// rows by the probabilities (a probability would need an exchange of its own both ways), so the
+// rows the combine got back are kept for dprob.
+//
+// Buffer roles, each taken only once the previous content is dead (docs/design.md, "Buffers"):
+//   send_rows [T·K, H]: x gathered to send → Y returned (kept for dprob) → received dY →
+//                       returned dX
+//   X [rows, H]:        the experts' input (kept)
+//   Y (scratch):        received rows → the experts' output → dY to send → dX
+//   dY (scratch):       staging of the combine's sends → dY → staging of dX
+#include <vector>
+
+#include "comm/exchange.h"
+#include "kernels/permute.cuh"
+#include "src/exchange_impl.h"
+#include "src/stage_support.h"
+
+namespace moe {
+namespace {
+
+class NcclExchange final : public TokenExchange {
+ public:
+  explicit NcclExchange(const ExchangeSetup& setup)
+      : config_(setup.config),
+        stream_(setup.stream),
+        ranks_(setup.mesh.ep()),
+        E_(setup.config.num_experts),
+        E_loc_(setup.config.num_experts / setup.mesh.ep()),
+        K_(setup.config.topk),
+        H_(setup.config.hidden),
+        dtype_(setup.config.dtype),
+        row_bytes_(H_ * dtype_size(dtype_)),
+        exchange_(setup.mesh, setup.config.num_experts),
+        layout_(setup.scratch.layout_ws),
+        Y_(setup.scratch.Y),
+        dY_(setup.scratch.dY),
+        chunk_ws_(setup.scratch.chunk_ws) {}
+
+  EpTransport transport() const override { return EpTransport::kNccl; }
+  bool probabilities_in_experts() const override { return false; }
+
+  void permute(const Tensor& x, const SlotRouting& routing) override {
+    saved_.tokens = x.dim(0);
+    saved_.routing = routing;
+    layout_.build(routing.topk_idx, saved_.tokens, K_, E_, /*align=*/1, stream_);
+    permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_, slots(),
+                 stream_);
+  }
+
+  void dispatch(const Tensor&, void* totals) override {
+    auto* recv_counts = typed<std::int32_t>(recv_counts_, E_);
+    const ExchangeCounts& c =
+        exchange_.exchange_counts(layout_.counts(), recv_counts, saved_.routing.totals, totals,
+                                  saved_.routing.totals_bytes, stream_);
+    const Tensor recv = view(Y_, dtype_, {c.total_received(), H_});  // Y is not written yet
+    exchange_.exchange_rows(send_rows_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_,
+                            stream_);
+    std::vector<std::int64_t> per_expert(E_loc_, 0);
+    for (int src = 0; src < ranks_; ++src) {
+      for (int e = 0; e < E_loc_; ++e) per_expert[e] += c.received[src * E_loc_ + e];
+    }
+    saved_.expert_offsets.assign(E_loc_ + 1, 0);
+    for (int e = 0; e < E_loc_; ++e)
+      saved_.expert_offsets[e + 1] = saved_.expert_offsets[e] + config_.padded_rows(per_expert[e]);
+    saved_.rows = saved_.expert_offsets.back();
+    chunk_ws_.reserve(chunk_workspace_bytes(ranks_, E_loc_));
+    sort_chunks(chunks(), recv, view(X_, dtype_, {saved_.rows, H_}), stream_);
+  }
+
+  ExpertRows expert_rows() override {
+    return {rows(X_), view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets};
+  }
+
+  void combine() override {
+    const ExchangeCounts& c = exchange_.counts();
+    const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // the backward's, free now
+    unsort_chunks(chunks(), rows(Y_), recv, stream_);
+    exchange_.exchange_rows(recv.data, c.recv_rows, send_rows_.data(), c.send_rows, row_bytes_,
+                            stream_);
+  }
+
+  void unpermute(const Tensor& out) override {
+    unpermute_combine(slots(), layout_.row_map(), saved_.routing.topk_p, K_, out, stream_);
+  }
+
+  // Against the Y the combine consumed, in the layout it consumed it (docs/design.md, "Combine
+  // backward").
+  void unpermute_backward(const Tensor& dy, float* dprob) override {
+    // dY's buffer grows, where it must, before the backward queues a collective: a growth frees
+    // the old buffer, which waits for the device, and so would wait for the peers too.
+    view(dY_, dtype_, {saved_.rows, H_});
+    // dY to send goes over Y, dead since the combine (which kept the rows it got back).
+    const Tensor dY_sent = view(Y_, dtype_, {saved_.tokens * K_, H_});
+    moe::combine_backward(dy, slots(), layout_.row_map(), saved_.routing.topk_p, K_,
+                          layout_.offsets(), layout_.counts(), E_, dY_sent, dprob, stream_);
+  }
+
+  void combine_backward() override {
+    const ExchangeCounts& c = exchange_.counts();
+    // The returned Y in send_rows is dead once the unpermute backward has read it.
+    const Tensor recv = view(send_rows_, dtype_, {c.total_received(), H_});
+    exchange_.exchange_rows(Y_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_, stream_);
+    sort_chunks(chunks(), recv, rows(dY_), stream_);
+  }
+
+  ExpertGradRows expert_grad_rows(const Tensor&) override {
+    // dX into Y, dead since the unpermute backward sent it.
+    return {rows(dY_), rows(X_), rows(Y_), Tensor{}, saved_.expert_offsets, {}};
+  }
+
+  void dispatch_backward() override {
+    const ExchangeCounts& c = exchange_.counts();
+    const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // dead after the experts
+    unsort_chunks(chunks(), rows(Y_), recv, stream_);
+    exchange_.exchange_rows(recv.data, c.recv_rows, slots().data, c.send_rows, row_bytes_, stream_);
+  }
+
+  // The probabilities were applied in the unpermute backward.
+  void permute_backward(const Tensor& dx, float*) override {
+    unpermute_combine(slots(), layout_.row_map(), nullptr, K_, dx, stream_);
+  }
+
+ private:
+  // This rank's slots' rows in the sender's layout [T·K, H] (grows send_rows where needed).
+  Tensor slots() { return view(send_rows_, dtype_, {saved_.tokens * K_, H_}); }
+  Tensor rows(const DeviceBuffer& buffer) const {
+    return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
+  }
+  ChunkArgs chunks() const {
+    return {recv_counts_.as<std::int32_t>(), ranks_, E_loc_, config_.align_size, chunk_ws_.data()};
+  }
+
+  MoEConfig config_;
+  cudaStream_t stream_;
+  int ranks_, E_, E_loc_, K_;
+  std::int64_t H_;
+  DType dtype_;
+  std::size_t row_bytes_;
+  ExpertExchange exchange_;  // the counts (kept for the backward) and the rows' all-to-allv
+  SlotLayout layout_;
+  DeviceBuffer send_rows_, X_;
+  DeviceBuffer recv_counts_;           // [EP · E_loc]: rows from source s for local expert e
+  DeviceBuffer &Y_, &dY_, &chunk_ws_;  // the scratch's
+
+  // What the forward keeps for the backward, beside the layout, the counts, send_rows and X.
+  struct Saved {
+    SlotRouting routing;
+    std::int64_t tokens = 0;
+    std::int64_t rows = 0;  // padding included
+    std::vector<std::int64_t> expert_offsets;
+  } saved_;
+};
+
+}  // namespace
+
+std::unique_ptr<TokenExchange> make_nccl_exchange(const ExchangeSetup& setup) {
+  return std::make_unique<NcclExchange>(setup);
+}
+
+}  // namespace moe

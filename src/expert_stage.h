@@ -1,0 +1,38 @@
+// The experts: each local expert's SwiGLU FFN over its rows, forward and backward (docs/design.md,
+// "Experts" and "Experts backward"), on the rows the token exchange laid out.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/experts.h"
+#include "moe/config.h"
+#include "moe/device.h"
+#include "moe/mesh.h"
+#include "moe/tensor.h"
+#include "src/token_exchange.h"
+
+namespace moe {
+
+class ExpertStage {
+ public:
+  ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer& activations);
+
+  // Y = (p ⊙ silu(X·w13_gateᵀ) ⊙ X·w13_upᵀ)·w2ᵀ per expert, p where rows.scale is given. Keeps h.
+  void forward(const ExpertRows& rows, const Tensor& w13, const Tensor& w2, cudaStream_t stream);
+  // dX and the weight gradients (overwritten) from dY, with the forward's h; the probabilities'
+  // gradients into rows.scale where it is given.
+  void backward(const ExpertGradRows& rows, const Tensor& w13, const Tensor& w2,
+                const Tensor& w13_grad, const Tensor& w2_grad, cudaStream_t stream);
+
+ private:
+  std::int64_t F_;
+  DType dtype_;
+  ExpertFFN ffn_;
+  // h [rows, 2F]: kept from forward to backward (a is recomputed from it), then dh in place.
+  DeviceBuffer h_;
+  // a [chunk rows, F], the scratch's: the SwiGLU output, then dA and a again in the backward;
+  // one activation chunk of rows at a time (MoEConfig::activation_chunk_mib).
+  DeviceBuffer& a_;
+};
+
+}  // namespace moe

@@ -1,0 +1,17 @@
+// MoEBlock::reduce_gradients: the expert gradients summed over the DP group, the gate's over the
+// world (docs/design.md, "Gradient reduction"). Sums, never averages: the trainer scales.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "moe/device.h"
+#include "moe/mesh.h"
+#include "moe/moe_block.h"
+
+namespace moe {
+
+// staging: the scratch's, for the fp32 sum of bf16 gradients.
+void reduce_gradients(const MoEGradients& grads, const Mesh& mesh, DeviceBuffer& staging,
+                      cudaStream_t stream);
+
+}  // namespace moe

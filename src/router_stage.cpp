@@ -1,0 +1,100 @@
+#include "src/router_stage.h"
+
+#include "moe/error.h"
+#include "src/stage_support.h"
+
+namespace moe {
+
+RouterParams router_params(const MoEConfig& config) {
+  RouterParams p;
+  p.num_experts = config.num_experts;
+  p.topk = config.topk;
+  p.score_function = config.score_function;
+  p.pre_softmax = config.pre_softmax;
+  p.num_groups = config.num_groups;
+  p.group_topk = config.group_topk;
+  p.scaling_factor = static_cast<float>(config.scaling_factor);
+  p.expert_bias = config.expert_bias;
+  p.aux_loss = config.aux_loss_coeff > 0;
+  p.z_loss = config.z_loss_coeff > 0;
+  return p;
+}
+
+RouterStage::RouterStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer& workspace)
+    : config_(config), mesh_(mesh), params_(router_params(config)), workspace_(workspace) {}
+
+void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias, cudaStream_t stream) {
+  const std::int64_t T = logits.dim(0);
+  const int E = config_.num_experts, K = config_.topk;
+  saved_.logits = logits;
+  RouterForwardArgs a;
+  a.logits = logits.data;
+  a.tokens = T;
+  a.topk_idx = typed<std::int32_t>(topk_idx_, T * K);
+  a.topk_p = typed<float>(topk_p_, T * K);
+  a.tokens_per_expert = typed<std::int32_t>(counts_, E);
+  a.aux_tokens_per_expert = typed<std::int32_t>(aux_counts_, E);
+  a.aux_score_sum = typed<float>(score_sum_, E);
+  a.z_sum = typed<float>(z_sum_, 1);
+  typed<std::int32_t>(global_load_, E);
+  auto* totals = typed<RouterTotals>(scalars_, 1);
+  a.expert_bias = config_.expert_bias ? expert_bias.as<float>() : nullptr;
+  const std::size_t workspace_bytes = router_workspace_bytes(params_, T);
+  if (workspace_.bytes() < workspace_bytes) {  // a new allocation starts cleared
+    workspace_.reserve(workspace_bytes);
+    router_workspace_clear(params_, workspace_.data(), stream);
+  }
+  a.workspace = workspace_.data();
+  if (mesh_.world_size() == 1) {  // these tokens are the whole batch: losses come with them
+    a.losses = reinterpret_cast<float*>(&totals->losses);
+    a.aux_loss_coeff = config_.aux_loss_coeff;
+    a.z_loss_coeff = config_.z_loss_coeff;
+  }
+  router_forward(params_, a, stream);
+}
+
+void RouterStage::reduce_losses(cudaStream_t stream) {
+  const int E = config_.num_experts;
+  auto* totals = scalars_.as<RouterTotals>();
+  auto* global_tokens = &totals->global_tokens;
+  auto* aux_counts = aux_counts_.as<std::int32_t>();
+  auto* score_sum = score_sum_.as<float>();
+  auto* z_sum = z_sum_.as<float>();
+  host_tokens_.reserve(sizeof(std::int64_t));
+  *host_tokens_.as<std::int64_t>() = saved_.logits.dim(0);
+  MOE_CHECK_CUDA(cudaMemcpyAsync(global_tokens, host_tokens_.as<std::int64_t>(),
+                                 sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
+  MOE_CHECK_CUDA(cudaMemcpyAsync(global_load_.data(), counts_.data(), E * sizeof(std::int32_t),
+                                 cudaMemcpyDeviceToDevice, stream));
+  mesh_.group_start();
+  mesh_.all_reduce_sum(global_tokens, 1, ncclInt64, MeshGroup::kWorld, stream);
+  mesh_.all_reduce_sum(global_load_.data(), E, ncclInt32, MeshGroup::kWorld, stream);
+  if (params_.aux_loss) {
+    mesh_.all_reduce_sum(aux_counts, E, ncclInt32, MeshGroup::kWorld, stream);
+    mesh_.all_reduce_sum(score_sum, E, ncclFloat32, MeshGroup::kWorld, stream);
+  }
+  if (params_.z_loss) mesh_.all_reduce_sum(z_sum, 1, ncclFloat32, MeshGroup::kWorld, stream);
+  mesh_.group_end("the loss statistics all-reduce");
+  if (mesh_.world_size() > 1) {
+    router_losses(params_, config_.aux_loss_coeff, config_.z_loss_coeff, aux_counts, score_sum,
+                  z_sum, global_tokens, reinterpret_cast<float*>(&totals->losses), stream);
+  }
+}
+
+void RouterStage::backward(const float* dprob, const Tensor& dlogits, cudaStream_t stream) {
+  RouterBackwardArgs a;
+  a.logits = saved_.logits.data;
+  a.tokens = saved_.logits.dim(0);
+  a.topk_idx = topk_idx();
+  a.topk_p = topk_p();
+  a.dprob = dprob;
+  a.aux_tokens_per_expert = params_.aux_loss ? aux_counts_.as<std::int32_t>() : nullptr;
+  a.aux_factor = params_.aux_loss
+                     ? aux_loss_factor(params_, config_.aux_loss_coeff, saved_.global_tokens)
+                     : 0.0f;
+  a.z_factor = params_.z_loss ? z_loss_factor(config_.z_loss_coeff, saved_.global_tokens) : 0.0f;
+  a.dlogits = dlogits.as<float>();
+  router_backward(params_, a, stream);
+}
+
+}  // namespace moe

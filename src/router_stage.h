@@ -1,0 +1,74 @@
+// The router: top-K routing, probabilities and expert counts from the logits; the loss statistics
+// summed over the mesh and the loss values; the backward into dlogits (docs/design.md, "Router",
+// "Losses" and "Router backward").
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/router.cuh"
+#include "moe/config.h"
+#include "moe/device.h"
+#include "moe/mesh.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+// What the host learns from the router, with the dispatch's row counts: the forward's one host
+// synchronisation carries these bytes from the device too (the layout of `scalars`).
+struct RouterTotals {
+  std::int64_t global_tokens = 0;  // T_glob
+  float losses[2] = {};            // L_aux, L_z
+};
+static_assert(sizeof(RouterTotals) == 16);
+
+// The router kernels' parameters for a layer's config: the kernels take plain values, never the
+// config itself.
+RouterParams router_params(const MoEConfig& config);
+
+class RouterStage {
+ public:
+  RouterStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer& workspace);
+
+  // Router forward on logits [T, E] (kept for the backward): topk_idx, topk_p, this rank's counts
+  // and the loss statistics; on one rank, whose tokens are the whole batch, the loss values too.
+  void forward(const Tensor& logits, const Tensor& expert_bias, cudaStream_t stream);
+  // The statistics, the loads and the token count summed over the world (one NCCL group), then
+  // the loss values from them (on a mesh), ready on the device before the dispatch copies them.
+  void reduce_losses(cudaStream_t stream);
+  // T_glob, once the host has it: the backward's loss gradients are scaled by it.
+  void set_totals(const RouterTotals& totals) { saved_.global_tokens = totals.global_tokens; }
+
+  // ∂L/∂logits [T, E] fp32 from dprob [T, K] (∂L/∂topk_p) and the loss gradients.
+  void backward(const float* dprob, const Tensor& dlogits, cudaStream_t stream);
+
+  // [T, K] each slot's global expert, descending score order; [T, K] its scaled probability.
+  std::int32_t* topk_idx() const { return topk_idx_.as<std::int32_t>(); }
+  float* topk_p() const { return topk_p_.as<float>(); }
+  // [E] this rank's tokens per expert; the mesh's (null before the first forward).
+  std::int32_t* tokens_per_expert() const { return counts_.as<std::int32_t>(); }
+  const std::int32_t* global_load() const { return global_load_.as<std::int32_t>(); }
+  // RouterTotals on the device, complete once reduce_losses' work has run.
+  const void* device_totals() const { return scalars_.data(); }
+
+ private:
+  MoEConfig config_;
+  const Mesh& mesh_;
+  RouterParams params_;
+  DeviceBuffer& workspace_;  // the scratch's
+
+  DeviceBuffer topk_idx_, topk_p_, counts_, aux_counts_, score_sum_, z_sum_, global_load_, scalars_;
+  // T on its way to the device. Only the host writes it and only this stream's copies read it, so
+  // it needs no guard: a copy still queued by a forward that failed half-way would read the next
+  // forward's T, and that forward's own copy writes the same device word after it.
+  PinnedBuffer host_tokens_;
+
+  // What the forward keeps for the backward, beside topk_idx, topk_p and the mesh-wide aux counts.
+  struct Saved {
+    Tensor logits;
+    std::int64_t global_tokens = 0;
+  } saved_;
+};
+
+}  // namespace moe

@@ -1,0 +1,43 @@
+#include "src/token_exchange.h"
+
+#include "comm/peer_memory.h"
+#include "kernels/permute.cuh"
+#include "moe/error.h"
+#include "src/exchange_impl.h"
+#include "src/stage_support.h"
+
+namespace moe {
+
+void SlotLayout::build(const std::int32_t* topk_idx, std::int64_t tokens, int topk, int experts,
+                       int align, cudaStream_t stream) {
+  auto* counts = typed<std::int32_t>(counts_, experts);
+  auto* offsets = typed<std::int32_t>(offsets_, experts + 1);
+  auto* row_map = typed<std::int32_t>(row_map_, tokens * topk);
+  workspace_.reserve(layout_workspace_bytes(tokens, topk, experts));
+  build_layout(
+      {topk_idx, tokens, topk, experts, align, counts, offsets, row_map, workspace_.data()},
+      stream);
+}
+
+bool choosing_exchange_is_collective(const Mesh& mesh) {
+  return mesh.ep() > 1;
+}
+
+std::unique_ptr<TokenExchange> make_token_exchange(const ExchangeSetup& setup) {
+  const MoEConfig& config = setup.config;
+  const Mesh& mesh = setup.mesh;
+  if (mesh.ep() == 1) return make_local_exchange(setup);
+  bool use_peer = false;
+  if (config.ep_transport != EpTransport::kNccl) {
+    use_peer = ep_group_has_peer_access(mesh, setup.stream);
+    if (!use_peer && config.ep_transport == EpTransport::kPeer) {
+      fail(
+          "MoEBlock: ep_transport = peer, but the EP group of {} ranks is not all on one host "
+          "with peer access between its GPUs (at most {} ranks); use auto or nccl",
+          mesh.ep(), kMaxPeerRanks);
+    }
+  }
+  return use_peer ? make_peer_exchange(setup) : make_nccl_exchange(setup);
+}
+
+}  // namespace moe

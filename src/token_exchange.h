@@ -1,0 +1,119 @@
+// How this rank's routed rows reach their experts and come back: the forward's steps around the
+// experts (permute, dispatch; combine, unpermute) and their mirrors in the backward, in the spirit
+// of NCCL's transports. Three implementations (docs/design.md, "The exchange across EP × DP"):
+//
+//   local (one EP rank, src/exchange_local.cpp): the permute writes the experts' input itself;
+//     dispatch and combine move nothing.
+//   nccl (src/exchange_nccl.cpp): rows gathered by global expert into a send buffer, crossed by an
+//     all-to-allv, sorted from (source, expert) chunks into the padded layout, and back.
+//   peer (src/exchange_peer.cpp): every EP rank maps the experts' input and output buffers of the
+//     others; senders store their rows straight into them and load the results back.
+//
+// Each owns its row buffers (the call-only ones through MoEScratch) and what the forward keeps for
+// the backward. Every verb queues its work on the block's stream; only dispatch blocks the host,
+// once per forward, for the row counts. The forward runs permute, dispatch, expert_rows, combine,
+// unpermute in this order; the backward unpermute_backward, combine_backward, expert_grad_rows,
+// dispatch_backward, permute_backward, once per forward.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "kernels/experts.h"
+#include "moe/config.h"
+#include "moe/mesh.h"
+#include "moe/tensor.h"
+#include "src/scratch.h"
+
+namespace moe {
+
+// This rank's routing as the router leaves it on the device.
+struct SlotRouting {
+  const std::int32_t* topk_idx = nullptr;  // [T, K]: each slot's global expert
+  const float* topk_p = nullptr;           // [T, K]: its probability
+  // Bytes on the device (the router's T_glob and loss values, a multiple of 8) that the host must
+  // learn in the forward: the exchange copies them with its row counts, in the same host
+  // synchronisation.
+  const void* totals = nullptr;
+  std::size_t totals_bytes = 0;
+};
+
+// The experts' rows on this rank, padded expert-major (docs/design.md, "Dispatch").
+struct ExpertRows {
+  Tensor input;   // X [rows, H]
+  Tensor output;  // Y [rows, H]; may be X's buffer (one row buffer, docs/design.md "Buffers")
+  // fp32 [rows]: each row's probability where the experts weigh their output with it; Tensor{}
+  // where the unpermute weighs the rows instead.
+  Tensor scale;
+  std::span<const std::int64_t> offsets;  // host [E_loc + 1]: expert e owns [offsets[e], [e + 1])
+};
+
+// The same rows in the backward: dY in, dX out, X where it was kept.
+struct ExpertGradRows {
+  Tensor dY;     // [rows, H]
+  Tensor input;  // X [rows, H]: as the forward's, or written again by refill
+  Tensor dX;     // [rows, H]; may share dY's or X's buffer
+  Tensor scale;  // as ExpertRows::scale; the experts' backward leaves each gradient in its place
+  std::span<const std::int64_t> offsets;
+  ExpertFFN::RefillInput refill;  // writes X again where the forward's X was not kept
+};
+
+class TokenExchange {
+ public:
+  virtual ~TokenExchange() = default;
+
+  // kNccl or kPeer; kAuto for the local exchange (no EP group).
+  virtual EpTransport transport() const = 0;
+  // Whether the experts weigh their rows by the probabilities (docs/design.md, "Probabilities
+  // inside the experts"), so that the unpermute is a plain sum and dprob comes from beside the
+  // rows; otherwise the unpermute weighs them and its backward forms dprob.
+  virtual bool probabilities_in_experts() const = 0;
+
+  // Forward. x [T, H] (the same in both calls) stays valid until the backward.
+  // Lays the T·K slots out by expert (the row map) and gathers x's rows into the layout this
+  // transport sends from; the peer exchange gathers nothing here, it stores in dispatch.
+  virtual void permute(const Tensor& x, const SlotRouting& routing) = 0;
+  // The rows reach their experts' ranks in the padded expert-major layout, and the host learns
+  // the row counts and routing.totals (into `totals`): the forward's one host synchronisation.
+  virtual void dispatch(const Tensor& x, void* totals) = 0;
+  // Where the experts read and write; may grow the output buffer.
+  virtual ExpertRows expert_rows() = 0;
+  // The experts' output becomes readable where its senders sum it.
+  virtual void combine() = 0;
+  // out [T, H]: out[t] = Σ_k y(t, k), weighed by p[t, k] unless the experts did, fp32 in slot
+  // order.
+  virtual void unpermute(const Tensor& out) = 0;
+
+  // Backward. dy [T, H] to each slot's row; weighed by p and with dprob [T, K] = ⟨dy, y⟩ where
+  // the unpermute weighed the rows (dprob is left alone otherwise).
+  virtual void unpermute_backward(const Tensor& dy, float* dprob) = 0;
+  // The slots' rows of dY reach the experts' ranks in the padded layout.
+  virtual void combine_backward() = 0;
+  // For the experts' backward; x is the forward's, for a refill.
+  virtual ExpertGradRows expert_grad_rows(const Tensor& x) = 0;
+  // The rows of dX become readable where their senders sum them.
+  virtual void dispatch_backward() = 0;
+  // dx [T, H]: dx[t] = Σ_k dX(t, k), and dprob [T, K] from beside the rows where the experts
+  // applied the probabilities.
+  virtual void permute_backward(const Tensor& dx, float* dprob) = 0;
+};
+
+struct ExchangeSetup {
+  const MoEConfig& config;
+  const Mesh& mesh;
+  cudaStream_t stream;
+  MoEScratch::Buffers& scratch;  // shared with the blocks built with the same MoEScratch
+};
+
+// Whether make_token_exchange communicates: under EP it is collective over the EP group (every
+// rank votes on peer access, so the group always agrees), so it must run where every rank of the
+// group is, which the block's first forward is. On one EP rank it may run at construction.
+bool choosing_exchange_is_collective(const Mesh& mesh);
+// The exchange config.ep_transport asks for, auto resolved: peer where the EP group allows it.
+std::unique_ptr<TokenExchange> make_token_exchange(const ExchangeSetup& setup);
+
+}  // namespace moe
