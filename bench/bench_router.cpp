@@ -8,6 +8,7 @@
 #include "bench/streaming_pass.h"
 #include "kernels/router.cuh"
 #include "moe/config.h"
+#include "src/router_stage.h"
 
 using namespace moe;
 
@@ -69,7 +70,7 @@ int main(int argc, char** argv) try {
     const auto& c = shape.config;
     const int E = c.num_experts;
     const int K = c.topk;
-    const RouterParams params = RouterParams::from(c);
+    const RouterParams params = router_params(c);
     const std::size_t logits_bytes = static_cast<std::size_t>(T * E) * 4;
     const int sets = bench::rotation_sets(logits_bytes * 2);
 
@@ -118,8 +119,8 @@ int main(int argc, char** argv) try {
       a.topk_p = prob.as<float>();
       a.dprob = dp_dev.as<float>();
       a.aux_tokens_per_expert = aux_counts.as<std::int32_t>();
-      a.aux_factor = aux_loss_factor(c, T);
-      a.z_factor = z_loss_factor(c, T);
+      a.aux_factor = aux_loss_factor(params, c.aux_loss_coeff, T);
+      a.z_factor = z_loss_factor(c.z_loss_coeff, T);
       a.dlogits = dlogits[i % sets].as<float>();
       router_backward(params, a, stream.get());
     };

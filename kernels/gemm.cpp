@@ -141,10 +141,7 @@ constexpr int kTuneProposals = 8;
 }  // namespace
 
 GemmRunner::GemmRunner(std::size_t workspace_bytes, std::shared_ptr<GemmTuning> tuning)
-    : workspace_(workspace_bytes),
-      tuning_(std::move(tuning)),
-      tune_start_(true),
-      tune_stop_(true) {
+    : workspace_(workspace_bytes), tuning_(std::move(tuning)), tune_start_(true), tune_stop_(true) {
   // Zeroed once: compute-sanitizer's initcheck saw cuBLASLt's split-K reduction read workspace
   // words that no tracked store had written, 1.7 million reads over the experts suite. Written
   // once here, and waited for, since the products run on other streams than this memset.

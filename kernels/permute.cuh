@@ -16,7 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "moe/config.h"
+#include "moe/types.h"
 #include "moe/tensor.h"
 
 namespace moe {

@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "moe/config.h"
+#include "moe/types.h"
 #include "moe/error.h"
 
 namespace moe::permute_detail {

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "moe/config.h"
+#include "moe/types.h"
 #include "moe/error.h"
 #include "permute.cuh"
 #include "permute_device.cuh"

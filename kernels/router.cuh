@@ -21,8 +21,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "moe/config.h"
 #include "moe/tensor.h"
+#include "moe/types.h"
 
 namespace moe {
 
@@ -38,7 +38,6 @@ struct RouterParams {
   bool aux_loss = false;  // compute the aux-loss statistics
   bool z_loss = false;    // compute Σ logsumexp²
 
-  static RouterParams from(const MoEConfig& config);
   // The aux routing (plain top-K of the aux scores) equals the main routing when there are no
   // groups and no bias: then its counts are the main counts and its top-K is not run twice.
   constexpr bool aux_routing_is_main() const { return num_groups == 0 && !expert_bias; }
@@ -78,7 +77,7 @@ void router_forward(const RouterParams& params, const RouterForwardArgs& args, c
 // The loss values from the statistics summed over the mesh: losses[0] = L_aux, losses[1] = L_z.
 // Counts f and sums P are those of the whole mesh; *global_tokens (device) is T_glob, read on the
 // device so that the values are ready before the forward's one host synchronisation.
-void router_losses(const RouterParams& params, const MoEConfig& config,
+void router_losses(const RouterParams& params, double aux_loss_coeff, double z_loss_coeff,
                    const std::int32_t* aux_tokens_per_expert, const float* aux_score_sum,
                    const float* z_sum, const std::int64_t* global_tokens, float* losses,
                    cudaStream_t stream);
@@ -101,8 +100,9 @@ void router_backward(const RouterParams& params, const RouterBackwardArgs& args,
                      cudaStream_t stream);
 
 // α·E/(K·T²) and β/T: the factors the backward takes (0 when T = 0).
-float aux_loss_factor(const MoEConfig& config, std::int64_t global_tokens);
-float z_loss_factor(const MoEConfig& config, std::int64_t global_tokens);
+float aux_loss_factor(const RouterParams& params, double aux_loss_coeff,
+                      std::int64_t global_tokens);
+float z_loss_factor(double z_loss_coeff, std::int64_t global_tokens);
 
 // Aux-loss-free balancing: bias[i] += rate · sign(mean_j load_j − load_i), load = mesh-wide counts.
 void update_expert_bias(float* expert_bias, const std::int32_t* load, int num_experts, float rate,

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "moe/config.h"
+#include "moe/types.h"
 #include "router.cuh"
 #include "router_launch.h"
 #include "vector_access.cuh"

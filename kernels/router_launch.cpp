@@ -106,21 +106,6 @@ ForwardState forward_state(void* workspace, int experts) {
 
 namespace moe {
 
-RouterParams RouterParams::from(const MoEConfig& config) {
-  RouterParams p;
-  p.num_experts = config.num_experts;
-  p.topk = config.topk;
-  p.score_function = config.score_function;
-  p.pre_softmax = config.pre_softmax;
-  p.num_groups = config.num_groups;
-  p.group_topk = config.group_topk;
-  p.scaling_factor = static_cast<float>(config.scaling_factor);
-  p.expert_bias = config.expert_bias;
-  p.aux_loss = config.aux_loss_coeff > 0;
-  p.z_loss = config.z_loss_coeff > 0;
-  return p;
-}
-
 std::size_t router_workspace_bytes(const RouterParams& params, std::int64_t tokens) {
   (void)tokens;  // one wave at most, whatever the token count
   return router_detail::WorkspaceLayout::of(params.num_experts, router_detail::max_forward_blocks())

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "moe/config.h"
+#include "moe/types.h"
 #include "moe/error.h"
 #include "moe/tensor.h"
 #include "router.cuh"

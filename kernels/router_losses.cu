@@ -50,25 +50,26 @@ __global__ void update_expert_bias_kernel(float* bias, const std::int32_t* load,
 
 }  // namespace
 
-float aux_loss_factor(const MoEConfig& config, std::int64_t global_tokens) {
+float aux_loss_factor(const RouterParams& params, double aux_loss_coeff,
+                      std::int64_t global_tokens) {
   if (global_tokens == 0) return 0.0f;
   const double T = static_cast<double>(global_tokens);
-  return static_cast<float>(config.aux_loss_coeff * config.num_experts / (config.topk * T * T));
+  return static_cast<float>(aux_loss_coeff * params.num_experts / (params.topk * T * T));
 }
 
-float z_loss_factor(const MoEConfig& config, std::int64_t global_tokens) {
+float z_loss_factor(double z_loss_coeff, std::int64_t global_tokens) {
   if (global_tokens == 0) return 0.0f;
-  return static_cast<float>(config.z_loss_coeff / static_cast<double>(global_tokens));
+  return static_cast<float>(z_loss_coeff / static_cast<double>(global_tokens));
 }
 
-void router_losses(const RouterParams& params, const MoEConfig& config,
+void router_losses(const RouterParams& params, double aux_loss_coeff, double z_loss_coeff,
                    const std::int32_t* aux_tokens_per_expert, const float* aux_score_sum,
                    const float* z_sum, const std::int64_t* global_tokens, float* losses,
                    cudaStream_t stream) {
   router_losses_kernel<<<1, kReduceThreads, 0, stream>>>(
       params.num_experts, params.topk, params.aux_loss ? aux_tokens_per_expert : nullptr,
-      aux_score_sum, params.z_loss ? z_sum : nullptr, global_tokens, config.aux_loss_coeff,
-      config.z_loss_coeff, losses);
+      aux_score_sum, params.z_loss ? z_sum : nullptr, global_tokens, aux_loss_coeff, z_loss_coeff,
+      losses);
   MOE_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,4 @@
-// The layer's configuration: every field of SPEC.md, loaded from YAML and validated.
+// The layer's configuration (docs/design.md, "Configuration"), loaded from YAML and validated.
 #pragma once
 
 #include <cstdint>
@@ -7,10 +7,9 @@
 #include <string_view>
 
 #include "moe/tensor.h"
+#include "moe/types.h"
 
 namespace moe {
-
-enum class ScoreFunction { kSoftmax, kSigmoid, kSqrtSoftplus };
 
 std::string_view score_function_name(ScoreFunction score_function);
 ScoreFunction parse_score_function(std::string_view text);
@@ -23,15 +22,10 @@ enum class EpTransport { kAuto, kNccl, kPeer };
 std::string_view ep_transport_name(EpTransport transport);
 EpTransport parse_ep_transport(std::string_view text);
 
-// Limits of the GPU kernels; the CPU reference has none.
-inline constexpr int kMaxExperts = 2048;
-inline constexpr int kMaxTopK = 16;
 // The largest hidden and ffn_hidden: far above today's models (H = 16384, F = 53248 fit 16 times
 // over), and small enough that sizes built from them (2·F in int; E·2F·H elements in int64) cannot
 // overflow in the kernels, the reference or the file checks.
 inline constexpr int kMaxHidden = 1 << 20;
-// The most EP ranks the peer exchange addresses (one host's GPUs); larger groups use NCCL.
-inline constexpr int kMaxPeerRanks = 8;
 // The largest align_size. Padding exists so that each expert's row group starts on a GEMM tile
 // (16 to 256 rows in practice); each group gains up to align_size - 1 rows, so a typo such as
 // 1000000 would multiply every row buffer (and the CPU reference's matrices) by orders of
@@ -46,7 +40,7 @@ struct MoEConfig {
   int num_experts = 0;  // E, global
   int topk = 0;         // K
 
-  // Router (SPEC.md step 2).
+  // Router (docs/design.md, forward step 2).
   ScoreFunction score_function = ScoreFunction::kSoftmax;
   bool pre_softmax = false;  // softmax only: select on softmax(logits) instead of the logits
   int num_groups = 0;        // G; 0 with group_topk 0 = group-limited routing off
@@ -54,12 +48,12 @@ struct MoEConfig {
   double scaling_factor = 1.0;
   bool expert_bias = false;  // sigmoid / sqrtsoftplus only: bias that changes selection alone
 
-  // Losses (SPEC.md step 3); 0 = off.
+  // Losses (docs/design.md, forward step 3); 0 = off.
   double aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;
 
-  // Layout (SPEC.md step 4): each expert's row group padded to a multiple; 0 or 1 = none;
-  // at most kMaxAlignSize.
+  // Layout (docs/design.md, forward step 4): each expert's row group padded to a multiple; 0 or 1 =
+  // none; at most kMaxAlignSize.
   int align_size = 0;
 
   DType dtype = DType::kBF16;  // activations and weights: bf16 or fp32

@@ -85,7 +85,7 @@ TEST_CASE("the shipped configs load and validate", "[cpu][config]") {
 
 TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][config]") {
   const auto config = parse_config(kBase);
-  CHECK_FALSE(config.grouped_routing());  // SPEC.md pitfall 6: off must be the default
+  CHECK_FALSE(config.grouped_routing());  // grouped routing is off by default
   CHECK(config.num_groups == 0);
   CHECK(config.group_topk == 0);
   CHECK_FALSE(config.expert_bias);

@@ -11,6 +11,7 @@
 
 #include "kernels/router.cuh"
 #include "reference/reference.h"
+#include "src/router_stage.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
 #include "support/test_util.h"
@@ -158,7 +159,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const int K = config.topk;
   const std::int64_t T = c.tokens;
   INFO(c.describe());
-  const RouterParams params = RouterParams::from(config);
+  const RouterParams params = router_params(config);
 
   Matrix logits = c.tied ? test::round_to(draw_tied_logits(T, E, rng), c.dtype)
                          : draw_logits(T, E, c.dtype, rng);
@@ -201,8 +202,9 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     }
     router_forward(params, fwd, stream.get());
     if (!fused_losses) {
-      router_losses(params, config, aux_counts.as<std::int32_t>(), score_sum.as<float>(),
-                    z.as<float>(), tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
+      router_losses(params, config.aux_loss_coeff, config.z_loss_coeff,
+                    aux_counts.as<std::int32_t>(), score_sum.as<float>(), z.as<float>(),
+                    tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
     }
 
     RouterBackwardArgs bwd;
@@ -213,8 +215,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     bwd.topk_p = prob.as<float>();
     bwd.dprob = dprob_dev.as<float>();
     bwd.aux_tokens_per_expert = params.aux_loss ? aux_counts.as<std::int32_t>() : nullptr;
-    bwd.aux_factor = params.aux_loss ? aux_loss_factor(config, T) : 0.0f;
-    bwd.z_factor = params.z_loss ? z_loss_factor(config, T) : 0.0f;
+    bwd.aux_factor = params.aux_loss ? aux_loss_factor(params, config.aux_loss_coeff, T) : 0.0f;
+    bwd.z_factor = params.z_loss ? z_loss_factor(config.z_loss_coeff, T) : 0.0f;
     bwd.dlogits = dlogits.as<float>();
     router_backward(params, bwd, stream.get());
     stream.synchronize();
@@ -485,7 +487,7 @@ TEST_CASE("hard routing: every token to the same experts; experts with no tokens
   for (std::int64_t t = 0; t < 1000; ++t) REQUIRE(routing.expert_of(t, 0) < 4);
   // The same through the kernel, via run_case's machinery, is covered by the grid; here the
   // counts: experts 0-3 take every token, the rest none.
-  const RouterParams params = RouterParams::from(config);
+  const RouterParams params = router_params(config);
   const auto logits_dev = test::upload_as(logits, DType::kFP32);
   const auto bias_dev = test::upload(std::vector<float>(bias.begin(), bias.end()));
   DeviceBuffer idx(1000 * 4 * 4), prob(1000 * 4 * 4), counts(64 * 4), aux_counts(64 * 4),
