@@ -15,7 +15,6 @@ source "$(dirname "$0")/common.sh"
 ASAN_DIR=${MOE_ASAN_BUILD_DIR:-$MOE_ROOT/build-asan}
 FUZZ_DIR=${MOE_FUZZ_BUILD_DIR:-$MOE_ROOT/build-fuzz}
 FUZZ_SECONDS=${MOE_FUZZ_SECONDS:-60}
-SANITIZE="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 # Stop at the first finding, with its stack; leaks are findings too.
 export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
@@ -66,9 +65,8 @@ asan_build() {
   mkdir -p "$ASAN_DIR"
   # RelWithDebInfo: optimised enough that the reference tests stay within their time-outs, with
   # line numbers in every report. Sanitizers go to host C++ only (CUDA's flags are left alone).
-  if ! cmake -S "$MOE_ROOT" -B "$ASAN_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DCMAKE_CXX_FLAGS="$SANITIZE" -DCMAKE_EXE_LINKER_FLAGS="$SANITIZE" \
-      -DCMAKE_SHARED_LINKER_FLAGS="$SANITIZE" >"$log" 2>&1; then
+  # The asan preset of CMakePresets.json holds the flags.
+  if ! cmake -S "$MOE_ROOT" --preset asan -B "$ASAN_DIR" >"$log" 2>&1; then
     log_tail "$log"
     record "asan: configure" 1 "(log: $log)"
     return 1
