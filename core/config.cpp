@@ -1,17 +1,13 @@
 #include "moe/config.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
-#include <cerrno>
 #include <cmath>
 #include <functional>
 #include <map>
 #include <set>
-#include <system_error>
 
+#include "core/input_file.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -271,52 +267,8 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
   return config;
 }
 
-namespace {
-
-// The text of a config file. It is opened without blocking and checked on the open descriptor
-// before a byte is read, so that a FIFO, a directory or a device such as /dev/zero is refused with
-// a message instead of hanging or reading forever, and its size is bounded first.
-std::string read_config_file(const std::filesystem::path& path) {
-  struct Descriptor {
-    int fd;
-    ~Descriptor() {
-      if (fd >= 0) ::close(fd);
-    }
-  } file{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
-  const auto why = [] { return std::error_code(errno, std::generic_category()).message(); };
-  if (file.fd < 0) fail("cannot open config file '{}': {}", path.string(), why());
-  struct stat status {};
-  if (::fstat(file.fd, &status) != 0)
-    fail("cannot stat config file '{}': {}", path.string(), why());
-  if (!S_ISREG(status.st_mode)) {
-    fail("config file '{}' is {}; only regular files are read", path.string(),
-         S_ISDIR(status.st_mode)    ? "a directory"
-         : S_ISFIFO(status.st_mode) ? "a FIFO (named pipe)"
-         : S_ISCHR(status.st_mode)  ? "a character device"
-                                    : "not a regular file");
-  }
-  const auto size = static_cast<std::uint64_t>(status.st_size);
-  if (size > kMaxConfigBytes) {
-    fail("config file '{}' has {} bytes, more than the limit of {} bytes", path.string(), size,
-         kMaxConfigBytes);
-  }
-  std::string text(static_cast<std::size_t>(size), '\0');
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t got = ::read(file.fd, text.data() + done, text.size() - done);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) fail("reading config file '{}' failed: {}", path.string(), why());
-    if (got == 0) break;  // shrank while read: parse what is there
-    done += static_cast<std::size_t>(got);
-  }
-  text.resize(done);
-  return text;
-}
-
-}  // namespace
-
 MoEConfig load_config(const std::filesystem::path& path) {
-  return parse_config(read_config_file(path), path.string());
+  return parse_config(InputFile(path, kMaxConfigBytes, "config file").read_all(), path.string());
 }
 
 }  // namespace moe

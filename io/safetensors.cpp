@@ -1,9 +1,6 @@
 #include "moe/safetensors.h"
 
-#include <fcntl.h>
 #include <fmt/ranges.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -16,6 +13,7 @@
 #include <set>
 #include <system_error>
 
+#include "core/input_file.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -66,77 +64,6 @@ std::string brief(const Json& value) {
   if (text.size() > 64) text = text.substr(0, 60) + "...";
   return text;
 }
-
-std::string describe_errno(int error) {
-  return std::error_code(error, std::generic_category()).message();
-}
-
-std::string_view file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
-
-// A regular file opened for reading, its size known and bounded before any byte is read. The
-// checks run on the open descriptor (fstat), so the file cannot be swapped between check and read.
-class InputFile {
- public:
-  InputFile(const std::filesystem::path& path, std::uint64_t max_bytes, std::string_view what)
-      : path_(path.string()), what_(what) {
-    // O_NONBLOCK: opening a FIFO that has no writer would otherwise block before it is refused.
-    fd_.fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd_.fd < 0) fail("cannot open {} '{}': {}", what_, path_, describe_errno(errno));
-    struct stat status {};
-    if (::fstat(fd_.fd, &status) != 0)
-      fail("cannot stat {} '{}': {}", what_, path_, describe_errno(errno));
-    if (!S_ISREG(status.st_mode)) {
-      fail("{} '{}' is {}; only regular files are read", what_, path_, file_kind(status.st_mode));
-    }
-    size_ = static_cast<std::uint64_t>(status.st_size);
-    if (size_ > max_bytes) {
-      fail("{} '{}' has {} bytes, more than the limit of {} bytes", what_, path_, size_, max_bytes);
-    }
-  }
-
-  std::uint64_t size() const { return size_; }
-
-  // Exactly `bytes` bytes at `offset`; a file that ends early (shrunk while read) is an error.
-  void read_at(std::uint64_t offset, void* out, std::size_t bytes) const {
-    auto* dst = static_cast<char*>(out);
-    while (bytes > 0) {
-      // One call reads at most 1 GiB: Linux caps a single read near 2 GiB anyway.
-      const std::size_t chunk = std::min<std::size_t>(bytes, std::size_t{1} << 30);
-      const ssize_t got = ::pread(fd_.fd, dst, chunk, static_cast<off_t>(offset));
-      if (got < 0 && errno == EINTR) continue;
-      if (got < 0) fail("reading {} '{}' failed: {}", what_, path_, describe_errno(errno));
-      if (got == 0) {
-        fail("{} '{}' ended at byte {} of the {} its size gave (was it truncated while read?)",
-             what_, path_, offset, size_);
-      }
-      dst += got;
-      offset += static_cast<std::uint64_t>(got);
-      bytes -= static_cast<std::size_t>(got);
-    }
-  }
-
- private:
-  struct Descriptor {
-    int fd = -1;
-    Descriptor() = default;
-    Descriptor(const Descriptor&) = delete;
-    Descriptor& operator=(const Descriptor&) = delete;
-    ~Descriptor() {
-      if (fd >= 0) ::close(fd);
-    }
-  };
-  Descriptor fd_;  // a member, so that a constructor that throws still closes it
-  std::string path_;
-  std::string what_;
-  std::uint64_t size_ = 0;
-};
 
 // The 8-byte length prefix of a file of `file_bytes` bytes, checked against the file and the
 // header bound.
