@@ -6,7 +6,7 @@
 //   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs
 //   build/apps/moe_run ... --no-check-finite   # skip the NaN/Inf check of weights and inputs
 //
-// The files hold the global batch and all experts (names and layouts: include/moe/layer_files.h).
+// The files hold the global batch and all experts (names and layouts: io/layer_files.h).
 // Under mpirun each rank takes its tokens (tokens_per_rank, or an even split) and its experts;
 // rank 0 gathers the results into one file.
 //
@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingFile);
   app.add_option("--out", out_path, "results file to write")->required();
-  app.add_option("--ep", ep, "expert-parallel degree (default: the config's, or all ranks)")
+  app.add_option("--ep", ep, "expert-parallel degree (default: world / dp, or all ranks)")
       ->check(CLI::PositiveNumber);
   app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")
       ->check(CLI::PositiveNumber);
