@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <string>
 
-#include "moe/types.h"
 #include "moe/error.h"
+#include "moe/types.h"
 #include "permute.cuh"
 #include "permute_device.cuh"
 #include "permute_launch.h"
@@ -176,8 +176,14 @@ void build_layout(const LayoutArgs& a, cudaStream_t stream) {
   }
   check_topk(a.topk, "build_layout");
   if (a.align < 0) fail("build_layout: align = " + std::to_string(a.align) + " must be >= 0");
-  if (a.tokens < 0 || a.tokens * a.topk > INT_MAX)
-    fail("build_layout: tokens = " + std::to_string(a.tokens) + " out of range");
+  // The scan sums the padded rows in int32: the slots plus the most padding any routing can
+  // add (align - 1 rows per expert) must fit, not the slots alone.
+  const std::int64_t padding = std::int64_t{a.experts} * std::max(a.align - 1, 0);
+  if (a.tokens < 0 || a.tokens * a.topk + padding > INT_MAX) {
+    fail("build_layout: tokens = " + std::to_string(a.tokens) +
+         " with topk = " + std::to_string(a.topk) + " and up to " + std::to_string(padding) +
+         " rows of padding exceed the int32 row index");
+  }
   if (a.counts == nullptr || a.offsets == nullptr || a.workspace == nullptr ||
       (a.tokens > 0 && (a.topk_idx == nullptr || a.row_map == nullptr))) {
     fail("build_layout: topk_idx, counts, offsets, row_map and workspace are required");

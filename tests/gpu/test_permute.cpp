@@ -2,6 +2,7 @@
 // reference: outputs poisoned before each launch, every element checked, padding rows zero.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -441,4 +442,10 @@ TEST_CASE("permute kernels reject bad arguments", "[gpu][permute]") {
   args.experts = 0;
   args.topk = 1;
   CHECK_THROWS_WITH(build_layout(args, nullptr), test::contains_text("experts = 0"));
+  // Slots that fit the int32 row index, but not with the padding the scan may add to them.
+  args.experts = 2048;
+  args.topk = 8;
+  args.align = 4096;
+  args.tokens = (std::int64_t{INT32_MAX} - 2048 * 4095) / 8 + 1;
+  CHECK_THROWS_WITH(build_layout(args, nullptr), test::contains_text("exceed the int32 row index"));
 }
