@@ -233,6 +233,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"keep_expert_input", flag(&MoEConfig::keep_expert_input)},
       {"activation_chunk_mib", real(&MoEConfig::activation_chunk_mib)},
       {"gemm_workspace_mib", integer(&MoEConfig::gemm_workspace_mib)},
+      {"gemm_autotune", flag(&MoEConfig::gemm_autotune)},
       {"ep", integer(&MoEConfig::ep)},
       {"dp", integer(&MoEConfig::dp)},
       {"ep_transport",

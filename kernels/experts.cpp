@@ -92,7 +92,8 @@ struct ExpertFFN::Grouped {
 };
 
 ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, ExpertSchedule schedule,
-                     int streams, std::size_t activation_chunk_bytes, std::size_t workspace_bytes)
+                     int streams, std::size_t activation_chunk_bytes, std::size_t workspace_bytes,
+                     bool autotune)
     : hidden_(hidden), ffn_(ffn), experts_(local_experts), dtype_(dtype), schedule_(schedule) {
   if (hidden < 1 || ffn < 1 || local_experts < 1) {
     fail("ExpertFFN: hidden = {}, ffn_hidden = {}, local experts = {} must all be positive", hidden,
@@ -112,8 +113,11 @@ ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, Expert
   }
   // Every stream runs the same products, so they share what tuning learns; only batched calls
   // are tuned (GemmTuning::plain_products).
-  const auto tuning = std::make_shared<GemmTuning>();
-  tuning->plain_products = false;
+  std::shared_ptr<GemmTuning> tuning;
+  if (autotune) {
+    tuning = std::make_shared<GemmTuning>();
+    tuning->plain_products = false;
+  }
   for (int i = 0; i < streams; ++i) {
     streams_.emplace_back();
     runners_.emplace_back(workspace_bytes, tuning);

@@ -65,10 +65,12 @@ class ExpertFFN {
  public:
   // activation_chunk_bytes: the most bytes a chunk of a may take (0: all rows in one chunk).
   // workspace_bytes: each stream's cuBLASLt workspace.
+  // autotune: time the algorithms of each batched size class at its first use (else the
+  // heuristic's first).
   ExpertFFN(int hidden, int ffn, int local_experts, DType dtype,
             ExpertSchedule schedule = ExpertSchedule::kBatched, int streams = 4,
             std::size_t activation_chunk_bytes = 0,
-            std::size_t workspace_bytes = kDefaultGemmWorkspaceBytes);
+            std::size_t workspace_bytes = kDefaultGemmWorkspaceBytes, bool autotune = true);
   ~ExpertFFN();
   ExpertFFN(const ExpertFFN&) = delete;
   ExpertFFN& operator=(const ExpertFFN&) = delete;

@@ -10,7 +10,7 @@ ExpertStage::ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer
       ffn_(config.hidden, config.ffn_hidden, config.num_experts / mesh.ep(), config.dtype,
            ExpertSchedule::kBatched, 4,
            static_cast<std::size_t>(config.activation_chunk_mib * (1 << 20)),
-           static_cast<std::size_t>(config.gemm_workspace_mib) << 20),
+           static_cast<std::size_t>(config.gemm_workspace_mib) << 20, config.gemm_autotune),
       a_(activations) {
   ffn_.set_host_wait([&mesh](cudaEvent_t event) {
     mesh.wait(event, "the work queued before the expert GEMMs' algorithm timing");

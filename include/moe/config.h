@@ -79,6 +79,10 @@ struct MoEConfig {
   // cuBLASLt workspace of each GEMM stream (four for the experts, one for the gate), MiB. 4 MiB
   // ran the layer as fast as 32 MiB at the three model shapes (docs/performance.md).
   int gemm_workspace_mib = 4;
+  // On: the first product of each expert GEMM size class times cuBLASLt's proposals and keeps the
+  // fastest. Off: the heuristic's first proposal, chosen alike on every rank and in every run,
+  // with no trial launches (the sanitizer runs take it: instrumented trials take hours).
+  bool gemm_autotune = true;
 
   // Mesh: expert-parallel and data-parallel degrees; world = ep * dp.
   int ep = 1;

@@ -99,6 +99,8 @@ TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][c
   CHECK(parse_config(kBase + "grad_dtype: bf16\n").grad_dtype == DType::kBF16);
   CHECK_FALSE(config.keep_expert_input);
   CHECK(parse_config(kBase + "keep_expert_input: true\n").keep_expert_input);
+  CHECK(config.gemm_autotune);
+  CHECK_FALSE(parse_config(kBase + "gemm_autotune: false\n").gemm_autotune);
   CHECK(config.ep_transport == EpTransport::kAuto);
   CHECK(parse_config(kBase + "ep_transport: nccl\n").ep_transport == EpTransport::kNccl);
   CHECK(parse_config(kBase + "ep_transport: peer\n").ep_transport == EpTransport::kPeer);
