@@ -82,8 +82,11 @@ __device__ __forceinline__ float sigmoid_derivative(float l, float s) {
   const float e = fast_exp(-l);
   return l >= 0.0f ? s * s * e : s * (1.0f - s);
 }
+// g' = σ(l) / (2·√softplus(l)). Far below zero σ(l) and softplus(l) agree to fp32 precision
+// (their ratio is 1 − e^l/2 + …), so g' = s/2 there; the quotient itself would be 0/0 = NaN once
+// e^l underflows (l < −87), and the limit, 0, is what s/2 gives.
 __device__ __forceinline__ float sqrtsoftplus_derivative(float l, float s) {
-  return __fdividef(sigmoid(l), 2.0f * s);
+  return l < -20.0f ? 0.5f * s : __fdividef(sigmoid(l), 2.0f * s);
 }
 __device__ __forceinline__ float elementwise_score_derivative(ScoreFunction f, float l, float s) {
   return f == ScoreFunction::kSigmoid ? sigmoid_derivative(l, s) : sqrtsoftplus_derivative(l, s);

@@ -37,15 +37,23 @@ double logsumexp(std::span<const double> v) {
 }
 
 // Elementwise score g(l) of sigmoid / sqrtsoftplus and its derivative g'(l).
+// √softplus(l) = e^(l/2)·√(1 − e^l/2 + …) is e^(l/2) in double below l = −40, and that form keeps
+// its value where e^l itself underflows (l < −745).
+double sqrtsoftplus(double l) {
+  return l < -40.0 ? std::exp(l / 2) : std::sqrt(softplus(l));
+}
 double elementwise_score(ScoreFunction f, double l) {
-  return f == ScoreFunction::kSigmoid ? sigmoid(l) : std::sqrt(softplus(l));
+  return f == ScoreFunction::kSigmoid ? sigmoid(l) : sqrtsoftplus(l);
 }
 double elementwise_score_derivative(ScoreFunction f, double l) {
   if (f == ScoreFunction::kSigmoid) {
     const double s = sigmoid(l);
     return s * (1.0 - s);
   }
-  return sigmoid(l) / (2.0 * std::sqrt(softplus(l)));
+  // Far below zero σ(l) / softplus(l) = 1 − e^l/2 + … is 1 in double, so g' = √softplus(l) / 2;
+  // the quotient would be 0/0 once e^l underflows (l < −745).
+  const double s = sqrtsoftplus(l);
+  return l < -40.0 ? 0.5 * s : sigmoid(l) / (2.0 * s);
 }
 
 // Indices of the `count` largest values among `candidates`, descending; ties to the lower index.

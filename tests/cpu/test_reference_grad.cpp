@@ -249,3 +249,46 @@ TEST_CASE("aux and z losses alone: values and gradients", "[cpu][reference][loss
           kTolerance);
   }
 }
+
+TEST_CASE("router backward at logits of ±1e4 is finite, and sqrtsoftplus keeps its limit",
+          "[cpu][reference][router]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> coin(0, 1);
+  for (auto rc : router_cases()) {
+    INFO(rc.name);
+    rc.config.aux_loss_coeff = 0.01;
+    rc.config.z_loss_coeff = 0.001;
+    const MoEConfig& config = rc.config;
+    const int E = config.num_experts;
+    Matrix logits(5, E);
+    for (double& l : logits.data) l = coin(rng) ? 1e4 : -1e4;
+    for (int e = 0; e < E; ++e) logits(0, e) = -1e4;  // a row with every score underflowing
+    const std::vector<double> bias(E, 0.0);
+    const Routing routing = route(config, logits, bias);
+    std::vector<double> dprob(routing.prob.size(), 1.0);
+    Matrix dlogits = route_backward(config, logits, routing, dprob);
+    const AuxStats stats = aux_stats(config, logits);
+    aux_loss_backward(config, logits, stats, dlogits);
+    z_loss_backward(config, logits, logits.rows, dlogits);
+    for (const double p : routing.prob) CHECK(std::isfinite(p));
+    for (const double d : dlogits.data) CHECK(std::isfinite(d));
+  }
+  // Far below zero, g'(l) = σ(l) / (2·√softplus(l)) tends to e^(l/2) / 2: the backward of a lone
+  // slot (K = 1: p = g(l), dlogit = g'(l)) keeps that value where the quotient's parts underflow.
+  MoEConfig config = test::small_config(6, 5, 2, 1);
+  config.score_function = ScoreFunction::kSqrtSoftplus;
+  for (const double l : {-30.0, -100.0, -700.0, -800.0, -1e4}) {
+    INFO("logit " << l);
+    Matrix logits(1, 2);
+    logits(0, 0) = l;
+    logits(0, 1) = 2 * l;  // lower: expert 0 is chosen
+    const Routing routing = route(config, logits, {});
+    REQUIRE(routing.expert_of(0, 0) == 0);
+    const Matrix dlogits = route_backward(config, logits, routing, std::vector<double>{1.0});
+    const double limit = std::exp(l / 2) / 2;
+    CHECK(dlogits(0, 0) == Approx(limit).epsilon(1e-12).margin(1e-300));
+    CHECK(dlogits(0, 1) == 0.0);
+  }
+}

@@ -139,6 +139,27 @@ void crowd_rows_into_one_lane(Matrix& logits, std::mt19937_64& rng) {
   }
 }
 
+// Logits of ±1e4 (fp32), where every exponential of the router over- or underflows: rows with
+// t % 3 == 0 are −1e4 everywhere but K random experts at +1e4; rows with t % 3 == 1 are ±1e4 at
+// random (ties go to the lower index on both sides); the others keep their values but for a
+// quarter of the experts at −1e4.
+void move_rows_to_the_extremes(Matrix& logits, int topk, std::mt19937_64& rng) {
+  const int experts = static_cast<int>(logits.cols);
+  std::uniform_int_distribution<int> expert(0, experts - 1);
+  std::uniform_int_distribution<int> coin(0, 1);
+  for (std::int64_t t = 0; t < logits.rows; ++t) {
+    auto row = logits.row(t);
+    if (t % 3 == 0) {
+      for (double& l : row) l = -1e4;
+      for (int k = 0; k < topk; ++k) row[expert(rng)] = 1e4;
+    } else if (t % 3 == 1) {
+      for (double& l : row) l = coin(rng) ? 1e4 : -1e4;
+    } else {
+      for (int e = 0; e < experts / 4; ++e) row[expert(rng)] = -1e4;
+    }
+  }
+}
+
 struct Case {
   MoEConfig config;
   std::int64_t tokens;
@@ -146,6 +167,7 @@ struct Case {
   bool tied = false;  // draw_tied_logits, and the selection must equal the reference's exactly
   bool fallback_rows = false;  // move_rows_to_the_sigmoid_fallback (fp32 logits)
   bool crowded_rows = false;   // crowd_rows_into_one_lane
+  bool extreme_rows = false;   // move_rows_to_the_extremes (fp32 logits)
   std::string describe() const {
     std::ostringstream s;
     s << config.describe() << " T=" << tokens << " logits " << dtype_name(dtype);
@@ -165,6 +187,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
                          : draw_logits(T, E, c.dtype, rng);
   if (c.fallback_rows) move_rows_to_the_sigmoid_fallback(logits);
   if (c.crowded_rows) crowd_rows_into_one_lane(logits, rng);
+  if (c.extreme_rows) move_rows_to_the_extremes(logits, config.topk, rng);
   const std::vector<double> bias = config.expert_bias ? draw_bias(E, rng) : std::vector<double>{};
   const Matrix dprob = test::random_matrix(T, K, rng);
 
@@ -434,6 +457,35 @@ TEST_CASE("sigmoid rows whose largest logit is above 16 or below -80", "[gpu][ro
         config.validate();
         Case c{config, 301, DType::kFP32};
         c.fallback_rows = true;
+        run_case(c, rng);
+      }
+    }
+  }
+}
+
+TEST_CASE("every mode at logits of ±1e4: finite, and equal to the reference", "[gpu][router]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  struct Mode {
+    ScoreFunction f;
+    bool pre, bias, grouped;
+  };
+  const std::vector<Mode> modes = {{ScoreFunction::kSoftmax, false, false, false},
+                                   {ScoreFunction::kSoftmax, true, false, false},
+                                   {ScoreFunction::kSoftmax, false, false, true},
+                                   {ScoreFunction::kSigmoid, false, true, false},
+                                   {ScoreFunction::kSigmoid, false, false, true},
+                                   {ScoreFunction::kSqrtSoftplus, false, false, false},
+                                   {ScoreFunction::kSqrtSoftplus, false, true, true}};
+  for (const auto& mode : modes) {
+    for (const int E : {8, 128, 1024}) {
+      for (const int K : {1, 4, 8}) {
+        if (K > E || (mode.grouped && (K % 4 != 0 || K / 4 > E / 8))) continue;
+        auto config = router_config(E, K, mode.f, mode.pre, mode.bias, mode.grouped, 2.5, true);
+        config.validate();
+        Case c{config, 97, DType::kFP32};
+        c.extreme_rows = true;
         run_case(c, rng);
       }
     }
