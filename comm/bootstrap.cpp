@@ -1,5 +1,12 @@
 #include "bootstrap.h"
 
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moe/device.h"
 #include "moe/error.h"
 
 namespace moe::comm {
@@ -29,6 +36,47 @@ int node_local_rank(MPI_Comm comm) {
   (void)MPI_Comm_free(&node);
   MOE_CHECK_MPI(status);
   return rank;
+}
+
+void require_one_rank_per_gpu(MPI_Comm comm) {
+  int rank = 0, size = 0;
+  MOE_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  MOE_CHECK_MPI(MPI_Comm_size(comm, &size));
+  // A rank that cannot read its GPU's identity still joins the gather, so that no rank waits in
+  // MPI (which has no timeout) for one that threw.
+  struct Identity {
+    char uuid[16] = {};
+    int readable = 0;
+    int gpus = 0;
+  } mine;
+  mine.gpus = cuda_device_count();
+  cudaDeviceProp props{};
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaGetDeviceProperties(&props, device) == cudaSuccess) {
+    static_assert(sizeof(props.uuid.bytes) == sizeof(mine.uuid));
+    std::memcpy(mine.uuid, props.uuid.bytes, sizeof(mine.uuid));
+    mine.readable = 1;
+  }
+  (void)cudaGetLastError();
+  std::vector<Identity> all(static_cast<std::size_t>(size));
+  MOE_CHECK_MPI(MPI_Allgather(&mine, sizeof(Identity), MPI_BYTE, all.data(), sizeof(Identity),
+                              MPI_BYTE, comm));
+  for (int r = 0; r < size; ++r) {
+    if (all[r].gpus == 0) fail("rank {} of {} sees no CUDA GPU", r, size);
+    if (!all[r].readable) fail("rank {} of {} could not read the identity of its GPU", r, size);
+  }
+  for (int a = 0; a < size; ++a) {
+    for (int b = a + 1; b < size; ++b) {
+      if (std::memcmp(all[a].uuid, all[b].uuid, sizeof(Identity::uuid)) != 0) continue;
+      std::string uuid;
+      for (const char byte : all[a].uuid) uuid += fmt::format("{:02x}", static_cast<unsigned char>(byte));
+      fail("ranks {} and {} of {} both run on GPU {} (NCCL needs one GPU per rank): start at most "
+           "as many ranks per node as it has GPUs (rank {} sees {}), or give each rank its own "
+           "GPU through CUDA_VISIBLE_DEVICES",
+           a, b, size, uuid, rank, cuda_device_count());
+    }
+  }
 }
 
 NcclComm::~NcclComm() {

@@ -29,6 +29,11 @@ class MpiSession {
 // Rank among the processes of `comm` on this node: chooses the GPU.
 int node_local_rank(MPI_Comm comm);
 
+// Collective over `comm`, after each rank chose its GPU: throws the same moe::Error on every rank
+// when two ranks hold one GPU (found by the GPUs' UUIDs, unique across machines), naming the
+// ranks, the GPU and the remedy. NCCL cannot run two ranks on one GPU.
+void require_one_rank_per_gpu(MPI_Comm comm);
+
 // Owns an NCCL communicator; destroys it, or aborts it after a failure so that no peer hangs on it.
 class NcclComm {
  public:

@@ -75,13 +75,20 @@ class Watchdog {
   std::thread thread_;
 };
 
+// Every communicator here is the mesh's own: from_nccl splits a private world from the trainer's,
+// so that an abort after a failure never touches a communicator the trainer still uses.
 struct Mesh::Comms {
-  comm::NcclComm world_owned;  // when the mesh created the world communicator
-  ncclComm_t world = nullptr;  // owned above, or the trainer's
+  comm::NcclComm world;
   comm::NcclComm ep;
   comm::NcclComm dp;
   bool aborted = false;
   std::unique_ptr<Watchdog> watchdog;  // last: stopped before the communicators go
+  void abort_all() noexcept {
+    ep.abort();
+    dp.abort();
+    world.abort();
+    aborted = true;
+  }
 };
 
 void validate_mesh_shape(int world, int ep, int dp, int num_experts) {
@@ -111,9 +118,13 @@ Mesh Mesh::from_mpi(MPI_Comm comm, int ep, int dp, int num_experts, Timeout time
   MOE_CHECK_MPI(MPI_Comm_rank(comm, &rank));
   MOE_CHECK_MPI(MPI_Comm_size(comm, &size));
   validate_mesh_shape(size, ep, dp, num_experts);  // every rank sees the same values: no hang
+  // Every rank reaches each MPI collective below before it can fail: MPI waits without a timeout.
+  const int local_rank = comm::node_local_rank(comm);
   const int gpus = cuda_device_count();
-  if (gpus == 0) fail("Mesh: rank {} sees no CUDA GPU", rank);
-  MOE_CHECK_CUDA(cudaSetDevice(comm::node_local_rank(comm) % gpus));
+  if (gpus > 0) MOE_CHECK_CUDA(cudaSetDevice(local_rank % gpus));
+  // NCCL refuses two ranks on one GPU with a bare "invalid usage"; say what is wrong instead, on
+  // every rank alike (each sees the same gathered identities).
+  comm::require_one_rank_per_gpu(comm);
   Mesh mesh;
   mesh.rank_ = rank;
   mesh.ep_ = ep;
@@ -121,10 +132,9 @@ Mesh Mesh::from_mpi(MPI_Comm comm, int ep, int dp, int num_experts, Timeout time
   mesh.timeout_ = timeout;
   MOE_CHECK_CUDA(cudaGetDevice(&mesh.device_));
   mesh.comms_ = std::make_unique<Comms>();
-  mesh.comms_->world_owned = comm::NcclComm::from_mpi(comm);
-  mesh.comms_->world = mesh.comms_->world_owned.get();
-  mesh.comms_->ep = split(mesh.comms_->world, mesh.dp_index(), mesh.ep_index());
-  mesh.comms_->dp = split(mesh.comms_->world, mesh.ep_index(), mesh.dp_index());
+  mesh.comms_->world = comm::NcclComm::from_mpi(comm);
+  mesh.comms_->ep = split(mesh.comms_->world.get(), mesh.dp_index(), mesh.ep_index());
+  mesh.comms_->dp = split(mesh.comms_->world.get(), mesh.ep_index(), mesh.dp_index());
   mesh.start_watchdog();
   return mesh;
 }
@@ -142,26 +152,18 @@ Mesh Mesh::from_nccl(ncclComm_t world, int ep, int dp, int num_experts, Timeout 
   mesh.timeout_ = timeout;
   MOE_CHECK_NCCL(ncclCommCuDevice(world, &mesh.device_));
   mesh.comms_ = std::make_unique<Comms>();
-  mesh.comms_->world = world;
-  mesh.comms_->ep = split(world, mesh.dp_index(), mesh.ep_index());
-  mesh.comms_->dp = split(world, mesh.ep_index(), mesh.dp_index());
+  // The one collective on the trainer's communicator: a private copy of it (same ranks, same
+  // order), from which the groups split and which alone an abort may touch.
+  mesh.comms_->world = split(world, 0, rank);
+  mesh.comms_->ep = split(mesh.comms_->world.get(), mesh.dp_index(), mesh.ep_index());
+  mesh.comms_->dp = split(mesh.comms_->world.get(), mesh.ep_index(), mesh.dp_index());
   mesh.start_watchdog();
   return mesh;
 }
 
 void Mesh::start_watchdog() {
   Comms* comms = comms_.get();  // stable across moves of the Mesh
-  comms->watchdog = std::make_unique<Watchdog>([comms] {
-    comms->ep.abort();
-    comms->dp.abort();
-    if (comms->world_owned.get() != nullptr) {
-      comms->world_owned.abort();
-    } else if (comms->world != nullptr) {
-      (void)ncclCommAbort(comms->world);
-    }
-    comms->world = nullptr;
-    comms->aborted = true;
-  });
+  comms->watchdog = std::make_unique<Watchdog>([comms] { comms->abort_all(); });
 }
 
 Mesh::Mesh(Mesh&&) noexcept = default;
@@ -183,10 +185,14 @@ int Mesh::group_size(MeshGroup group) const {
 ncclComm_t Mesh::comm(MeshGroup group) const {
   if (comms_ && comms_->aborted)
     fail("rank {}: the mesh's communicators were aborted after an earlier failure", rank_);
+  // A moved-from mesh keeps its shape but no communicators: a reduction over it would silently
+  // do nothing.
+  if (!comms_ && world_size() > 1)
+    fail("rank {}: this Mesh was moved from; use the Mesh it was moved into", rank_);
   if (!comms_ || group_size(group) == 1) return nullptr;
   switch (group) {
     case MeshGroup::kWorld:
-      return comms_->world;
+      return comms_->world.get();
     case MeshGroup::kExpertParallel:
       return comms_->ep.get();
     case MeshGroup::kDataParallel:
@@ -267,7 +273,7 @@ void Mesh::group_end(std::string_view operation) const {
          operation, timeout_.count());
   }
   if (status != ncclSuccess) {
-    const_cast<Mesh*>(this)->abort();
+    abort();
     fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(status),
          ncclGetErrorString(status));
   }
@@ -297,18 +303,18 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
       continue;
     }
     if (comms_) {
-      for (ncclComm_t c : {comms_->world, comms_->ep.get(), comms_->dp.get()}) {
+      for (ncclComm_t c : {comms_->world.get(), comms_->ep.get(), comms_->dp.get()}) {
         ncclResult_t async = ncclSuccess;
         if (c != nullptr && ncclCommGetAsyncError(c, &async) == ncclSuccess &&
             async != ncclSuccess && async != ncclInProgress) {
-          const_cast<Mesh*>(this)->abort();
+          abort();
           fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(async),
                ncclGetErrorString(async));
         }
       }
     }
     if (now > deadline) {
-      const_cast<Mesh*>(this)->abort();
+      abort();
       fail("rank {}: {} did not complete within {} ms; the communicators were aborted", rank_,
            operation, timeout_.count());
     }
@@ -317,17 +323,11 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
   }
 }
 
-void Mesh::abort() noexcept {
+void Mesh::abort() const noexcept {
   if (!comms_ || comms_->aborted) return;
-  comms_->ep.abort();
-  comms_->dp.abort();
-  if (comms_->world_owned.get() != nullptr) {
-    comms_->world_owned.abort();
-  } else if (comms_->world != nullptr) {
-    (void)ncclCommAbort(comms_->world);
-  }
-  comms_->world = nullptr;
-  comms_->aborted = true;
+  comms_->abort_all();
 }
+
+bool Mesh::aborted() const noexcept { return comms_ && comms_->aborted; }
 
 }  // namespace moe

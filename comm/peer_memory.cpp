@@ -1,8 +1,7 @@
 #include "peer_memory.h"
 
-#include <unistd.h>
-
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "moe/error.h"
@@ -26,10 +25,26 @@ std::vector<T> all_gather_host(const Mesh& mesh, const T& mine, DeviceBuffer& st
   return out;
 }
 
-struct Identity {
-  char host[64];
-  char bus[32];
-};
+// A GPU by its UUID, unique across machines: a peer's GPU that this process can find among its
+// own devices is on this host, whatever the host names say (names can repeat, or be cut short).
+using GpuUuid = std::array<char, 16>;
+
+GpuUuid uuid_of(int device) {
+  cudaDeviceProp props{};
+  MOE_CHECK_CUDA(cudaGetDeviceProperties(&props, device));
+  GpuUuid uuid{};
+  static_assert(sizeof(props.uuid.bytes) == sizeof(GpuUuid));
+  std::memcpy(uuid.data(), props.uuid.bytes, uuid.size());
+  return uuid;
+}
+
+// The device of this process whose UUID is `uuid`, or -1.
+int local_device_of(const GpuUuid& uuid) {
+  for (int device = 0; device < cuda_device_count(); ++device) {
+    if (uuid_of(device) == uuid) return device;
+  }
+  return -1;
+}
 
 std::size_t round_up(std::size_t bytes, std::size_t multiple) {
   return (bytes + multiple - 1) / multiple * multiple;
@@ -42,21 +57,17 @@ bool ep_group_has_peer_access(const Mesh& mesh, cudaStream_t stream) {
   if (EP < 2 || EP > kMaxPeerRanks) return false;  // the same on every rank: no vote needed
   DeviceBuffer staging;
   Event done;
-  Identity me{};
-  if (gethostname(me.host, sizeof(me.host) - 1) != 0) std::strcpy(me.host, "?");
-  MOE_CHECK_CUDA(cudaDeviceGetPCIBusId(me.bus, sizeof(me.bus), mesh.device()));
+  const GpuUuid mine = uuid_of(mesh.device());
   const auto everyone =
-      all_gather_host(mesh, me, staging, done, stream, "the EP group's peer-access check");
+      all_gather_host(mesh, mine, staging, done, stream, "the EP group's peer-access check");
   int ok = 1;
   for (int r = 0; r < EP && ok; ++r) {
     if (r == mesh.ep_index()) continue;
-    const Identity& peer = everyone[r];
-    int device = -1, can = 0;
-    if (std::strncmp(peer.host, me.host, sizeof(me.host)) != 0 ||
-        cudaDeviceGetByPCIBusId(&device, peer.bus) != cudaSuccess) {
-      (void)cudaGetLastError();  // a GPU this process cannot see: no peer access
-      ok = 0;
-    } else if (device != mesh.device()) {
+    const int device = local_device_of(everyone[r]);
+    if (device < 0 || device == mesh.device()) {
+      ok = 0;  // another host's GPU, one this process cannot see, or this rank's own GPU
+    } else {
+      int can = 0;
       MOE_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, mesh.device(), device));
       ok = can;
     }
@@ -73,7 +84,21 @@ PeerBuffer::PeerBuffer(const Mesh& mesh)
 }
 
 PeerBuffer::~PeerBuffer() {
+  // Freeing memory that another process still maps is undefined, so, unless the mesh has failed
+  // (then the peers are failing too, and nothing waits for them), the EP group tears down in
+  // step: every rank closes its mappings, then all agree before any rank frees. The owner of the
+  // buffer has let the work that used it finish (PeerExchange's destructor). The agreement is
+  // bounded by the mesh's timeout; past it the mesh is aborted and the buffer goes anyway: a
+  // destructor never blocks for good.
+  const bool agree = mapped_[me_] != nullptr && !mesh_.aborted();
   for (int r = 0; r < ranks_; ++r) close_mapping(r);
+  if (!agree) return;
+  try {
+    const Stream teardown;
+    (void)all_gather_host(mesh_, 0, staging_, done_, teardown.get(), "the peer buffers' teardown");
+  } catch (const std::exception&) {
+    mesh_.abort();
+  }
 }
 
 void PeerBuffer::close_mapping(int rank) noexcept {

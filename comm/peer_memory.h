@@ -25,7 +25,11 @@ bool ep_group_has_peer_access(const Mesh& mesh, cudaStream_t stream);
 // One grow-only device buffer per EP rank, each mapped into every rank of the group.
 class PeerBuffer {
  public:
+  // The mesh must outlive the buffer.
   explicit PeerBuffer(const Mesh& mesh);
+  // Collective over the EP group once the buffer was reserved, and bounded by the mesh's timeout
+  // (local once the mesh was aborted): no rank frees its buffer before every rank has closed its
+  // mappings. The work that used the buffer must have finished.
   ~PeerBuffer();
   PeerBuffer(const PeerBuffer&) = delete;
   PeerBuffer& operator=(const PeerBuffer&) = delete;
@@ -44,7 +48,7 @@ class PeerBuffer {
  private:
   void close_mapping(int rank) noexcept;
 
-  const Mesh& mesh_;  // used only by reserve(); the destructor needs none of it
+  const Mesh& mesh_;
   int ranks_, me_;
   DeviceBuffer local_;
   std::vector<std::size_t> capacity_;  // [EP], the same on every rank

@@ -53,6 +53,19 @@ class PeerExchange final : public TokenExchange {
     MOE_CHECK_CUDA(cudaMemsetAsync(typed<int>(barrier_, 1), 0, sizeof(int), stream_));
   }
 
+  // The peer buffers' destructors free memory that other ranks' kernels may use: first let this
+  // rank's own work on them finish (within the mesh's timeout; past it the mesh is aborted and
+  // the buffers' teardown is local).
+  ~PeerExchange() override {
+    if (mesh_.aborted()) return;
+    try {
+      drained_.record(stream_);
+      mesh_.wait(drained_.get(), "the work queued before the peer exchange is freed");
+    } catch (const std::exception&) {
+      mesh_.abort();
+    }
+  }
+
   EpTransport transport() const override { return EpTransport::kPeer; }
   bool probabilities_in_experts() const override { return true; }
 
@@ -148,6 +161,7 @@ class PeerExchange final : public TokenExchange {
   std::int64_t H_;
   DType dtype_;
   SlotLayout layout_;
+  Event drained_;
   PeerBuffer X_;             // with keep_expert_input
   PeerBuffer row_prob_;      // fp32 [rows]: each row's probability, stored by the senders beside X
   PeerBuffer* Y_ = nullptr;  // the scratch's, or own_Y_ for a block of another mesh

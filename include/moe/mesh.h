@@ -33,7 +33,9 @@ class Mesh {
   // world communicator and splits the EP and DP ones.
   static Mesh from_mpi(MPI_Comm comm, int ep, int dp, int num_experts,
                        Timeout timeout = kDefaultTimeout);
-  // Over the trainer's communicator (not owned; its GPU must be current): splits EP and DP groups.
+  // Over the trainer's communicator (its GPU must be current). Collective over it once: the mesh
+  // splits a private copy of it and the EP and DP groups from that copy, so that nothing the mesh
+  // does later, an abort after a failure included, touches the trainer's communicator.
   static Mesh from_nccl(ncclComm_t world, int ep, int dp, int num_experts,
                         Timeout timeout = kDefaultTimeout);
 
@@ -73,8 +75,11 @@ class Mesh {
   // Blocks until `event` completes, polling NCCL errors; after the timeout aborts every
   // communicator and throws, naming this rank and `operation`.
   void wait(cudaEvent_t event, std::string_view operation) const;
-  // Aborts every communicator (after a failure elsewhere): later collectives are errors.
-  void abort() noexcept;
+  // Aborts every communicator of the mesh (after a failure elsewhere): later collectives are
+  // errors. The trainer's communicator given to from_nccl is not one of them.
+  void abort() const noexcept;
+  // Whether the communicators were aborted (by abort(), a timeout or an NCCL error).
+  bool aborted() const noexcept;
 
  private:
   Mesh() = default;

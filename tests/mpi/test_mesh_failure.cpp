@@ -1,9 +1,12 @@
-// A peer that never joins the exchange: the others raise a moe::Error naming the rank and the
-// operation within the timeout, instead of hanging. Needs at least two ranks.
+// Failures on a mesh: a peer that never joins the exchange (the others raise a moe::Error naming
+// the rank and the operation within the timeout, instead of hanging; needs two ranks), an abort
+// that leaves the trainer's communicator working, a moved-from mesh, two ranks on one GPU.
 #include <mpi.h>
 
 #include <chrono>
+#include <utility>
 
+#include "comm/bootstrap.h"
 #include "comm/exchange.h"
 #include "moe/device.h"
 #include "moe/mesh.h"
@@ -41,4 +44,49 @@ TEST_CASE("a missing peer makes the others fail within the timeout", "[mpi][mesh
     MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
     mesh.abort();
   }
+}
+
+TEST_CASE("a mesh over the trainer's communicator never aborts it", "[mpi][mesh]") {
+  const int world = test::world_size();
+  comm::NcclComm trainer = comm::NcclComm::from_mpi(MPI_COMM_WORLD);
+  Mesh mesh = Mesh::from_nccl(trainer.get(), world, 1, 2 * world, std::chrono::milliseconds(3000));
+  mesh.abort();  // what a failure does
+  CHECK(mesh.aborted());
+  CHECK_THROWS_WITH(mesh.comm(MeshGroup::kWorld), test::contains_text("aborted"));
+
+  // The trainer's communicator still sums.
+  Stream stream;
+  DeviceBuffer value(sizeof(float));
+  const float one = 1.0f;
+  copy_to_device(value.data(), &one, sizeof(float));
+  MOE_CHECK_NCCL(ncclAllReduce(value.data(), value.data(), 1, ncclFloat32, ncclSum, trainer.get(),
+                               stream.get()));
+  stream.synchronize();
+  float sum = 0.0f;
+  copy_to_host(&sum, value.data(), sizeof(float));
+  CHECK(sum == static_cast<float>(world));
+}
+
+TEST_CASE("a moved-from mesh refuses collectives instead of doing nothing", "[mpi][mesh]") {
+  const int world = test::world_size();
+  if (world < 2) {
+    WARN("needs two ranks; a mesh of one rank has nothing to reduce");
+    return;
+  }
+  Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, 2 * world);
+  const Mesh moved = std::move(mesh);
+  Stream stream;
+  DeviceBuffer value(sizeof(float));
+  CHECK_THROWS_WITH(
+      mesh.all_reduce_sum(value.data(), 1, ncclFloat32, MeshGroup::kWorld, stream.get()),
+      test::contains_text("moved from"));
+  CHECK(moved.comm(MeshGroup::kWorld) != nullptr);
+}
+
+// Run as two ranks that see one GPU (tests/CMakeLists.txt: mpi.test_mesh_failure.same_gpu).
+TEST_CASE("two ranks on one GPU are told to start one rank per GPU", "[.same-gpu]") {
+  REQUIRE(test::world_size() == 2);
+  CHECK_THROWS_WITH(Mesh::from_mpi(MPI_COMM_WORLD, 2, 1, 4),
+                    test::contains_text("both run on GPU") &&
+                        test::contains_text("one GPU per rank"));
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # mpi_launch.sh RANKS GPU_COUNT_BIN TEST_BIN [args...]
-# Runs TEST_BIN under mpirun with RANKS processes (a number, or "all" for one per local GPU).
+# Runs TEST_BIN under mpirun with RANKS processes (a number, or "all" for one per local GPU, or
+# "same-gpu" for two that both see only the first GPU, to test the mesh's refusal).
 # Exits 77 (ctest: skipped) when there is no GPU, or fewer GPUs than RANKS asks for.
 set -u
 ranks=$1 count_bin=$2 test_bin=$3
@@ -11,6 +12,10 @@ if [ "${gpus:-0}" -eq 0 ]; then
   exit 77
 fi
 [ "$ranks" = all ] && ranks=$gpus
+if [ "$ranks" = same-gpu ]; then
+  ranks=2 gpus=2
+  export CUDA_VISIBLE_DEVICES=0
+fi
 if [ "$ranks" -gt "$gpus" ]; then
   echo "SKIPPED: $ranks ranks asked for, $gpus GPUs visible."
   exit 77
@@ -19,4 +24,4 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast: it can take a shared host's
 if [ "$(id -u)" -eq 0 ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
-exec mpirun -np "$ranks" --bind-to none -x NCCL_NVLS_ENABLE "$test_bin" "$@"
+exec mpirun -np "$ranks" --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE ${CUDA_VISIBLE_DEVICES+-x CUDA_VISIBLE_DEVICES} "$test_bin" "$@"
