@@ -113,14 +113,13 @@ ExpertFFN::ExpertFFN(int hidden, int ffn, int local_experts, DType dtype, Expert
   }
   // Every stream runs the same products, so they share what tuning learns; only batched calls
   // are tuned (GemmTuning::plain_products).
-  std::shared_ptr<GemmTuning> tuning;
   if (autotune) {
-    tuning = std::make_shared<GemmTuning>();
-    tuning->plain_products = false;
+    tuning_ = std::make_shared<GemmTuning>();
+    tuning_->plain_products = false;
   }
   for (int i = 0; i < streams; ++i) {
     streams_.emplace_back();
-    runners_.emplace_back(workspace_bytes, tuning);
+    runners_.emplace_back(workspace_bytes, tuning_);
     joins_.emplace_back();
   }
   // At most three products per expert in one call (the backward's dw2, dw13 and dX), three

@@ -108,6 +108,10 @@ class ExpertFFN {
   // mesh timeout instead of blocking forever behind a collective whose peer is gone.
   void set_host_wait(std::function<void(cudaEvent_t)> wait);
 
+  // What autotuning learned, shared by the streams' runners; null without autotuning. A mesh
+  // agrees on it (GemmTuning::adopt_agreed) so that every rank runs the same algorithms.
+  GemmTuning* tuning() const { return tuning_.get(); }
+
  private:
   struct Product {
     GemmShape shape;
@@ -150,6 +154,7 @@ class ExpertFFN {
   std::int64_t chunk_rows_;  // the most rows of a chunk
   ExpertSchedule schedule_;
   std::vector<Stream> streams_;
+  std::shared_ptr<GemmTuning> tuning_;
   std::vector<GemmRunner> runners_;  // one per stream: cuBLASLt workspaces must not be shared
   std::vector<Event> joins_;
   Event fork_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -65,6 +66,7 @@ struct GemmRunner::Plan {
   cublasLtMatmulAlgo_t algo{};                   // what runs: the heuristic's first, or tuned
   std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's proposals, best guess first
   bool tuned = false;
+  std::uint64_t generation = 0;  // of the GemmTuning whose winner `algo` is
 
   Plan(const GemmShape& s, int batch_class, std::uint32_t alignment, int proposals,
        cublasLtHandle_t handle, std::size_t workspace_bytes)
@@ -140,6 +142,73 @@ constexpr int kTuneProposals = 8;
 
 }  // namespace
 
+namespace {
+
+// One winner as bytes: the size class's key, field by field in fixed widths, and the algorithm
+// (an opaque struct of integers that cuBLASLt defines alike on every rank of one build).
+struct WinnerRecord {
+  std::int64_t m, n, k;
+  std::int32_t trans_a, trans_b, a_type, b_type, c_type, batch_class;
+  std::uint32_t alignment;
+  std::uint32_t padding = 0;
+  cublasLtMatmulAlgo_t algo;
+};
+
+}  // namespace
+
+std::vector<std::byte> GemmTuning::serialize() const {
+  std::vector<std::byte> bytes(winners.size() * sizeof(WinnerRecord));
+  std::size_t at = 0;
+  for (const auto& [key, algo] : winners) {
+    const GemmShape& shape = key.shape;
+    const WinnerRecord record{shape.m,
+                              shape.n,
+                              shape.k,
+                              shape.trans_a,
+                              shape.trans_b,
+                              static_cast<std::int32_t>(shape.a_type),
+                              static_cast<std::int32_t>(shape.b_type),
+                              static_cast<std::int32_t>(shape.c_type),
+                              key.batch_class,
+                              key.alignment,
+                              0,
+                              algo};
+    std::memcpy(bytes.data() + at, &record, sizeof(record));
+    at += sizeof(record);
+  }
+  return bytes;
+}
+
+void GemmTuning::adopt_agreed(std::span<const std::vector<std::byte>> ranks) {
+  std::map<GemmPlanKey, cublasLtMatmulAlgo_t> agreed;
+  for (std::size_t rank = 0; rank < ranks.size(); ++rank) {
+    const auto& bytes = ranks[rank];
+    if (bytes.size() % sizeof(WinnerRecord) != 0) {
+      fail("GemmTuning::adopt_agreed: rank {} sent {} bytes, not a whole number of {}-byte records",
+           rank, bytes.size(), sizeof(WinnerRecord));
+    }
+    for (std::size_t at = 0; at < bytes.size(); at += sizeof(WinnerRecord)) {
+      WinnerRecord record;
+      std::memcpy(&record, bytes.data() + at, sizeof(record));
+      GemmPlanKey key;
+      key.shape = {record.m,
+                   record.n,
+                   record.k,
+                   record.trans_a != 0,
+                   record.trans_b != 0,
+                   static_cast<DType>(record.a_type),
+                   static_cast<DType>(record.b_type),
+                   static_cast<DType>(record.c_type)};
+      key.batch_class = record.batch_class;
+      key.alignment = record.alignment;
+      agreed.emplace(key, record.algo);  // keeps the lowest rank's
+    }
+  }
+  winners = std::move(agreed);
+  frozen = true;
+  ++generation;
+}
+
 GemmRunner::GemmRunner(std::size_t workspace_bytes, std::shared_ptr<GemmTuning> tuning)
     : workspace_(workspace_bytes), tuning_(std::move(tuning)), tune_start_(true), tune_stop_(true) {
   // Zeroed once: compute-sanitizer's initcheck saw cuBLASLt's split-K reduction read workspace
@@ -168,12 +237,18 @@ cublasStatus_t GemmRunner::launch(const Plan& p, const cublasLtMatmulAlgo_t& alg
 }
 
 bool GemmRunner::adopt_known_winner(Plan& p, const PlanKey& key) {
-  if (p.tuned) return true;
+  if (p.tuned && p.generation == tuning_->generation) return true;
   const auto known = tuning_->winners.find(tune_class(key));
-  if (known == tuning_->winners.end()) return false;
-  // Another shape of this size class was timed: its winner, where it applies to this shape.
-  if (p.supports(handle_.get(), known->second, workspace_.bytes())) p.algo = known->second;
+  if (known == tuning_->winners.end()) {
+    if (!tuning_->frozen) return false;
+    p.algo = p.candidates.front();  // agreed: nobody timed this class, so the heuristic's first
+  } else {
+    // Another shape of this size class was timed: its winner, where it applies to this shape.
+    p.algo = p.supports(handle_.get(), known->second, workspace_.bytes()) ? known->second
+                                                                           : p.candidates.front();
+  }
   p.tuned = true;
+  p.generation = tuning_->generation;
   return true;
 }
 
@@ -181,6 +256,7 @@ void GemmRunner::tune(Plan& p, const PlanKey& key, const void* a, const void* b,
                       cudaStream_t stream) {
   if (adopt_known_winner(p, key)) return;
   p.tuned = true;
+  p.generation = tuning_->generation;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOE_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
   if (p.candidates.size() > 1 && capture == cudaStreamCaptureStatusNone) {
@@ -247,7 +323,7 @@ void GemmRunner::run(const GemmShape& shape, const void* a, const void* b, void*
   }
   const PlanKey key{shape};
   Plan& p = plan(key);
-  if (tuning_ && tuning_->plain_products && !p.tuned && beta == 0.0f) tune(p, key, a, b, c, stream);
+  if (tuning_ && tuning_->plain_products && beta == 0.0f) tune(p, key, a, b, c, stream);
   MOE_CHECK_CUBLAS(launch(p, p.algo, a, b, c, alpha, beta, stream));
 }
 
@@ -267,7 +343,7 @@ void GemmRunner::run_batched(const GemmShape& shape, int batch, const void* cons
   for (LayoutOwner* layout : {&p.first, &p.second, &p.out}) layout->set_batch(batch);
   // With pointer-array batching, C and D are the address arrays themselves.
   void* const out_addresses = const_cast<void**>(c);
-  if (tuning_ && !p.tuned) tune(p, key, a, b, out_addresses, stream);
+  if (tuning_) tune(p, key, a, b, out_addresses, stream);
   MOE_CHECK_CUBLAS(launch(p, p.algo, a, b, out_addresses, 1.0f, 0.0f, stream));
 }
 

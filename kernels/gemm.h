@@ -9,9 +9,12 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
+#include <vector>
 #include <tuple>
 
 #include "moe/device.h"
@@ -53,6 +56,19 @@ struct GemmTuning {
   // isolation-timed winners running four to a GPU (docs/performance.md).
   bool plain_products = true;
   std::map<GemmPlanKey, cublasLtMatmulAlgo_t> winners;
+  // Timing picks differently on different GPUs, so ranks that tuned alone may run one product
+  // with different algorithms, and DP replicas would not be bitwise equal. A mesh agrees: every
+  // rank adopts the union of all ranks' winners (adopt_agreed), and from then on, frozen, a size
+  // class nobody timed runs the heuristic's first proposal untimed, which is the same everywhere.
+  bool frozen = false;
+  // Bumped when adopt_agreed replaces winners: plans re-read their algorithm.
+  std::uint64_t generation = 0;
+
+  // The winners as bytes (fixed-size records), for the agreement's exchange.
+  std::vector<std::byte> serialize() const;
+  // `ranks`: every rank's serialize(), in rank order. Each size class takes the winner of the
+  // lowest rank that timed it; then frozen. Throws moe::Error on bytes that are not records.
+  void adopt_agreed(std::span<const std::vector<std::byte>> ranks);
 };
 
 // cuBLASLt's workspace per runner (per stream that runs products concurrently).

@@ -1,8 +1,38 @@
 #include "src/expert_stage.h"
 
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <vector>
+
 #include "src/stage_support.h"
 
 namespace moe {
+namespace {
+
+// Every rank's `mine` (the same count on every rank), in rank order, on the host; the wait is the
+// mesh's, bounded by its timeout. The staging buffer is freed (cudaFree waits for the device)
+// only after that wait has seen the stream's work done.
+template <typename T>
+std::vector<T> all_gather_to_host(const Mesh& mesh, std::span<const T> mine, cudaStream_t stream) {
+  const std::size_t bytes = mine.size_bytes();
+  const auto world = static_cast<std::size_t>(mesh.world_size());
+  DeviceBuffer staging(std::max<std::size_t>(bytes * (world + 1), 16));
+  std::byte* gathered = staging.as<std::byte>() + bytes;
+  if (bytes > 0) {
+    MOE_CHECK_CUDA(
+        cudaMemcpyAsync(staging.data(), mine.data(), bytes, cudaMemcpyHostToDevice, stream));
+    mesh.all_gather(staging.data(), gathered, bytes, MeshGroup::kWorld, stream);
+  }
+  Event done;
+  done.record(stream);
+  mesh.wait(done.get(), "the agreement on the expert GEMMs' algorithms");
+  std::vector<T> out(mine.size() * world);
+  if (bytes > 0) copy_to_host(out.data(), gathered, bytes * world);
+  return out;
+}
+
+}  // namespace
 
 ExpertStage::ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer& activations)
     : F_(config.ffn_hidden),
@@ -37,6 +67,28 @@ void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const 
   act.scale = act.dscale = rows.scale;
   ffn_.backward(rows.dY, rows.input, rows.offsets, w13, w2, act, false, rows.dX, w13_grad, w2_grad,
                 stream, rows.refill);
+}
+
+void ExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {
+  GemmTuning* tuning = ffn_.tuning();
+  if (tuning == nullptr || tuning->frozen || mesh.world_size() == 1) return;
+  const int world = mesh.world_size();
+  const std::vector<std::byte> mine = tuning->serialize();
+  // Sizes first, then every rank's records padded to the largest.
+  const std::uint64_t mine_size = mine.size();
+  const auto sizes =
+      all_gather_to_host<std::uint64_t>(mesh, std::span(&mine_size, 1), stream);
+  const std::uint64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  std::vector<std::byte> padded(widest);
+  std::copy(mine.begin(), mine.end(), padded.begin());
+  const auto gathered =
+      all_gather_to_host<std::byte>(mesh, std::span<const std::byte>(padded), stream);
+  std::vector<std::vector<std::byte>> ranks(world);
+  for (int r = 0; r < world; ++r) {
+    const auto first = gathered.begin() + static_cast<std::ptrdiff_t>(r * widest);
+    ranks[r].assign(first, first + static_cast<std::ptrdiff_t>(sizes[r]));
+  }
+  tuning->adopt_agreed(ranks);
 }
 
 }  // namespace moe

@@ -23,6 +23,12 @@ class ExpertStage {
   // gradients into rows.scale where it is given.
   void backward(const ExpertGradRows& rows, const Tensor& w13, const Tensor& w2,
                 const Tensor& w13_grad, const Tensor& w2_grad, cudaStream_t stream);
+  // Collective over the world, once: every rank adopts the union of the GEMM algorithms all ranks
+  // timed so far (the lowest rank's where several timed one size class), and times none after,
+  // so that every rank, DP replicas included, runs each product with the same algorithm. Nothing
+  // without autotuning, on one rank, or once agreed. Waits for the stream (within the mesh's
+  // timeout), once.
+  void agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream);
 
  private:
   std::int64_t F_;

@@ -2,7 +2,9 @@
 // gradients equal the fp64 single run on the concatenated batch with the same weights.
 #include <mpi.h>
 
+#include <cstdint>
 #include <random>
+#include <vector>
 
 #include "moe/mesh.h"
 #include "moe/moe_block.h"
@@ -296,5 +298,68 @@ TEST_CASE("two EP layers sharing a scratch: forward 1, forward 2, backward 2, ba
     const Layer& L = layers[l];
     INFO("layer " << l + 1 << ", transport " << ep_transport_name(L.block->ep_transport()));
     check_rank_rows(L.fwd.out, dx[l], L.want, first, T, L.config.hidden, 1e-5);
+  }
+}
+
+namespace {
+
+// FNV-1a over a tensor's bytes: DP replicas compare their results through MPI with it.
+std::uint64_t bytes_hash(const Tensor& t) {
+  std::vector<unsigned char> host(t.bytes());
+  copy_to_host(host.data(), t.data, host.size());
+  std::uint64_t hash = 1469598103934665603ull;
+  for (const unsigned char byte : host) hash = (hash ^ byte) * 1099511628211ull;
+  return hash;
+}
+
+}  // namespace
+
+TEST_CASE("DP replicas given the same rows agree bitwise once the GEMM algorithms are agreed",
+          "[mpi][block]") {
+  const int world = test::world_size();
+  if (world < 2) {
+    WARN("needs two ranks; one rank has no replica");
+    return;
+  }
+  const auto seed = shared_seed();
+  INFO("seed " << seed);
+  for (const int ep : {1, 2}) {
+    if (world % ep != 0 || world / ep < 2) continue;
+    MoEConfig c = test::small_config(256, 512, 8, 2);
+    c.ep = ep;
+    c.dp = world / ep;
+    c.gemm_autotune = true;
+    c.validate();
+    INFO(c.describe());
+    const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, c.ep, c.dp, c.num_experts);
+    Stream stream;
+    MoEBlock block(c, mesh, stream.get());
+    // The same rows on the ranks of each DP group (equal EP index), different across EP ranks.
+    std::mt19937_64 rng(seed + static_cast<std::uint64_t>(mesh.ep_index()));
+    const std::int64_t T = 700;
+    const auto x = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
+    const auto dy = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
+    std::vector<std::uint64_t> hashes;
+    for (int step = 0; step < 2; ++step) {
+      const auto fwd = block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
+      const Tensor dx = block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
+      if (step == 1) {
+        block.synchronize();
+        const auto& g = block.gradients();
+        hashes = {bytes_hash(fwd.out), bytes_hash(dx), bytes_hash(g.w13), bytes_hash(g.w2)};
+      }
+      block.reduce_gradients();
+      block.synchronize();
+    }
+    // Every rank's hashes; the ranks of one DP group (same EP index) must match.
+    std::vector<std::uint64_t> all(hashes.size() * world);
+    MOE_CHECK_MPI(MPI_Allgather(hashes.data(), static_cast<int>(hashes.size()), MPI_UINT64_T,
+                                all.data(), static_cast<int>(hashes.size()), MPI_UINT64_T,
+                                MPI_COMM_WORLD));
+    for (int r = 0; r < world; ++r) {
+      if (r % ep != mesh.ep_index()) continue;
+      INFO("rank " << test::world_rank() << " against its DP replica " << r);
+      for (std::size_t i = 0; i < hashes.size(); ++i) CHECK(all[r * hashes.size() + i] == hashes[i]);
+    }
   }
 }
