@@ -29,6 +29,25 @@ struct OwnWeights {
   DeviceBuffer gate, w13, w2, bias, dgate, dw13, dw2;
 };
 
+// Runs one public call of a block on a mesh of several ranks. A rank that fails leaves its peers
+// waiting in a collective it will never join: it aborts the mesh's communicators, so that its
+// own later calls fail at once and its peers fail at their next wait, within the mesh's timeout,
+// instead of at a collective matched against the wrong one. The error then names the rank, the
+// call and the stage.
+template <typename Call>
+auto on_mesh(const Mesh& mesh, const StageTimes& times, const char* call, Call&& run) {
+  if (mesh.world_size() == 1) return run();
+  try {
+    return run();
+  } catch (const std::exception& error) {
+    const bool first = !mesh.aborted();
+    mesh.abort();
+    if (!first) throw;
+    fail("rank {}: MoEBlock::{} failed in stage '{}'; the mesh's communicators are aborted: {}",
+         mesh.rank(), call, times.current, error.what());
+  }
+}
+
 }  // namespace
 
 struct MoEBlock::State {
@@ -53,6 +72,7 @@ struct MoEBlock::State {
   DeviceBuffer out;   // the forward's output, the block's until the next forward
   DeviceBuffer dx;    // the backward's output, the block's until the next backward
   Event initialized;  // initialize() waits for its writes
+  Event step_done;    // synchronize() waits for it
 
   // What the forward keeps for the backward at the block's level; each stage keeps its own.
   struct Context {
@@ -181,14 +201,15 @@ void MoEBlock::initialize(std::uint64_t seed) {
 }
 
 MoEForward MoEBlock::forward(const Tensor& x) {
-  return run_forward(x, true);
+  return on_mesh(s_->mesh, s_->times, "forward", [&] { return run_forward(x, true); });
 }
 MoEForward MoEBlock::infer(const Tensor& x) {
-  return run_forward(x, false);
+  return on_mesh(s_->mesh, s_->times, "infer", [&] { return run_forward(x, false); });
 }
 
 MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   auto& s = *s_;
+  s.times.current = "arguments";
   const std::int64_t T = x.rank() == 2 ? x.dim(0) : -1;
   if (x.dtype != s.dtype || T < 0 || x.dim(1) != s.H) {
     fail("MoEBlock::forward: x must be {}[T, {}], got {}", dtype_name(s.dtype), s.H, x.describe());
@@ -255,7 +276,12 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
 }
 
 Tensor MoEBlock::backward(const Tensor& dy) {
+  return on_mesh(s_->mesh, s_->times, "backward", [&] { return run_backward(dy); });
+}
+
+Tensor MoEBlock::run_backward(const Tensor& dy) {
   auto& s = *s_;
+  s.times.current = "arguments";
   if (!s.context.valid)
     fail(
         "MoEBlock::backward: no forward context (call forward first; backward runs once per "
@@ -312,8 +338,22 @@ Tensor MoEBlock::backward(const Tensor& dy) {
 
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
-  Range r("moe gradient reduction", s.times, s.stream);
-  moe::reduce_gradients(s.grads, s.mesh, s.shared.grad_stage, s.stream);
+  on_mesh(s.mesh, s.times, "reduce_gradients", [&] {
+    Range r("moe gradient reduction", s.times, s.stream);
+    moe::reduce_gradients(s.grads, s.mesh, s.shared.grad_stage, s.stream);
+    // After the first step's products were all timed: from here every rank runs the same
+    // algorithms (one host wait, at the first call only).
+    s.experts.agree_gemm_algorithms(s.mesh, s.stream);
+  });
+}
+
+void MoEBlock::synchronize() {
+  auto& s = *s_;
+  on_mesh(s.mesh, s.times, "synchronize", [&] {
+    s.times.current = "the end of the step";
+    s.step_done.record(s.stream);
+    s.mesh.wait(s.step_done.get(), "the block's queued work");
+  });
 }
 
 MoERouting MoEBlock::routing() const {
@@ -352,8 +392,10 @@ void MoEBlock::update_expert_bias(float rate) {
     fail("MoEBlock::update_expert_bias: the config has expert_bias = false");
   if (s.router.global_load() == nullptr)
     fail("MoEBlock::update_expert_bias: no forward has counted the loads yet");
-  moe::update_expert_bias(s.params.expert_bias.as<float>(), s.router.global_load(), s.E, rate,
-                          s.stream);
+  on_mesh(s.mesh, s.times, "update_expert_bias", [&] {
+    moe::update_expert_bias(s.params.expert_bias.as<float>(), s.router.global_load(), s.E, rate,
+                            s.stream);
+  });
 }
 
 }  // namespace moe

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,12 +42,22 @@ struct StageTimes {
   };
   std::deque<Stage> stages;  // reused: events are created once; nested stages keep their place
   std::size_t used = 0;
+  // The stage entered last (timing on or off): what a failure names.
+  const char* current = "";
 };
+
+// Fault injection for tests: when set, every stage calls the hook with its name as it begins, so a
+// test can make one rank throw or stall at a chosen stage. Empty (the default) costs one test.
+using StageHook = std::function<void(const char* stage)>;
+void set_stage_hook(StageHook hook);
+const StageHook& stage_hook();
 
 // A stage: an NVTX range (visible in Nsight Systems) and, with timing on, a pair of events.
 class Range {
  public:
   Range(const char* name, StageTimes& times, cudaStream_t stream) : times_(times), stream_(stream) {
+    times_.current = name;
+    if (const StageHook& hook = stage_hook()) hook(name);  // before anything a throw would leave
     nvtxRangePushA(name);
     if (!times_.on) return;
     if (times_.used == times_.stages.size()) times_.stages.emplace_back();

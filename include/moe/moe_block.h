@@ -98,6 +98,11 @@ class MoEBlock {
   // written, so that the caller may then overwrite parameters() from any stream.
   void initialize(std::uint64_t seed);
 
+  // On a mesh of several ranks, a forward, infer, backward, reduce_gradients or
+  // update_expert_bias that throws aborts the mesh's communicators first: the error names the
+  // rank, the call and the stage; the peers fail at their next wait, within the mesh's timeout;
+  // every later use of the mesh throws. Recovering means a new mesh and new blocks.
+  //
   // x [T, H] in config.dtype. Saves the context for backward.
   MoEForward forward(const Tensor& x);
   // Evaluation: the same output, no context saved (a later backward is an error).
@@ -107,6 +112,11 @@ class MoEBlock {
   Tensor backward(const Tensor& dy);
   // Sums the gradients over the mesh: experts over the DP group, the gate over the world.
   void reduce_gradients();
+  // Waits until the block's queued work is done, within the mesh's timeout, polling the mesh's
+  // communicators for errors: where a trainer would synchronise its stream at the end of a step,
+  // this returns or throws, where a stream synchronisation would wait forever on a peer that
+  // failed.
+  void synchronize();
   MoERouting routing() const;
   // How rows cross the EP group: kPeer or kNccl once the first forward under EP has chosen
   // (config.ep_transport, kAuto resolved); kAuto before that and on a single EP rank.
@@ -134,6 +144,7 @@ class MoEBlock {
   struct State;
   std::unique_ptr<State> s_;
   MoEForward run_forward(const Tensor& x, bool save_context);
+  Tensor run_backward(const Tensor& dy);
 };
 
 }  // namespace moe

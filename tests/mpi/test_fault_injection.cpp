@@ -1,0 +1,139 @@
+// A fault on one rank, at every stage of a step, becomes a moe::Error on every rank within the
+// mesh's timeout: rank 1 throws, or stalls past the timeout, as it enters the stage (the stage
+// hook of src/stage_support.h); every rank runs forward, backward, reduce_gradients and
+// synchronize and must throw, in bounded time, and leave its mesh aborted. Needs two ranks.
+#include <mpi.h>
+
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+
+#include "moe/mesh.h"
+#include "moe/moe_block.h"
+#include "src/stage_support.h"
+#include "support/block_util.h"
+#include "support/catch.h"
+#include "support/test_main.h"
+
+using namespace moe;
+
+namespace {
+
+constexpr auto kTimeout = std::chrono::milliseconds(2000);
+
+const char* const kStages[] = {"moe gate",
+                               "moe router",
+                               "moe losses",
+                               "moe dispatch",
+                               "moe experts",
+                               "moe combine",
+                               "moe combine backward",
+                               "moe experts backward",
+                               "moe dispatch backward",
+                               "moe router backward",
+                               "moe gate backward",
+                               "moe gradient reduction"};
+
+// A stall costs up to three timeouts per case: it is tried at one stage of each kind (local
+// compute, a host wait on the exchange, an exchange without one, the gradient all-reduce).
+const char* const kStallStages[] = {"moe gate", "moe dispatch", "moe experts backward",
+                                    "moe gradient reduction"};
+
+enum class Fault { kThrows, kStalls };
+
+// Removes the hook when the case ends, whatever happens in it.
+struct HookGuard {
+  ~HookGuard() { set_stage_hook({}); }
+};
+
+struct Outcome {
+  bool threw = false;
+  std::string message;
+  std::chrono::steady_clock::duration elapsed{};
+};
+
+Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transport) {
+  const int world = test::world_size();
+  const int rank = test::world_rank();
+  MoEConfig c = test::small_config(32, 24, 2 * world, 2);
+  c.ep = world;
+  c.ep_transport = transport;
+  c.gemm_autotune = false;
+  c.validate();
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts, kTimeout);
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  std::mt19937_64 rng(7 + rank);
+  const std::int64_t T = 24;
+  const auto x = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
+  const auto dy = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
+  // One clean step first: the transport is chosen and every connection made.
+  (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
+  (void)block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
+  block.reduce_gradients();
+  block.synchronize();
+  MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+
+  HookGuard guard;
+  if (rank == 1) {
+    set_stage_hook([stage, fault](const char* name) {
+      if (std::strcmp(name, stage) != 0) return;
+      if (fault == Fault::kThrows) fail("injected fault");
+      std::this_thread::sleep_for(2 * kTimeout);
+    });
+  }
+  Outcome outcome;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
+    (void)block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
+    block.reduce_gradients();
+    block.synchronize();
+  } catch (const Error& error) {
+    outcome.threw = true;
+    outcome.message = error.what();
+  }
+  outcome.elapsed = std::chrono::steady_clock::now() - start;
+  CHECK(mesh.aborted());
+  return outcome;
+}
+
+}  // namespace
+
+TEST_CASE("a rank that throws or stalls at any stage is an error on every rank", "[mpi][fault]") {
+  const int world = test::world_size();
+  if (world < 2) {
+    WARN("needs two ranks; nothing to check with one");
+    return;
+  }
+  for (const EpTransport transport : {EpTransport::kNccl, EpTransport::kAuto}) {
+    for (const Fault fault : {Fault::kThrows, Fault::kStalls}) {
+      const auto stages = fault == Fault::kThrows ? std::span<const char* const>(kStages)
+                                                  : std::span<const char* const>(kStallStages);
+      for (const char* stage : stages) {
+        INFO("stage '" << stage << "', " << (fault == Fault::kThrows ? "throws" : "stalls")
+                       << ", transport " << ep_transport_name(transport) << ", rank "
+                       << test::world_rank());
+        const Outcome outcome = run_step_with_fault(stage, fault, transport);
+        INFO(outcome.message);
+        CHECK(outcome.threw);
+        // A throw is seen at once by its rank and within a timeout by the others; a stalled rank
+        // wakes after two timeouts and then waits one more on its aborted peers.
+        const auto bound = (fault == Fault::kThrows ? 2 : 4) * kTimeout + std::chrono::seconds(5);
+        CHECK(outcome.elapsed < bound);
+        if (test::world_rank() == 1 && fault == Fault::kThrows) {
+          CHECK_THAT(outcome.message, test::contains_text("rank 1: MoEBlock::") &&
+                                          test::contains_text(std::string("'") + stage + "'") &&
+                                          test::contains_text("injected fault"));
+        } else {
+          CHECK_THAT(outcome.message, test::contains_text("did not complete within 2000 ms") ||
+                                          test::contains_text("aborted"));
+        }
+        MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+      }
+    }
+  }
+}
