@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "bench/bench_util.h"
+#include "bench/stage_floors.h"
 #include "comm/bootstrap.h"
 #include "kernels/elementwise.cuh"
 #include "moe/config.h"
@@ -227,32 +228,18 @@ int main(int argc, char** argv) {
     const double link_bytes = 4.0 * T * K * H * dtype_size(config.dtype) * (ep - 1) / ep;
     const double link_floor_ms = link_rate > 0 ? link_bytes / link_rate * 1e3 : 0.0;
 
-    // Each stage's floor: the least time its necessary work can take at this run's ceilings —
-    // FLOPs at the sustained GEMM rate, the bytes it must read and write at the copy bandwidth,
-    // the rows it must send at the p2p rate (the larger of the two where both move at once).
-    // Rows without padding; stages of O(E) work (the losses) have none.
-    const double b = dtype_size(config.dtype), rows = T * K;
-    const double link_rows = ep > 1 ? rows * H * b * (ep - 1) / ep : 0.0;
-    auto gemm_ms = [&](double f) { return f / gemm_rate * 1e3; };
-    auto hbm_ms = [&](double bytes) { return bytes / copy_rate * 1e3; };
-    auto link_ms = [&](double bytes) { return link_rate > 0 ? bytes / link_rate * 1e3 : 0.0; };
-    auto moved_ms = [&](double local_bytes) {
-      return std::max(hbm_ms(local_bytes), link_ms(link_rows));
-    };
-    const std::map<std::string, double> floors = {
-        {"moe gate", std::max(gemm_ms(2 * T * E * H), hbm_ms(T * H * b + E * H * b + T * E * 4))},
-        {"moe router", hbm_ms(T * E * 4 + T * K * 8)},
-        {"moe dispatch", moved_ms(T * H * b + rows * H * b)},
-        {"moe experts", gemm_ms(6 * rows * H * F)},
-        {"moe combine", moved_ms(rows * H * b + T * H * b)},
-        // Reads dy and writes dY; where the combine weighed the rows it also reads them (dprob).
-        {"moe combine backward",
-         moved_ms(T * H * b + (block.probabilities_in_experts() ? 1 : 2) * rows * H * b)},
-        {"moe experts backward", gemm_ms(12 * rows * H * F)},
-        {"moe dispatch backward", moved_ms(rows * H * b + T * H * b)},
-        {"moe router backward", hbm_ms(2 * T * E * 4 + T * K * 12)},
-        {"moe gate backward", std::max(gemm_ms(4 * T * E * H), hbm_ms(3 * T * H * b + T * E * 4))},
-    };
+    // Each stage's roofline floor at this run's ceilings (bench/stage_floors.h): FLOPs at the
+    // sustained GEMM rate, the bytes it must read and write (weights, weight gradients,
+    // activations) at the copy rate, the rows it must send at the p2p rate. The step's floor adds
+    // them up; the gradient reduction is timed, and judged, apart.
+    const bench::Rates rates{gemm_rate, copy_rate, link_rate};
+    const auto work = bench::stage_work(config, T, block.probabilities_in_experts());
+    std::map<std::string, double> floors;
+    for (const auto& stage : work) {
+      if (stage.flops > 0 || stage.bytes > 0) floors[stage.name] = stage.floor_ms(rates);
+    }
+    const double step_floor_ms = bench::step_floor_ms(work, rates);
+    const double reduce_floor_ms = bench::gradient_reduction_work(config).floor_ms(rates);
 
     if (root) {
       fmt::print("moe_bench {} on {} rank(s), EP={} DP={}, {} tokens per GPU{}\n",
@@ -279,8 +266,14 @@ int main(int argc, char** argv) {
                      100.0 * ms / total_ms, floor->second, 100.0 * floor->second / ms);
         }
       }
-      fmt::print("{:<26} {:>10.3f}\n", "forward + backward", total_ms);
-      fmt::print("{:<26} {:>10.3f}\n", "gradient reduction", reduce_ms);
+      fmt::print("{:<26} {:>10.3f} {:>7} {:>10.3f} {:>8.0f}%\n", "forward + backward", total_ms, "",
+                 step_floor_ms, 100.0 * step_floor_ms / total_ms);
+      if (reduce_floor_ms > 0) {
+        fmt::print("{:<26} {:>10.3f} {:>7} {:>10.3f} {:>8.0f}%\n", "gradient reduction", reduce_ms,
+                   "", reduce_floor_ms, 100.0 * reduce_floor_ms / reduce_ms);
+      } else {
+        fmt::print("{:<26} {:>10.3f}\n", "gradient reduction", reduce_ms);
+      }
       fmt::print(
           "throughput: {:.0f} TFLOP/s per GPU, {:.0f}% of the dense GEMM rate; {:.0f} tokens/s per "
           "GPU\n",
@@ -315,6 +308,9 @@ int main(int argc, char** argv) {
             {"stage_lead_ms", stage_lead_ms},
             {"total_ms_host_ahead", median(led_totals)},
             {"reduce_ms", reduce_ms},
+            {"step_floor_ms", step_floor_ms},
+            {"reduce_floor_ms", reduce_floor_ms},
+            {"grad_dtype", dtype_name(config.grad_dtype)},
             {"TFLOPs_per_gpu", tflops},
             {"fraction_of_dense", tflops * 1e12 / gemm_rate},
             {"fraction_of_dense_burst", tflops * 1e12 / dense.burst},

@@ -1,0 +1,84 @@
+// The stages' roofline floors (bench/stage_floors.h) against sums worked by hand.
+#include <algorithm>
+#include <string>
+
+#include "bench/stage_floors.h"
+#include "moe/config.h"
+#include "support/catch.h"
+
+using namespace moe;
+
+namespace {
+
+const bench::StageWork& stage(const std::string& name, const std::vector<bench::StageWork>& stages) {
+  const auto found = std::find_if(stages.begin(), stages.end(),
+                                  [&](const bench::StageWork& s) { return s.name == name; });
+  REQUIRE(found != stages.end());
+  return *found;
+}
+
+MoEConfig deepseek_v3() {
+  return load_config(std::string(MOE_SOURCE_DIR) + "/configs/deepseek-v3.yaml");
+}
+
+}  // namespace
+
+TEST_CASE("a floor is the largest of its FLOPs, bytes and link bytes at their rates", "[cpu][bench]") {
+  const bench::Rates rates{1e15, 4e12, 5e11};
+  CHECK(bench::StageWork{"gemm", 2e12, 4e9, 0}.floor_ms(rates) == Approx(2.0));
+  CHECK(bench::StageWork{"copy", 1e12, 8e9, 0}.floor_ms(rates) == Approx(2.0));
+  CHECK(bench::StageWork{"link", 0, 4e9, 1e9}.floor_ms(rates) == Approx(2.0));
+  CHECK(bench::StageWork{"none", 0, 0, 0}.floor_ms(rates) == 0.0);
+  // A rate not measured (one GPU has no link) bounds nothing.
+  CHECK(bench::StageWork{"link", 0, 4e9, 1e9}.floor_ms({1e15, 4e12, 0}) == Approx(1.0));
+}
+
+TEST_CASE("deepseek-v3's experts backward on one GPU is bound by its weight gradients",
+          "[cpu][bench]") {
+  MoEConfig config = deepseek_v3();
+  const std::int64_t T = 1024;
+  const double params = 256.0 * 3 * 7168 * 2048;  // 11.3 G expert parameters
+  const double rows = T * 8.0;
+  for (const DType grad : {DType::kFP32, DType::kBF16}) {
+    config.grad_dtype = grad;
+    const auto stages = bench::stage_work(config, T, true);
+    const auto& backward = stage("moe experts backward", stages);
+    const double g = grad == DType::kFP32 ? 4 : 2;
+    // Weights read (bf16) and gradients written, then dY, h, X read and dX written.
+    const double want = params * 2 + params * g + rows * 7168 * 2 * 3 + rows * 2 * 2048 * 2;
+    CHECK(backward.bytes == Approx(want).epsilon(1e-12));
+    CHECK(backward.flops == Approx(12 * rows * 7168 * 2048).epsilon(1e-12));
+    // At 4.8 TB/s and 800 TFLOP/s the bytes decide: with fp32 gradients, 45 GB of them alone.
+    const bench::Rates h200{8e14, 4.8e12, 0};
+    CHECK(backward.floor_ms(h200) == Approx(want / 4.8e12 * 1e3).epsilon(1e-12));
+    CHECK(backward.floor_ms(h200) > backward.flops / 8e14 * 1e3);
+    if (grad == DType::kFP32) CHECK(params * g > 45e9);
+  }
+}
+
+TEST_CASE("the step's floor adds its stages; the gradient reduction counts only on a mesh",
+          "[cpu][bench]") {
+  MoEConfig config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/mixtral-8x7b.yaml");
+  const bench::Rates rates{7e14, 3e12, 0};
+  const auto stages = bench::stage_work(config, 4096, true);
+  double sum = 0;
+  for (const auto& s : stages) sum += s.floor_ms(rates);
+  CHECK(bench::step_floor_ms(stages, rates) == Approx(sum));
+  CHECK(stage("moe dispatch", stages).link_bytes == 0.0);
+  CHECK(bench::gradient_reduction_work(config).floor_ms(rates) == 0.0);
+
+  // EP = 2, DP = 2: half the rows leave each GPU; the experts' gradients cross the DP pair, the
+  // gate's the world of four.
+  config.ep = 2;
+  config.dp = 2;
+  const auto mesh_stages = bench::stage_work(config, 4096, false);
+  const double b = 2, H = config.hidden;
+  CHECK(stage("moe dispatch", mesh_stages).link_bytes == Approx(4096.0 * 2 * H * b / 2));
+  // The combine backward reads the rows again for dprob when the combine weighed them.
+  CHECK(stage("moe combine backward", mesh_stages).bytes ==
+        Approx(stage("moe combine backward", stages).bytes + 4096.0 * 2 * H * b));
+  const auto reduction = bench::gradient_reduction_work(config);
+  const double expert_grads = 4.0 * 3 * H * config.ffn_hidden * 4;  // E_loc = 4, fp32
+  const double gate_grads = 8.0 * H * 4;
+  CHECK(reduction.link_bytes == Approx(expert_grads + 2 * 3.0 / 4 * gate_grads));
+}
