@@ -50,6 +50,22 @@ EpTransport parse_ep_transport(std::string_view text) {
   fail("ep_transport = '{}' is not one of auto, nccl, peer", text);
 }
 
+std::string_view drop_policy_name(DropPolicy policy) {
+  switch (policy) {
+    case DropPolicy::kProbs:
+      return "probs";
+    case DropPolicy::kPosition:
+      return "position";
+  }
+  return "unknown";
+}
+
+DropPolicy parse_drop_policy(std::string_view text) {
+  if (text == "probs") return DropPolicy::kProbs;
+  if (text == "position") return DropPolicy::kPosition;
+  fail("drop_policy = '{}' is not one of probs, position", text);
+}
+
 namespace {
 
 template <typename... Args>
@@ -74,6 +90,41 @@ std::int64_t MoEConfig::padded_rows(std::int64_t count) const {
   if (__builtin_add_overflow(count, std::int64_t{align_size} - 1, &rounded_up))
     fail("padded_rows: {} rows padded to a multiple of {} overflow int64", count, align_size);
   return rounded_up / align_size * align_size;
+}
+
+std::int64_t MoEConfig::expert_capacity(std::int64_t tokens) const {
+  if (!capacity_mode() || !std::isfinite(capacity_factor))
+    fail("expert_capacity: capacity_factor = {} is not a capacity (capacity mode is off)",
+         capacity_factor);
+  if (tokens < 0) fail("expert_capacity: tokens = {} must be >= 0", tokens);
+  if (num_experts < 1 || topk < 1)
+    fail("expert_capacity: num_experts = {} and topk = {} must be >= 1", num_experts, topk);
+  // tokens · topk stays exact in double up to 2^53, far past any rank's slots.
+  const double rows = std::ceil(capacity_factor * static_cast<double>(tokens * topk) / num_experts);
+  if (!(rows <= static_cast<double>(kMaxCapacityRows)))
+    fail("capacity_factor = {} over {} tokens gives a capacity of {} rows, past the limit of {}",
+         capacity_factor, tokens, rows, kMaxCapacityRows);
+  const std::int64_t capacity = padded_rows(static_cast<std::int64_t>(rows));
+  if (capacity > kMaxCapacityRows)
+    fail(
+        "capacity_factor = {} over {} tokens gives a capacity of {} rows after align_size = {}, "
+        "past the limit of {}",
+        capacity_factor, tokens, capacity, align_size, kMaxCapacityRows);
+  return capacity;
+}
+
+std::string MoEConfig::unsupported_by_gpu_layer() const {
+  if (capacity_mode())
+    return fmt::format(
+        "capacity_factor={}: capacity mode is not implemented by the GPU layer yet; moe_run "
+        "--reference runs it on the CPU",
+        capacity_factor);
+  if (shared_experts())
+    return fmt::format(
+        "shared_ffn_hidden={}: shared experts are not implemented by the GPU layer yet; moe_run "
+        "--reference runs them on the CPU",
+        shared_ffn_hidden);
+  return {};
 }
 
 void MoEConfig::validate() const {
@@ -128,6 +179,23 @@ void MoEConfig::validate() const {
                      "align_size = {} must be in [0, {}] (0 or 1 = no padding; a GEMM tile is "
                      "16 to 256 rows)",
                      align_size, kMaxAlignSize);
+  // Capacity mode: 0 is off; its two companions mean nothing without it, so they are refused
+  // rather than silently ignored.
+  MOE_CONFIG_REQUIRE(std::isfinite(capacity_factor) && capacity_factor >= 0,
+                     "capacity_factor = {} must be positive and finite (0 or absent = dropless)",
+                     capacity_factor);
+  MOE_CONFIG_REQUIRE(drop_policy == DropPolicy::kProbs || drop_policy == DropPolicy::kPosition,
+                     "drop_policy = {} must be probs or position", static_cast<int>(drop_policy));
+  MOE_CONFIG_REQUIRE(capacity_mode() || drop_policy == DropPolicy::kProbs,
+                     "drop_policy = {} needs capacity_factor (capacity mode)",
+                     drop_policy_name(drop_policy));
+  MOE_CONFIG_REQUIRE(capacity_mode() || !pad_to_capacity,
+                     "pad_to_capacity = true needs capacity_factor (capacity mode)");
+  MOE_CONFIG_REQUIRE(shared_ffn_hidden >= 0 && shared_ffn_hidden <= kMaxHidden,
+                     "shared_ffn_hidden = {} must be in [0, {}] (0 = no shared experts)",
+                     shared_ffn_hidden, kMaxHidden);
+  MOE_CONFIG_REQUIRE(shared_experts() || !shared_gate,
+                     "shared_gate = true needs shared_ffn_hidden > 0 (shared experts)");
   MOE_CONFIG_REQUIRE(dtype == DType::kBF16 || dtype == DType::kFP32,
                      "dtype = {} must be bf16 or fp32", dtype_name(dtype));
   MOE_CONFIG_REQUIRE(grad_dtype == DType::kBF16 || grad_dtype == DType::kFP32,
@@ -154,11 +222,18 @@ std::string MoEConfig::describe() const {
   if (score_function == ScoreFunction::kSoftmax) router += pre_softmax ? "(pre)" : "(post)";
   if (expert_bias) router += "+bias";
   if (num_groups > 0) router += fmt::format(" groups={}/top{}", num_groups, group_topk);
+  std::string features;
+  if (capacity_mode()) {
+    features += fmt::format(" capacity={}({}{})", capacity_factor, drop_policy_name(drop_policy),
+                            pad_to_capacity ? ", padded" : "");
+  }
+  if (shared_experts())
+    features += fmt::format(" shared={}{}", shared_ffn_hidden, shared_gate ? "(gated)" : "");
   return fmt::format(
-      "H={} F={} E={} K={} {} scale={} aux={} z={} align={} {} (grads {}){} EP={} DP={}{}", hidden,
-      ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff,
-      align_size, dtype_name(dtype), dtype_name(grad_dtype), keep_expert_input ? " X kept" : "", ep,
-      dp,
+      "H={} F={} E={} K={} {} scale={} aux={} z={} align={}{} {} (grads {}){} EP={} DP={}{}",
+      hidden, ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff,
+      align_size, features, dtype_name(dtype), dtype_name(grad_dtype),
+      keep_expert_input ? " X kept" : "", ep, dp,
       ep_transport == EpTransport::kAuto ? ""
                                          : fmt::format(" ({})", ep_transport_name(ep_transport)));
 }
@@ -222,6 +297,14 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"aux_loss_coeff", real(&MoEConfig::aux_loss_coeff)},
       {"z_loss_coeff", real(&MoEConfig::z_loss_coeff)},
       {"align_size", integer(&MoEConfig::align_size)},
+      {"capacity_factor", real(&MoEConfig::capacity_factor)},
+      {"drop_policy",
+       [&](const YAML::Node& n, const std::string& k) {
+         config.drop_policy = parse_drop_policy(read_scalar<std::string>(n, k, source));
+       }},
+      {"pad_to_capacity", flag(&MoEConfig::pad_to_capacity)},
+      {"shared_ffn_hidden", integer(&MoEConfig::shared_ffn_hidden)},
+      {"shared_gate", flag(&MoEConfig::shared_gate)},
       {"dtype",
        [&](const YAML::Node& n, const std::string& k) {
          config.dtype = parse_dtype(read_scalar<std::string>(n, k, source), "dtype");
@@ -264,6 +347,14 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
   for (const char* required : {"hidden", "ffn_hidden", "num_experts", "topk"}) {
     if (seen.count(required) == 0) fail("{}: missing required key '{}'", source, required);
   }
+  // In a config built in code 0 means dropless; written in a file it is a value, and no value
+  // turns capacity mode off (absence does), so a 0 there is more likely a slip than a wish.
+  if (seen.count("capacity_factor") != 0 && !(config.capacity_factor > 0))
+    fail("{}: capacity_factor = {} must be positive and finite (omit the key for dropless routing)",
+         source, config.capacity_factor);
+  if (seen.count("drop_policy") != 0 && !config.capacity_mode())
+    fail("{}: drop_policy = {} needs capacity_factor (capacity mode)", source,
+         drop_policy_name(config.drop_policy));
   config.validate();
   return config;
 }

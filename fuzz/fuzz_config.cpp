@@ -27,5 +27,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::int64_t largest = std::numeric_limits<std::int64_t>::max() - moe::kMaxAlignSize;
   if (config.padded_rows(largest) < largest) std::abort();
   if (config.padded_rows(0) != 0) std::abort();
+  // Capacity mode: any token count's capacity is a row count within the bound, or a moe::Error.
+  if (config.capacity_mode()) {
+    for (const std::int64_t tokens : {std::int64_t{0}, std::int64_t{1}, std::int64_t{1} << 30}) {
+      try {
+        const std::int64_t capacity = config.expert_capacity(tokens);
+        if (capacity < 0 || capacity > moe::kMaxCapacityRows) std::abort();
+      } catch (const moe::Error&) {
+      }
+    }
+  }
   return 0;
 }

@@ -22,6 +22,13 @@ enum class EpTransport { kAuto, kNccl, kPeer };
 std::string_view ep_transport_name(EpTransport transport);
 EpTransport parse_ep_transport(std::string_view text);
 
+// Which routed slots capacity mode keeps when an expert is offered more than its capacity from one
+// source rank. kProbs: the largest probabilities (ties to the lower token, then the lower slot);
+// kPosition: the first in token order.
+enum class DropPolicy { kProbs, kPosition };
+std::string_view drop_policy_name(DropPolicy policy);
+DropPolicy parse_drop_policy(std::string_view text);
+
 // The largest hidden and ffn_hidden: far above today's models (H = 16384, F = 53248 fit 16 times
 // over), and small enough that sizes built from them (2·F in int; E·2F·H elements in int64) cannot
 // overflow in the kernels, the reference or the file checks.
@@ -32,6 +39,10 @@ inline constexpr int kMaxHidden = 1 << 20;
 // magnitude and fail late, in an allocation. 4096 is far above any tile and keeps the padding of
 // kMaxExperts groups under 8.4M rows, well inside the kernels' int32 row index.
 inline constexpr int kMaxAlignSize = 4096;
+// The largest capacity of capacity mode, in rows: an expert's rows are indexed by int32 on the
+// GPU, and with pad_to_capacity every (source rank, expert) block is allocated at this size, so
+// a capacity_factor typo (1e9 for 1.0) fails when the capacity is computed, not in an allocation.
+inline constexpr std::int64_t kMaxCapacityRows = (std::int64_t{1} << 31) - 1;
 
 struct MoEConfig {
   // Shapes.
@@ -55,6 +66,20 @@ struct MoEConfig {
   // Layout (docs/design.md, forward step 4): each expert's row group padded to a multiple; 0 or 1 =
   // none; at most kMaxAlignSize.
   int align_size = 0;
+
+  // Capacity mode (docs/design.md, "Capacity mode"): each expert takes at most
+  // expert_capacity(T) rows from each source rank of T tokens, the rest of its slots are dropped.
+  // 0 = dropless (the default). pad_to_capacity makes every (source rank, expert) block exactly
+  // that many rows.
+  double capacity_factor = 0.0;
+  DropPolicy drop_policy = DropPolicy::kProbs;
+  bool pad_to_capacity = false;
+
+  // Shared experts (docs/design.md, "Shared experts"): a SwiGLU FFN of this width that every token
+  // passes through beside the routed experts; 0 = none. shared_gate scales its output by
+  // sigmoid(x · shared_gate_weightᵀ).
+  int shared_ffn_hidden = 0;
+  bool shared_gate = false;
 
   DType dtype = DType::kBF16;  // activations and weights: bf16 or fp32
   // The expert weight gradients: fp32 (a trainer's fp32 main gradients) or bf16 (half the memory,
@@ -93,10 +118,20 @@ struct MoEConfig {
   int bench_tokens = 0;
 
   bool grouped_routing() const { return num_groups > 0; }
+  bool capacity_mode() const { return capacity_factor > 0; }
+  bool shared_experts() const { return shared_ffn_hidden > 0; }
   int local_experts() const { return num_experts / ep; }  // E_loc
   // Rows an expert group of `count` rows occupies after padding to align_size, in 64 bits; a
   // negative count, an align_size outside [0, kMaxAlignSize] or an overflow throws moe::Error.
   std::int64_t padded_rows(std::int64_t count) const;
+  // Capacity mode's row limit per (source rank, expert) for a source rank of `tokens` tokens:
+  // ceil(capacity_factor · tokens · topk / num_experts), evaluated in double in that order, then
+  // padded to align_size. Throws moe::Error outside capacity mode, for a negative count, or when
+  // the limit passes kMaxCapacityRows.
+  std::int64_t expert_capacity(std::int64_t tokens) const;
+  // Why the GPU layer (MoEBlock) cannot run this config yet, naming the setting and its value, or
+  // empty when it can: capacity mode and shared experts run in the CPU reference only for now.
+  std::string unsupported_by_gpu_layer() const;
 
   // Throws moe::Error naming the first invalid parameter and its value.
   void validate() const;

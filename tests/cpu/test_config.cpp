@@ -171,6 +171,22 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"score_function", "relu"}}, "score_function = 'relu' is not one of"},
       {{{"ep_transport", "ipc"}}, "ep_transport = 'ipc' is not one of auto, nccl, peer"},
       {{{"topk", "two"}}, "topk = 'two' is not a valid value"},
+      {{{"capacity_factor", "0"}},
+       "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
+      {{{"capacity_factor", "-1.5"}}, "capacity_factor = -1.5 must be positive and finite"},
+      {{{"capacity_factor", ".nan"}}, "capacity_factor = nan must be positive and finite"},
+      {{{"capacity_factor", ".inf"}}, "capacity_factor = inf must be positive and finite"},
+      {{{"capacity_factor", "lots"}}, "capacity_factor = 'lots' is not a valid value"},
+      {{{"capacity_factor", "1.25"}, {"drop_policy", "random"}},
+       "drop_policy = 'random' is not one of probs, position"},
+      {{{"drop_policy", "position"}}, "drop_policy = position needs capacity_factor"},
+      {{{"drop_policy", "probs"}}, "drop_policy = probs needs capacity_factor"},
+      {{{"pad_to_capacity", "true"}}, "pad_to_capacity = true needs capacity_factor"},
+      {{{"shared_gate", "true"}}, "shared_gate = true needs shared_ffn_hidden > 0"},
+      {{{"shared_ffn_hidden", "0"}, {"shared_gate", "true"}},
+       "shared_gate = true needs shared_ffn_hidden > 0"},
+      {{{"shared_ffn_hidden", "-1"}}, "shared_ffn_hidden = -1 must be in [0, 1048576]"},
+      {{{"shared_ffn_hidden", "1048577"}}, "shared_ffn_hidden = 1048577 must be in [0, 1048576]"},
       {{{"top_k", "2"}}, "unknown key 'top_k'"},
   };
   for (const auto& [overrides, expected] : cases) {
@@ -285,4 +301,89 @@ TEST_CASE("load_config reads regular files of bounded size only", "[cpu][config]
   std::ofstream(dir / "ok.yaml") << kBase;
   CHECK(load_config(dir / "ok.yaml").hidden == 64);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("capacity mode and shared experts: keys, defaults, description, capacity",
+          "[cpu][config]") {
+  const auto plain = parse_config(kBase);
+  CHECK(plain.capacity_factor == 0.0);
+  CHECK_FALSE(plain.capacity_mode());
+  CHECK(plain.drop_policy == DropPolicy::kProbs);
+  CHECK_FALSE(plain.pad_to_capacity);
+  CHECK(plain.shared_ffn_hidden == 0);
+  CHECK_FALSE(plain.shared_experts());
+  CHECK_FALSE(plain.shared_gate);
+  CHECK_THAT(plain.describe(), !test::contains_text("capacity"));
+  CHECK_THAT(plain.describe(), !test::contains_text("shared"));
+  CHECK(plain.unsupported_by_gpu_layer().empty());
+
+  const auto full = parse_config(kBase +
+                                 "capacity_factor: 1.25\ndrop_policy: position\n"
+                                 "pad_to_capacity: true\nshared_ffn_hidden: 16\n"
+                                 "shared_gate: true\nalign_size: 4\n");
+  CHECK(full.capacity_factor == 1.25);
+  CHECK(full.drop_policy == DropPolicy::kPosition);
+  CHECK(full.pad_to_capacity);
+  CHECK(full.shared_ffn_hidden == 16);
+  CHECK(full.shared_gate);
+  CHECK_THAT(full.describe(), test::contains_text("capacity=1.25(position, padded)"));
+  CHECK_THAT(full.describe(), test::contains_text("shared=16(gated)"));
+  const auto probs = parse_config(kBase + "capacity_factor: 2\nshared_ffn_hidden: 8\n");
+  CHECK(probs.drop_policy == DropPolicy::kProbs);
+  CHECK_THAT(probs.describe(), test::contains_text("capacity=2(probs)"));
+  CHECK_THAT(probs.describe(), test::contains_text("shared=8 "));
+
+  // The GPU layer's refusal names the setting and its value.
+  CHECK(full.unsupported_by_gpu_layer() ==
+        "capacity_factor=1.25: capacity mode is not implemented by the GPU layer yet; moe_run "
+        "--reference runs it on the CPU");
+  CHECK_THAT(parse_config(kBase + "shared_ffn_hidden: 8\n").unsupported_by_gpu_layer(),
+             test::contains_text("shared_ffn_hidden=8: shared experts are not implemented by the "
+                                 "GPU layer yet"));
+
+  // C = ceil(capacity_factor · T · K / E), then aligned: E = 8, K = 2 here.
+  MoEConfig config = parse_config(kBase + "capacity_factor: 1.25\n");
+  CHECK(config.expert_capacity(10) == 4);  // 1.25 · 20 / 8 = 3.125
+  CHECK(config.expert_capacity(16) == 5);  // exactly 5
+  CHECK(config.expert_capacity(1) == 1);
+  CHECK(config.expert_capacity(0) == 0);
+  config.align_size = 4;
+  CHECK(config.expert_capacity(10) == 4);
+  CHECK(config.expert_capacity(16) == 8);
+  CHECK(config.expert_capacity(0) == 0);
+  CHECK_THROWS_WITH(config.expert_capacity(-1), test::contains_text("tokens = -1 must be >= 0"));
+  config.capacity_factor = 1e12;
+  CHECK_THROWS_WITH(config.expert_capacity(1000000),
+                    test::contains_text("capacity_factor = 1000000000000 over 1000000 tokens "
+                                        "gives a capacity of 2.5e+17 rows, past the limit of "
+                                        "2147483647"));
+  CHECK_THROWS_WITH(plain.expert_capacity(10),
+                    test::contains_text("capacity_factor = 0 is not a capacity"));
+
+  // A config built in code: 0 is dropless, and the companions are checked there too.
+  MoEConfig built = test::small_config(8, 8, 4, 2);
+  built.drop_policy = DropPolicy::kPosition;
+  CHECK_THROWS_WITH(built.validate(),
+                    test::contains_text("drop_policy = position needs capacity_factor"));
+  built.capacity_factor = std::nan("");
+  CHECK_THROWS_WITH(built.validate(),
+                    test::contains_text("capacity_factor = nan must be positive"));
+  built.capacity_factor = 0.5;
+  CHECK_NOTHROW(built.validate());
+}
+
+TEST_CASE("the capacity and shared-expert keys may not repeat either", "[cpu][config]") {
+  const std::vector<std::pair<std::string, std::string>> keys = {{"capacity_factor", "1.0"},
+                                                                 {"drop_policy", "probs"},
+                                                                 {"pad_to_capacity", "false"},
+                                                                 {"shared_ffn_hidden", "16"},
+                                                                 {"shared_gate", "true"}};
+  std::string settings;
+  for (const auto& [key, value] : keys) settings += key + ": " + value + "\n";
+  CHECK_NOTHROW(parse_config(kBase + settings));
+  for (const auto& [key, value] : keys) {
+    INFO(key);
+    CHECK_THAT(error_of(kBase + settings + key + ": " + value + "\n"),
+               test::contains_text("key '" + key + "' appears more than once"));
+  }
 }
