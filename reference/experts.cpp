@@ -107,13 +107,14 @@ std::vector<double> experts_prob_grads(const Matrix& dy, const ExpertActivations
   std::vector<double> dprob(routing.expert.size(), 0.0);
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
     for (int k = 0; k < routing.topk; ++k) {
+      const std::int64_t row = layout.row_of(t, k, routing.topk);
+      if (row == Layout::kDroppedRow) continue;  // a dropped slot's dp is 0
       const Matrix& w2 = weights.w2[static_cast<std::size_t>(routing.expert_of(t, k))];
       Matrix dA(1, F);  // dy[t]·w2ᵀ, the product's output
       for (std::int64_t j = 0; j < F; ++j) {
         for (std::int64_t i = 0; i < dy.cols; ++i) dA(0, j) += dy(t, i) * w2(j, i);
       }
       if (intermediates == Intermediates::kAsStored) dA = round_to(dA, dtype);
-      const std::int64_t row = layout.row_of(t, k, routing.topk);
       double dot = 0.0;
       for (std::int64_t j = 0; j < F; ++j)
         dot += dA(0, j) * silu(act.h(row, j)) * act.h(row, F + j);

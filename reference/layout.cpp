@@ -1,5 +1,6 @@
-// Forward steps 4 and 6 of docs/design.md on one rank in fp64: padded expert-major layout, permute, combine, the EP
-// receiver's chunk sort, and their backward.
+// Forward steps 4 and 6 of docs/design.md on one rank in fp64: padded expert-major layout, permute,
+// combine, the EP receiver's chunk sort, and their backward. Slots that capacity mode dropped have
+// no row and are skipped throughout.
 #include "moe/error.h"
 #include "reference/reference.h"
 
@@ -15,18 +16,36 @@ std::vector<std::int64_t> padded_offsets(std::span<const std::int64_t> counts, i
 }
 
 Layout make_layout(const Routing& routing, int num_experts, int align) {
+  return make_layout(routing, std::vector<int>(routing.expert.size(), 1), num_experts, align);
+}
+
+Layout make_layout(const Routing& routing, std::span<const int> kept, int num_experts, int align,
+                   std::int64_t block_rows) {
+  if (kept.size() != routing.expert.size())
+    fail("make_layout: {} kept flags for {} slots", kept.size(), routing.expert.size());
   Layout layout;
   layout.counts.assign(num_experts, 0);
-  for (const int e : routing.expert) {
+  for (std::size_t i = 0; i < routing.expert.size(); ++i) {
+    const int e = routing.expert[i];
     if (e < 0 || e >= num_experts) fail("make_layout: expert {} of {}", e, num_experts);
-    ++layout.counts[e];
+    if (kept[i] != 0) ++layout.counts[e];
   }
-  layout.offsets = padded_offsets(layout.counts, align);
+  if (block_rows > 0) {
+    layout.offsets.assign(layout.counts.size() + 1, 0);
+    for (std::size_t e = 0; e < layout.counts.size(); ++e) {
+      if (layout.counts[e] > block_rows)
+        fail("make_layout: expert {} keeps {} rows, more than its block of {}", e, layout.counts[e],
+             block_rows);
+      layout.offsets[e + 1] = layout.offsets[e] + block_rows;
+    }
+  } else {
+    layout.offsets = padded_offsets(layout.counts, align);
+  }
   // Visiting (t, k) in ascending order fills each group in (token, slot) order.
   std::vector<std::int64_t> cursor(layout.offsets.begin(), layout.offsets.end() - 1);
   layout.row.resize(routing.expert.size());
   for (std::size_t i = 0; i < routing.expert.size(); ++i)
-    layout.row[i] = cursor[routing.expert[i]]++;
+    layout.row[i] = kept[i] != 0 ? cursor[routing.expert[i]]++ : Layout::kDroppedRow;
   return layout;
 }
 
@@ -34,8 +53,10 @@ Matrix permute(const Matrix& x, const Layout& layout, const Routing& routing) {
   Matrix X(layout.rows(), x.cols);  // zero: padding rows stay zero
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
     for (int k = 0; k < routing.topk; ++k) {
+      const std::int64_t row = layout.row_of(t, k, routing.topk);
+      if (row == Layout::kDroppedRow) continue;
       const auto src = x.row(t);
-      std::copy(src.begin(), src.end(), X.row(layout.row_of(t, k, routing.topk)).begin());
+      std::copy(src.begin(), src.end(), X.row(row).begin());
     }
   }
   return X;
@@ -46,7 +67,9 @@ Matrix unpermute_combine(const Matrix& y, const Layout& layout, const Routing& r
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
     auto o = out.row(t);
     for (int k = 0; k < routing.topk; ++k) {
-      const auto src = y.row(layout.row_of(t, k, routing.topk));
+      const std::int64_t row = layout.row_of(t, k, routing.topk);
+      if (row == Layout::kDroppedRow) continue;
+      const auto src = y.row(row);
       const double p = routing.prob_of(t, k);
       for (std::int64_t j = 0; j < y.cols; ++j) o[j] += p * src[j];
     }
@@ -58,7 +81,9 @@ Matrix combine_backward_rows(const Matrix& dy, const Layout& layout, const Routi
   Matrix dY(layout.rows(), dy.cols);
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
     for (int k = 0; k < routing.topk; ++k) {
-      auto dst = dY.row(layout.row_of(t, k, routing.topk));
+      const std::int64_t row = layout.row_of(t, k, routing.topk);
+      if (row == Layout::kDroppedRow) continue;
+      auto dst = dY.row(row);
       const double p = routing.prob_of(t, k);
       for (std::int64_t j = 0; j < dy.cols; ++j) dst[j] = p * dy(t, j);
     }
@@ -71,7 +96,9 @@ std::vector<double> combine_backward_prob(const Matrix& dy, const Matrix& y, con
   std::vector<double> dprob(routing.expert.size(), 0.0);
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
     for (int k = 0; k < routing.topk; ++k) {
-      const auto src = y.row(layout.row_of(t, k, routing.topk));
+      const std::int64_t row = layout.row_of(t, k, routing.topk);
+      if (row == Layout::kDroppedRow) continue;  // no row, no gradient: dp stays 0
+      const auto src = y.row(row);
       double dot = 0.0;
       for (std::int64_t j = 0; j < dy.cols; ++j) dot += dy(t, j) * src[j];
       dprob[t * routing.topk + k] = dot;
@@ -85,7 +112,9 @@ Matrix permute_backward(const Matrix& dX, const Layout& layout, const Routing& r
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
     auto d = dx.row(t);
     for (int k = 0; k < routing.topk; ++k) {
-      const auto src = dX.row(layout.row_of(t, k, routing.topk));
+      const std::int64_t row = layout.row_of(t, k, routing.topk);
+      if (row == Layout::kDroppedRow) continue;
+      const auto src = dX.row(row);
       for (std::int64_t j = 0; j < dX.cols; ++j) d[j] += src[j];
     }
   }

@@ -1,7 +1,14 @@
-// An EP×DP mesh in fp64, simulated exchange by exchange as docs/design.md describes it: the sender orders
-// rows by global expert without padding, all-to-allv inside the EP group, the receiver sorts
+// An EP×DP mesh in fp64, simulated exchange by exchange as docs/design.md describes it: the sender
+// orders rows by global expert without padding, all-to-allv inside the EP group, the receiver sorts
 // (source rank, local expert) chunks into the padded expert-major layout; then the mirror, and the
-// gradient reductions (experts over the DP group, gate over the world).
+// gradient reductions (experts over the DP group, gate and shared experts over the world).
+// Capacity mode drops on each sender before the exchange; with pad_to_capacity every
+// (sender, expert) block crosses at the capacity's size.
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <functional>
+
 #include "moe/error.h"
 #include "reference/reference.h"
 #include "stages.h"
@@ -57,10 +64,34 @@ void add_grads(ExpertGrads& total, const ExpertGrads& part) {
   }
 }
 
+// pad_to_capacity: every rank of an EP group sends blocks of one size, so all hold one token count.
+void check_equal_tokens_per_ep_group(const MoEConfig& config, std::span<const Matrix> x) {
+  for (int dp_index = 0; dp_index < config.dp; ++dp_index) {
+    std::vector<std::int64_t> tokens;
+    for (int i = 0; i < config.ep; ++i) tokens.push_back(x[dp_index * config.ep + i].rows);
+    if (std::adjacent_find(tokens.begin(), tokens.end(), std::not_equal_to<>()) != tokens.end())
+      fail(
+          "pad_to_capacity = true needs the same token count on every rank of an EP group; the "
+          "ranks of DP index {} hold [{}]",
+          dp_index, fmt::join(tokens, ", "));
+  }
+}
+
+void add_shared_grads(SharedExpertGrads& total, const SharedExpertGrads& part) {
+  if (total.dw13.data.empty() && total.dw2.data.empty()) {
+    total = part;
+    return;
+  }
+  add_into(total.dw13, part.dw13);
+  add_into(total.dw2, part.dw2);
+  if (!part.dgate_weight.data.empty()) add_into(total.dgate_weight, part.dgate_weight);
+}
+
 }  // namespace
 
 std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
-                                  std::span<const Matrix> x, std::span<const Matrix> dy) {
+                                  std::span<const Matrix> x, std::span<const Matrix> dy,
+                                  std::span<const std::vector<int>> replay_experts) {
   const int EP = config.ep;
   const int DP = config.dp;
   const int world = EP * DP;
@@ -71,15 +102,23 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
     fail("run_mesh: {} batches and {} gradients for a mesh of {} ranks", x.size(), dy.size(),
          world);
   }
+  if (!replay_experts.empty() && std::ssize(replay_experts) != world) {
+    fail("run_mesh: {} replayed routings for a mesh of {} ranks", replay_experts.size(), world);
+  }
   const std::int64_t H = params.gate_weight.cols;
   for (int r = 0; r < world; ++r) check_params(config, params, x[r].cols);
+  if (config.pad_to_capacity) check_equal_tokens_per_ep_group(config, x);
 
-  // Steps 1-3 on every rank; loss statistics are summed over the world.
+  // Steps 1-3 on every rank; loss statistics are summed over the world. Capacity drops are each
+  // sender's own decision, on its own tokens.
   std::vector<RouterFront> front(world);
   AuxStats global_aux;
   double global_z_sum = 0.0;
   for (int r = 0; r < world; ++r) {
-    front[r] = router_front(config, params, x[r]);
+    front[r] = router_front(config, params, x[r],
+                            replay_experts.empty()
+                                ? std::nullopt
+                                : std::optional<std::span<const int>>(replay_experts[r]));
     global_aux += front[r].aux;
     global_z_sum += front[r].z_sum;
   }
@@ -87,11 +126,12 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
   for (int r = 0; r < world; ++r)
     fill_forward_result(config, front[r], global_aux, global_z_sum, result[r]);
 
-  // Step 4, sender side: rows by global expert, unpadded.
+  // Step 4, sender side: kept rows by global expert, unpadded (or in blocks of the capacity).
   std::vector<Layout> send_layout(world);
   std::vector<Matrix> send_rows(world);
   for (int r = 0; r < world; ++r) {
-    send_layout[r] = make_layout(front[r].routing, E, 1);
+    send_layout[r] =
+        make_layout(front[r].routing, front[r].kept, E, 1, capacity_block_rows(config, x[r].rows));
     send_rows[r] = permute(x[r], send_layout[r], front[r].routing);
   }
 
@@ -106,7 +146,7 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
       chunks[j] = ChunkLayout{EP, E_loc, std::vector<std::int64_t>(EP * E_loc)};
       for (int i = 0; i < EP; ++i) {
         for (int le = 0; le < E_loc; ++le) {
-          const auto c = send_layout[rank(i)].counts[j * E_loc + le];
+          const auto c = send_layout[rank(i)].group_rows(j * E_loc + le);
           chunks[j].counts[i * E_loc + le] = c;
           counts[i][j] += c;
         }
@@ -123,6 +163,7 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
     std::vector<Matrix> y_source_major(EP);
     for (int j = 0; j < EP; ++j) {
       X[j] = sort_chunks(received[j], chunks[j], align);
+      result[rank(j)].expert_rows = X[j].rows;
       offsets[j] = padded_offsets(chunks[j].rows_per_expert(), align);
       act[j] = experts_forward(X[j], offsets[j], local_weights(params.experts, j * E_loc, E_loc));
       y_source_major[j] = unsort_chunks(act[j].y, chunks[j], align);
@@ -158,6 +199,17 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
     }
   }
 
+  // Shared experts: each rank runs its own tokens through its replica.
+  SharedExpertGrads shared_total;
+  if (config.shared_experts()) {
+    for (int r = 0; r < world; ++r) {
+      const SharedForward shared = shared_forward(config, params.shared, x[r]);
+      add_into(result[r].out, shared.out);
+      add_shared_grads(shared_total,
+                       shared_backward(config, params.shared, x[r], shared, dy[r], result[r].dx));
+    }
+  }
+
   // Gradient reductions: gate over the world, experts over each DP group (same EP index).
   Matrix gate_total(E, H);
   for (int r = 0; r < world; ++r) add_into(gate_total, result[r].d_gate_weight);
@@ -168,6 +220,7 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
     for (int dp_index = 0; dp_index < DP; ++dp_index) {
       auto& r = result[dp_index * EP + ep_index];
       r.d_gate_weight = gate_total;
+      r.shared_grads = shared_total;
       r.expert_grads.dw13 = total.dw13;
       r.expert_grads.dw2 = total.dw2;
       r.expert_grads.dX = local_grads[dp_index * EP + ep_index].dX;

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "moe/config.h"
@@ -87,9 +89,15 @@ std::vector<int> select_experts(const MoEConfig& config, std::span<const double>
 
 // `expert_bias` has E entries when config.expert_bias, otherwise it is ignored (may be empty).
 Routing route(const MoEConfig& config, const Matrix& logits, std::span<const double> expert_bias);
-// The probabilities of a given selection (experts [T*K], in slot order): how a test feeds the
-// reference the GPU's own routing where bf16 or fp32 rounding flipped a near-tie.
+// The probabilities of a given selection (experts [T*K], in slot order), from the current logits
+// by the score function's rule: routing replay, and how a test feeds the reference the GPU's own
+// routing where bf16 or fp32 rounding flipped a near-tie. route() is route_given() of its own
+// selection, so replaying a recorded topk_idx reproduces the probabilities bit for bit.
 Routing route_given(const MoEConfig& config, const Matrix& logits, std::span<const int> experts);
+// Throws moe::Error unless `experts` holds `tokens` · K entries, each in [0, E), none twice in a
+// token; the message starts with `what` and names the token, the slot and the value.
+void check_given_experts(const MoEConfig& config, std::int64_t tokens, std::span<const int> experts,
+                         std::string_view what = "given routing");
 // dlogits [T,E] from dp [T*K] (the gradient of the loss with respect to Routing::prob).
 Matrix route_backward(const MoEConfig& config, const Matrix& logits, const Routing& routing,
                       std::span<const double> dprob);
@@ -117,21 +125,37 @@ double z_loss(const MoEConfig& config, double global_sum, std::int64_t global_to
 void z_loss_backward(const MoEConfig& config, const Matrix& logits, std::int64_t global_tokens,
                      Matrix& dlogits);
 
-// Tokens routed to each expert by the main routing.
+// Tokens routed to each expert by the main routing (before any capacity drop).
 std::vector<double> tokens_per_expert(const Routing& routing, int num_experts);
-// Aux-loss-free balancing: b_i += rate · sign(mean_j load_j − load_i).
+// Aux-loss-free balancing: b_i += rate · sign(mean_j load_j − load_i). The load is the routing
+// before capacity drops: tokens_per_expert(routing), i.e. LayerResult's tokens_per_expert plus
+// dropped_per_expert.
 void update_expert_bias(std::span<double> expert_bias, std::span<const double> load, double rate);
+
+// ---- Capacity mode (docs/design.md, "Capacity mode") ------------------------------------------
+
+// Which slots of one source rank's routing keep their row: kept[t·K + k] is 1 or 0. Each expert
+// keeps at most config.expert_capacity(T) of its slots, chosen by config.drop_policy; dropless
+// keeps every slot.
+std::vector<int> keep_within_capacity(const MoEConfig& config, const Routing& routing);
+// The slots of each expert that were routed but dropped.
+std::vector<double> dropped_per_expert(const Routing& routing, std::span<const int> kept,
+                                       int num_experts);
 
 // ---- Steps 4 and 6: layout, permute, combine ----------------------------------------------------
 
 // Rows grouped expert after expert, each group padded to `align`; inside a group (token, slot)
-// ascending. With align 1 and all E experts this is also the EP sender's order.
+// ascending. With align 1 and all E experts this is also the EP sender's order. A slot that
+// capacity mode dropped has no row.
 struct Layout {
-  std::vector<std::int64_t> counts;   // [E] rows routed to each expert
+  static constexpr std::int64_t kDroppedRow = -1;
+
+  std::vector<std::int64_t> counts;   // [E] rows routed to each expert and kept
   std::vector<std::int64_t> offsets;  // [E+1] start of each padded group; back() = total rows
-  std::vector<std::int64_t> row;      // [T*K] (t, k) -> row
+  std::vector<std::int64_t> row;      // [T*K] (t, k) -> row, or kDroppedRow
 
   std::int64_t rows() const { return offsets.back(); }
+  std::int64_t group_rows(int expert) const { return offsets[expert + 1] - offsets[expert]; }
   std::int64_t row_of(std::int64_t t, int k, int topk) const {
     return row[static_cast<std::size_t>(t * topk + k)];
   }
@@ -139,6 +163,11 @@ struct Layout {
 
 std::vector<std::int64_t> padded_offsets(std::span<const std::int64_t> counts, int align);
 Layout make_layout(const Routing& routing, int num_experts, int align);
+// The layout of the kept slots alone (kept as keep_within_capacity gives it). block_rows > 0 makes
+// every expert's group exactly that many rows (pad_to_capacity: a group holding more is an
+// error); 0 pads each group to `align`.
+Layout make_layout(const Routing& routing, std::span<const int> kept, int num_experts, int align,
+                   std::int64_t block_rows = 0);
 
 Matrix permute(const Matrix& x, const Layout& layout, const Routing& routing);  // padding rows zero
 Matrix unpermute_combine(const Matrix& y, const Layout& layout, const Routing& routing);
@@ -147,7 +176,8 @@ Matrix unpermute_combine(const Matrix& y, const Layout& layout, const Routing& r
 Matrix combine_backward_rows(const Matrix& dy, const Layout& layout, const Routing& routing);
 std::vector<double> combine_backward_prob(const Matrix& dy, const Matrix& y, const Layout& layout,
                                           const Routing& routing);
-// Backward of permute: dx[t] = Σ_k dX[row(t,k)].
+// Backward of permute: dx[t] = Σ_k dX[row(t,k)]. Dropped slots take no part in any of these: they
+// move no row, add nothing to out or dx, and their dp is 0.
 Matrix permute_backward(const Matrix& dX, const Layout& layout, const Routing& routing);
 
 // The EP receiver's rows arrive ordered by (source rank, local expert), unpadded; the expert
@@ -196,26 +226,61 @@ ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t>
 ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, const Matrix& dY,
                              std::span<const std::int64_t> offsets, const ExpertWeights& weights);
 
+// ---- Shared experts (docs/design.md, "Shared experts") ----------------------------------------
+
+// One SwiGLU FFN of width Fs = config.shared_ffn_hidden that every token passes through, in the
+// reference's math layout like ExpertWeights.
+struct SharedExpert {
+  Matrix w13;          // [H, 2Fs]: columns [0, Fs) gate, [Fs, 2Fs) up
+  Matrix w2;           // [Fs, H]
+  Matrix gate_weight;  // [1, H] with config.shared_gate (nn.Linear layout, as gate_weight)
+};
+
+struct SharedExpertGrads {
+  Matrix dw13;          // [H, 2Fs]
+  Matrix dw2;           // [Fs, H]
+  Matrix dgate_weight;  // [1, H] with config.shared_gate, else empty
+};
+
+// What the shared expert's forward keeps for its backward.
+struct SharedForward {
+  ExpertActivations act;     // h, a and the ungated output y, one row per token
+  std::vector<double> gate;  // [T] sigmoid(x · gate_weightᵀ); 1 without shared_gate
+  Matrix out;                // [T, H] gate ⊙ y: what the layer adds to its output
+};
+
+SharedForward shared_forward(const MoEConfig& config, const SharedExpert& shared, const Matrix& x,
+                             Intermediates intermediates = Intermediates::kExact);
+// Adds the shared expert's part of dx into `dx` and returns its weight gradients.
+SharedExpertGrads shared_backward(const MoEConfig& config, const SharedExpert& shared,
+                                  const Matrix& x, const SharedForward& forward, const Matrix& dy,
+                                  Matrix& dx);
+
 // ---- The whole layer --------------------------------------------------------------------------
 
 struct Params {
   Matrix gate_weight;               // Wg [E, H]
   std::vector<double> expert_bias;  // [E] (used with config.expert_bias)
   ExpertWeights experts;            // all E experts
+  SharedExpert shared;              // used with config.shared_ffn_hidden > 0
 };
 
 // What one run of forward then backward(dy) yields: what a GPU rank must hold afterwards.
 struct LayerResult {
-  Routing routing;
+  Routing routing;  // as selected (or replayed), dropped slots included
   Matrix logits;
   Matrix out;
-  double aux_loss = 0.0;
+  double aux_loss = 0.0;  // both losses from the routing before capacity drops
   double z_loss = 0.0;
-  std::vector<double> tokens_per_expert;  // main routing, this rank's tokens
+  std::vector<int> kept;                   // [T*K] 1 where the slot kept its row; all 1 dropless
+  std::vector<double> tokens_per_expert;   // this rank's kept slots per expert
+  std::vector<double> dropped_per_expert;  // this rank's dropped slots per expert
+  std::int64_t expert_rows = 0;            // rows this rank's experts ran on, padding included
   Matrix dlogits;
   Matrix dx;
-  Matrix d_gate_weight;      // summed over the world
-  ExpertGrads expert_grads;  // dw13 / dw2 of this rank's experts, summed over its DP group
+  Matrix d_gate_weight;            // summed over the world
+  ExpertGrads expert_grads;        // dw13 / dw2 of this rank's experts, summed over its DP group
+  SharedExpertGrads shared_grads;  // with shared experts: summed over the world
 };
 
 // Where dprob is formed, which decides what kAsStored rounds on its way there: in the combine
@@ -230,21 +295,34 @@ std::vector<double> experts_prob_grads(const Matrix& dy, const ExpertActivations
                                        const ExpertWeights& weights, Intermediates intermediates,
                                        DType dtype);
 
+// How one run of the layer goes beyond what the config says.
+struct LayerOptions {
+  // Routing replay: each token's K experts (topk_idx [T*K], slot order) taken as given instead of
+  // selected; the probabilities are formed from the current logits (route_given). nullopt selects.
+  std::optional<std::span<const int>> replay_experts;
+  // kAsStored rounds the intermediates to config.dtype where the GPU stores them.
+  Intermediates intermediates = Intermediates::kExact;
+  ProbabilityGradient dprob_from = ProbabilityGradient::kCombine;
+};
+
 // One GPU: forward and backward of the batch x with output gradient dy.
-// With kAsStored the intermediates are rounded to config.dtype where the GPU stores them.
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
-                      const Matrix& dy, Intermediates intermediates = Intermediates::kExact,
+                      const Matrix& dy, const LayerOptions& options = {});
+LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
+                      const Matrix& dy, Intermediates intermediates,
                       ProbabilityGradient dprob_from = ProbabilityGradient::kCombine);
 
 // An EP×DP mesh (config.ep, config.dp), simulated exchange by exchange: x[r] and dy[r] are world
 // rank r's batch (r = dp_index·EP + ep_index), all ranks share params. Element r of the result is
 // what rank r must hold, its expert gradients those of experts [ep_index·E_loc,
-// (ep_index+1)·E_loc).
+// (ep_index+1)·E_loc). replay_experts is empty (every rank selects) or holds each rank's given
+// routing, as LayerOptions::replay_experts. In capacity mode each rank drops on its own tokens.
 std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
-                                  std::span<const Matrix> x, std::span<const Matrix> dy);
+                                  std::span<const Matrix> x, std::span<const Matrix> dy,
+                                  std::span<const std::vector<int>> replay_experts = {});
 
 // Σ out·dy + L_aux + L_z: the scalar whose gradients run_layer computes (for finite differences).
 double layer_objective(const MoEConfig& config, const Params& params, const Matrix& x,
-                       const Matrix& dy);
+                       const Matrix& dy, const LayerOptions& options = {});
 
 }  // namespace moe::reference

@@ -132,13 +132,33 @@ std::vector<double> selection_scores(const MoEConfig& config, std::span<const do
   return r;
 }
 
+void check_given_experts(const MoEConfig& config, std::int64_t tokens, std::span<const int> experts,
+                         std::string_view what) {
+  const int E = config.num_experts;
+  const int K = config.topk;
+  if (std::ssize(experts) != tokens * K) {
+    fail("{}: {} experts for {} tokens of top-{}; expected [{}, {}]", what, experts.size(), tokens,
+         K, tokens, K);
+  }
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const auto chosen = experts.subspan(static_cast<std::size_t>(t * K), K);
+    for (int k = 0; k < K; ++k) {
+      if (chosen[k] < 0 || chosen[k] >= E)
+        fail("{}: token {}, slot {}: expert {} is outside [0, {})", what, t, k, chosen[k], E);
+      for (int j = 0; j < k; ++j) {
+        if (chosen[j] == chosen[k])
+          fail("{}: token {}, slot {}: expert {} is already in slot {} (its experts are distinct)",
+               what, t, k, chosen[k], j);
+      }
+    }
+  }
+}
+
 Routing route_given(const MoEConfig& config, const Matrix& logits, std::span<const int> experts) {
   const int E = config.num_experts;
   const int K = config.topk;
   if (logits.cols != E) fail("route: logits have {} columns, num_experts = {}", logits.cols, E);
-  if (std::ssize(experts) != logits.rows * K) {
-    fail("route_given: {} experts for {} tokens of top-{}", experts.size(), logits.rows, K);
-  }
+  check_given_experts(config, logits.rows, experts, "route_given");
   Routing routing;
   routing.tokens = logits.rows;
   routing.topk = K;

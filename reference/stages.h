@@ -1,20 +1,26 @@
-// Pieces of the reference layer shared by the one-GPU and the mesh runs (private to src/).
+// Pieces of the reference layer shared by the one-GPU and the mesh runs (private to reference/).
 #pragma once
 
 #include "reference/reference.h"
 
 namespace moe::reference {
 
-// Steps 1-3 on one rank's tokens: gate GEMM, routing, and the summable loss statistics.
+// Steps 1-3 on one rank's tokens: gate GEMM, routing (selected or replayed), capacity mode's
+// drops, and the summable loss statistics (of the routing before the drops).
 struct RouterFront {
   Matrix logits;
   Routing routing;
-  AuxStats aux;  // this rank's part
+  std::vector<int> kept;  // [T*K]
+  AuxStats aux;           // this rank's part
   double z_sum = 0.0;
 };
 
 void check_params(const MoEConfig& config, const Params& params, std::int64_t hidden);
-RouterFront router_front(const MoEConfig& config, const Params& params, const Matrix& x);
+RouterFront router_front(const MoEConfig& config, const Params& params, const Matrix& x,
+                         std::optional<std::span<const int>> replay_experts = std::nullopt);
+// Capacity mode's fixed block per (source rank, expert) for a rank of `tokens` tokens with
+// pad_to_capacity, else 0 (make_layout's block_rows).
+std::int64_t capacity_block_rows(const MoEConfig& config, std::int64_t tokens);
 // Fills routing, logits, loads and the losses (from mesh-wide statistics) into result.
 void fill_forward_result(const MoEConfig& config, const RouterFront& front,
                          const AuxStats& global_aux, double global_z_sum, LayerResult& result);

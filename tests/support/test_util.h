@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <span>
@@ -100,7 +101,32 @@ inline reference::Params random_params(const MoEConfig& config, std::mt19937_64&
     params.experts.w13.push_back(random_matrix(H, 2 * F, rng, 1.0 / std::sqrt(H)));
     params.experts.w2.push_back(random_matrix(F, H, rng, 1.0 / std::sqrt(F)));
   }
+  // Drawn last, so that configs without shared experts draw what they always drew.
+  if (config.shared_experts()) {
+    const int Fs = config.shared_ffn_hidden;
+    params.shared.w13 = random_matrix(H, 2 * Fs, rng, 1.0 / std::sqrt(H));
+    params.shared.w2 = random_matrix(Fs, H, rng, 1.0 / std::sqrt(Fs));
+  }
+  if (config.shared_gate) params.shared.gate_weight = random_matrix(1, H, rng, 1.0 / std::sqrt(H));
   return params;
+}
+
+// Central differences of f over every entry of `values`, each moved by ±step in turn (fp64:
+// O(step²) truncation, ~1e-11 rounding at step 1e-5).
+inline std::vector<double> finite_differences(std::vector<double>& values,
+                                              const std::function<double()>& f,
+                                              double step = 1e-5) {
+  std::vector<double> grad(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const double saved = values[i];
+    values[i] = saved + step;
+    const double up = f();
+    values[i] = saved - step;
+    const double down = f();
+    values[i] = saved;
+    grad[i] = (up - down) / (2 * step);
+  }
+  return grad;
 }
 
 // A small config for reference tests; fields are overridden per case.
