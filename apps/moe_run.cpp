@@ -3,7 +3,8 @@
 //
 //   mpirun -np N build/apps/moe_run --config C.yaml --weights W.safetensors --inputs I.safetensors
 //                                   --out R.safetensors [--ep E --dp D]
-//   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs
+//   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs (the only
+//                                          # one that runs capacity mode, shared experts, replay)
 //   build/apps/moe_run ... --no-check-finite   # skip the NaN/Inf check of weights and inputs
 //
 // The files hold the global batch and all experts (names and layouts: io/layer_files.h).
@@ -128,7 +129,9 @@ std::vector<T> gather(const std::vector<T>& local, MPI_Datatype type, int world,
 }
 
 int run_reference(const MoEConfig& config, const LayerInputs& in, const std::string& out_path) {
-  const auto result = reference::run_layer(config, in.params, in.x, in.dy);
+  reference::LayerOptions options;
+  if (in.replay_experts) options.replay_experts = *in.replay_experts;
+  const auto result = reference::run_layer(config, in.params, in.x, in.dy, options);
   layer_results_file(config, result).write(out_path);
   std::printf("moe_run: fp64 reference over %lld tokens written to %s\n",
               static_cast<long long>(in.x.rows), out_path.c_str());
@@ -200,6 +203,11 @@ int run_mesh(MoEConfig config, const TensorFile& weights, const TensorFile& inpu
   file.add("aux_loss", FileDType::kF32, {1}, &fwd.aux_loss);
   file.add("z_loss", FileDType::kF32, {1}, &fwd.z_loss);
   file.add("tokens_per_expert", FileDType::kI32, {E}, load.data());
+  // The GPU layer runs dropless only (main refuses capacity mode): every slot kept.
+  const std::vector<std::int32_t> kept(static_cast<std::size_t>(total * K), 1);
+  const std::vector<std::int32_t> dropped(static_cast<std::size_t>(E), 0);
+  file.add("kept", FileDType::kI32, {total, K}, kept.data());
+  file.add("dropped_per_expert", FileDType::kI32, {E}, dropped.data());
   file.add("grad.gate_weight", FileDType::kF32, {E, H}, gate.data());
   file.add("grad.w13", FileDType::kF32, {E, 2 * F, H}, w13_all.data());  // ranks 0..EP-1 come first
   file.add("grad.w2", FileDType::kF32, {E, H, F}, w2_all.data());
@@ -222,10 +230,12 @@ int main(int argc, char** argv) {
   app.add_option("--config", config_path, "layer config (YAML)")
       ->required()
       ->check(CLI::ExistingFile);
-  app.add_option("--weights", weights_path, "gate_weight, w13, w2[, expert_bias]")
+  app.add_option("--weights", weights_path,
+                 "gate_weight, w13, w2[, expert_bias][, shared_w13, shared_w2[, "
+                 "shared_gate_weight]]")
       ->required()
       ->check(CLI::ExistingFile);
-  app.add_option("--inputs", inputs_path, "x, dy[, tokens_per_rank]")
+  app.add_option("--inputs", inputs_path, "x, dy[, tokens_per_rank][, topk_idx (replay)]")
       ->required()
       ->check(CLI::ExistingFile);
   app.add_option("--out", out_path, "results file to write")->required();
@@ -252,6 +262,14 @@ int main(int argc, char** argv) {
     if (use_reference) {
       config.ep = config.dp = 1;
       return run_reference(config, in, out_path);
+    }
+    // Refused before MPI starts, so that every rank stops at once with the same message.
+    if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
+    if (in.replay_experts) {
+      fail(
+          "topk_idx in '{}': routing replay is not implemented by the GPU layer yet; moe_run "
+          "--reference runs it on the CPU",
+          inputs_path);
     }
     comm::MpiSession mpi(&argc, &argv);
     if (cuda_device_count() == 0) fail("no CUDA GPU on this machine (--reference runs on the CPU)");

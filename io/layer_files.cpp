@@ -112,21 +112,56 @@ void check_finite(const TensorFile& file) {
   }
 }
 
+namespace {
+
+// The weights tensors this config reads; a tensor that only another config reads is named with the
+// setting that would read it.
+std::vector<std::string> expected_weights(const MoEConfig& config, const TensorFile& weights) {
+  std::vector<std::string> names = {"gate_weight", "w13", "w2"};
+  const auto optional = [&](const char* name, bool read, const char* setting) {
+    if (read) {
+      names.push_back(name);
+    } else if (weights.contains(name)) {
+      fail("{}: tensor '{}' is given but the config has {}", weights.source(), name, setting);
+    }
+  };
+  optional("expert_bias", config.expert_bias, "expert_bias: false");
+  optional("shared_w13", config.shared_experts(), "shared_ffn_hidden: 0");
+  optional("shared_w2", config.shared_experts(), "shared_ffn_hidden: 0");
+  optional("shared_gate_weight", config.shared_gate, "shared_gate: false");
+  return names;
+}
+
+std::vector<int> read_replay_experts(const MoEConfig& config, const TensorFile& inputs,
+                                     std::int64_t tokens) {
+  const FileTensor& t = inputs.get("topk_idx");
+  const std::vector<std::int64_t> shape = {tokens, config.topk};
+  if (t.dtype != FileDType::kI32 || t.shape != shape)
+    fail("{}: tensor 'topk_idx' is {}[{}]; expected I32 [{}]", inputs.source(),
+         file_dtype_name(t.dtype), fmt::join(t.shape, ", "), fmt::join(shape, ", "));
+  const auto n = static_cast<std::size_t>(tokens * config.topk);
+  if (t.data.size() != n * 4)
+    fail("{}: tensor 'topk_idx' holds {} bytes for {} indices", inputs.source(), t.data.size(), n);
+  std::vector<std::int32_t> raw(n);
+  if (n > 0) std::memcpy(raw.data(), t.data.data(), n * 4);
+  std::vector<int> experts(raw.begin(), raw.end());
+  reference::check_given_experts(config, tokens, experts,
+                                 fmt::format("{}: tensor 'topk_idx'", inputs.source()));
+  return experts;
+}
+
+}  // namespace
+
 LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights,
                               const TensorFile& inputs) {
   const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
+  const std::int64_t Fs = config.shared_ffn_hidden;
   LayerInputs in;
-  if (config.expert_bias) {
-    expect_only(weights, {"gate_weight", "w13", "w2", "expert_bias"}, "weights",
-                "gate_weight, w13, w2, expert_bias");
-  } else {
-    if (weights.contains("expert_bias")) {
-      fail("{}: tensor 'expert_bias' is given but the config has expert_bias: false",
-           weights.source());
-    }
-    expect_only(weights, {"gate_weight", "w13", "w2"}, "weights", "gate_weight, w13, w2");
-  }
-  expect_only(inputs, {"x", "dy", "tokens_per_rank"}, "inputs", "x, dy, tokens_per_rank");
+  const std::vector<std::string> weight_names = expected_weights(config, weights);
+  expect_only(weights, {weight_names.begin(), weight_names.end()}, "weights",
+              fmt::format("{}", fmt::join(weight_names, ", ")));
+  expect_only(inputs, {"x", "dy", "tokens_per_rank", "topk_idx"}, "inputs",
+              "x, dy, tokens_per_rank, topk_idx");
   in.params.gate_weight =
       matrix(file_values(expect(weights, "gate_weight", {E, H}), "gate_weight"), E, H);
   // Each stack converted once (values, not references into the file: a reference returned by
@@ -142,6 +177,16 @@ LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights
   } else {
     in.params.expert_bias.assign(E, 0.0);
   }
+  if (config.shared_experts()) {
+    in.params.shared.w13 = transpose(
+        matrix(file_values(expect(weights, "shared_w13", {2 * Fs, H}), "shared_w13"), 2 * Fs, H));
+    in.params.shared.w2 =
+        transpose(matrix(file_values(expect(weights, "shared_w2", {H, Fs}), "shared_w2"), H, Fs));
+  }
+  if (config.shared_gate) {
+    in.params.shared.gate_weight = matrix(
+        file_values(expect(weights, "shared_gate_weight", {1, H}), "shared_gate_weight"), 1, H);
+  }
   const auto& x = inputs.get("x");
   if (x.shape.size() != 2 || x.shape[1] != H)
     fail("{}: tensor 'x' has shape [{}]; expected [T, {}]", inputs.source(),
@@ -149,6 +194,7 @@ LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights
   const std::int64_t T = x.shape[0];
   in.x = matrix(file_values(expect(inputs, "x", {T, H}), "x"), T, H);
   in.dy = matrix(file_values(expect(inputs, "dy", {T, H}), "dy"), T, H);
+  if (inputs.contains("topk_idx")) in.replay_experts = read_replay_experts(config, inputs, T);
   if (inputs.contains("tokens_per_rank")) {
     const auto& split = inputs.get("tokens_per_rank");
     if (split.dtype != FileDType::kI64 || split.shape.size() != 1) {
@@ -189,6 +235,12 @@ TensorFile layer_weights_file(const MoEConfig& config, const reference::Params& 
   add_f32(file, "w13", {E, 2 * F, H}, stacked_transposed(p.experts.w13));
   add_f32(file, "w2", {E, H, F}, stacked_transposed(p.experts.w2));
   if (config.expert_bias) add_f32(file, "expert_bias", {E}, p.expert_bias);
+  if (config.shared_experts()) {
+    const std::int64_t Fs = config.shared_ffn_hidden;
+    add_f32(file, "shared_w13", {2 * Fs, H}, transpose(p.shared.w13).data);
+    add_f32(file, "shared_w2", {H, Fs}, transpose(p.shared.w2).data);
+  }
+  if (config.shared_gate) add_f32(file, "shared_gate_weight", {1, H}, p.shared.gate_weight.data);
   return file;
 }
 
@@ -196,6 +248,17 @@ TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix
   TensorFile file;
   add_f32(file, "x", {x.rows, x.cols}, x.data);
   add_f32(file, "dy", {dy.rows, dy.cols}, dy.data);
+  return file;
+}
+
+TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix& dy,
+                             std::span<const int> replay_experts, int topk) {
+  if (topk < 1 || std::ssize(replay_experts) != x.rows * topk)
+    fail("layer_inputs_file: {} replayed experts for {} tokens of top-{}", replay_experts.size(),
+         x.rows, topk);
+  TensorFile file = layer_inputs_file(x, dy);
+  const std::vector<std::int32_t> idx(replay_experts.begin(), replay_experts.end());
+  file.add("topk_idx", FileDType::kI32, {x.rows, topk}, idx.data());
   return file;
 }
 
@@ -212,9 +275,20 @@ TensorFile layer_results_file(const MoEConfig& config, const reference::LayerRes
   add_f32(file, "z_loss", {1}, {r.z_loss});
   const std::vector<std::int32_t> load(r.tokens_per_expert.begin(), r.tokens_per_expert.end());
   file.add("tokens_per_expert", FileDType::kI32, {E}, load.data());
+  const std::vector<std::int32_t> kept(r.kept.begin(), r.kept.end());
+  file.add("kept", FileDType::kI32, {T, K}, kept.data());
+  const std::vector<std::int32_t> dropped(r.dropped_per_expert.begin(), r.dropped_per_expert.end());
+  file.add("dropped_per_expert", FileDType::kI32, {E}, dropped.data());
   add_f32(file, "grad.gate_weight", {E, H}, r.d_gate_weight.data);
   add_f32(file, "grad.w13", {E, 2 * F, H}, stacked_transposed(r.expert_grads.dw13));
   add_f32(file, "grad.w2", {E, H, F}, stacked_transposed(r.expert_grads.dw2));
+  if (config.shared_experts()) {
+    const std::int64_t Fs = config.shared_ffn_hidden;
+    add_f32(file, "grad.shared_w13", {2 * Fs, H}, transpose(r.shared_grads.dw13).data);
+    add_f32(file, "grad.shared_w2", {H, Fs}, transpose(r.shared_grads.dw2).data);
+  }
+  if (config.shared_gate)
+    add_f32(file, "grad.shared_gate_weight", {1, H}, r.shared_grads.dgate_weight.data);
   file.metadata["producer"] = "moe-runtime";
   file.metadata["config"] = config.describe();
   return file;

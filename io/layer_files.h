@@ -2,14 +2,21 @@
 // README.md). Weights use the nn.Linear layout of docs/design.md and hold all E experts.
 //
 // weights:  gate_weight [E, H], w13 [E, 2F, H], w2 [E, H, F] (BF16 or F32),
-//           expert_bias [E] (F32, needed when the config has expert_bias)
-// inputs:   x [T, H], dy [T, H] (BF16 or F32), optionally tokens_per_rank [world] (I64)
+//           expert_bias [E] (F32, needed when the config has expert_bias),
+//           shared_w13 [2Fs, H], shared_w2 [H, Fs] (with shared_ffn_hidden Fs > 0),
+//           shared_gate_weight [1, H] (with shared_gate)
+// inputs:   x [T, H], dy [T, H] (BF16 or F32), optionally tokens_per_rank [world] (I64) and
+//           topk_idx [T, K] (I32: the routing to replay)
 // results:  out, dx [T, H]; topk_idx [T, K] (I32); topk_p [T, K]; aux_loss, z_loss [1];
-//           tokens_per_expert [E] (I32); grad.gate_weight [E, H], grad.w13 [E, 2F, H],
-//           grad.w2 [E, H, F] — all F32 but topk_idx and tokens_per_expert.
+//           tokens_per_expert [E] (I32, kept slots); kept [T, K] (I32); dropped_per_expert [E]
+//           (I32); grad.gate_weight [E, H], grad.w13 [E, 2F, H], grad.w2 [E, H, F];
+//           grad.shared_w13, grad.shared_w2 (with shared experts), grad.shared_gate_weight (with
+//           shared_gate) — all F32 but the I32 ones named.
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -24,20 +31,26 @@ struct LayerInputs {
   reference::Matrix x;
   reference::Matrix dy;
   std::vector<std::int64_t> tokens_per_rank;  // empty when the file does not say
+  std::optional<std::vector<int>> replay_experts;  // topk_idx [T*K] when the file has it
 };
 
 // Checks every tensor's presence, dtype and shape against the config (errors name the tensor,
 // what was expected and what came); a tensor the layer does not read (including expert_bias
-// when the config has none) is an error, and tokens_per_rank must hold counts >= 0 whose sum,
-// checked for overflow, is the batch's.
+// or the shared experts' weights when the config has none) is an error, tokens_per_rank must
+// hold counts >= 0 whose sum, checked for overflow, is the batch's, and topk_idx names K distinct
+// experts in [0, E) for every token (errors name the token, the slot and the value).
 LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights,
                               const TensorFile& inputs);
 
 // The weights and inputs files of a layer (the inverse of read_layer_inputs), values stored as F32.
 TensorFile layer_weights_file(const MoEConfig& config, const reference::Params& params);
 TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix& dy);
+// With a routing to replay: topk_idx [T, topk] (I32) beside x and dy.
+TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix& dy,
+                             std::span<const int> replay_experts, int topk);
 
-// The results file of a single run over the whole batch (the fp64 reference's, or gathered).
+// The results file of a single run over the whole batch (the fp64 reference's, or gathered):
+// kept and dropped_per_expert always, the shared experts' gradients when the config has them.
 TensorFile layer_results_file(const MoEConfig& config, const reference::LayerResult& result);
 
 // Element values of a BF16 or F32 file tensor, as doubles; `name` names it in errors (another

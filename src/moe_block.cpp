@@ -123,6 +123,9 @@ struct MoEBlock::State {
 MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream,
                    std::shared_ptr<MoEScratch> scratch) {
   config.validate();
+  // Capacity mode and shared experts are defined (docs/design.md) and run in the CPU reference;
+  // the kernels do not run them yet, and a silently dropless layer would train a different model.
+  if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
   if (config.ep != mesh.ep() || config.dp != mesh.dp()) {
     fail("MoEBlock: config has ep = {}, dp = {} but the mesh is {} x {}", config.ep, config.dp,
          mesh.ep(), mesh.dp());

@@ -53,6 +53,9 @@ reference::Params float_params(reference::Params p) {
     for (auto& v : m.data) v = static_cast<float>(v);
   }
   for (auto& v : p.expert_bias) v = static_cast<float>(v);
+  for (auto* m : {&p.shared.w13, &p.shared.w2, &p.shared.gate_weight}) {
+    for (auto& v : m->data) v = static_cast<float>(v);
+  }
   return p;
 }
 
@@ -405,4 +408,144 @@ TEST_CASE("check_finite finds the first NaN or Inf of BF16 and F32 tensors", "[c
         test::contains_text("tensor 't' holds inf at [" + index + "] (" + std::to_string(bad) +
                             " of its " + std::to_string(n) + " elements are NaN or Inf)"));
   }
+}
+
+TEST_CASE("moe_run --reference: capacity mode, shared experts and routing replay round trip",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const std::string yaml =
+      "hidden: 6\nffn_hidden: 4\nnum_experts: 4\ntopk: 2\ndtype: fp32\nalign_size: 2\n"
+      "capacity_factor: 0.5\ndrop_policy: position\npad_to_capacity: true\n"
+      "shared_ffn_hidden: 3\nshared_gate: true\naux_loss_coeff: 0.1\n";
+  const MoEConfig c = parse_config(yaml);
+  const auto params = float_params(test::random_params(c, rng));
+  const Matrix x = test::round_to(test::random_matrix(9, 6, rng), DType::kFP32);
+  const Matrix dy = test::round_to(test::random_matrix(9, 6, rng), DType::kFP32);
+  // A routing to replay that the router would not choose: token t -> (t mod 4, (t + 1) mod 4).
+  std::vector<int> given;
+  for (int t = 0; t < 9; ++t) given.insert(given.end(), {t % 4, (t + 1) % 4});
+
+  const RunDir d(rng);
+  std::ofstream(d.dir / "config.yaml") << yaml;
+  layer_weights_file(c, params).write(d.dir / "weights.safetensors");
+  layer_inputs_file(x, dy, given, 2).write(d.dir / "replay.safetensors");
+  std::string error;
+  REQUIRE(d.run(d.path("replay.safetensors"), d.path("out.safetensors"), &error) == 0);
+  const auto results = TensorFile::read(d.dir / "out.safetensors");
+
+  reference::LayerOptions options;
+  options.replay_experts = given;
+  const auto want = reference::run_layer(c, params, x, dy, options);
+  REQUIRE(std::count(want.kept.begin(), want.kept.end(), 0) > 0);
+  const auto expected = layer_results_file(c, want);
+  for (const char* name : {"kept", "dropped_per_expert", "grad.shared_w13", "grad.shared_w2",
+                           "grad.shared_gate_weight", "topk_idx"}) {
+    CHECK(expected.contains(name));
+  }
+  CHECK(results.tensors().size() == expected.tensors().size());
+  for (const auto& [name, tensor] : expected.tensors()) {
+    INFO("tensor " << name);
+    const auto& got = results.get(name);
+    CHECK(got.shape == tensor.shape);
+    CHECK(got.data == tensor.data);
+  }
+  CHECK(results.get("kept").shape == std::vector<std::int64_t>{9, 2});
+  std::vector<std::int32_t> idx(18);
+  std::memcpy(idx.data(), results.get("topk_idx").data.data(), 18 * 4);
+  CHECK(std::vector<int>(idx.begin(), idx.end()) == given);
+
+  // Without --reference the GPU layer refuses before MPI starts, naming the setting.
+  const std::string gpu = std::string(MOE_RUN_PATH) + " --config " + d.path("config.yaml") +
+                          " --weights " + d.path("weights.safetensors") + " --inputs " +
+                          d.path("replay.safetensors") + " --out " + d.path("gpu.safetensors") +
+                          " 2>" + d.path("gpu.txt");
+  CHECK(WEXITSTATUS(std::system(gpu.c_str())) == 1);
+  CHECK_THAT(file_bytes(d.dir / "gpu.txt"),
+             test::contains_text("capacity_factor=0.5: capacity mode is not implemented by the "
+                                 "GPU layer yet; moe_run --reference runs it on the CPU"));
+  // Dropless and unshared, a replay is refused alike.
+  std::ofstream(d.dir / "config.yaml") << "hidden: 6\nffn_hidden: 4\nnum_experts: 4\ntopk: 2\n"
+                                       << "dtype: fp32\n";
+  d.files.weights.write(d.dir / "weights.safetensors");
+  CHECK(WEXITSTATUS(std::system(gpu.c_str())) == 1);
+  CHECK_THAT(file_bytes(d.dir / "gpu.txt"),
+             test::contains_text("routing replay is not implemented by the GPU layer yet"));
+  CHECK_FALSE(std::filesystem::exists(d.dir / "gpu.safetensors"));
+
+  // Dropless: every slot kept, nothing dropped, no shared gradients.
+  REQUIRE(d.run(d.path("inputs.safetensors"), d.path("plain.safetensors"), &error) == 0);
+  const auto plain = TensorFile::read(d.dir / "plain.safetensors");
+  std::vector<std::int32_t> kept(10), dropped(4);
+  std::memcpy(kept.data(), plain.get("kept").data.data(), 40);
+  std::memcpy(dropped.data(), plain.get("dropped_per_expert").data.data(), 16);
+  CHECK(kept == std::vector<std::int32_t>(10, 1));
+  CHECK(dropped == std::vector<std::int32_t>(4, 0));
+  CHECK_FALSE(plain.contains("grad.shared_w13"));
+  CHECK_FALSE(plain.contains("grad.shared_gate_weight"));
+}
+
+TEST_CASE("layer files: shared weights and topk_idx are read only where the config reads them",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig shared = test::small_config(6, 4, 4, 2);
+  shared.shared_ffn_hidden = 3;
+  shared.shared_gate = true;
+  const auto params = float_params(test::random_params(shared, rng));  // exact in the F32 file
+  const Matrix x = test::random_matrix(3, 6, rng), dy = test::random_matrix(3, 6, rng);
+  const TensorFile weights = layer_weights_file(shared, params);
+  const TensorFile inputs = layer_inputs_file(x, dy);
+  const LayerInputs in = read_layer_inputs(shared, weights, inputs);
+  CHECK(in.params.shared.w13.data == params.shared.w13.data);
+  CHECK(in.params.shared.w2.data == params.shared.w2.data);
+  CHECK(in.params.shared.gate_weight.data == params.shared.gate_weight.data);
+  CHECK_FALSE(in.replay_experts.has_value());
+  CHECK(weights.get("shared_w13").shape == std::vector<std::int64_t>{6, 6});
+  CHECK(weights.get("shared_w2").shape == std::vector<std::int64_t>{6, 3});
+  CHECK(weights.get("shared_gate_weight").shape == std::vector<std::int64_t>{1, 6});
+
+  // Stray shared tensors.
+  MoEConfig ungated = shared;
+  ungated.shared_gate = false;
+  CHECK_THAT(layer_error(ungated, weights, inputs),
+             test::contains_text("tensor 'shared_gate_weight' is given but the config has "
+                                 "shared_gate: false"));
+  MoEConfig none = ungated;
+  none.shared_ffn_hidden = 0;
+  CHECK_THAT(layer_error(none, weights, inputs),
+             test::contains_text("tensor 'shared_w13' is given but the config has "
+                                 "shared_ffn_hidden: 0"));
+  // Missing or misshapen ones.
+  TensorFile missing = layer_weights_file(none, params);
+  add(missing, "shared_w13", {6, 6}, params.shared.w13.data);
+  CHECK_THAT(layer_error(ungated, missing, inputs),
+             test::contains_text("no tensor named 'shared_w2'"));
+  TensorFile misshapen = weights;
+  add(misshapen, "shared_w2", {3, 6}, params.shared.w2.data);
+  CHECK_THAT(layer_error(shared, misshapen, inputs),
+             test::contains_text("tensor 'shared_w2' has shape [3, 6]; expected [6, 3]"));
+
+  // topk_idx: read as given, checked for dtype, shape and values.
+  const std::vector<int> given = {0, 1, 2, 3, 3, 0};
+  const LayerInputs replay = read_layer_inputs(shared, weights, layer_inputs_file(x, dy, given, 2));
+  REQUIRE(replay.replay_experts.has_value());
+  CHECK(*replay.replay_experts == given);
+  const auto idx_error = [&](FileDType dtype, std::vector<std::int64_t> shape,
+                             std::vector<std::int32_t> values) {
+    TensorFile file = inputs;
+    file.add("topk_idx", dtype, std::move(shape), values.data());
+    return layer_error(shared, weights, file);
+  };
+  CHECK_THAT(idx_error(FileDType::kI32, {3, 2}, {0, 1, 2, 9, 3, 0}),
+             test::contains_text("tensor 'topk_idx': token 1, slot 1: expert 9 is outside [0, 4)"));
+  CHECK_THAT(idx_error(FileDType::kI32, {3, 2}, {0, 1, 2, 3, 3, 3}),
+             test::contains_text("tensor 'topk_idx': token 2, slot 1: expert 3 is already in "
+                                 "slot 0"));
+  CHECK_THAT(idx_error(FileDType::kI32, {2, 3}, {0, 1, 2, 3, 3, 0}),
+             test::contains_text("tensor 'topk_idx' is I32[2, 3]; expected I32 [3, 2]"));
+  CHECK_THAT(idx_error(FileDType::kF32, {3, 2}, {0, 1, 2, 3, 3, 0}),
+             test::contains_text("tensor 'topk_idx' is F32[3, 2]; expected I32 [3, 2]"));
 }
