@@ -74,6 +74,25 @@ void router_workspace_clear(const RouterParams& params, void* workspace, cudaStr
 
 void router_forward(const RouterParams& params, const RouterForwardArgs& args, cudaStream_t stream);
 
+// Routing replay, after router_forward on the same logits: each token's slots take the given
+// experts (in the given order), with probabilities recomputed by the score function's rule and
+// scaled; a token whose given experts are what the forward selected keeps the forward's
+// probabilities bit for bit, so replaying a recorded step reproduces it. tokens_per_expert is
+// counted again for the given routing. A token with an expert outside [0, E) or one repeated keeps
+// the forward's selection, and *first_invalid (set to all ones by the caller) receives
+// min((t·K + k) << 32 | expert) over its bad slots: the caller raises the error once it reads it.
+// The loss statistics stay those of the forward.
+struct RouterReplayArgs {
+  const float* logits = nullptr;       // [T, E] fp32, as the forward read them
+  const std::int32_t* given = nullptr;  // [T, K]
+  std::int64_t tokens = 0;
+  std::int32_t* topk_idx = nullptr;           // [T, K] in: the forward's; out: the given
+  float* topk_p = nullptr;                    // [T, K] in: the forward's; out: the given's
+  std::int32_t* tokens_per_expert = nullptr;  // [E] out
+  unsigned long long* first_invalid = nullptr;  // [1] in/out
+};
+void router_replay(const RouterParams& params, const RouterReplayArgs& args, cudaStream_t stream);
+
 // The loss values from the statistics summed over the mesh: losses[0] = L_aux, losses[1] = L_z.
 // Counts f and sums P are those of the whole mesh; *global_tokens (device) is T_glob, read on the
 // device so that the values are ready before the forward's one host synchronisation.

@@ -203,14 +203,15 @@ void MoEBlock::initialize(std::uint64_t seed) {
   s.mesh.wait(s.initialized.get(), "the parameters' initialisation");
 }
 
-MoEForward MoEBlock::forward(const Tensor& x) {
-  return on_mesh(s_->mesh, s_->times, "forward", [&] { return run_forward(x, true); });
+MoEForward MoEBlock::forward(const Tensor& x, const ForwardOptions& options) {
+  return on_mesh(s_->mesh, s_->times, "forward", [&] { return run_forward(x, options, true); });
 }
-MoEForward MoEBlock::infer(const Tensor& x) {
-  return on_mesh(s_->mesh, s_->times, "infer", [&] { return run_forward(x, false); });
+MoEForward MoEBlock::infer(const Tensor& x, const ForwardOptions& options) {
+  return on_mesh(s_->mesh, s_->times, "infer", [&] { return run_forward(x, options, false); });
 }
 
-MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
+MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
+                                  bool save_context) {
   auto& s = *s_;
   s.times.current = "arguments";
   const std::int64_t T = x.rank() == 2 ? x.dim(0) : -1;
@@ -219,6 +220,11 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   }
   if (x.data == nullptr && T > 0) fail("MoEBlock::forward: x has no data");
   if (T * s.K > INT32_MAX) fail("MoEBlock::forward: T = {} tokens exceed the int32 row index", T);
+  const Tensor& replay = options.replay_topk_idx;
+  if (replay.data != nullptr || replay.rank() > 0) {
+    expect_tensor(replay, "MoEBlock::forward replay_topk_idx", DType::kInt32, {T, s.K});
+    if (replay.data == nullptr && T > 0) fail("MoEBlock::forward: replay_topk_idx has no data");
+  }
   s.context.valid = false;  // a failure below leaves no half-built context
   s.times.used = 0;         // stage times restart with each forward; backward appends
   TokenExchange& exchange = s.token_exchange();
@@ -235,7 +241,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, bool save_context) {
   // Route: top-K, probabilities, expert counts; then the losses over the whole mesh.
   {
     Range r("moe router", s.times, stream);
-    s.router.forward(logits, s.params.expert_bias, stream);
+    s.router.forward(logits, s.params.expert_bias, replay.as<std::int32_t>(), stream);
   }
   {
     Range r("moe losses", s.times, stream);
@@ -364,6 +370,15 @@ MoERouting MoEBlock::routing() const {
   return {Tensor(s.router.topk_idx(), DType::kInt32, {s.context.T, s.K}),
           Tensor(s.router.topk_p(), DType::kFP32, {s.context.T, s.K}),
           Tensor(s.router.tokens_per_expert(), DType::kInt32, {s.E})};
+}
+
+void MoEBlock::record_routing(const Tensor& topk_idx) const {
+  auto& s = *s_;
+  expect_tensor(topk_idx, "MoEBlock::record_routing topk_idx", DType::kInt32, {s.context.T, s.K});
+  if (topk_idx.bytes() == 0) return;
+  if (topk_idx.data == nullptr) fail("MoEBlock::record_routing: topk_idx has no data");
+  MOE_CHECK_CUDA(cudaMemcpyAsync(topk_idx.data, s.router.topk_idx(), topk_idx.bytes(),
+                                 cudaMemcpyDeviceToDevice, s.stream));
 }
 
 EpTransport MoEBlock::ep_transport() const {

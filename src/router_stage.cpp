@@ -23,7 +23,8 @@ RouterParams router_params(const MoEConfig& config) {
 RouterStage::RouterStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer& workspace)
     : config_(config), mesh_(mesh), params_(router_params(config)), workspace_(workspace) {}
 
-void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias, cudaStream_t stream) {
+void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias,
+                          const std::int32_t* given, cudaStream_t stream) {
   const std::int64_t T = logits.dim(0);
   const int E = config_.num_experts, K = config_.topk;
   saved_.logits = logits;
@@ -51,6 +52,31 @@ void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias, cudaS
     a.z_loss_coeff = config_.z_loss_coeff;
   }
   router_forward(params_, a, stream);
+  MOE_CHECK_CUDA(cudaMemsetAsync(&totals->first_invalid_given, 0xff,
+                                 sizeof(totals->first_invalid_given), stream));
+  if (given != nullptr) {
+    RouterReplayArgs r;
+    r.logits = logits.as<float>();
+    r.given = given;
+    r.tokens = T;
+    r.topk_idx = a.topk_idx;
+    r.topk_p = a.topk_p;
+    r.tokens_per_expert = a.tokens_per_expert;
+    r.first_invalid = reinterpret_cast<unsigned long long*>(&totals->first_invalid_given);
+    router_replay(params_, r, stream);
+  }
+}
+
+void RouterStage::set_totals(const RouterTotals& totals) {
+  saved_.global_tokens = totals.global_tokens;
+  if (totals.first_invalid_given != RouterTotals::kAllGivenValid) {
+    const std::uint64_t slot = totals.first_invalid_given >> 32;
+    const auto expert = static_cast<std::int32_t>(totals.first_invalid_given & 0xffffffffu);
+    const int K = config_.topk;
+    fail("MoEBlock::forward: replay_topk_idx token {}, slot {}: expert {} is outside [0, {}) or "
+         "repeats an earlier slot of the token",
+         slot / K, slot % K, expert, config_.num_experts);
+  }
 }
 
 void RouterStage::reduce_losses(cudaStream_t stream) {

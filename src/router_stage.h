@@ -18,10 +18,14 @@ namespace moe {
 // What the host learns from the router, with the dispatch's row counts: the forward's one host
 // synchronisation carries these bytes from the device too (the layout of `scalars`).
 struct RouterTotals {
+  static constexpr std::uint64_t kAllGivenValid = ~std::uint64_t{0};
+
   std::int64_t global_tokens = 0;  // T_glob
   float losses[2] = {};            // L_aux, L_z
+  // Routing replay: the first invalid given slot, (t·K + k) << 32 | expert, or kAllGivenValid.
+  std::uint64_t first_invalid_given = kAllGivenValid;
 };
-static_assert(sizeof(RouterTotals) == 16);
+static_assert(sizeof(RouterTotals) == 24);
 
 // The router kernels' parameters for a layer's config: the kernels take plain values, never the
 // config itself.
@@ -33,12 +37,15 @@ class RouterStage {
 
   // Router forward on logits [T, E] (kept for the backward): topk_idx, topk_p, this rank's counts
   // and the loss statistics; on one rank, whose tokens are the whole batch, the loss values too.
-  void forward(const Tensor& logits, const Tensor& expert_bias, cudaStream_t stream);
+  // `given` (device int32 [T, K], or null): routing replay, the slots take these experts.
+  void forward(const Tensor& logits, const Tensor& expert_bias, const std::int32_t* given,
+               cudaStream_t stream);
   // The statistics, the loads and the token count summed over the world (one NCCL group), then
   // the loss values from them (on a mesh), ready on the device before the dispatch copies them.
   void reduce_losses(cudaStream_t stream);
-  // T_glob, once the host has it: the backward's loss gradients are scaled by it.
-  void set_totals(const RouterTotals& totals) { saved_.global_tokens = totals.global_tokens; }
+  // T_glob, once the host has it: the backward's loss gradients are scaled by it. Throws
+  // moe::Error naming the token, slot and expert when a replayed routing held an invalid one.
+  void set_totals(const RouterTotals& totals);
 
   // ∂L/∂logits [T, E] fp32 from dprob [T, K] (∂L/∂topk_p) and the loss gradients.
   void backward(const float* dprob, const Tensor& dlogits, cudaStream_t stream);

@@ -50,6 +50,16 @@ struct MoERouting {
   Tensor tokens_per_expert;  // [E] int32, this rank's tokens
 };
 
+// What one forward may be told beyond its input.
+struct ForwardOptions {
+  // Routing replay: int32 [T, K] on the device, each token's experts in slot order, such as a
+  // recorded step's routing().topk_idx (record_routing copies it out). The router takes these
+  // experts instead of selecting and recomputes their probabilities from the current logits, so
+  // the gradient flows through them; the losses are computed as usual. Replaying the recorded
+  // step's own routing reproduces the step bitwise. Empty (the default): the router selects.
+  Tensor replay_topk_idx;
+};
+
 struct MoEForward {
   Tensor out;  // [T, H], x's dtype, owned by the block until the next forward
   float aux_loss = 0.0f;
@@ -104,9 +114,9 @@ class MoEBlock {
   // every later use of the mesh throws. Recovering means a new mesh and new blocks.
   //
   // x [T, H] in config.dtype. Saves the context for backward.
-  MoEForward forward(const Tensor& x);
+  MoEForward forward(const Tensor& x, const ForwardOptions& options = {});
   // Evaluation: the same output, no context saved (a later backward is an error).
-  MoEForward infer(const Tensor& x);
+  MoEForward infer(const Tensor& x, const ForwardOptions& options = {});
   // dy [T, H]: returns dx [T, H] (owned by the block until the next backward) and writes this
   // rank's gradients (overwritten, not accumulated). Once per forward.
   Tensor backward(const Tensor& dy);
@@ -118,6 +128,10 @@ class MoEBlock {
   // failed.
   void synchronize();
   MoERouting routing() const;
+  // Routing record: copies the last forward's topk_idx into `topk_idx` (device int32 [T, K]),
+  // queued on the block's stream (no host synchronisation); ForwardOptions::replay_topk_idx
+  // takes it back.
+  void record_routing(const Tensor& topk_idx) const;
   // How rows cross the EP group: kPeer or kNccl once the first forward under EP has chosen
   // (config.ep_transport, kAuto resolved); kAuto before that and on a single EP rank.
   EpTransport ep_transport() const;
@@ -143,7 +157,7 @@ class MoEBlock {
  private:
   struct State;
   std::unique_ptr<State> s_;
-  MoEForward run_forward(const Tensor& x, bool save_context);
+  MoEForward run_forward(const Tensor& x, const ForwardOptions& options, bool save_context);
   Tensor run_backward(const Tensor& dy);
 };
 

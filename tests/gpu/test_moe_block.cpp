@@ -1,8 +1,11 @@
 // MoEBlock on one GPU against the fp64 reference of the whole layer: output, losses, dx and every
 // weight gradient, over router modes, losses, alignments and dtypes; hard routing; repeat steps;
-// bad use.
+// routing replay; bad use.
+#include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <random>
+#include <span>
 #include <sstream>
 #include <thread>
 
@@ -29,9 +32,10 @@ struct Pending {
   Results results;
 };
 
-Pending start_block(MoEBlock& block, const MoEConfig& c, const Matrix& x) {
+Pending start_block(MoEBlock& block, const MoEConfig& c, const Matrix& x,
+                    const ForwardOptions& options = {}) {
   Pending p{test::upload_as(x, c.dtype), {}};
-  const auto fwd = block.forward(Tensor(p.x_dev.data(), c.dtype, {x.rows, c.hidden}));
+  const auto fwd = block.forward(Tensor(p.x_dev.data(), c.dtype, {x.rows, c.hidden}), options);
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
   p.results.out = test::read(fwd.out, x.rows, c.hidden);
   p.results.aux = fwd.aux_loss;
@@ -367,4 +371,104 @@ TEST_CASE("check mode names the stage that produced a NaN", "[gpu][block]") {
   const auto x = test::upload(values);
   CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kFP32, {4, 64})),
                     test::contains_text("stage 'gate'"));
+}
+
+namespace {
+
+bool bitwise_equal(const Matrix& a, const Matrix& b) {
+  return a.rows == b.rows && a.cols == b.cols && a.data == b.data;
+}
+
+}  // namespace
+
+TEST_CASE("routing replay: a recorded step replays bitwise; other routings equal the reference",
+          "[gpu][block][replay]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig post = base_config(DType::kBF16);
+  post.aux_loss_coeff = 0.05;
+  post.z_loss_coeff = 0.01;
+  post.align_size = 16;
+  MoEConfig pre = post;
+  pre.pre_softmax = true;
+  MoEConfig grouped = post;  // sigmoid + bias + groups, as deepseek-v3
+  grouped.num_experts = 16;
+  grouped.topk = 4;
+  grouped.score_function = ScoreFunction::kSigmoid;
+  grouped.expert_bias = true;
+  grouped.num_groups = 4;
+  grouped.group_topk = 2;
+  grouped.scaling_factor = 2.5;
+  MoEConfig softplus = post;
+  softplus.score_function = ScoreFunction::kSqrtSoftplus;
+  softplus.topk = 3;
+  for (MoEConfig c : {post, pre, grouped, softplus}) {
+    for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+      c.dtype = dtype;
+      c.validate();
+      INFO(c.describe());
+      const std::int64_t T = 57;
+      const int K = c.topk;
+      Stream stream;
+      const Mesh mesh = Mesh::single();
+      MoEBlock block(c, mesh, stream.get());
+      auto params = test::round_params(test::random_params(c, rng), c.dtype);
+      test::load_params(block, params, 0, c.num_experts);
+      Matrix x;
+      test::draw_separated(c, params, x, T, rng);
+      const Matrix dy = test::round_to(test::random_matrix(T, c.hidden, rng), c.dtype);
+
+      // Record, then replay the recorded routing: every result bitwise the same.
+      DeviceBuffer recorded(static_cast<std::size_t>(T * K) * 4);
+      test::poison(recorded);
+      const Tensor recorded_idx(recorded.data(), DType::kInt32, {T, K});
+      Pending first = start_block(block, c, x);
+      block.record_routing(recorded_idx);
+      const Results want = finish_block(block, c, std::move(first), dy);
+      const Results again = finish_block(
+          block, c, start_block(block, c, x, ForwardOptions{recorded_idx}), dy);
+      CHECK(bitwise_equal(again.out, want.out));
+      CHECK(bitwise_equal(again.dx, want.dx));
+      CHECK(bitwise_equal(again.dgate, want.dgate));
+      for (int e = 0; e < c.num_experts; ++e) {
+        CHECK(bitwise_equal(again.dw13[e], want.dw13[e]));
+        CHECK(bitwise_equal(again.dw2[e], want.dw2[e]));
+      }
+      CHECK(again.aux == want.aux);
+      CHECK(again.z == want.z);
+
+      // A routing the router would not choose: K distinct experts per token at random.
+      std::vector<int> given(static_cast<std::size_t>(T * K));
+      std::vector<int> experts(c.num_experts);
+      for (std::int64_t t = 0; t < T; ++t) {
+        std::iota(experts.begin(), experts.end(), 0);
+        std::shuffle(experts.begin(), experts.end(), rng);
+        std::copy_n(experts.begin(), K, given.begin() + t * K);
+      }
+      const auto given_dev = test::upload(std::vector<std::int32_t>(given.begin(), given.end()));
+      const Tensor given_idx(given_dev.data(), DType::kInt32, {T, K});
+      const Results replayed =
+          finish_block(block, c, start_block(block, c, x, ForwardOptions{given_idx}), dy);
+      reference::LayerOptions options;
+      options.replay_experts = std::span<const int>(given);
+      options.intermediates = test::kAsStored;
+      options.dprob_from = test::kDprobInExperts;
+      const auto reference_run = reference::run_layer(c, params, x, dy, options);
+      check_against_reference(c, replayed, reference_run);
+      std::vector<std::int32_t> counts(c.num_experts);
+      copy_to_host(counts.data(), block.routing().tokens_per_expert.data, counts.size() * 4);
+      for (int e = 0; e < c.num_experts; ++e)
+        CHECK(counts[e] == static_cast<std::int32_t>(reference_run.tokens_per_expert[e]));
+
+      // An expert outside [0, E) in token 3, slot 1: a clear error after the dispatch.
+      given[3 * K + 1] = c.num_experts;
+      const auto bad_dev = test::upload(std::vector<std::int32_t>(given.begin(), given.end()));
+      const auto bad_x = test::upload_as(x, c.dtype);
+      CHECK_THROWS_WITH(
+          block.forward(Tensor(bad_x.data(), c.dtype, {T, c.hidden}),
+                        ForwardOptions{Tensor(bad_dev.data(), DType::kInt32, {T, K})}),
+          test::contains_text("token 3, slot 1: expert " + std::to_string(c.num_experts)));
+    }
+  }
 }
