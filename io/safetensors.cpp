@@ -1,251 +1,46 @@
 #include "moe/safetensors.h"
 
+#include <fcntl.h>
 #include <fmt/ranges.h>
-
-#include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <limits>
-#include <optional>
-#include <set>
 #include <system_error>
 
 #include "core/input_file.h"
+#include "io/safetensors_format.h"
 #include "moe/error.h"
 
 namespace moe {
 namespace {
 
-using Json = nlohmann::json;
+using safetensors_format::checked_bytes;
+using safetensors_format::checked_numel;
 
-FileDType parse_file_dtype(const std::string& text, std::string_view source,
-                           const std::string& name) {
-  if (text == "BF16") return FileDType::kBF16;
-  if (text == "F32") return FileDType::kF32;
-  if (text == "I32") return FileDType::kI32;
-  if (text == "I64") return FileDType::kI64;
-  fail("{}: tensor '{}' has dtype '{}'; supported are BF16, F32, I32, I64", source, name, text);
+std::string describe_errno(int error) {
+  return std::error_code(error, std::generic_category()).message();
 }
 
-std::uint64_t read_le64(const char* p) {
-  std::uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
-  return v;
+// A range in a message: [first, end), or [first, first + count) when the end overflows int64.
+std::string range_text(std::int64_t first, std::int64_t count) {
+  std::int64_t end = 0;
+  if (!__builtin_add_overflow(first, count, &end)) return fmt::format("[{}, {})", first, end);
+  return fmt::format("[{}, {} + {})", first, first, count);
 }
 
-// The element count of a shape, or nothing when a dimension is negative or the product overflows
-// int64 (a shape read from a file can claim anything).
-std::optional<std::int64_t> checked_numel(const std::vector<std::int64_t>& shape) {
-  std::int64_t n = 1;
-  for (const auto d : shape) {
-    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return std::nullopt;
-  }
-  return n;
+// first and count name a range inside [0, size): both >= 0, their sum (checked) at most size.
+bool inside(std::int64_t first, std::int64_t count, std::int64_t size) {
+  std::int64_t end = 0;
+  return first >= 0 && count >= 0 && !__builtin_add_overflow(first, count, &end) && end <= size;
 }
 
-// The byte count of dtype × shape, or nothing when it does not fit in size_t.
-std::optional<std::size_t> checked_bytes(const std::vector<std::int64_t>& shape, FileDType dtype) {
-  const auto n = checked_numel(shape);
-  std::size_t bytes = 0;
-  if (!n || __builtin_mul_overflow(static_cast<std::uint64_t>(*n), file_dtype_size(dtype), &bytes))
-    return std::nullopt;
-  return bytes;
-}
-
-// A JSON value in a message: scalars as written (long strings cut), containers by kind only, so
-// a message never recurses into (or grows with) whatever nesting a corrupt header holds.
-std::string brief(const Json& value) {
-  if (value.is_array()) return fmt::format("a list of {} items", value.size());
-  if (value.is_object()) return fmt::format("an object of {} keys", value.size());
-  std::string text = value.dump(-1, ' ', false, Json::error_handler_t::replace);
-  if (text.size() > 64) text = text.substr(0, 60) + "...";
-  return text;
-}
-
-// The 8-byte length prefix of a file of `file_bytes` bytes, checked against the file and the
-// header bound.
-std::uint64_t header_length(const char* prefix, std::uint64_t file_bytes, std::string_view source) {
-  const std::uint64_t length = read_le64(prefix);
-  if (length > file_bytes - 8) {
-    fail("{}: header of {} bytes runs past the end of the file ({} bytes)", source, length,
-         file_bytes);
-  }
-  if (length > kMaxHeaderBytes) {
-    fail("{}: header of {} bytes exceeds the format's limit of {} bytes", source, length,
-         kMaxHeaderBytes);
-  }
-  return length;
-}
-
-// The header's JSON. The format forbids repeated keys, but a JSON parser silently keeps one of
-// them; its callback sees each key while the object it belongs to is still open, so repeats are
-// caught there (the parser itself is iterative: deep nesting costs heap, not stack).
-Json parse_header_json(std::string_view text, std::string_view source) {
-  if (text.empty() || text.front() != '{')
-    fail("{}: the header must be a JSON object starting with '{{'", source);
-  std::vector<std::set<std::string>> open_objects;  // keys seen so far, innermost object last
-  std::string entry;  // the top-level key being read: names the tensor in messages
-  const Json::parser_callback_t callback = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::object_start) {
-      open_objects.emplace_back();
-    } else if (event == Json::parse_event_t::object_end) {
-      open_objects.pop_back();
-    } else if (event == Json::parse_event_t::key) {
-      const auto& key = parsed.get_ref<const std::string&>();
-      if (depth == 1) entry = key;
-      if (!open_objects.back().insert(key).second) {
-        if (depth == 1 && key != "__metadata__")
-          fail("{}: tensor '{}' appears twice in the header", source, key);
-        fail("{}: key '{}' appears twice in the header's entry '{}'", source, key, entry);
-      }
-    }
-    return true;
-  };
-  try {
-    return Json::parse(text, callback);
-  } catch (const Json::exception& e) {
-    fail("{}: the header is not valid JSON: {}", source, e.what());
-  }
-}
-
-// One tensor as the header describes it; its bytes are [begin, end) of the data section.
-struct Entry {
-  std::string name;
-  FileTensor tensor;  // dtype and shape; the caller fills the data
-  std::uint64_t begin = 0;
-  std::uint64_t end = 0;
-};
-
-struct Header {
-  std::vector<Entry> entries;
-  std::map<std::string, std::string> metadata;
-};
-
-// A JSON integer >= 0 (the parser keeps "-0" as a signed zero), or nothing.
-std::optional<std::uint64_t> non_negative(const Json& value) {
-  if (value.is_number_unsigned()) return value.get<std::uint64_t>();
-  if (value.is_number_integer() && value.get<std::int64_t>() == 0) return 0;
-  return std::nullopt;
-}
-
-std::int64_t dimension(const Json& value, std::size_t index, std::string_view source,
-                       const std::string& name) {
-  if (const auto d = non_negative(value)) {
-    if (*d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-      fail("{}: tensor '{}' has dimension {} = {}, beyond int64", source, name, index, *d);
-    return static_cast<std::int64_t>(*d);
-  }
-  if (value.is_number_integer())
-    fail("{}: tensor '{}' has a negative dimension {} = {}", source, name, index, brief(value));
-  fail("{}: tensor '{}' has dimension {} = {}, not an integer", source, name, index, brief(value));
-}
-
-Entry parse_entry(const std::string& name, const Json& json, std::uint64_t data_bytes,
-                  std::string_view source) {
-  if (name.empty()) fail("{}: a tensor has an empty name", source);
-  if (!json.is_object())
-    fail("{}: tensor '{}' has the entry {}; expected an object", source, name, brief(json));
-  for (const auto& [field, value] : json.items()) {
-    if (field != "dtype" && field != "shape" && field != "data_offsets") {
-      fail("{}: tensor '{}' has the unknown field '{}' (a tensor has dtype, shape, data_offsets)",
-           source, name, field);
-    }
-  }
-  for (const char* field : {"dtype", "shape", "data_offsets"}) {
-    if (!json.contains(field)) fail("{}: tensor '{}' has no '{}'", source, name, field);
-  }
-  Entry e;
-  e.name = name;
-  const Json& dtype = json["dtype"];
-  if (!dtype.is_string())
-    fail("{}: tensor '{}' has dtype {}; expected a string", source, name, brief(dtype));
-  e.tensor.dtype = parse_file_dtype(dtype.get<std::string>(), source, name);
-  const Json& shape = json["shape"];
-  if (!shape.is_array())
-    fail("{}: tensor '{}' has shape {}; expected a list", source, name, brief(shape));
-  for (std::size_t i = 0; i < shape.size(); ++i)
-    e.tensor.shape.push_back(dimension(shape[i], i, source, name));
-  const auto expected = checked_bytes(e.tensor.shape, e.tensor.dtype);
-  if (!expected) {
-    fail("{}: tensor '{}' of shape [{}] has more elements or bytes than 64 bits count", source,
-         name, fmt::join(e.tensor.shape, ", "));
-  }
-  const Json& offsets = json["data_offsets"];
-  const bool pair = offsets.is_array() && offsets.size() == 2;
-  const auto begin = pair ? non_negative(offsets[0]) : std::nullopt;
-  const auto end = pair ? non_negative(offsets[1]) : std::nullopt;
-  if (!begin || !end) {
-    fail("{}: tensor '{}' has data_offsets {}; expected [begin, end], two integers >= 0", source,
-         name,
-         pair ? fmt::format("[{}, {}]", brief(offsets[0]), brief(offsets[1])) : brief(offsets));
-  }
-  e.begin = *begin;
-  e.end = *end;
-  if (e.begin > e.end)
-    fail("{}: tensor '{}' has data_offsets [{}, {}]: begin after end", source, name, e.begin,
-         e.end);
-  if (e.end > data_bytes) {
-    fail("{}: tensor '{}' has data_offsets [{}, {}] outside the {} data bytes", source, name,
-         e.begin, e.end, data_bytes);
-  }
-  if (e.end - e.begin != *expected) {
-    fail("{}: tensor '{}' holds {} bytes but {}[{}] needs {}", source, name, e.end - e.begin,
-         file_dtype_name(e.tensor.dtype), fmt::join(e.tensor.shape, ","), *expected);
-  }
-  return e;
-}
-
-// The format requires the tensors' byte ranges to tile the data section: sorted by offset, each
-// starts where the one before ends, the first at 0 and the last at the section's end. (A zero-byte
-// tensor occupies no bytes and fits anywhere between others.)
-void check_coverage(std::vector<const Entry*> entries, std::uint64_t data_bytes,
-                    std::string_view source) {
-  std::sort(entries.begin(), entries.end(), [](const Entry* a, const Entry* b) {
-    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
-  });
-  std::uint64_t covered = 0;
-  const Entry* previous = nullptr;
-  for (const Entry* e : entries) {
-    if (e->begin < covered) {
-      fail("{}: tensor '{}' (bytes [{}, {})) overlaps tensor '{}' (bytes [{}, {}))", source,
-           e->name, e->begin, e->end, previous->name, previous->begin, previous->end);
-    }
-    if (e->begin > covered) {
-      fail("{}: bytes [{}, {}) of the data section belong to no tensor (a gap before tensor '{}')",
-           source, covered, e->begin, e->name);
-    }
-    covered = e->end;
-    if (e->end > e->begin) previous = e;
-  }
-  if (covered != data_bytes) {
-    fail("{}: the data section has {} bytes but the tensors cover only the first {}", source,
-         data_bytes, covered);
-  }
-}
-
-Header parse_header(std::string_view text, std::uint64_t data_bytes, std::string_view source) {
-  const Json json = parse_header_json(text, source);
-  if (!json.is_object()) fail("{}: the header is not a JSON object", source);
-  Header header;
-  for (const auto& [name, entry] : json.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) fail("{}: __metadata__ is {}, not an object", source, brief(entry));
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string())
-          fail("{}: metadata '{}' is {}, not a string", source, key, brief(value));
-        header.metadata[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    header.entries.push_back(parse_entry(name, entry, data_bytes, source));
-  }
-  std::vector<const Entry*> order;
-  for (const auto& e : header.entries) order.push_back(&e);
-  check_coverage(std::move(order), data_bytes, source);
-  return header;
+std::vector<TensorSpec> specs_of(const std::map<std::string, FileTensor>& tensors) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, t] : tensors) specs.push_back({name, t.dtype, t.shape});
+  return specs;
 }
 
 }  // namespace
@@ -301,77 +96,117 @@ Tensor FileTensor::view() {
   return Tensor(data.data(), dtype_view, shape);
 }
 
+// ---- TensorSource ------------------------------------------------------------------------------
+
+void TensorSource::read_into(const std::string& name, std::int64_t first, std::int64_t count,
+                             std::span<std::byte> out) const {
+  const TensorInfo t = info(name);
+  if (!inside(first, count, t.numel)) {
+    fail("{}: elements {} of tensor '{}' lie outside its {} elements", source(),
+         range_text(first, count), name, t.numel);
+  }
+  // Inside the tensor, whose byte count the header (or add) checked: no overflow here.
+  const std::size_t element = file_dtype_size(t.dtype);
+  const auto bytes = static_cast<std::uint64_t>(count) * element;
+  if (out.size() != bytes) {
+    fail("{}: elements {} of tensor '{}' are {} bytes of {}, but the buffer holds {}", source(),
+         range_text(first, count), name, bytes, file_dtype_name(t.dtype), out.size());
+  }
+  if (bytes > 0) read_bytes(name, static_cast<std::uint64_t>(first) * element, out);
+}
+
+FileTensor TensorSource::read_range(const std::string& name, std::int64_t first,
+                                    std::int64_t count) const {
+  const TensorInfo t = info(name);
+  if (!inside(first, count, t.numel)) {
+    fail("{}: elements {} of tensor '{}' lie outside its {} elements", source(),
+         range_text(first, count), name, t.numel);
+  }
+  FileTensor out;
+  out.dtype = t.dtype;
+  out.shape = {count};
+  out.data.resize(static_cast<std::size_t>(count) * file_dtype_size(t.dtype));
+  read_into(name, first, count, out.data);
+  return out;
+}
+
+FileTensor TensorSource::read_rows(const std::string& name, std::int64_t first_row,
+                                   std::int64_t rows) const {
+  const TensorInfo t = info(name);
+  if (t.shape.empty())
+    fail("{}: tensor '{}' has no dimensions, so no rows to read", source(), name);
+  if (!inside(first_row, rows, t.shape[0])) {
+    fail("{}: rows {} of tensor '{}' lie outside its {} rows", source(),
+         range_text(first_row, rows), name, t.shape[0]);
+  }
+  const std::vector<std::int64_t> row_shape(t.shape.begin() + 1, t.shape.end());
+  // A tensor of no rows may claim any row size: checked, not assumed to fit.
+  const auto row_elements = checked_numel(row_shape);
+  std::int64_t first = 0, count = 0;
+  if (!row_elements || __builtin_mul_overflow(first_row, *row_elements, &first) ||
+      __builtin_mul_overflow(rows, *row_elements, &count)) {
+    fail("{}: rows {} of tensor '{}' of shape [{}] have more elements than int64 counts", source(),
+         range_text(first_row, rows), name, fmt::join(t.shape, ", "));
+  }
+  FileTensor out = read_range(name, first, count);
+  out.shape = row_shape;
+  out.shape.insert(out.shape.begin(), rows);
+  return out;
+}
+
+FileTensor TensorSource::read_tensor(const std::string& name) const {
+  FileTensor out = read_range(name, 0, info(name).numel);
+  out.shape = info(name).shape;
+  return out;
+}
+
+// ---- TensorFile --------------------------------------------------------------------------------
+
 TensorFile TensorFile::parse(std::string_view bytes, std::string_view source) {
   if (bytes.size() < 8)
     fail("{}: {} bytes is too short for a safetensors file", source, bytes.size());
-  const std::uint64_t length = header_length(bytes.data(), bytes.size(), source);
+  const std::uint64_t length =
+      safetensors_format::header_length(bytes.data(), bytes.size(), source);
   const std::string_view data = bytes.substr(8 + length);
-  Header header = parse_header(bytes.substr(8, length), data.size(), source);
+  auto header = safetensors_format::parse_header(bytes.substr(8, length), data.size(), source);
   TensorFile file;
   file.source_ = std::string(source);
   file.metadata = std::move(header.metadata);
   for (auto& e : header.entries) {
-    e.tensor.data.resize(e.end - e.begin);
+    FileTensor t;
+    t.dtype = e.info.dtype;
+    t.shape = std::move(e.info.shape);
+    t.data.resize(e.end - e.begin);
     // A zero-byte tensor's buffer may be null, which memcpy must never see.
-    if (!e.tensor.data.empty())
-      std::memcpy(e.tensor.data.data(), data.data() + e.begin, e.tensor.data.size());
-    file.tensors_.emplace(std::move(e.name), std::move(e.tensor));
+    if (!t.data.empty()) std::memcpy(t.data.data(), data.data() + e.begin, t.data.size());
+    file.tensors_.emplace(std::move(e.name), std::move(t));
   }
   return file;
 }
 
 TensorFile TensorFile::read(const std::filesystem::path& path, std::uint64_t max_bytes) {
-  const std::string source = path.string();
-  const InputFile in(path, max_bytes, "tensor file");
-  if (in.size() < 8) fail("{}: {} bytes is too short for a safetensors file", source, in.size());
-  char prefix[8];
-  in.read_at(0, prefix, 8);
-  const std::uint64_t length = header_length(prefix, in.size(), source);
-  std::string text(static_cast<std::size_t>(length), '\0');
-  in.read_at(8, text.data(), text.size());
-  const std::uint64_t data_start = 8 + length;
-  Header header = parse_header(text, in.size() - data_start, source);
+  // The reader's checks are read()'s: one code path, so the two fail alike on every bad file.
+  const TensorFileReader reader(path, max_bytes);
+  TensorFile file;
+  file.source_ = reader.source();
+  file.metadata = reader.metadata();
   // Each tensor read straight into its buffer: the file is never held twice in memory. The
   // buffers add up to the data section, which the size limit bounds.
-  TensorFile file;
-  file.source_ = source;
-  file.metadata = std::move(header.metadata);
-  for (auto& e : header.entries) {
-    e.tensor.data.resize(e.end - e.begin);
-    if (!e.tensor.data.empty())
-      in.read_at(data_start + e.begin, e.tensor.data.data(), e.tensor.data.size());
-    file.tensors_.emplace(std::move(e.name), std::move(e.tensor));
-  }
+  for (const auto& name : reader.names()) file.tensors_.emplace(name, reader.read_tensor(name));
   return file;
 }
 
 std::string TensorFile::serialize() const {
-  Json header = Json::object();
-  std::uint64_t offset = 0;
-  for (const auto& [name, t] : tensors_) {  // std::map: name order, reproducible files
-    header[name] = {{"dtype", file_dtype_name(t.dtype)},
-                    {"shape", t.shape},
-                    {"data_offsets", {offset, offset + t.data.size()}}};
-    offset += t.data.size();
-  }
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i)
-    out[i] = static_cast<char>((static_cast<std::uint64_t>(text.size()) >> (8 * i)) & 0xff);
-  out += text;
+  std::string out = safetensors_format::encode_header(specs_of(tensors_), metadata);
   for (const auto& [name, t] : tensors_)
     out.append(reinterpret_cast<const char*>(t.data.data()), t.data.size());
   return out;
 }
 
 void TensorFile::write(const std::filesystem::path& path) const {
-  std::ofstream out(path, std::ios::binary);
-  if (!out) fail("cannot create tensor file '{}'", path.string());
-  const std::string bytes = serialize();
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!out) fail("writing tensor file '{}' failed", path.string());
+  TensorFileWriter writer(path, specs_of(tensors_), metadata);
+  for (const auto& [name, t] : tensors_) writer.append(name, t.data);
+  writer.finish();
 }
 
 void TensorFile::add(const std::string& name, FileDType dtype, std::vector<std::int64_t> shape,
@@ -379,7 +214,7 @@ void TensorFile::add(const std::string& name, FileDType dtype, std::vector<std::
   if (name.empty() || name == "__metadata__")
     fail("TensorFile::add: '{}' is not a valid tensor name", name);
   const auto bytes = checked_bytes(shape, dtype);
-  if (!bytes) {
+  if (!bytes || *bytes > std::vector<std::byte>().max_size()) {
     fail("TensorFile::add: tensor '{}' of shape [{}] has a negative dimension or too many bytes",
          name, fmt::join(shape, ", "));
   }
@@ -388,8 +223,8 @@ void TensorFile::add(const std::string& name, FileDType dtype, std::vector<std::
   FileTensor t;
   t.dtype = dtype;
   t.shape = std::move(shape);
-  t.data.resize(*bytes);
-  if (*bytes > 0) std::memcpy(t.data.data(), data, *bytes);
+  t.data.resize(static_cast<std::size_t>(*bytes));
+  if (*bytes > 0) std::memcpy(t.data.data(), data, t.data.size());
   tensors_[name] = std::move(t);
 }
 
@@ -401,6 +236,215 @@ const FileTensor& TensorFile::get(const std::string& name) const {
 
 FileTensor& TensorFile::get(const std::string& name) {
   return const_cast<FileTensor&>(static_cast<const TensorFile&>(*this).get(name));
+}
+
+std::vector<std::string> TensorFile::names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, t] : tensors_) names.push_back(name);
+  return names;
+}
+
+TensorInfo TensorFile::info(const std::string& name) const {
+  const FileTensor& t = get(name);
+  const auto bytes = checked_bytes(t.shape, t.dtype);
+  if (!bytes || *bytes != t.data.size()) {
+    fail("{}: tensor '{}' holds {} bytes but {}[{}] needs {}", source_, name, t.data.size(),
+         file_dtype_name(t.dtype), fmt::join(t.shape, ","),
+         bytes ? fmt::format("{}", *bytes) : std::string("more than 64 bits count"));
+  }
+  return {t.dtype, t.shape, *checked_numel(t.shape)};
+}
+
+void TensorFile::read_bytes(const std::string& name, std::uint64_t offset,
+                            std::span<std::byte> out) const {
+  std::memcpy(out.data(), get(name).data.data() + offset, out.size());
+}
+
+// ---- TensorFileReader --------------------------------------------------------------------------
+
+TensorFileReader::TensorFileReader(const std::filesystem::path& path, std::uint64_t max_bytes)
+    : source_(path.string()), file_(std::make_unique<InputFile>(path, max_bytes, "tensor file")) {
+  const std::uint64_t size = file_->size();
+  if (size < 8) fail("{}: {} bytes is too short for a safetensors file", source_, size);
+  char prefix[8];
+  file_->read_at(0, prefix, 8);
+  const std::uint64_t length = safetensors_format::header_length(prefix, size, source_);
+  std::string text(static_cast<std::size_t>(length), '\0');
+  file_->read_at(8, text.data(), text.size());
+  data_start_ = 8 + length;
+  auto header = safetensors_format::parse_header(text, size - data_start_, source_);
+  metadata_ = std::move(header.metadata);
+  for (auto& e : header.entries)
+    entries_.emplace(std::move(e.name), Entry{std::move(e.info), e.begin, e.end});
+}
+
+TensorFileReader::~TensorFileReader() = default;
+TensorFileReader::TensorFileReader(TensorFileReader&&) noexcept = default;
+TensorFileReader& TensorFileReader::operator=(TensorFileReader&&) noexcept = default;
+
+std::vector<std::string> TensorFileReader::names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, e] : entries_) names.push_back(name);
+  return names;
+}
+
+const TensorFileReader::Entry& TensorFileReader::entry(const std::string& name) const {
+  const auto found = entries_.find(name);
+  if (found == entries_.end()) fail("{}: no tensor named '{}'", source_, name);
+  return found->second;
+}
+
+TensorInfo TensorFileReader::info(const std::string& name) const {
+  return entry(name).info;
+}
+
+std::pair<std::uint64_t, std::uint64_t> TensorFileReader::data_offsets(
+    const std::string& name) const {
+  const Entry& e = entry(name);
+  return {e.begin, e.end};
+}
+
+void TensorFileReader::read_bytes(const std::string& name, std::uint64_t offset,
+                                  std::span<std::byte> out) const {
+  if (file_ == nullptr) fail("{}: this TensorFileReader was moved from", source_);
+  file_->read_at(data_start_ + entry(name).begin + offset, out.data(), out.size());
+}
+
+// ---- TensorFileWriter --------------------------------------------------------------------------
+
+namespace {
+
+// Exactly `bytes` bytes at `offset` of the file open as `fd`.
+void write_at(int fd, std::uint64_t offset, const std::byte* data, std::size_t bytes,
+              const std::filesystem::path& path) {
+  while (bytes > 0) {
+    // One call writes at most 1 GiB: Linux caps a single write near 2 GiB anyway.
+    const std::size_t chunk = std::min<std::size_t>(bytes, std::size_t{1} << 30);
+    const ssize_t put = ::pwrite(fd, data, chunk, static_cast<off_t>(offset));
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) {
+      fail("writing tensor file '{}' failed at byte {}: {}", path.string(), offset,
+           put < 0 ? describe_errno(errno) : "nothing written");
+    }
+    data += put;
+    offset += static_cast<std::uint64_t>(put);
+    bytes -= static_cast<std::size_t>(put);
+  }
+}
+
+}  // namespace
+
+TensorFileWriter::TensorFileWriter(const std::filesystem::path& path,
+                                   std::vector<TensorSpec> tensors,
+                                   std::map<std::string, std::string> metadata)
+    : path_(path) {
+  // Name order: the order TensorFile::write lays the data out in, and the order of the JSON keys.
+  std::sort(tensors.begin(), tensors.end(),
+            [](const TensorSpec& a, const TensorSpec& b) { return a.name < b.name; });
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& t = tensors[i];
+    if (t.name.empty() || t.name == "__metadata__")
+      fail("TensorFileWriter: '{}' is not a valid tensor name", t.name);
+    if (i > 0 && tensors[i - 1].name == t.name)
+      fail("TensorFileWriter: tensor '{}' is declared twice", t.name);
+    if (!checked_bytes(t.shape, t.dtype)) {
+      fail("TensorFileWriter: tensor '{}' of shape [{}] has a negative dimension or too many bytes",
+           t.name, fmt::join(t.shape, ", "));
+    }
+  }
+  const std::string header = safetensors_format::encode_header(tensors, metadata);
+  std::uint64_t offset = header.size();
+  for (const TensorSpec& t : tensors) {
+    const std::uint64_t bytes = *checked_bytes(t.shape, t.dtype);
+    slots_[t.name] = Slot{offset, bytes, 0};
+    if (__builtin_add_overflow(offset, bytes, &offset))
+      fail("TensorFileWriter: the tensors up to '{}' add up to more bytes than 64 bits count",
+           t.name);
+  }
+  // O_NONBLOCK: opening a FIFO that has no reader fails at once instead of blocking.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0644);
+  if (fd < 0) fail("cannot create tensor file '{}': {}", path.string(), describe_errno(errno));
+  struct stat status {};
+  if (::fstat(fd, &status) != 0 || !S_ISREG(status.st_mode)) {
+    ::close(fd);  // not ours to remove: a device or a FIFO the path already named
+    fail("tensor file '{}' is not a regular file; results are written to regular files only",
+         path.string());
+  }
+  fd_ = fd;
+  try {
+    write_at(fd_, 0, reinterpret_cast<const std::byte*>(header.data()), header.size(), path_);
+  } catch (...) {
+    discard();
+    throw;
+  }
+}
+
+TensorFileWriter::~TensorFileWriter() {
+  if (!finished_) discard();
+}
+
+void TensorFileWriter::discard() noexcept {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  fd_ = -1;
+  std::error_code ignored;  // best effort: the error that led here is the one to report
+  std::filesystem::remove(path_, ignored);
+}
+
+const TensorFileWriter::Slot& TensorFileWriter::slot(const std::string& name) const {
+  const auto found = slots_.find(name);
+  if (found == slots_.end())
+    fail("tensor file '{}': no tensor named '{}' was declared", path_.string(), name);
+  return found->second;
+}
+
+TensorFileWriter::Slot& TensorFileWriter::slot(const std::string& name) {
+  return const_cast<Slot&>(static_cast<const TensorFileWriter&>(*this).slot(name));
+}
+
+void TensorFileWriter::append(const std::string& name, std::span<const std::byte> bytes) {
+  if (fd_ < 0) {
+    fail("tensor file '{}': appending to tensor '{}' after the writer {}", path_.string(), name,
+         finished_ ? "finished" : "failed");
+  }
+  Slot& s = slot(name);
+  if (bytes.size() > s.bytes - s.written) {
+    fail("tensor file '{}': tensor '{}' has {} bytes; {} more after the {} written pass its end",
+         path_.string(), name, s.bytes, bytes.size(), s.written);
+  }
+  try {
+    write_at(fd_, s.begin + s.written, bytes.data(), bytes.size(), path_);
+  } catch (...) {
+    discard();
+    throw;
+  }
+  s.written += bytes.size();
+}
+
+std::uint64_t TensorFileWriter::remaining(const std::string& name) const {
+  const Slot& s = slot(name);
+  return s.bytes - s.written;
+}
+
+void TensorFileWriter::finish() {
+  if (fd_ < 0)
+    fail("tensor file '{}': finish() after the writer {}", path_.string(),
+         finished_ ? "finished" : "failed");
+  for (const auto& [name, s] : slots_) {
+    if (s.written != s.bytes) {
+      discard();
+      fail("tensor file '{}': tensor '{}' got {} of its {} bytes", path_.string(), name, s.written,
+           s.bytes);
+    }
+  }
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) {
+    const int error = errno;
+    std::error_code ignored;
+    std::filesystem::remove(path_, ignored);
+    fail("closing tensor file '{}' failed: {}", path_.string(), describe_errno(error));
+  }
+  finished_ = true;
 }
 
 }  // namespace moe

@@ -1,0 +1,251 @@
+#include "io/safetensors_format.h"
+
+#include <fmt/ranges.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <limits>
+#include <set>
+
+#include "moe/error.h"
+
+namespace moe::safetensors_format {
+namespace {
+
+using Json = nlohmann::json;
+
+FileDType parse_file_dtype(const std::string& text, std::string_view source,
+                           const std::string& name) {
+  if (text == "BF16") return FileDType::kBF16;
+  if (text == "F32") return FileDType::kF32;
+  if (text == "I32") return FileDType::kI32;
+  if (text == "I64") return FileDType::kI64;
+  fail("{}: tensor '{}' has dtype '{}'; supported are BF16, F32, I32, I64", source, name, text);
+}
+
+std::uint64_t read_le64(const char* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
+  return v;
+}
+
+// A JSON value in a message: scalars as written (long strings cut), containers by kind only, so
+// a message never recurses into (or grows with) whatever nesting a corrupt header holds.
+std::string brief(const Json& value) {
+  if (value.is_array()) return fmt::format("a list of {} items", value.size());
+  if (value.is_object()) return fmt::format("an object of {} keys", value.size());
+  std::string text = value.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (text.size() > 64) text = text.substr(0, 60) + "...";
+  return text;
+}
+
+// The header's JSON. The format forbids repeated keys, but a JSON parser silently keeps one of
+// them; its callback sees each key while the object it belongs to is still open, so repeats are
+// caught there (the parser itself is iterative: deep nesting costs heap, not stack).
+Json parse_header_json(std::string_view text, std::string_view source) {
+  if (text.empty() || text.front() != '{')
+    fail("{}: the header must be a JSON object starting with '{{'", source);
+  std::vector<std::set<std::string>> open_objects;  // keys seen so far, innermost object last
+  std::string entry;  // the top-level key being read: names the tensor in messages
+  const Json::parser_callback_t callback = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == Json::parse_event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == Json::parse_event_t::key) {
+      const auto& key = parsed.get_ref<const std::string&>();
+      if (depth == 1) entry = key;
+      if (!open_objects.back().insert(key).second) {
+        if (depth == 1 && key != "__metadata__")
+          fail("{}: tensor '{}' appears twice in the header", source, key);
+        fail("{}: key '{}' appears twice in the header's entry '{}'", source, key, entry);
+      }
+    }
+    return true;
+  };
+  try {
+    return Json::parse(text, callback);
+  } catch (const Json::exception& e) {
+    fail("{}: the header is not valid JSON: {}", source, e.what());
+  }
+}
+
+// A JSON integer >= 0 (the parser keeps "-0" as a signed zero), or nothing.
+std::optional<std::uint64_t> non_negative(const Json& value) {
+  if (value.is_number_unsigned()) return value.get<std::uint64_t>();
+  if (value.is_number_integer() && value.get<std::int64_t>() == 0) return 0;
+  return std::nullopt;
+}
+
+std::int64_t dimension(const Json& value, std::size_t index, std::string_view source,
+                       const std::string& name) {
+  if (const auto d = non_negative(value)) {
+    if (*d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      fail("{}: tensor '{}' has dimension {} = {}, beyond int64", source, name, index, *d);
+    return static_cast<std::int64_t>(*d);
+  }
+  if (value.is_number_integer())
+    fail("{}: tensor '{}' has a negative dimension {} = {}", source, name, index, brief(value));
+  fail("{}: tensor '{}' has dimension {} = {}, not an integer", source, name, index, brief(value));
+}
+
+Entry parse_entry(const std::string& name, const Json& json, std::uint64_t data_bytes,
+                  std::string_view source) {
+  if (name.empty()) fail("{}: a tensor has an empty name", source);
+  if (!json.is_object())
+    fail("{}: tensor '{}' has the entry {}; expected an object", source, name, brief(json));
+  for (const auto& [field, value] : json.items()) {
+    if (field != "dtype" && field != "shape" && field != "data_offsets") {
+      fail("{}: tensor '{}' has the unknown field '{}' (a tensor has dtype, shape, data_offsets)",
+           source, name, field);
+    }
+  }
+  for (const char* field : {"dtype", "shape", "data_offsets"}) {
+    if (!json.contains(field)) fail("{}: tensor '{}' has no '{}'", source, name, field);
+  }
+  Entry e;
+  e.name = name;
+  const Json& dtype = json["dtype"];
+  if (!dtype.is_string())
+    fail("{}: tensor '{}' has dtype {}; expected a string", source, name, brief(dtype));
+  e.info.dtype = parse_file_dtype(dtype.get<std::string>(), source, name);
+  const Json& shape = json["shape"];
+  if (!shape.is_array())
+    fail("{}: tensor '{}' has shape {}; expected a list", source, name, brief(shape));
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    e.info.shape.push_back(dimension(shape[i], i, source, name));
+  const auto expected = checked_bytes(e.info.shape, e.info.dtype);
+  if (!expected) {
+    fail("{}: tensor '{}' of shape [{}] has more elements or bytes than 64 bits count", source,
+         name, fmt::join(e.info.shape, ", "));
+  }
+  e.info.numel = *checked_numel(e.info.shape);  // fits: the byte count did
+  const Json& offsets = json["data_offsets"];
+  const bool pair = offsets.is_array() && offsets.size() == 2;
+  const auto begin = pair ? non_negative(offsets[0]) : std::nullopt;
+  const auto end = pair ? non_negative(offsets[1]) : std::nullopt;
+  if (!begin || !end) {
+    fail("{}: tensor '{}' has data_offsets {}; expected [begin, end], two integers >= 0", source,
+         name,
+         pair ? fmt::format("[{}, {}]", brief(offsets[0]), brief(offsets[1])) : brief(offsets));
+  }
+  e.begin = *begin;
+  e.end = *end;
+  if (e.begin > e.end)
+    fail("{}: tensor '{}' has data_offsets [{}, {}]: begin after end", source, name, e.begin,
+         e.end);
+  if (e.end > data_bytes) {
+    fail("{}: tensor '{}' has data_offsets [{}, {}] outside the {} data bytes", source, name,
+         e.begin, e.end, data_bytes);
+  }
+  if (e.end - e.begin != *expected) {
+    fail("{}: tensor '{}' holds {} bytes but {}[{}] needs {}", source, name, e.end - e.begin,
+         file_dtype_name(e.info.dtype), fmt::join(e.info.shape, ","), *expected);
+  }
+  return e;
+}
+
+// The format requires the tensors' byte ranges to tile the data section: sorted by offset, each
+// starts where the one before ends, the first at 0 and the last at the section's end. (A zero-byte
+// tensor occupies no bytes and fits anywhere between others.)
+void check_coverage(std::vector<const Entry*> entries, std::uint64_t data_bytes,
+                    std::string_view source) {
+  std::sort(entries.begin(), entries.end(), [](const Entry* a, const Entry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  std::uint64_t covered = 0;
+  const Entry* previous = nullptr;
+  for (const Entry* e : entries) {
+    if (e->begin < covered) {
+      fail("{}: tensor '{}' (bytes [{}, {})) overlaps tensor '{}' (bytes [{}, {}))", source,
+           e->name, e->begin, e->end, previous->name, previous->begin, previous->end);
+    }
+    if (e->begin > covered) {
+      fail("{}: bytes [{}, {}) of the data section belong to no tensor (a gap before tensor '{}')",
+           source, covered, e->begin, e->name);
+    }
+    covered = e->end;
+    if (e->end > e->begin) previous = e;
+  }
+  if (covered != data_bytes) {
+    fail("{}: the data section has {} bytes but the tensors cover only the first {}", source,
+         data_bytes, covered);
+  }
+}
+
+}  // namespace
+
+std::optional<std::int64_t> checked_numel(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (const auto d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return std::nullopt;
+  }
+  return n;
+}
+
+std::optional<std::uint64_t> checked_bytes(const std::vector<std::int64_t>& shape,
+                                           FileDType dtype) {
+  const auto n = checked_numel(shape);
+  std::uint64_t bytes = 0;
+  if (!n || __builtin_mul_overflow(static_cast<std::uint64_t>(*n), file_dtype_size(dtype), &bytes))
+    return std::nullopt;
+  return bytes;
+}
+
+std::uint64_t header_length(const char* prefix, std::uint64_t file_bytes, std::string_view source) {
+  const std::uint64_t length = read_le64(prefix);
+  if (length > file_bytes - 8) {
+    fail("{}: header of {} bytes runs past the end of the file ({} bytes)", source, length,
+         file_bytes);
+  }
+  if (length > kMaxHeaderBytes) {
+    fail("{}: header of {} bytes exceeds the format's limit of {} bytes", source, length,
+         kMaxHeaderBytes);
+  }
+  return length;
+}
+
+Header parse_header(std::string_view text, std::uint64_t data_bytes, std::string_view source) {
+  const Json json = parse_header_json(text, source);
+  if (!json.is_object()) fail("{}: the header is not a JSON object", source);
+  Header header;
+  for (const auto& [name, entry] : json.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) fail("{}: __metadata__ is {}, not an object", source, brief(entry));
+      for (const auto& [key, value] : entry.items()) {
+        if (!value.is_string())
+          fail("{}: metadata '{}' is {}, not a string", source, key, brief(value));
+        header.metadata[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    header.entries.push_back(parse_entry(name, entry, data_bytes, source));
+  }
+  std::vector<const Entry*> order;
+  for (const auto& e : header.entries) order.push_back(&e);
+  check_coverage(std::move(order), data_bytes, source);
+  return header;
+}
+
+std::string encode_header(const std::vector<TensorSpec>& tensors,
+                          const std::map<std::string, std::string>& metadata) {
+  Json header = Json::object();
+  std::uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    const std::uint64_t bytes = *checked_bytes(t.shape, t.dtype);
+    header[t.name] = {{"dtype", file_dtype_name(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i)
+    out[i] = static_cast<char>((static_cast<std::uint64_t>(text.size()) >> (8 * i)) & 0xff);
+  return out + text;
+}
+
+}  // namespace moe::safetensors_format
