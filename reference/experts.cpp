@@ -4,6 +4,7 @@
 
 #include "moe/error.h"
 #include "reference/reference.h"
+#include "stages.h"
 
 namespace moe::reference {
 namespace {
@@ -86,6 +87,19 @@ ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, cons
   return grads;
 }
 
+double expert_prob_grad(const Matrix& dy, std::int64_t token, const Matrix& h, std::int64_t row,
+                        const Matrix& w2, Intermediates intermediates, DType dtype) {
+  const std::int64_t F = h.cols / 2;
+  Matrix dA(1, F);  // dy[t]·w2ᵀ, the product's output
+  for (std::int64_t j = 0; j < F; ++j) {
+    for (std::int64_t i = 0; i < dy.cols; ++i) dA(0, j) += dy(token, i) * w2(j, i);
+  }
+  if (intermediates == Intermediates::kAsStored) dA = round_to(dA, dtype);
+  double dot = 0.0;
+  for (std::int64_t j = 0; j < F; ++j) dot += dA(0, j) * silu(h(row, j)) * h(row, F + j);
+  return dot;
+}
+
 std::vector<double> experts_prob_grads(const Matrix& dy, const ExpertActivations& act,
                                        const Layout& layout, const Routing& routing,
                                        const ExpertWeights& weights, Intermediates intermediates,
@@ -110,15 +124,7 @@ std::vector<double> experts_prob_grads(const Matrix& dy, const ExpertActivations
       const std::int64_t row = layout.row_of(t, k, routing.topk);
       if (row == Layout::kDroppedRow) continue;  // a dropped slot's dp is 0
       const Matrix& w2 = weights.w2[static_cast<std::size_t>(routing.expert_of(t, k))];
-      Matrix dA(1, F);  // dy[t]·w2ᵀ, the product's output
-      for (std::int64_t j = 0; j < F; ++j) {
-        for (std::int64_t i = 0; i < dy.cols; ++i) dA(0, j) += dy(t, i) * w2(j, i);
-      }
-      if (intermediates == Intermediates::kAsStored) dA = round_to(dA, dtype);
-      double dot = 0.0;
-      for (std::int64_t j = 0; j < F; ++j)
-        dot += dA(0, j) * silu(act.h(row, j)) * act.h(row, F + j);
-      dprob[t * routing.topk + k] = dot;
+      dprob[t * routing.topk + k] = expert_prob_grad(dy, t, act.h, row, w2, intermediates, dtype);
     }
   }
   return dprob;

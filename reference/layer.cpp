@@ -1,24 +1,31 @@
 // The whole layer on one GPU in fp64: the six forward steps of docs/design.md, then the backward as
 // their mirror; capacity mode, shared experts and routing replay where the config or the options
-// ask for them.
+// ask for them. The routed experts are taken one at a time (ExpertSource), in memory or streamed.
+#include <array>
+
 #include "moe/error.h"
 #include "reference/reference.h"
 #include "stages.h"
 
 namespace moe::reference {
 
-void check_params(const MoEConfig& config, const Params& params, std::int64_t hidden) {
+void check_gate_and_bias(const MoEConfig& config, const Params& params, std::int64_t hidden) {
   const int E = config.num_experts;
   if (params.gate_weight.rows != E || params.gate_weight.cols != hidden) {
     fail("reference: gate_weight is [{},{}], expected [{},{}]", params.gate_weight.rows,
          params.gate_weight.cols, E, hidden);
   }
+  if (config.expert_bias && std::ssize(params.expert_bias) != E) {
+    fail("reference: expert_bias has {} entries, expected {}", params.expert_bias.size(), E);
+  }
+}
+
+void check_params(const MoEConfig& config, const Params& params, std::int64_t hidden) {
+  check_gate_and_bias(config, params, hidden);
+  const int E = config.num_experts;
   if (std::ssize(params.experts.w13) != E || std::ssize(params.experts.w2) != E) {
     fail("reference: {} / {} expert weight matrices, expected {}", params.experts.w13.size(),
          params.experts.w2.size(), E);
-  }
-  if (config.expert_bias && std::ssize(params.expert_bias) != E) {
-    fail("reference: expert_bias has {} entries, expected {}", params.expert_bias.size(), E);
   }
 }
 
@@ -67,7 +74,113 @@ void fill_forward_result(const MoEConfig& config, const RouterFront& front,
   result.z_loss = config.z_loss_coeff > 0 ? z_loss(config, global_z_sum, global_aux.tokens) : 0.0;
 }
 
+int ExpertsInMemory::num_experts() const {
+  return static_cast<int>(experts_.w13.size());
+}
+
+ExpertWeights ExpertsInMemory::load(int expert) const {
+  if (expert < 0 || expert >= num_experts() || experts_.w2.size() != experts_.w13.size())
+    fail("ExpertsInMemory: expert {} of {} / {} weight matrices", expert, experts_.w13.size(),
+         experts_.w2.size());
+  return {{experts_.w13[expert]}, {experts_.w2[expert]}};
+}
+
+void ExpertGradsInMemory::take(int expert, Matrix dw13_of_expert, Matrix dw2_of_expert) {
+  if (expert != std::ssize(dw13))
+    fail("ExpertGradsInMemory: gradients of expert {} after {} experts", expert, dw13.size());
+  dw13.push_back(std::move(dw13_of_expert));
+  dw2.push_back(std::move(dw2_of_expert));
+}
+
 namespace {
+
+// Expert e's weights, checked against the layer's shapes: a source that reads a file could hand
+// back anything.
+ExpertWeights load_expert(const ExpertSource& experts, int e, std::int64_t H, std::int64_t F) {
+  ExpertWeights w = experts.load(e);
+  const bool one = w.w13.size() == 1 && w.w2.size() == 1;
+  if (!one || w.w13[0].rows != H || w.w13[0].cols != 2 * F || w.w2[0].rows != F ||
+      w.w2[0].cols != H) {
+    fail(
+        "reference: expert {} was loaded as {} w13 and {} w2 matrices{}; expected one [{},{}] "
+        "and one [{},{}]",
+        e, w.w13.size(), w.w2.size(),
+        one ? fmt::format(" of [{},{}] and [{},{}]", w.w13[0].rows, w.w13[0].cols, w.w2[0].rows,
+                          w.w2[0].cols)
+            : "",
+        H, 2 * F, F, H);
+  }
+  return w;
+}
+
+// Step 5 one expert at a time. Each expert's rows are computed from its own rows and weights
+// alone, so running experts_forward on one expert's rows gives what it gives on all rows at once.
+ExpertActivations experts_forward_streamed(const MoEConfig& config, const Matrix& X,
+                                           std::span<const std::int64_t> offsets,
+                                           const ExpertSource& experts,
+                                           Intermediates intermediates) {
+  const std::int64_t H = X.cols, F = config.ffn_hidden;
+  std::vector<Matrix> hs, as, ys;
+  for (int e = 0; e < config.num_experts; ++e) {
+    const Matrix Xe = slice_rows(X, offsets[e], offsets[e + 1]);
+    if (Xe.rows == 0) {  // nothing to compute: its weights are not read
+      hs.emplace_back(0, 2 * F);
+      as.emplace_back(0, F);
+      ys.emplace_back(0, H);
+      continue;
+    }
+    const std::array<std::int64_t, 2> rows = {0, Xe.rows};
+    ExpertActivations act =
+        experts_forward(Xe, rows, load_expert(experts, e, H, F), intermediates, config.dtype);
+    hs.push_back(std::move(act.h));
+    as.push_back(std::move(act.a));
+    ys.push_back(std::move(act.y));
+  }
+  return {concat_rows(hs), concat_rows(as), concat_rows(ys)};
+}
+
+// The experts' backward one at a time, each expert's weights loaded again: dX of every row, each
+// expert's weight gradients handed to `sink`, and, when `dprob` is given, its slots' dp as the
+// experts form it (ProbabilityGradient::kExperts).
+Matrix experts_backward_streamed(const MoEConfig& config, const Matrix& X,
+                                 const ExpertActivations& act, const Matrix& dY, const Matrix& dy,
+                                 const Layout& layout, const Routing& routing,
+                                 const ExpertSource& experts, ExpertGradSink& sink,
+                                 Intermediates intermediates, std::vector<double>* dprob) {
+  const std::int64_t H = X.cols, F = config.ffn_hidden;
+  std::vector<std::vector<std::int64_t>> slots_of(config.num_experts);  // t·K + k, kept slots
+  for (std::int64_t t = 0; t < routing.tokens; ++t) {
+    for (int k = 0; k < routing.topk; ++k) {
+      if (layout.row_of(t, k, routing.topk) != Layout::kDroppedRow)
+        slots_of[routing.expert_of(t, k)].push_back(t * routing.topk + k);
+    }
+  }
+  std::vector<Matrix> dXs;
+  for (int e = 0; e < config.num_experts; ++e) {
+    const std::int64_t begin = layout.offsets[e], end = layout.offsets[e + 1];
+    if (begin == end) {  // no rows: zero gradients, weights not read
+      dXs.emplace_back(0, H);
+      sink.take(e, Matrix(H, 2 * F), Matrix(F, H));
+      continue;
+    }
+    const ExpertWeights w = load_expert(experts, e, H, F);
+    if (dprob != nullptr) {
+      for (const std::int64_t slot : slots_of[e]) {
+        const std::int64_t t = slot / routing.topk;
+        const std::int64_t row = layout.row[static_cast<std::size_t>(slot)];
+        (*dprob)[slot] = expert_prob_grad(dy, t, act.h, row, w.w2[0], intermediates, config.dtype);
+      }
+    }
+    const ExpertActivations rows_act = {slice_rows(act.h, begin, end),
+                                        slice_rows(act.a, begin, end), Matrix()};
+    const std::array<std::int64_t, 2> rows = {0, end - begin};
+    ExpertGrads grads =
+        experts_backward(slice_rows(X, begin, end), rows_act, slice_rows(dY, begin, end), rows, w);
+    dXs.push_back(std::move(grads.dX));
+    sink.take(e, std::move(grads.dw13[0]), std::move(grads.dw2[0]));
+  }
+  return concat_rows(dXs);
+}
 
 struct Forward {
   RouterFront front;
@@ -78,16 +191,18 @@ struct Forward {
   Matrix out;
 };
 
-Forward forward(const MoEConfig& config, const Params& params, const Matrix& x,
-                const LayerOptions& options) {
-  check_params(config, params, x.cols);
+Forward forward(const MoEConfig& config, const Params& params, const ExpertSource& experts,
+                const Matrix& x, const LayerOptions& options) {
+  check_gate_and_bias(config, params, x.cols);
+  if (experts.num_experts() != config.num_experts)
+    fail("reference: {} experts to load, expected {}", experts.num_experts(), config.num_experts);
   Forward f;
   f.front = router_front(config, params, x, options.replay_experts);  // steps 1-3
   f.layout = make_layout(f.front.routing, f.front.kept, config.num_experts, config.align_size,
                          capacity_block_rows(config, x.rows));  // step 4
   f.X = permute(x, f.layout, f.front.routing);
-  f.act = experts_forward(f.X, f.layout.offsets, params.experts, options.intermediates,
-                          config.dtype);                          // step 5
+  f.act = experts_forward_streamed(config, f.X, f.layout.offsets, experts,
+                                   options.intermediates);        // step 5
   f.out = unpermute_combine(f.act.y, f.layout, f.front.routing);  // step 6
   if (config.shared_experts()) {
     f.shared = shared_forward(config, params.shared, x, options.intermediates);
@@ -98,9 +213,10 @@ Forward forward(const MoEConfig& config, const Params& params, const Matrix& x,
 
 }  // namespace
 
-LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
-                      const Matrix& dy, const LayerOptions& options) {
-  const Forward f = forward(config, params, x, options);
+LayerResult run_layer(const MoEConfig& config, const Params& params, const ExpertSource& experts,
+                      const Matrix& x, const Matrix& dy, ExpertGradSink& expert_grads,
+                      const LayerOptions& options) {
+  const Forward f = forward(config, params, experts, x, options);
   if (dy.rows != f.out.rows || dy.cols != f.out.cols) {
     fail("run_layer: dy is [{},{}], out is [{},{}]", dy.rows, dy.cols, f.out.rows, f.out.cols);
   }
@@ -111,15 +227,28 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Matri
 
   // Backward, the mirror: combine, experts, permute, router, gate; then the shared expert.
   const Matrix dY = combine_backward_rows(dy, f.layout, f.front.routing);
-  const auto dprob = options.dprob_from == ProbabilityGradient::kExperts
-                         ? experts_prob_grads(dy, f.act, f.layout, f.front.routing, params.experts,
-                                              options.intermediates, config.dtype)
-                         : combine_backward_prob(dy, f.act.y, f.layout, f.front.routing);
-  result.expert_grads = experts_backward(f.X, f.act, dY, f.layout.offsets, params.experts);
+  const bool dprob_in_experts = options.dprob_from == ProbabilityGradient::kExperts;
+  std::vector<double> dprob = dprob_in_experts
+                                  ? std::vector<double>(f.front.routing.expert.size(), 0.0)
+                                  : combine_backward_prob(dy, f.act.y, f.layout, f.front.routing);
+  result.expert_grads.dX = experts_backward_streamed(
+      config, f.X, f.act, dY, dy, f.layout, f.front.routing, experts, expert_grads,
+      options.intermediates, dprob_in_experts ? &dprob : nullptr);
   result.dx = permute_backward(result.expert_grads.dX, f.layout, f.front.routing);
   router_back(config, params, x, f.front, f.front.aux, dprob, result, options.intermediates);
   if (config.shared_experts())
     result.shared_grads = shared_backward(config, params.shared, x, f.shared, dy, result.dx);
+  return result;
+}
+
+LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
+                      const Matrix& dy, const LayerOptions& options) {
+  check_params(config, params, x.cols);
+  const ExpertsInMemory experts(params.experts);
+  ExpertGradsInMemory grads;
+  LayerResult result = run_layer(config, params, experts, x, dy, grads, options);
+  result.expert_grads.dw13 = std::move(grads.dw13);
+  result.expert_grads.dw2 = std::move(grads.dw2);
   return result;
 }
 
@@ -134,7 +263,8 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Matri
 
 double layer_objective(const MoEConfig& config, const Params& params, const Matrix& x,
                        const Matrix& dy, const LayerOptions& options) {
-  const Forward f = forward(config, params, x, options);
+  check_params(config, params, x.cols);
+  const Forward f = forward(config, params, ExpertsInMemory(params.experts), x, options);
   double objective = 0.0;
   for (std::size_t i = 0; i < f.out.data.size(); ++i) objective += f.out.data[i] * dy.data[i];
   if (config.aux_loss_coeff > 0) objective += aux_loss(config, f.front.aux);

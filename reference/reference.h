@@ -308,6 +308,59 @@ struct LayerOptions {
 // One GPU: forward and backward of the batch x with output gradient dy.
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
                       const Matrix& dy, const LayerOptions& options = {});
+
+// ---- Experts one at a time ----------------------------------------------------------------------
+//
+// A layer's routed experts can outgrow memory as doubles (deepseek-v3: 256 experts of 3·7168·2048
+// weights, 90 GB), while what the backward keeps of them is per row (h, a, y). The streamed
+// run_layer below therefore takes the experts one at a time, from an ExpertSource, in the forward
+// and again in the backward, and hands each expert's weight gradients to an ExpertGradSink as soon
+// as they are known: it never holds more than one expert's weights or gradients. Its results are
+// the in-memory run_layer's, bit for bit (that run_layer is this one over the two in-memory
+// implementations).
+
+// Where the experts' weights come from.
+class ExpertSource {
+ public:
+  virtual ~ExpertSource() = default;
+  virtual int num_experts() const = 0;
+  // Expert e's weights as an ExpertWeights of one expert: w13 [H, 2F], w2 [F, H].
+  virtual ExpertWeights load(int expert) const = 0;
+};
+
+// Experts already in memory (each load copies one expert).
+class ExpertsInMemory final : public ExpertSource {
+ public:
+  explicit ExpertsInMemory(const ExpertWeights& experts) : experts_(experts) {}
+  int num_experts() const override;
+  ExpertWeights load(int expert) const override;
+
+ private:
+  const ExpertWeights& experts_;
+};
+
+// Where the experts' weight gradients go: take() is called once per expert, e = 0, 1, ..., E-1,
+// with dw13 [H, 2F] and dw2 [F, H].
+class ExpertGradSink {
+ public:
+  virtual ~ExpertGradSink() = default;
+  virtual void take(int expert, Matrix dw13, Matrix dw2) = 0;
+};
+
+// Collects the gradients into dw13 and dw2, expert after expert.
+class ExpertGradsInMemory final : public ExpertGradSink {
+ public:
+  void take(int expert, Matrix dw13, Matrix dw2) override;
+  std::vector<Matrix> dw13;
+  std::vector<Matrix> dw2;
+};
+
+// run_layer with the experts streamed: params.experts is not read (it may be empty), the experts
+// come from `experts` and their weight gradients go to `expert_grads` (result.expert_grads then
+// holds dX only). An expert that gets no rows is not loaded: its gradients are zero.
+LayerResult run_layer(const MoEConfig& config, const Params& params, const ExpertSource& experts,
+                      const Matrix& x, const Matrix& dy, ExpertGradSink& expert_grads,
+                      const LayerOptions& options = {});
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
                       const Matrix& dy, Intermediates intermediates,
                       ProbabilityGradient dprob_from = ProbabilityGradient::kCombine);

@@ -16,6 +16,8 @@ struct RouterFront {
 };
 
 void check_params(const MoEConfig& config, const Params& params, std::int64_t hidden);
+// check_params without the experts: the gate weight and the bias.
+void check_gate_and_bias(const MoEConfig& config, const Params& params, std::int64_t hidden);
 RouterFront router_front(const MoEConfig& config, const Params& params, const Matrix& x,
                          std::optional<std::span<const int>> replay_experts = std::nullopt);
 // Capacity mode's fixed block per (source rank, expert) for a rank of `tokens` tokens with
@@ -31,5 +33,10 @@ void router_back(const MoEConfig& config, const Params& params, const Matrix& x,
                  const RouterFront& front, const AuxStats& global_aux,
                  std::span<const double> dprob, LayerResult& result,
                  Intermediates intermediates = Intermediates::kExact);
+
+// dprob of one slot as the experts form it: <dy[token]·w2ᵀ, a(row)>, a from h's row, with
+// dy·w2ᵀ rounded to `dtype` under kAsStored (experts_prob_grads, slot by slot).
+double expert_prob_grad(const Matrix& dy, std::int64_t token, const Matrix& h, std::int64_t row,
+                        const Matrix& w2, Intermediates intermediates, DType dtype);
 
 }  // namespace moe::reference
