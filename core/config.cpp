@@ -119,11 +119,6 @@ std::string MoEConfig::unsupported_by_gpu_layer() const {
         "capacity_factor={}: capacity mode is not implemented by the GPU layer yet; moe_run "
         "--reference runs it on the CPU",
         capacity_factor);
-  if (shared_experts())
-    return fmt::format(
-        "shared_ffn_hidden={}: shared experts are not implemented by the GPU layer yet; moe_run "
-        "--reference runs them on the CPU",
-        shared_ffn_hidden);
   return {};
 }
 

@@ -1,5 +1,6 @@
-// MoEBlock::reduce_gradients: the expert gradients summed over the DP group, the gate's over the
-// world (docs/design.md, "Gradient reduction"). Sums, never averages: the trainer scales.
+// MoEBlock::reduce_gradients: the expert gradients summed over the DP group, the gate's and the
+// shared expert's over the world (docs/design.md, "Gradient reduction"). Sums, never averages:
+// the trainer scales. bf16 gradients are summed in fp32.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -18,6 +18,7 @@
 #include "src/gradient_reduction.h"
 #include "src/router_stage.h"
 #include "src/scratch.h"
+#include "src/shared_expert_stage.h"
 #include "src/stage_support.h"
 #include "src/token_exchange.h"
 
@@ -27,6 +28,7 @@ namespace {
 // The parameters and gradients the block allocates, used unless the trainer binds its own.
 struct OwnWeights {
   DeviceBuffer gate, w13, w2, bias, dgate, dw13, dw2;
+  DeviceBuffer shared_w13, shared_w2, shared_gate, dshared_w13, dshared_w2, dshared_gate;
 };
 
 // Runs one public call of a block on a mesh of several ranks. A rank that fails leaves its peers
@@ -67,6 +69,7 @@ struct MoEBlock::State {
   GateStage gate;
   RouterStage router;
   ExpertStage experts;
+  std::unique_ptr<SharedExpertStage> shared_expert;  // with config.shared_ffn_hidden > 0
   // Made at construction on one EP rank, at the first forward under EP (choosing is collective).
   std::unique_ptr<TokenExchange> exchange;
   DeviceBuffer out;   // the forward's output, the block's until the next forward
@@ -98,7 +101,8 @@ struct MoEBlock::State {
         shared(buffers),
         gate(c, buffers.dlogits_low),
         router(c, m, buffers.router_ws),
-        experts(c, m, buffers.a) {}
+        experts(c, m, buffers.a),
+        shared_expert(c.shared_experts() ? std::make_unique<SharedExpertStage>(c, m) : nullptr) {}
 
   ExchangeSetup exchange_setup() { return {config, mesh, stream, shared}; }
   TokenExchange& token_exchange() {
@@ -145,11 +149,25 @@ MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t strea
   auto& s = *s_;
   if (!choosing_exchange_is_collective(mesh)) s.exchange = make_token_exchange(s.exchange_setup());
   const std::int64_t E = s.E, E_loc = s.E_loc, H = s.H, F = s.F;
-  s.params = {view(s.own.gate, s.dtype, {E, H}), view(s.own.w13, s.dtype, {E_loc, 2 * F, H}),
-              view(s.own.w2, s.dtype, {E_loc, H, F}), view(s.own.bias, DType::kFP32, {E})};
+  s.params.gate_weight = view(s.own.gate, s.dtype, {E, H});
+  s.params.w13 = view(s.own.w13, s.dtype, {E_loc, 2 * F, H});
+  s.params.w2 = view(s.own.w2, s.dtype, {E_loc, H, F});
+  s.params.expert_bias = view(s.own.bias, DType::kFP32, {E});
   const DType grad = config.grad_dtype;
-  s.grads = {view(s.own.dgate, DType::kFP32, {E, H}), view(s.own.dw13, grad, {E_loc, 2 * F, H}),
-             view(s.own.dw2, grad, {E_loc, H, F})};
+  s.grads.gate_weight = view(s.own.dgate, DType::kFP32, {E, H});
+  s.grads.w13 = view(s.own.dw13, grad, {E_loc, 2 * F, H});
+  s.grads.w2 = view(s.own.dw2, grad, {E_loc, H, F});
+  if (config.shared_experts()) {
+    const std::int64_t Fs = config.shared_ffn_hidden;
+    s.params.shared_w13 = view(s.own.shared_w13, s.dtype, {2 * Fs, H});
+    s.params.shared_w2 = view(s.own.shared_w2, s.dtype, {H, Fs});
+    s.grads.shared_w13 = view(s.own.dshared_w13, grad, {2 * Fs, H});
+    s.grads.shared_w2 = view(s.own.dshared_w2, grad, {H, Fs});
+    if (config.shared_gate) {
+      s.params.shared_gate_weight = view(s.own.shared_gate, s.dtype, {1, H});
+      s.grads.shared_gate_weight = view(s.own.dshared_gate, DType::kFP32, {1, H});
+    }
+  }
   initialize(0);
 }
 
@@ -179,6 +197,18 @@ void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
   const DType grad = s.config.grad_dtype;
   expect_tensor(g.w13, "MoEBlock::bind gradient of w13", grad, {E_loc, 2 * F, H});
   expect_tensor(g.w2, "MoEBlock::bind gradient of w2", grad, {E_loc, H, F});
+  if (s.config.shared_experts()) {
+    const std::int64_t Fs = s.config.shared_ffn_hidden;
+    expect_tensor(p.shared_w13, "MoEBlock::bind shared_w13", s.dtype, {2 * Fs, H});
+    expect_tensor(p.shared_w2, "MoEBlock::bind shared_w2", s.dtype, {H, Fs});
+    expect_tensor(g.shared_w13, "MoEBlock::bind gradient of shared_w13", grad, {2 * Fs, H});
+    expect_tensor(g.shared_w2, "MoEBlock::bind gradient of shared_w2", grad, {H, Fs});
+  }
+  if (s.config.shared_gate) {
+    expect_tensor(p.shared_gate_weight, "MoEBlock::bind shared_gate_weight", s.dtype, {1, H});
+    expect_tensor(g.shared_gate_weight, "MoEBlock::bind gradient of shared_gate_weight",
+                  DType::kFP32, {1, H});
+  }
   s.params = p;
   s.grads = g;
 }
@@ -196,6 +226,14 @@ void MoEBlock::initialize(std::uint64_t seed) {
               1.0f / std::sqrt(static_cast<float>(s.F)), s.stream);
   MOE_CHECK_CUDA(
       cudaMemsetAsync(s.params.expert_bias.data, 0, s.params.expert_bias.bytes(), s.stream));
+  if (s.config.shared_experts()) {  // replicated: the same values on every rank
+    const auto Fs = static_cast<float>(s.config.shared_ffn_hidden);
+    const float input_scale = 1.0f / std::sqrt(static_cast<float>(s.H));
+    init_normal(s.params.shared_w13, seed ^ 0x5113, 0, input_scale, s.stream);
+    init_normal(s.params.shared_w2, seed ^ 0x5112, 0, 1.0f / std::sqrt(Fs), s.stream);
+    if (s.config.shared_gate)
+      init_normal(s.params.shared_gate_weight, seed ^ 0x5167, 0, input_scale, s.stream);
+  }
   // Returns once the values are written: the caller may overwrite the parameters next from any
   // stream (a checkpoint loaded with cudaMemcpy, say), which nothing would order after these
   // writes, so that writes queued behind slow work would land last and replace the caller's.
@@ -229,6 +267,9 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   s.times.used = 0;         // stage times restart with each forward; backward appends
   TokenExchange& exchange = s.token_exchange();
   const cudaStream_t stream = s.stream;
+
+  // The shared expert, when there is one, on its own stream beside the routed path.
+  if (s.shared_expert) s.shared_expert->start_forward(x, s.params, stream);
 
   // Gate: logits [T, E] = x · Wgᵀ, fp32.
   Tensor logits;
@@ -277,6 +318,11 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     exchange.unpermute(out);
     s.check("combine", out);
   }
+  if (s.shared_expert) {
+    Range r("moe shared expert", s.times, stream);
+    s.shared_expert->add_output(out, stream);
+    s.check("shared expert", out);
+  }
 
   s.context.x = x;
   s.context.T = T;
@@ -304,6 +350,9 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
   // where the experts' backward left it.
   float* dprob = typed<float>(s.shared.dprob, T * s.K);
   const Tensor dx = view(s.dx, s.dtype, {T, s.H});
+
+  // The shared expert's backward on its own stream, beside the routed path's.
+  if (s.shared_expert) s.shared_expert->start_backward(dy, s.params, s.grads, stream);
 
   // Unpermute and combine backward: dy to every slot's row, then to the experts' ranks.
   ExpertGradRows rows;
@@ -342,6 +391,11 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
     s.gate.backward(dlogits, s.context.x, s.params.gate_weight, s.grads.gate_weight, dx, stream);
     s.check("gate backward", dx);
   }
+  if (s.shared_expert) {
+    Range r("moe shared expert backward", s.times, stream);
+    s.shared_expert->add_input_grad(dx, s.params, stream);
+    s.check("shared expert backward", dx);
+  }
   return dx;
 }
 
@@ -353,6 +407,7 @@ void MoEBlock::reduce_gradients() {
     // After the first step's products were all timed: from here every rank runs the same
     // algorithms (one host wait, at the first call only).
     s.experts.agree_gemm_algorithms(s.mesh, s.stream);
+    if (s.shared_expert) s.shared_expert->agree_gemm_algorithms(s.mesh, s.stream);
   });
 }
 

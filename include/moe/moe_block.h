@@ -30,17 +30,27 @@ namespace moe {
 
 // Parameter and gradient views. Layouts (nn.Linear, out × in):
 //   gate_weight [E, H] (dtype), w13 [E_loc, 2F, H] (gate rows then up rows), w2 [E_loc, H, F]
-//   (dtype), expert_bias [E] (fp32). Gradients: fp32, same shapes (no bias gradient).
+//   (dtype), expert_bias [E] (fp32); with shared experts (config.shared_ffn_hidden Fs > 0),
+//   replicated on every rank: shared_w13 [2Fs, H] (gate rows then up rows), shared_w2 [H, Fs]
+//   (dtype), and with config.shared_gate shared_gate_weight [1, H] (dtype); empty otherwise.
+// Gradients: the same shapes (no bias gradient); gate_weight and shared_gate_weight in fp32, the
+// expert and shared FFN weights in config.grad_dtype.
 struct MoEParameters {
   Tensor gate_weight;
   Tensor w13;
   Tensor w2;
   Tensor expert_bias;
+  Tensor shared_w13;
+  Tensor shared_w2;
+  Tensor shared_gate_weight;
 };
 struct MoEGradients {
   Tensor gate_weight;
   Tensor w13;
   Tensor w2;
+  Tensor shared_w13;
+  Tensor shared_w2;
+  Tensor shared_gate_weight;
 };
 
 // The last forward's routing on this rank (views valid until the next forward).

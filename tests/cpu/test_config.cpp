@@ -337,9 +337,9 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
   CHECK(full.unsupported_by_gpu_layer() ==
         "capacity_factor=1.25: capacity mode is not implemented by the GPU layer yet; moe_run "
         "--reference runs it on the CPU");
-  CHECK_THAT(parse_config(kBase + "shared_ffn_hidden: 8\n").unsupported_by_gpu_layer(),
-             test::contains_text("shared_ffn_hidden=8: shared experts are not implemented by the "
-                                 "GPU layer yet"));
+  CHECK(parse_config(kBase + "shared_ffn_hidden: 8\nshared_gate: true\n")
+            .unsupported_by_gpu_layer()
+            .empty());
 
   // C = ceil(capacity_factor · T · K / E), then aligned: E = 8, K = 2 here.
   MoEConfig config = parse_config(kBase + "capacity_factor: 1.25\n");

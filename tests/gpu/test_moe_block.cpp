@@ -23,6 +23,7 @@ namespace {
 struct Results {
   Matrix out, dx, dgate;
   std::vector<Matrix> dw13, dw2;  // nn.Linear layout
+  Matrix shared_dw13, shared_dw2, shared_dgate;  // with a shared expert (nn.Linear layout)
   float aux = 0, z = 0;
 };
 
@@ -60,6 +61,11 @@ Results finish_block(MoEBlock& block, const MoEConfig& c, Pending pending, const
     r.dw2.push_back(
         reference::slice_rows(all2, static_cast<std::int64_t>(e) * c.hidden, (e + 1) * c.hidden));
   }
+  if (c.shared_experts()) {
+    r.shared_dw13 = test::read(g.shared_w13, 2 * c.shared_ffn_hidden, c.hidden);
+    r.shared_dw2 = test::read(g.shared_w2, c.hidden, c.shared_ffn_hidden);
+  }
+  if (c.shared_gate) r.shared_dgate = test::read(g.shared_gate_weight, 1, c.hidden);
   return r;
 }
 
@@ -79,6 +85,14 @@ void check_against_reference(const MoEConfig& c, const Results& got,
     INFO("expert " << e);
     CHECK(test::relative_error(got.dw13[e], test::transpose(want.expert_grads.dw13[e])) <= tol);
     CHECK(test::relative_error(got.dw2[e], test::transpose(want.expert_grads.dw2[e])) <= tol);
+  }
+  if (c.shared_experts()) {
+    INFO("shared expert");
+    CHECK(test::relative_error(got.shared_dw13, test::transpose(want.shared_grads.dw13)) <= tol);
+    CHECK(test::relative_error(got.shared_dw2, test::transpose(want.shared_grads.dw2)) <= tol);
+  }
+  if (c.shared_gate) {
+    CHECK(test::relative_error(got.shared_dgate, want.shared_grads.dgate_weight) <= tol);
   }
 }
 
@@ -165,6 +179,39 @@ TEST_CASE("MoEBlock on one GPU equals the fp64 reference", "[gpu][block]") {
       run_case(chunked, 45, rng);
       chunked.ffn_hidden = 8;
       run_case(chunked, 45, rng);
+    }
+  }
+}
+
+TEST_CASE("MoEBlock with a shared expert, gated or not, equals the fp64 reference",
+          "[gpu][block][shared]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+    for (const bool gated : {false, true}) {
+      MoEConfig c = base_config(dtype);
+      c.shared_ffn_hidden = 40;
+      c.shared_gate = gated;
+      c.align_size = 16;
+      c.aux_loss_coeff = 0.05;
+      run_case(c, 45, rng);
+      run_case(c, 1, rng);
+      run_case(c, 0, rng);
+      // Chunks of the SwiGLU output smaller than the tokens, in the shared FFN too.
+      c.activation_chunk_mib = 1.0 / 1024;
+      run_case(c, 45, rng);
+      // deepseek-v3's shape of it, scaled down: sigmoid + groups, a wide shared expert.
+      MoEConfig ds = c;
+      ds.num_experts = 16;
+      ds.topk = 4;
+      ds.score_function = ScoreFunction::kSigmoid;
+      ds.expert_bias = true;
+      ds.num_groups = 4;
+      ds.group_topk = 2;
+      ds.scaling_factor = 2.5;
+      ds.shared_ffn_hidden = 96;
+      run_case(ds, 37, rng);
     }
   }
 }

@@ -109,6 +109,18 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
                                                      (le + 1) * c.hidden),
                                test::transpose(want.expert_grads.dw2[e])) <= tol);
   }
+  // The shared expert's gradients, summed over the world: the single run's on every rank.
+  if (c.shared_experts()) {
+    const std::int64_t Fs = c.shared_ffn_hidden;
+    CHECK(test::relative_error(test::read(g.shared_w13, 2 * Fs, c.hidden),
+                               test::transpose(want.shared_grads.dw13)) <= tol);
+    CHECK(test::relative_error(test::read(g.shared_w2, c.hidden, Fs),
+                               test::transpose(want.shared_grads.dw2)) <= tol);
+  }
+  if (c.shared_gate) {
+    CHECK(test::relative_error(test::read(g.shared_gate_weight, 1, c.hidden),
+                               want.shared_grads.dgate_weight) <= tol);
+  }
 }
 
 }  // namespace
@@ -154,6 +166,30 @@ TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenate
       half_grads.ep_transport = transport;
       ++index;
       run_mesh_case(half_grads, ep, world / ep, false, seed + index);
+    }
+  }
+}
+
+TEST_CASE("MoEBlock with a shared expert on every mesh shape equals the single run",
+          "[mpi][block][shared]") {
+  const int world = test::world_size();
+  const auto seed = shared_seed();
+  INFO("seed " << seed);
+  MoEConfig c = test::small_config(64, 48, 8, 2);
+  c.aux_loss_coeff = 0.05;
+  c.align_size = 16;
+  c.shared_ffn_hidden = 40;
+  int index = 0;
+  for (int ep = 1; ep <= world; ++ep) {
+    if (world % ep != 0) continue;
+    for (const EpTransport transport : transports(ep)) {
+      for (const bool gated : {false, true}) {
+        c.shared_gate = gated;
+        c.ep_transport = transport;
+        c.dtype = index % 2 ? DType::kBF16 : DType::kFP32;
+        run_mesh_case(c, ep, world / ep, index % 3 == 2, seed + index);
+        ++index;
+      }
     }
   }
 }

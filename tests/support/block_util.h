@@ -57,10 +57,14 @@ inline reference::Params round_params(reference::Params p, DType dtype) {
   for (auto& w : p.experts.w13) w = round_to(w, dtype);
   for (auto& w : p.experts.w2) w = round_to(w, dtype);
   for (auto& b : p.expert_bias) b = static_cast<float>(b);
+  if (p.shared.w13.rows > 0) p.shared.w13 = round_to(p.shared.w13, dtype);
+  if (p.shared.w2.rows > 0) p.shared.w2 = round_to(p.shared.w2, dtype);
+  if (p.shared.gate_weight.rows > 0) p.shared.gate_weight = round_to(p.shared.gate_weight, dtype);
   return p;
 }
 
-// Loads the gate, the bias and experts [first, first + count) into the block (nn.Linear layout).
+// Loads the gate, the bias, experts [first, first + count) and the shared expert into the block
+// (nn.Linear layout).
 inline void load_params(MoEBlock& block, const reference::Params& p, int first, int count) {
   const auto& view = block.parameters();
   copy_into(view.gate_weight, p.gate_weight);
@@ -74,6 +78,12 @@ inline void load_params(MoEBlock& block, const reference::Params& p, int first, 
   }
   copy_into(view.w13, reference::concat_rows(w13));
   copy_into(view.w2, reference::concat_rows(w2));
+  // The shared expert, replicated on every rank (the reference keeps it as [H, 2Fs], [Fs, H]).
+  if (view.shared_w13.data != nullptr) {
+    copy_into(view.shared_w13, transpose(p.shared.w13));
+    copy_into(view.shared_w2, transpose(p.shared.w2));
+  }
+  if (view.shared_gate_weight.data != nullptr) copy_into(view.shared_gate_weight, p.shared.gate_weight);
 }
 
 // Draws x one token row at a time, redrawing a row until none of its routing scores is near a tie
