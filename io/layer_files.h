@@ -12,35 +12,62 @@
 //           (I32); grad.gate_weight [E, H], grad.w13 [E, 2F, H], grad.w2 [E, H, F];
 //           grad.shared_w13, grad.shared_w2 (with shared experts), grad.shared_gate_weight (with
 //           shared_gate) — all F32 but the I32 ones named.
+//
+// Checking is apart from converting: check_layer_files needs the headers and the small tensors
+// only (tokens_per_rank, topk_idx), so a file of any size is checked before a byte of its large
+// tensors is read, and each reader then reads only what it needs (io/rank_inputs.h,
+// io/expert_streams.h).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <span>
-#include <string_view>
+#include <string>
 #include <vector>
 
+#include "io/tensor_values.h"
 #include "moe/config.h"
 #include "moe/safetensors.h"
 #include "reference/reference.h"
 
 namespace moe {
 
-struct LayerInputs {
-  reference::Params params;  // the reference's math layout (w13 [H, 2F], w2 [F, H] per expert)
-  reference::Matrix x;
-  reference::Matrix dy;
-  std::vector<std::int64_t> tokens_per_rank;  // empty when the file does not say
-  std::optional<std::vector<int>> replay_experts;  // topk_idx [T*K] when the file has it
+// What checking the files learns beyond "they are right": enough to plan every rank's reads.
+struct CheckedLayerFiles {
+  std::int64_t tokens = 0;                         // T, the whole batch
+  std::vector<std::int64_t> tokens_per_rank;       // as the inputs give it; empty when they don't
+  std::optional<std::vector<int>> replay_experts;  // topk_idx [T*K], checked, when given
+
+  // Each rank's token count: tokens_per_rank, or an even split with the remainder to the first
+  // ranks. Throws moe::Error when tokens_per_rank has another number of entries than `world`.
+  std::vector<std::int64_t> split(int world) const;
 };
 
 // Checks every tensor's presence, dtype and shape against the config (errors name the tensor,
 // what was expected and what came); a tensor the layer does not read (including expert_bias
 // or the shared experts' weights when the config has none) is an error, tokens_per_rank must
 // hold counts >= 0 whose sum, checked for overflow, is the batch's, and topk_idx names K distinct
-// experts in [0, E) for every token (errors name the token, the slot and the value).
-LayerInputs read_layer_inputs(const MoEConfig& config, const TensorFile& weights,
-                              const TensorFile& inputs);
+// experts in [0, E) for every token (errors name the token, the slot and the value). Reads the
+// headers and the small tensors tokens_per_rank and topk_idx, nothing else.
+CheckedLayerFiles check_layer_files(const MoEConfig& config, const TensorSource& weights,
+                                    const TensorSource& inputs);
+
+struct LayerInputs {
+  reference::Params params;  // the reference's math layout (w13 [H, 2F], w2 [F, H] per expert)
+  reference::Matrix x;
+  reference::Matrix dy;
+  std::vector<std::int64_t> tokens_per_rank;       // empty when the file does not say
+  std::optional<std::vector<int>> replay_experts;  // topk_idx [T*K] when the file has it
+};
+
+// check_layer_files, then every tensor converted to the reference's fp64 layout.
+LayerInputs read_layer_inputs(const MoEConfig& config, const TensorSource& weights,
+                              const TensorSource& inputs);
+// The same but the routed experts, which stay in the file (params.experts is empty): FileExperts
+// (io/expert_streams.h) reads them one at a time.
+LayerInputs read_layer_inputs_without_experts(const MoEConfig& config, const TensorSource& weights,
+                                              const TensorSource& inputs);
 
 // The weights and inputs files of a layer (the inverse of read_layer_inputs), values stored as F32.
 TensorFile layer_weights_file(const MoEConfig& config, const reference::Params& params);
@@ -53,12 +80,14 @@ TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix
 // kept and dropped_per_expert always, the shared experts' gradients when the config has them.
 TensorFile layer_results_file(const MoEConfig& config, const reference::LayerResult& result);
 
-// Element values of a BF16 or F32 file tensor, as doubles; `name` names it in errors (another
-// dtype, or bytes that do not match the shape).
-std::vector<double> file_values(const FileTensor& tensor, std::string_view name = "?");
-
-// Throws moe::Error naming the file, the tensor, the first NaN or Inf (its index and value) and
-// how many there are, when a BF16 or F32 tensor of `file` is not finite everywhere.
-void check_finite(const TensorFile& file);
+// The results file's tensors for a batch of `tokens` tokens (names, dtypes, shapes) and its
+// metadata: what a TensorFileWriter declares before any result is known.
+std::vector<TensorSpec> layer_results_specs(const MoEConfig& config, std::int64_t tokens);
+std::map<std::string, std::string> layer_results_metadata(const MoEConfig& config);
+// Every results tensor of `result` but grad.w13 and grad.w2 appended to `writer` (declared with
+// layer_results_specs), the bytes layer_results_file holds; the experts' gradients come from a
+// FileExpertGrads while the reference runs.
+void write_layer_results(TensorFileWriter& writer, const MoEConfig& config,
+                         const reference::LayerResult& result);
 
 }  // namespace moe

@@ -98,13 +98,19 @@ Tensor FileTensor::view() {
 
 // ---- TensorSource ------------------------------------------------------------------------------
 
-void TensorSource::read_into(const std::string& name, std::int64_t first, std::int64_t count,
-                             std::span<std::byte> out) const {
-  const TensorInfo t = info(name);
+TensorInfo TensorSource::check_range(const std::string& name, std::int64_t first,
+                                     std::int64_t count) const {
+  TensorInfo t = info(name);
   if (!inside(first, count, t.numel)) {
     fail("{}: elements {} of tensor '{}' lie outside its {} elements", source(),
          range_text(first, count), name, t.numel);
   }
+  return t;
+}
+
+void TensorSource::read_into(const std::string& name, std::int64_t first, std::int64_t count,
+                             std::span<std::byte> out) const {
+  const TensorInfo t = check_range(name, first, count);
   // Inside the tensor, whose byte count the header (or add) checked: no overflow here.
   const std::size_t element = file_dtype_size(t.dtype);
   const auto bytes = static_cast<std::uint64_t>(count) * element;
@@ -117,11 +123,7 @@ void TensorSource::read_into(const std::string& name, std::int64_t first, std::i
 
 FileTensor TensorSource::read_range(const std::string& name, std::int64_t first,
                                     std::int64_t count) const {
-  const TensorInfo t = info(name);
-  if (!inside(first, count, t.numel)) {
-    fail("{}: elements {} of tensor '{}' lie outside its {} elements", source(),
-         range_text(first, count), name, t.numel);
-  }
+  const TensorInfo t = check_range(name, first, count);
   FileTensor out;
   out.dtype = t.dtype;
   out.shape = {count};

@@ -91,6 +91,8 @@ class TensorSource {
   // Throws moe::Error naming the tensor and the file when absent.
   virtual TensorInfo info(const std::string& name) const = 0;
 
+  // Throws the error read_range() would throw for this range; returns the tensor's info.
+  TensorInfo check_range(const std::string& name, std::int64_t first, std::int64_t count) const;
   // Elements [first, first + count) of tensor `name` into `out`, which must hold exactly
   // count × the dtype's size bytes.
   void read_into(const std::string& name, std::int64_t first, std::int64_t count,
