@@ -4,15 +4,27 @@
 //   mpirun -np N build/apps/moe_run --config C.yaml --weights W.safetensors --inputs I.safetensors
 //                                   --out R.safetensors [--ep E --dp D]
 //   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs (the only
-//                                          # one that runs capacity mode, shared experts, replay)
+//                                          # one that runs capacity mode for now)
 //   build/apps/moe_run ... --no-check-finite   # skip the NaN/Inf check of weights and inputs
 //
-// The files hold the global batch and all experts (names and layouts: io/layer_files.h).
-// Under mpirun each rank takes its tokens (tokens_per_rank, or an even split) and its experts;
-// rank 0 gathers the results into one file.
+// The files hold the global batch and all experts (names and layouts: io/layer_files.h). No rank
+// reads them whole: the headers and the small tensors are checked first, then each rank reads its
+// experts' slices and its tokens' rows (io/rank_inputs.h), and rank 0 writes the results file
+// piece by piece as the ranks send their parts, so that a layer of deepseek-v3's size runs with a
+// rank's share of host memory. --reference streams the experts one at a time (io/expert_streams.h).
 //
-// Everything that can be checked on the files is checked before MPI starts, on every rank alike
-// (each reads the same files), so that a bad file stops all ranks at once with one message.
+// Failures and the mesh. MPI cannot cancel a collective, so a rank that fails alone between two
+// collectives would leave the others waiting forever. Hence, in order:
+//   1. everything that holds for the files as a whole (names, dtypes, shapes, tokens_per_rank,
+//      topk_idx) is checked on every rank alike before MPI starts: a bad file stops all at once;
+//   2. each rank reads and checks (NaN, Inf) its own share, then all ranks agree on the outcome in
+//      one collective that every rank reaches (reading never waits on another rank): either all
+//      go on, or all stop with the first failing rank's message, before NCCL starts;
+//   3. after that, a rank that fails (a CUDA error, a full disk while rank 0 writes) prints its
+//      error and ends the whole job with MPI_Abort, before tearing down anything its peers wait
+//      on.
+#include <mpi.h>
+
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
@@ -20,11 +32,16 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <numeric>
+#include <optional>
 #include <utility>
 
 #include "comm/bootstrap.h"
+#include "io/expert_streams.h"
 #include "io/layer_files.h"
+#include "io/rank_inputs.h"
 #include "moe/device.h"
 #include "moe/error.h"
 #include "moe/mesh.h"
@@ -53,169 +70,264 @@ void refuse_overwriting_inputs(const std::string& out,
   }
 }
 
-// Elements [first, first + count) of a file tensor in `dtype` (bf16 or fp32), ready to copy.
-std::vector<std::byte> host_bytes(const FileTensor& t, const std::string& name, std::int64_t first,
-                                  std::int64_t count, DType dtype) {
-  const auto values = file_values(t, name);
-  // The range comes from the config and the rank; the tensor's size from its file.
-  if (first < 0 || count < 0 || first > std::ssize(values) - count) {
-    fail("moe_run: elements [{}, {} + {}) of tensor '{}' lie outside its {} elements", first, first,
-         count, name, values.size());
-  }
-  std::vector<std::byte> out(static_cast<std::size_t>(count) * dtype_size(dtype));
-  for (std::int64_t i = 0; i < count; ++i) {
-    const auto v = static_cast<float>(values[static_cast<std::size_t>(first + i)]);
-    if (dtype == DType::kBF16) {
-      const BF16 b = to_bf16(v);
-      std::memcpy(out.data() + i * 2, &b, 2);
-    } else {
-      std::memcpy(out.data() + i * 4, &v, 4);
-    }
-  }
-  return out;
-}
-
-void upload(const Tensor& dst, const std::vector<std::byte>& bytes) {
+void upload(const Tensor& dst, std::span<const std::byte> bytes) {
   if (bytes.size() != dst.bytes()) fail("moe_run: {} bytes for {}", bytes.size(), dst.describe());
   copy_to_device(dst.data, bytes.data(), bytes.size());
 }
 
-std::vector<float> download_floats(const Tensor& t) {
-  std::vector<float> out(static_cast<std::size_t>(t.numel()));
+// Elements [first, first + count) of a device tensor as the results file stores them: F32 for a
+// bf16 or fp32 tensor, the int32 values as I32.
+std::vector<std::byte> download_piece(const Tensor& t, std::int64_t first, std::int64_t count) {
+  const auto n = static_cast<std::size_t>(count);
+  const auto* src = static_cast<const std::byte*>(t.data) + first * dtype_size(t.dtype);
+  std::vector<std::byte> out(n * 4);
   if (t.dtype == DType::kBF16) {
-    std::vector<BF16> raw(out.size());
-    copy_to_host(raw.data(), t.data, raw.size() * 2);
-    for (std::size_t i = 0; i < out.size(); ++i) out[i] = from_bf16(raw[i]);
+    std::vector<BF16> raw(n);
+    copy_to_host(raw.data(), src, n * 2);
+    for (std::size_t i = 0; i < n; ++i) {
+      const float v = from_bf16(raw[i]);
+      std::memcpy(out.data() + i * 4, &v, 4);
+    }
   } else {
-    copy_to_host(out.data(), t.data, out.size() * 4);
+    copy_to_host(out.data(), src, n * 4);
   }
   return out;
 }
 
-// Rank 0 receives every rank's `local` in rank order (other ranks get an empty vector). The
-// sizes grow with the files (T·H per rank; E·2F·H for the gradients, 7.5e9 elements at
-// deepseek-v3), past MPI's int counts and displacements, so the counts travel as int64 and the
-// data point to point in pieces that an int always counts. Messages between two ranks arrive in
-// the order sent, so the pieces land in order.
-template <typename T>
-std::vector<T> gather(const std::vector<T>& local, MPI_Datatype type, int world, int rank) {
-  constexpr std::int64_t kPiece = std::int64_t{1} << 26;  // elements per message
-  constexpr int kTag = 0;
-  const auto mine = static_cast<std::int64_t>(local.size());
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(world));
-  MOE_CHECK_MPI(
-      MPI_Gather(&mine, 1, MPI_INT64_T, counts.data(), 1, MPI_INT64_T, 0, MPI_COMM_WORLD));
-  if (rank != 0) {
-    for (std::int64_t first = 0; first < mine; first += kPiece) {
-      MOE_CHECK_MPI(MPI_Send(local.data() + first, static_cast<int>(std::min(kPiece, mine - first)),
-                             type, 0, kTag, MPI_COMM_WORLD));
-    }
-    return {};
+// Step 2 of the failure order above: every rank passes its own error (empty: none) and either all
+// ranks return or all throw the first failing rank's message. Three collectives at most, reached by
+// every rank.
+void agree_on_errors(const std::string& error, int rank, int world) {
+  if (world == 1) {
+    if (!error.empty()) fail("{}", error);
+    return;
   }
-  const std::int64_t total = std::accumulate(counts.begin(), counts.end(), std::int64_t{0});
-  std::vector<T> all(static_cast<std::size_t>(total));
-  std::copy(local.begin(), local.end(), all.begin());
-  std::int64_t offset = mine;
-  for (int r = 1; r < world; ++r) {
-    const std::int64_t count = counts[static_cast<std::size_t>(r)];
-    for (std::int64_t first = 0; first < count; first += kPiece) {
-      MOE_CHECK_MPI(MPI_Recv(all.data() + offset + first,
-                             static_cast<int>(std::min(kPiece, count - first)), type, r, kTag,
-                             MPI_COMM_WORLD, MPI_STATUS_IGNORE));
-    }
-    offset += count;
-  }
-  return all;
+  int failed = error.empty() ? world : rank;
+  MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  if (failed == world) return;
+  constexpr std::size_t kMaxMessage = 4096;  // messages name a file and a tensor: short
+  std::string message = rank == failed ? error.substr(0, kMaxMessage) : std::string();
+  int length = static_cast<int>(message.size());
+  MOE_CHECK_MPI(MPI_Bcast(&length, 1, MPI_INT, failed, MPI_COMM_WORLD));
+  message.resize(static_cast<std::size_t>(length));
+  MOE_CHECK_MPI(MPI_Bcast(message.data(), length, MPI_CHAR, failed, MPI_COMM_WORLD));
+  fail("rank {} of {} failed reading its part of the files: {}", failed, world, message);
 }
 
-int run_reference(const MoEConfig& config, const LayerInputs& in, const std::string& out_path) {
+// A function giving elements [first, first + count) of this rank's part of a result tensor, as
+// the file stores them (download_piece of a device tensor).
+using PieceSource = std::function<std::vector<std::byte>(std::int64_t first, std::int64_t count)>;
+
+// Result tensor `name`, spread over `owners` in the order their parts follow each other in the
+// file (owner i holds counts[i] elements): rank 0 appends its own part and each other owner's as
+// it arrives; the other owners send theirs. The parts travel in pieces of kPieceElements with
+// 64-bit offsets, so no count passes MPI's int and no rank holds more than one piece of it in
+// host memory. Every rank calls this for the same tensors in the same order, and rank 0 receives
+// in exactly the order each sender sends: no wait can close a cycle.
+void collect(TensorFileWriter* writer, const std::string& name, std::span<const int> owners,
+             std::span<const std::int64_t> counts, int rank, int tag, const PieceSource& local) {
+  const auto mine = std::find(owners.begin(), owners.end(), rank);
+  if (rank != 0) {
+    if (mine == owners.end()) return;
+    const std::int64_t count = counts[mine - owners.begin()];
+    for (std::int64_t first = 0; first < count; first += kPieceElements) {
+      const std::int64_t n = std::min(kPieceElements, count - first);
+      std::vector<std::byte> piece = local(first, n);
+      if (piece.size() != static_cast<std::size_t>(n) * 4)
+        fail("moe_run: rank {} has {} bytes of '{}' for {} elements", rank, piece.size(), name, n);
+      MOE_CHECK_MPI(
+          MPI_Send(piece.data(), static_cast<int>(piece.size()), MPI_BYTE, 0, tag, MPI_COMM_WORLD));
+    }
+    return;
+  }
+  for (std::size_t i = 0; i < owners.size(); ++i) {
+    for (std::int64_t first = 0; first < counts[i]; first += kPieceElements) {
+      const std::int64_t n = std::min(kPieceElements, counts[i] - first);
+      std::vector<std::byte> piece(static_cast<std::size_t>(n) * 4);
+      if (owners[i] == 0) {
+        piece = local(first, n);
+      } else {
+        MPI_Status status;
+        MOE_CHECK_MPI(MPI_Recv(piece.data(), static_cast<int>(piece.size()), MPI_BYTE, owners[i],
+                               tag, MPI_COMM_WORLD, &status));
+        int received = 0;
+        MOE_CHECK_MPI(MPI_Get_count(&status, MPI_BYTE, &received));
+        if (static_cast<std::size_t>(received) != piece.size())
+          fail("moe_run: rank {} sent {} bytes of '{}', expected {}", owners[i], received, name,
+               piece.size());
+      }
+      writer->append(name, piece);
+    }
+  }
+}
+
+// This rank's part of a result tensor: a device tensor of `count` elements.
+PieceSource device_part(const std::string& name, const Tensor& t, std::int64_t count, int rank) {
+  if (t.numel() != count)
+    fail("moe_run: rank {} holds {} elements of '{}', expected {}", rank, t.numel(), name, count);
+  return [t](std::int64_t first, std::int64_t n) { return download_piece(t, first, n); };
+}
+
+int run_reference(const MoEConfig& config, const TensorSource& weights, const TensorSource& inputs,
+                  bool check_finite_values, const std::string& out_path) {
+  const LayerInputs in = read_layer_inputs_without_experts(config, weights, inputs);
+  if (check_finite_values) {
+    check_finite(weights);
+    check_finite(inputs);
+  }
   reference::LayerOptions options;
   if (in.replay_experts) options.replay_experts = *in.replay_experts;
-  const auto result = reference::run_layer(config, in.params, in.x, in.dy, options);
-  layer_results_file(config, result).write(out_path);
+  TensorFileWriter writer(out_path, layer_results_specs(config, in.x.rows),
+                          layer_results_metadata(config));
+  const FileExperts experts(config, weights);
+  FileExpertGrads expert_grads(config, writer);
+  const auto result =
+      reference::run_layer(config, in.params, experts, in.x, in.dy, expert_grads, options);
+  write_layer_results(writer, config, result);
+  writer.finish();
   std::printf("moe_run: fp64 reference over %lld tokens written to %s\n",
               static_cast<long long>(in.x.rows), out_path.c_str());
   return 0;
 }
 
-int run_mesh(MoEConfig config, const TensorFile& weights, const TensorFile& inputs,
-             const LayerInputs& in, const std::string& out_path) {
-  const int world = config.ep * config.dp;
-  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, config.ep, config.dp, config.num_experts);
-  const int rank = mesh.rank();
-  std::vector<std::int64_t> split = in.tokens_per_rank;
-  if (split.empty()) {  // an even split, the remainder to the first ranks
-    for (int r = 0; r < world; ++r)
-      split.push_back(in.x.rows / world + (r < in.x.rows % world ? 1 : 0));
-  }
-  if (std::ssize(split) != world)
-    fail("moe_run: tokens_per_rank has {} entries for {} ranks", split.size(), world);
-  const std::int64_t first = std::accumulate(split.begin(), split.begin() + rank, std::int64_t{0});
-  const std::int64_t T = split[rank];
+// Step 3 of the failure order: this rank's share on its GPU, forward, backward, the results to rank
+// 0's file.
+void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& checked, int rank,
+              int world, const std::string& out_path, const Mesh& mesh, MoEBlock& block,
+              const Stream& stream) {
   const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden,
-                     K = config.topk;
-  const std::int64_t E_loc = E / config.ep;
-
-  Stream stream;
-  MoEBlock block(config, mesh, stream.get());
+                     K = config.topk, T = in.tokens;
+  if (mesh.rank() != rank)
+    fail("moe_run: the mesh has this process as rank {}, MPI as {}", mesh.rank(), rank);
   const auto& p = block.parameters();
-  upload(p.gate_weight,
-         host_bytes(weights.get("gate_weight"), "gate_weight", 0, E * H, config.dtype));
-  upload(p.w13, host_bytes(weights.get("w13"), "w13", mesh.ep_index() * E_loc * 2 * F * H,
-                           E_loc * 2 * F * H, config.dtype));
-  upload(p.w2, host_bytes(weights.get("w2"), "w2", mesh.ep_index() * E_loc * H * F, E_loc * H * F,
-                          config.dtype));
-  const std::vector<float> bias(in.params.expert_bias.begin(), in.params.expert_bias.end());
-  copy_to_device(p.expert_bias.data, bias.data(), bias.size() * 4);
+  upload(p.gate_weight, in.gate_weight);
+  upload(p.w13, in.w13);
+  upload(p.w2, in.w2);
+  upload(p.expert_bias, std::as_bytes(std::span(in.expert_bias)));
+  if (config.shared_experts()) {
+    upload(p.shared_w13, in.shared_w13);
+    upload(p.shared_w2, in.shared_w2);
+  }
+  if (config.shared_gate) upload(p.shared_gate_weight, in.shared_gate_weight);
   DeviceBuffer x(std::max<std::int64_t>(T * H, 1) * dtype_size(config.dtype)), dy(x.bytes());
   const Tensor x_t(x.data(), config.dtype, {T, H}), dy_t(dy.data(), config.dtype, {T, H});
-  upload(x_t, host_bytes(inputs.get("x"), "x", first * H, T * H, config.dtype));
-  upload(dy_t, host_bytes(inputs.get("dy"), "dy", first * H, T * H, config.dtype));
+  upload(x_t, in.x);
+  upload(dy_t, in.dy);
+  ForwardOptions options;
+  DeviceBuffer replay;
+  if (checked.replay_experts) {
+    replay.reserve(std::max<std::int64_t>(T * K, 1) * 4);
+    options.replay_topk_idx = Tensor(replay.data(), DType::kInt32, {T, K});
+    upload(options.replay_topk_idx, std::as_bytes(std::span(in.topk_idx)));
+  }
+  in = RankInputs{};  // on the GPU now: the host copies go
 
-  const auto fwd = block.forward(x_t);
+  const auto fwd = block.forward(x_t, options);
   const Tensor dx = block.backward(dy_t);
   block.reduce_gradients();
   stream.synchronize();
 
   const auto routing = block.routing();
-  std::vector<std::int32_t> idx(static_cast<std::size_t>(T * K)), load(static_cast<std::size_t>(E));
-  copy_to_host(idx.data(), routing.topk_idx.data, idx.size() * 4);
+  std::vector<std::int32_t> load(static_cast<std::size_t>(E));
   copy_to_host(load.data(), routing.tokens_per_expert.data, load.size() * 4);
-  const auto out_all = gather(download_floats(fwd.out), MPI_FLOAT, world, rank);
-  const auto dx_all = gather(download_floats(dx), MPI_FLOAT, world, rank);
-  const auto p_all = gather(download_floats(routing.topk_p), MPI_FLOAT, world, rank);
-  const auto idx_all = gather(idx, MPI_INT32_T, world, rank);
   MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, load.data(), static_cast<int>(E), MPI_INT32_T, MPI_SUM,
                               MPI_COMM_WORLD));
-  // Ranks 0 .. EP-1 (DP index 0) hold the DP-summed gradients of consecutive expert slices.
-  const auto& g = block.gradients();
-  const auto w13_all = gather(download_floats(g.w13), MPI_FLOAT, world, rank);
-  const auto w2_all = gather(download_floats(g.w2), MPI_FLOAT, world, rank);
-  const auto gate = download_floats(g.gate_weight);
-  if (rank != 0) return 0;
 
-  const std::int64_t total = in.x.rows;
-  TensorFile file;
-  file.add("out", FileDType::kF32, {total, H}, out_all.data());
-  file.add("dx", FileDType::kF32, {total, H}, dx_all.data());
-  file.add("topk_p", FileDType::kF32, {total, K}, p_all.data());
-  file.add("topk_idx", FileDType::kI32, {total, K}, idx_all.data());
-  file.add("aux_loss", FileDType::kF32, {1}, &fwd.aux_loss);
-  file.add("z_loss", FileDType::kF32, {1}, &fwd.z_loss);
-  file.add("tokens_per_expert", FileDType::kI32, {E}, load.data());
+  // Rank 0 writes the header now (every shape is known) and then each tensor as it comes.
+  const std::vector<std::int64_t> split = checked.split(world);
+  std::unique_ptr<TensorFileWriter> writer;
+  if (rank == 0) {
+    writer = std::make_unique<TensorFileWriter>(
+        out_path, layer_results_specs(config, checked.tokens), layer_results_metadata(config));
+  }
+  std::vector<int> all_ranks(static_cast<std::size_t>(world));
+  std::iota(all_ranks.begin(), all_ranks.end(), 0);
+  std::vector<std::int64_t> rows_h, rows_k;
+  for (const auto tokens : split) rows_h.push_back(tokens * H), rows_k.push_back(tokens * K);
+  // Rank r's part of a tensor over all ranks: its tokens' rows.
+  const auto tokens_part = [&](const char* name, const Tensor& t, std::int64_t width) {
+    return device_part(name, t, split[static_cast<std::size_t>(rank)] * width, rank);
+  };
+  collect(writer.get(), "out", all_ranks, rows_h, rank, 1, tokens_part("out", fwd.out, H));
+  collect(writer.get(), "dx", all_ranks, rows_h, rank, 2, tokens_part("dx", dx, H));
+  collect(writer.get(), "topk_p", all_ranks, rows_k, rank, 3,
+          tokens_part("topk_p", routing.topk_p, K));
+  collect(writer.get(), "topk_idx", all_ranks, rows_k, rank, 4,
+          tokens_part("topk_idx", routing.topk_idx, K));
+  // Ranks 0 .. EP-1 (DP index 0) hold the DP-summed gradients of consecutive expert slices.
+  const std::vector<int> ep_ranks(all_ranks.begin(), all_ranks.begin() + config.ep);
+  const std::int64_t local = config.local_experts();
+  const std::vector<std::int64_t> w13_counts(ep_ranks.size(), local * 2 * F * H),
+      w2_counts(ep_ranks.size(), local * H * F);
+  const auto& g = block.gradients();
+  collect(writer.get(), "grad.w13", ep_ranks, w13_counts, rank, 5,
+          device_part("grad.w13", g.w13, w13_counts.front(), rank));
+  collect(writer.get(), "grad.w2", ep_ranks, w2_counts, rank, 6,
+          device_part("grad.w2", g.w2, w2_counts.front(), rank));
+  if (rank != 0) return;
+
+  // Rank 0's own: the losses are mesh-wide, the gate's and the shared experts' gradients summed
+  // over the world by reduce_gradients.
+  const auto whole = [&](const char* name, const Tensor& t) {
+    for (std::int64_t first = 0; first < t.numel(); first += kPieceElements)
+      writer->append(name, download_piece(t, first, std::min(kPieceElements, t.numel() - first)));
+  };
+  writer->append("aux_loss", &fwd.aux_loss, 4);
+  writer->append("z_loss", &fwd.z_loss, 4);
+  writer->append("tokens_per_expert", load.data(), load.size() * 4);
   // The GPU layer runs dropless only (main refuses capacity mode): every slot kept.
-  const std::vector<std::int32_t> kept(static_cast<std::size_t>(total * K), 1);
+  const std::vector<std::int32_t> kept(static_cast<std::size_t>(checked.tokens * K), 1);
+  writer->append("kept", kept.data(), kept.size() * 4);
   const std::vector<std::int32_t> dropped(static_cast<std::size_t>(E), 0);
-  file.add("kept", FileDType::kI32, {total, K}, kept.data());
-  file.add("dropped_per_expert", FileDType::kI32, {E}, dropped.data());
-  file.add("grad.gate_weight", FileDType::kF32, {E, H}, gate.data());
-  file.add("grad.w13", FileDType::kF32, {E, 2 * F, H}, w13_all.data());  // ranks 0..EP-1 come first
-  file.add("grad.w2", FileDType::kF32, {E, H, F}, w2_all.data());
-  file.metadata["producer"] = "moe-runtime";
-  file.metadata["config"] = config.describe();
-  file.write(out_path);
+  writer->append("dropped_per_expert", dropped.data(), dropped.size() * 4);
+  whole("grad.gate_weight", g.gate_weight);
+  if (config.shared_experts()) {
+    whole("grad.shared_w13", g.shared_w13);
+    whole("grad.shared_w2", g.shared_w2);
+  }
+  if (config.shared_gate) whole("grad.shared_gate_weight", g.shared_gate_weight);
+  writer->finish();
   std::printf("moe_run: %d rank(s), EP=%d DP=%d, %lld tokens; results written to %s\n", world,
-              config.ep, config.dp, static_cast<long long>(total), out_path.c_str());
+              config.ep, config.dp, static_cast<long long>(checked.tokens), out_path.c_str());
+}
+
+int run_mesh(const MoEConfig& config, const TensorSource& weights, const TensorSource& inputs,
+             const CheckedLayerFiles& checked, bool check_finite_values,
+             const std::string& out_path) {
+  int rank = 0, world = 1;
+  MOE_CHECK_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  MOE_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world));
+  if (world != config.ep * config.dp)  // the same on every rank: all fail alike
+    fail("EP {} × DP {} is {} ranks, but MPI started {}", config.ep, config.dp,
+         config.ep * config.dp, world);
+  checked.split(world);  // tokens_per_rank against the world, alike on every rank
+
+  std::string error;
+  RankInputs in;
+  try {
+    in = read_rank_inputs(config, weights, inputs, checked, rank, check_finite_values);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  agree_on_errors(error, rank, world);
+
+  // Declared outside the try: a failing rank aborts the job while its mesh and block still stand,
+  // before their teardown could wait on peers.
+  std::optional<Mesh> mesh;
+  std::optional<Stream> stream;
+  std::optional<MoEBlock> block;
+  try {
+    mesh.emplace(Mesh::from_mpi(MPI_COMM_WORLD, config.ep, config.dp, config.num_experts));
+    stream.emplace();
+    block.emplace(config, *mesh, stream->get());
+    run_rank(config, std::move(in), checked, rank, world, out_path, *mesh, *block, *stream);
+  } catch (const std::exception& e) {
+    if (world == 1) throw;
+    std::fprintf(stderr, "moe_run: rank %d: %s\n", rank, e.what());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;  // not reached: MPI_Abort ends every rank
+  }
   return 0;
 }
 
@@ -252,25 +364,16 @@ int main(int argc, char** argv) {
         out_path,
         {{"--config", config_path}, {"--weights", weights_path}, {"--inputs", inputs_path}});
     auto config = load_config(config_path);
-    const auto weights = TensorFile::read(weights_path);
-    const auto inputs = TensorFile::read(inputs_path);
-    const auto in = read_layer_inputs(config, weights, inputs);
-    if (check_finite_values) {
-      check_finite(weights);
-      check_finite(inputs);
-    }
+    // Headers only: the data are read where they are needed, a rank's share or an expert at a time.
+    const TensorFileReader weights(weights_path);
+    const TensorFileReader inputs(inputs_path);
     if (use_reference) {
       config.ep = config.dp = 1;
-      return run_reference(config, in, out_path);
+      return run_reference(config, weights, inputs, check_finite_values, out_path);
     }
+    const CheckedLayerFiles checked = check_layer_files(config, weights, inputs);
     // Refused before MPI starts, so that every rank stops at once with the same message.
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
-    if (in.replay_experts) {
-      fail(
-          "topk_idx in '{}': routing replay is not implemented by the GPU layer yet; moe_run "
-          "--reference runs it on the CPU",
-          inputs_path);
-    }
     comm::MpiSession mpi(&argc, &argv);
     if (cuda_device_count() == 0) fail("no CUDA GPU on this machine (--reference runs on the CPU)");
     if (ep == 0 && dp == 0) ep = mpi.size(), dp = 1;
@@ -279,7 +382,7 @@ int main(int argc, char** argv) {
     config.ep = ep;
     config.dp = dp;
     config.validate();
-    return run_mesh(config, weights, inputs, in, out_path);
+    return run_mesh(config, weights, inputs, checked, check_finite_values, out_path);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_run: %s\n", e.what());
     return 1;

@@ -465,14 +465,18 @@ TEST_CASE("moe_run --reference: capacity mode, shared experts and routing replay
   CHECK_THAT(file_bytes(d.dir / "gpu.txt"),
              test::contains_text("capacity_factor=0.5: capacity mode is not implemented by the "
                                  "GPU layer yet; moe_run --reference runs it on the CPU"));
-  // Dropless and unshared, a replay is refused alike.
+  CHECK_FALSE(std::filesystem::exists(d.dir / "gpu.safetensors"));
+  // Dropless, a replay is the GPU layer's to run: not refused (without a GPU, moe_run stops at
+  // finding none; with one, it runs).
   std::ofstream(d.dir / "config.yaml") << "hidden: 6\nffn_hidden: 4\nnum_experts: 4\ntopk: 2\n"
                                        << "dtype: fp32\n";
   d.files.weights.write(d.dir / "weights.safetensors");
-  CHECK(WEXITSTATUS(std::system(gpu.c_str())) == 1);
-  CHECK_THAT(file_bytes(d.dir / "gpu.txt"),
-             test::contains_text("routing replay is not implemented by the GPU layer yet"));
-  CHECK_FALSE(std::filesystem::exists(d.dir / "gpu.safetensors"));
+  const int replayed = WEXITSTATUS(std::system(gpu.c_str()));
+  const std::string replay_error = file_bytes(d.dir / "gpu.txt");
+  INFO(replay_error);
+  CHECK((replayed == 0 || replay_error.find("no CUDA GPU on this machine") != std::string::npos));
+  CHECK(replay_error.find("replay") == std::string::npos);
+  std::filesystem::remove(d.dir / "gpu.safetensors");
 
   // Dropless: every slot kept, nothing dropped, no shared gradients.
   REQUIRE(d.run(d.path("inputs.safetensors"), d.path("plain.safetensors"), &error) == 0);

@@ -1,11 +1,14 @@
 // layer_files_tool: the two ends of the moe_run integration test.
-//   layer_files_tool make DIR SEED      writes DIR/config.yaml, weights.safetensors,
-//   inputs.safetensors
-//                                        (fp32, routing free of near-ties)
+//   layer_files_tool make DIR SEED [VARIANT [WORLD]]
+//       writes DIR/config.yaml, weights.safetensors, inputs.safetensors (fp32, routing free of
+//       near-ties). VARIANT plain (the default); replay: a topk_idx to replay (any distinct
+//       experts a token) and tokens_per_rank splitting the batch unevenly over WORLD ranks;
+//       shared: shared experts with a gate.
 //   layer_files_tool compare A B TOL    every result tensor of A equals B's: routing exactly, the
 //                                        rest within relative L2 error TOL
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 #include <random>
 #include <string>
 
@@ -16,13 +19,17 @@ using namespace moe;
 
 namespace {
 
-int make(const std::string& dir, std::uint64_t seed) {
-  const std::string yaml =
+int make(const std::string& dir, std::uint64_t seed, const std::string& variant, int world) {
+  if (variant != "plain" && variant != "replay" && variant != "shared")
+    throw Error("make: VARIANT is plain, replay or shared, not '" + variant + "'");
+  if (world < 1) throw Error("make: WORLD must be at least 1");
+  std::string yaml =
       "hidden: 64\nffn_hidden: 48\nnum_experts: 8\ntopk: 2\nscore_function: sigmoid\nexpert_bias: "
       "true\n"
       "num_groups: 4\ngroup_topk: 2\nscaling_factor: 2.5\naux_loss_coeff: 0.05\nz_loss_coeff: "
       "0.01\n"
       "align_size: 16\ndtype: fp32\n";
+  if (variant == "shared") yaml += "shared_ffn_hidden: 24\nshared_gate: true\n";
   std::ofstream(dir + "/config.yaml") << yaml;
   const MoEConfig c = parse_config(yaml);
   std::mt19937_64 rng(seed);
@@ -41,7 +48,23 @@ int make(const std::string& dir, std::uint64_t seed) {
     }
   }
   const TensorFile weights = layer_weights_file(c, p);
-  const TensorFile inputs = layer_inputs_file(x, test::random_matrix(T, H, rng));
+  TensorFile inputs = layer_inputs_file(x, test::random_matrix(T, H, rng));
+  if (variant == "replay") {
+    // Any K distinct experts a token, so the replayed routing differs from the router's choice.
+    std::vector<std::int32_t> given;
+    for (std::int64_t t = 0; t < T; ++t) {
+      const int first = std::uniform_int_distribution<int>(0, 7)(rng);
+      const int second = (first + std::uniform_int_distribution<int>(1, 7)(rng)) % 8;
+      given.insert(given.end(), {first, second});
+    }
+    inputs.add("topk_idx", FileDType::kI32, {T, 2}, given.data());
+    // Rank r takes a share growing with r, every rank at least one token (up to 8 ranks).
+    std::vector<std::int64_t> split;
+    const std::int64_t weight_sum = std::int64_t{world} * (world + 1) / 2;
+    for (int r = 0; r < world; ++r) split.push_back(T * (r + 1) / weight_sum);
+    split.back() += T - std::accumulate(split.begin(), split.end(), std::int64_t{0});
+    inputs.add("tokens_per_rank", FileDType::kI64, {world}, split.data());
+  }
   weights.write(dir + "/weights.safetensors");
   inputs.write(dir + "/inputs.safetensors");
   return 0;
@@ -74,9 +97,13 @@ int compare(const std::string& a_path, const std::string& b_path, double toleran
 int main(int argc, char** argv) {
   try {
     const std::string verb = argc > 1 ? argv[1] : "";
-    if (verb == "make" && argc == 4) return make(argv[2], std::stoull(argv[3]));
+    if (verb == "make" && argc >= 4 && argc <= 6)
+      return make(argv[2], std::stoull(argv[3]), argc > 4 ? argv[4] : "plain",
+                  argc > 5 ? std::stoi(argv[5]) : 1);
     if (verb == "compare" && argc == 5) return compare(argv[2], argv[3], std::stod(argv[4]));
-    std::fprintf(stderr, "usage: layer_files_tool make DIR SEED | compare A B TOLERANCE\n");
+    std::fprintf(stderr,
+                 "usage: layer_files_tool make DIR SEED [plain|replay|shared [WORLD]] | compare A "
+                 "B TOLERANCE\n");
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "layer_files_tool: %s\n", e.what());
