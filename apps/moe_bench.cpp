@@ -217,6 +217,12 @@ int main(int argc, char** argv) {
         stage_lead_ms > 0.0 ? timed_steps(stage_lead_ms, true) : totals;
     const double reduce_ms = bench::median_ms([&](int) { block.reduce_gradients(); }, stream.get(),
                                               1, std::max(3, iters / 4));
+    // The routing's balance over every step run (the mesh's loads, counted on the device).
+    block.synchronize();
+    const MoELoadStatistics load_stats = block.load_statistics();
+    std::vector<std::int64_t> load(static_cast<std::size_t>(config.num_experts));
+    copy_to_host(load.data(), load_stats.tokens_per_expert.data, load.size() * sizeof(load[0]));
+    const LoadImbalance imbalance = load_imbalance(load, ep);
 
     // Useful work: gate 6·T·E·H, experts 18·(T·K)·H·F (forward + backward, padding excluded).
     const double E = config.num_experts, K = config.topk, F = config.ffn_hidden;
@@ -281,6 +287,8 @@ int main(int argc, char** argv) {
       if (link_floor_ms > 0)
         fmt::print("NVLink floor {:.3f} ms ({:.0f}% of the step)\n", link_floor_ms,
                    100 * link_floor_ms / total_ms);
+      fmt::print("load over {} steps: max/mean {:.2f} per expert, {:.2f} per EP rank\n",
+                 load_stats.steps, imbalance.expert, imbalance.ep_rank);
       fmt::print(
           "device memory of the layer: {:.2f} GiB ({:.1f} KiB per token), of which {:.2f} GiB "
           "scratch that a model's layers share; the mesh's communicators took {:.2f} GiB "
@@ -310,6 +318,9 @@ int main(int argc, char** argv) {
             {"reduce_ms", reduce_ms},
             {"step_floor_ms", step_floor_ms},
             {"reduce_floor_ms", reduce_floor_ms},
+            {"load_imbalance_expert", imbalance.expert},
+            {"load_imbalance_ep_rank", imbalance.ep_rank},
+            {"load_steps", load_stats.steps},
             {"grad_dtype", dtype_name(config.grad_dtype)},
             {"TFLOPs_per_gpu", tflops},
             {"fraction_of_dense", tflops * 1e12 / gemm_rate},

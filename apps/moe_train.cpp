@@ -258,6 +258,17 @@ int run_training(const Options& o, comm::MpiSession& mpi) {
         o.layers, config.describe(), world, ep, dp, T, o.lr);
   }
   double first_loss = -1, last_loss = 0;
+  // The first layer's load since the last log line: its imbalance shows the expert bias at work.
+  std::vector<std::int64_t> load_then(static_cast<std::size_t>(config.num_experts), 0);
+  std::vector<std::int64_t> load_now(load_then.size());
+  auto interval_imbalance = [&] {
+    copy_to_host(load_now.data(), student[0]->load_statistics().tokens_per_expert.data,
+                 load_now.size() * sizeof(std::int64_t));
+    std::vector<std::int64_t> interval(load_now.size());
+    for (std::size_t e = 0; e < load_now.size(); ++e) interval[e] = load_now[e] - load_then[e];
+    load_then = load_now;
+    return load_imbalance(interval, ep);
+  };
   const auto start = std::chrono::steady_clock::now();
   for (int step = first_step; step < first_step + o.steps; ++step) {
     // This step's tokens: a function of (step, rank) alone, so a resumed run sees the same data.
@@ -310,8 +321,11 @@ int run_training(const Options& o, comm::MpiSession& mpi) {
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
               .count() /
           (step - first_step + 1);
-      fmt::print("step {:>5}  loss {:.6f}  (mse {:.6f}, router losses {:.3e})  {:.1f} ms/step\n",
-                 step + 1, loss, mse, router_losses, ms);
+      const LoadImbalance imbalance = interval_imbalance();
+      fmt::print(
+          "step {:>5}  loss {:.6f}  (mse {:.6f}, router losses {:.3e})  load max/mean {:.2f} per "
+          "expert, {:.2f} per EP rank  {:.1f} ms/step\n",
+          step + 1, loss, mse, router_losses, imbalance.expert, imbalance.ep_rank, ms);
       std::fflush(stdout);
     }
   }

@@ -16,6 +16,8 @@ std::size_t dtype_size(DType dtype) {
     case DType::kFP32:
     case DType::kInt32:
       return 4;
+    case DType::kInt64:
+      return 8;
   }
   fail("unknown DType {}", static_cast<int>(dtype));
 }
@@ -28,6 +30,8 @@ std::string_view dtype_name(DType dtype) {
       return "fp32";
     case DType::kInt32:
       return "int32";
+    case DType::kInt64:
+      return "int64";
   }
   return "unknown";
 }

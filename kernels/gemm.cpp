@@ -18,6 +18,7 @@ cudaDataType_t cuda_type(DType dtype) {
     case DType::kFP32:
       return CUDA_R_32F;
     case DType::kInt32:
+    case DType::kInt64:
       break;
   }
   fail("GemmRunner: dtype {} is not a matrix type", dtype_name(dtype));

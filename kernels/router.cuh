@@ -123,6 +123,10 @@ float aux_loss_factor(const RouterParams& params, double aux_loss_coeff,
                       std::int64_t global_tokens);
 float z_loss_factor(double z_loss_coeff, std::int64_t global_tokens);
 
+// Load statistics: total[i] += load[i] for the E experts (int64 totals of int32 step counts).
+void accumulate_load(std::int64_t* total, const std::int32_t* load, int num_experts,
+                     cudaStream_t stream);
+
 // Aux-loss-free balancing: bias[i] += rate · sign(mean_j load_j − load_i), load = mesh-wide counts.
 void update_expert_bias(float* expert_bias, const std::int32_t* load, int num_experts, float rate,
                         cudaStream_t stream);

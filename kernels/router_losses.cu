@@ -48,6 +48,12 @@ __global__ void update_expert_bias_kernel(float* bias, const std::int32_t* load,
   }
 }
 
+__global__ void accumulate_load_kernel(std::int64_t* total, const std::int32_t* load,
+                                       int experts) {
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < experts; e += gridDim.x * blockDim.x)
+    total[e] += load[e];
+}
+
 }  // namespace
 
 float aux_loss_factor(const RouterParams& params, double aux_loss_coeff,
@@ -78,6 +84,14 @@ void update_expert_bias(float* expert_bias, const std::int32_t* load, int num_ex
   if (num_experts < 1) fail("update_expert_bias: num_experts = " + std::to_string(num_experts));
   update_expert_bias_kernel<<<1, kReduceThreads, 0, stream>>>(expert_bias, load, num_experts, rate);
   MOE_CHECK_LAUNCH();
+}
+
+void accumulate_load(std::int64_t* total, const std::int32_t* load, int num_experts,
+                     cudaStream_t stream) {
+  if (num_experts <= 0) return;
+  accumulate_load_kernel<<<(num_experts + kReduceThreads - 1) / kReduceThreads, kReduceThreads, 0,
+                           stream>>>(total, load, num_experts);
+  MOE_CHECK_CUDA(cudaGetLastError());
 }
 
 }  // namespace moe

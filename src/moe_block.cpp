@@ -436,6 +436,40 @@ void MoEBlock::record_routing(const Tensor& topk_idx) const {
                                  cudaMemcpyDeviceToDevice, s.stream));
 }
 
+MoELoadStatistics MoEBlock::load_statistics() const {
+  auto& s = *s_;
+  if (s.router.load_total() == nullptr) s.router.reset_load_total(s.stream);
+  return {Tensor(const_cast<std::int64_t*>(s.router.load_total()), DType::kInt64, {s.E}),
+          s.router.load_steps()};
+}
+
+void MoEBlock::reset_load_statistics() {
+  s_->router.reset_load_total(s_->stream);
+}
+
+LoadImbalance load_imbalance(std::span<const std::int64_t> tokens_per_expert, int ep) {
+  const auto experts = static_cast<std::int64_t>(tokens_per_expert.size());
+  if (ep < 1 || experts % ep != 0)
+    fail("load_imbalance: ep = {} must be >= 1 and divide the {} experts", ep, experts);
+  LoadImbalance imbalance;
+  if (experts == 0) return imbalance;
+  std::int64_t total = 0, largest = 0;
+  std::vector<std::int64_t> per_rank(static_cast<std::size_t>(ep), 0);
+  for (std::int64_t e = 0; e < experts; ++e) {
+    const std::int64_t load = tokens_per_expert[static_cast<std::size_t>(e)];
+    if (load < 0) fail("load_imbalance: expert {} has a negative load {}", e, load);
+    total += load;
+    largest = std::max(largest, load);
+    per_rank[static_cast<std::size_t>(e / (experts / ep))] += load;
+  }
+  if (total == 0) return imbalance;
+  const double total_d = static_cast<double>(total);
+  imbalance.expert = static_cast<double>(largest) * static_cast<double>(experts) / total_d;
+  imbalance.ep_rank =
+      static_cast<double>(*std::max_element(per_rank.begin(), per_rank.end())) * ep / total_d;
+  return imbalance;
+}
+
 EpTransport MoEBlock::ep_transport() const {
   return s_->exchange ? s_->exchange->transport() : EpTransport::kAuto;
 }

@@ -101,10 +101,20 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   }
   if (params_.z_loss) mesh_.all_reduce_sum(z_sum, 1, ncclFloat32, MeshGroup::kWorld, stream);
   mesh_.group_end("the loss statistics all-reduce");
+  if (load_total_.bytes() == 0) reset_load_total(stream);
+  accumulate_load(load_total_.as<std::int64_t>(), global_load_.as<std::int32_t>(), E, stream);
+  ++load_steps_;
   if (mesh_.world_size() > 1) {
     router_losses(params_, config_.aux_loss_coeff, config_.z_loss_coeff, aux_counts, score_sum,
                   z_sum, global_tokens, reinterpret_cast<float*>(&totals->losses), stream);
   }
+}
+
+void RouterStage::reset_load_total(cudaStream_t stream) {
+  const auto bytes = static_cast<std::size_t>(config_.num_experts) * sizeof(std::int64_t);
+  load_total_.reserve(bytes);
+  MOE_CHECK_CUDA(cudaMemsetAsync(load_total_.data(), 0, bytes, stream));
+  load_steps_ = 0;
 }
 
 void RouterStage::backward(const float* dprob, const Tensor& dlogits, cudaStream_t stream) {

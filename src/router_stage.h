@@ -56,6 +56,11 @@ class RouterStage {
   // [E] this rank's tokens per expert; the mesh's (null before the first forward).
   std::int32_t* tokens_per_expert() const { return counts_.as<std::int32_t>(); }
   const std::int32_t* global_load() const { return global_load_.as<std::int32_t>(); }
+  // [E] int64: the mesh-wide loads summed over the forwards since construction or the last reset
+  // (null before the first forward), and how many forwards that is.
+  const std::int64_t* load_total() const { return load_total_.as<std::int64_t>(); }
+  std::int64_t load_steps() const { return load_steps_; }
+  void reset_load_total(cudaStream_t stream);
   // RouterTotals on the device, complete once reduce_losses' work has run.
   const void* device_totals() const { return scalars_.data(); }
 
@@ -66,6 +71,8 @@ class RouterStage {
   DeviceBuffer& workspace_;  // the scratch's
 
   DeviceBuffer topk_idx_, topk_p_, counts_, aux_counts_, score_sum_, z_sum_, global_load_, scalars_;
+  DeviceBuffer load_total_;
+  std::int64_t load_steps_ = 0;
   // T on its way to the device. Only the host writes it and only this stream's copies read it, so
   // it needs no guard: a copy still queued by a forward that failed half-way would read the next
   // forward's T, and that forward's own copy writes the same device word after it.

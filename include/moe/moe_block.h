@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,23 @@ struct ForwardOptions {
   // step's own routing reproduces the step bitwise. Empty (the default): the router selects.
   Tensor replay_topk_idx;
 };
+
+// Per-expert load over the steps since construction or reset_load_statistics(): the mesh-wide
+// tokens routed to each expert, summed over the forwards, int64 [E] on the device. The block adds
+// each forward's counts on its stream with no host synchronisation; read it with a copy queued on
+// that stream, or after synchronize().
+struct MoELoadStatistics {
+  Tensor tokens_per_expert;  // [E] int64 (all zero before the first forward)
+  std::int64_t steps = 0;    // forwards counted
+};
+
+// How uneven a load is: the largest over the mean, per expert and per EP rank (whose experts are
+// the consecutive E/ep); 1 is perfectly even (and what a load of no tokens reports).
+struct LoadImbalance {
+  double expert = 1.0;
+  double ep_rank = 1.0;
+};
+LoadImbalance load_imbalance(std::span<const std::int64_t> tokens_per_expert, int ep);
 
 struct MoEForward {
   Tensor out;  // [T, H], x's dtype, owned by the block until the next forward
@@ -152,6 +170,10 @@ class MoEBlock {
   bool probabilities_in_experts() const;
   // Aux-loss-free balancing with the mesh-wide loads of the last forward.
   void update_expert_bias(float rate);
+  // The load statistics (views valid for the block's life), and their reset, queued on the
+  // block's stream.
+  MoELoadStatistics load_statistics() const;
+  void reset_load_statistics();
   // Check mode: after each stage, raise a moe::Error naming the first stage (and rank) whose
   // output holds NaN or Inf. Off by default (it synchronises).
   void set_check_finite(bool on);

@@ -11,7 +11,7 @@
 
 namespace moe {
 
-enum class DType { kBF16, kFP32, kInt32 };
+enum class DType { kBF16, kFP32, kInt32, kInt64 };
 
 std::size_t dtype_size(DType dtype);
 std::string_view dtype_name(DType dtype);
