@@ -121,7 +121,8 @@ Mesh Mesh::from_mpi(MPI_Comm comm, int ep, int dp, int num_experts, Timeout time
   // Every rank reaches each MPI collective below before it can fail: MPI waits without a timeout.
   const int local_rank = comm::node_local_rank(comm);
   const int gpus = cuda_device_count();
-  if (gpus > 0) MOE_CHECK_CUDA(cudaSetDevice(local_rank % gpus));
+  // A failure here is reported by the identity check below, on every rank alike.
+  if (gpus > 0 && cudaSetDevice(local_rank % gpus) != cudaSuccess) (void)cudaGetLastError();
   // NCCL refuses two ranks on one GPU with a bare "invalid usage"; say what is wrong instead, on
   // every rank alike (each sees the same gathered identities).
   comm::require_one_rank_per_gpu(comm);
@@ -274,7 +275,8 @@ void Mesh::group_end(std::string_view operation) const {
   }
   if (status != ncclSuccess) {
     abort();
-    fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(status),
+    fail("rank {}: {} failed: NCCL error {} ({}); the communicators were aborted", rank_,
+         operation, static_cast<int>(status),
          ncclGetErrorString(status));
   }
 }
@@ -308,7 +310,8 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
         if (c != nullptr && ncclCommGetAsyncError(c, &async) == ncclSuccess &&
             async != ncclSuccess && async != ncclInProgress) {
           abort();
-          fail("rank {}: {} failed: NCCL error {} ({})", rank_, operation, static_cast<int>(async),
+          fail("rank {}: {} failed: NCCL error {} ({}); the communicators were aborted", rank_,
+         operation, static_cast<int>(async),
                ncclGetErrorString(async));
         }
       }

@@ -84,20 +84,26 @@ PeerBuffer::PeerBuffer(const Mesh& mesh)
 }
 
 PeerBuffer::~PeerBuffer() {
-  // Freeing memory that another process still maps is undefined, so, unless the mesh has failed
-  // (then the peers are failing too, and nothing waits for them), the EP group tears down in
+  // Freeing memory that another process still maps is undefined, so the EP group tears down in
   // step: every rank closes its mappings, then all agree before any rank frees. The owner of the
   // buffer has let the work that used it finish (PeerExchange's destructor). The agreement is
-  // bounded by the mesh's timeout; past it the mesh is aborted and the buffer goes anyway: a
-  // destructor never blocks for good.
-  const bool agree = mapped_[me_] != nullptr && !mesh_.aborted();
+  // bounded by the mesh's timeout: a destructor never blocks for good. Once the mesh has failed
+  // there is no agreement, and the buffer is not freed at all.
+  const bool reserved = mapped_[me_] != nullptr;
   for (int r = 0; r < ranks_; ++r) close_mapping(r);
-  if (!agree) return;
+  if (reserved && mesh_.aborted()) {
+    // The peers may have failed anywhere, their kernels still loading or storing here once their
+    // aborts release them: the buffer is left to the process's end, never freed under them.
+    (void)new DeviceBuffer(std::move(local_));
+    return;
+  }
+  if (!reserved) return;
   try {
     const Stream teardown;
     (void)all_gather_host(mesh_, 0, staging_, done_, teardown.get(), "the peer buffers' teardown");
   } catch (const std::exception&) {
     mesh_.abort();
+    (void)new DeviceBuffer(std::move(local_));  // as above: a peer may still use it
   }
 }
 

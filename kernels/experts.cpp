@@ -65,13 +65,16 @@ struct ExpertFFN::PointerStaging {
     device.reserve(kSlots * capacity * sizeof(void*));
   }
   // Enqueues the upload on `stream`; the returned device array is valid for work queued after it.
-  const void* const* stage(const std::vector<const void*>& pointers, cudaStream_t stream) {
+  // A slot is reused once its last upload is done, waited for through `wait` (the mesh bounds it:
+  // behind a collective whose peer is gone, the upload would never complete).
+  const void* const* stage(const std::vector<const void*>& pointers, cudaStream_t stream,
+                           const std::function<void(cudaEvent_t)>& wait) {
     if (pointers.size() > slot_capacity)
       fail("ExpertFFN: {} operand pointers exceed the {} staged per call", pointers.size(),
            slot_capacity);
     const std::size_t slot = next;
     next = (next + 1) % kSlots;
-    MOE_CHECK_CUDA(cudaEventSynchronize(uploaded[slot].get()));
+    wait(uploaded[slot].get());
     const void** host_slot = host.as<const void*>() + slot * slot_capacity;
     std::copy(pointers.begin(), pointers.end(), host_slot);
     const void** device_slot = device.as<const void*>() + slot * slot_capacity;
@@ -466,7 +469,7 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_
     units.push_back(std::move(unit));
   }
   if (units.empty()) return;
-  const void* const* staged = addresses.empty() ? nullptr : pointers_->stage(addresses, stream);
+  const void* const* staged = addresses.empty() ? nullptr : pointers_->stage(addresses, stream, host_wait_);
 
   // Largest first, each to the least loaded stream, so no stream is left with the long tail.
   std::stable_sort(units.begin(), units.end(),
@@ -576,7 +579,7 @@ void ExpertFFN::run_grouped_call(const std::vector<std::vector<const Product*>>&
   std::vector<const void*> addresses = first;
   addresses.insert(addresses.end(), second.begin(), second.end());
   addresses.insert(addresses.end(), out.begin(), out.end());
-  const void* const* device = pointers_->stage(addresses, stream);
+  const void* const* device = pointers_->stage(addresses, stream, host_wait_);
   auto& g = *grouped_;
   check_cublas_status(cublasSetStream(g.handle, stream), "cublasSetStream");
   check_cublas_status(

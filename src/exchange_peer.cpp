@@ -53,11 +53,10 @@ class PeerExchange final : public TokenExchange {
     MOE_CHECK_CUDA(cudaMemsetAsync(typed<int>(barrier_, 1), 0, sizeof(int), stream_));
   }
 
-  // The peer buffers' destructors free memory that other ranks' kernels may use: first let this
-  // rank's own work on them finish (within the mesh's timeout; past it the mesh is aborted and
-  // the buffers' teardown is local).
+  // The peer buffers' destructors unmap and free memory that kernels use: first let this rank's
+  // own work on them finish, within the mesh's timeout, also after an abort (which is what
+  // releases a stuck NCCL kernel, so the peer kernels queued behind it run then).
   ~PeerExchange() override {
-    if (mesh_.aborted()) return;
     try {
       drained_.record(stream_);
       mesh_.wait(drained_.get(), "the work queued before the peer exchange is freed");

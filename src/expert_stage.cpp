@@ -79,6 +79,9 @@ void ExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {
   const auto sizes =
       all_gather_to_host<std::uint64_t>(mesh, std::span(&mine_size, 1), stream);
   const std::uint64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  // Nothing timed anywhere yet (no rank had rows): agree at a later step instead of freezing the
+  // heuristic's choices for good. The sizes are the same on every rank, and so is this return.
+  if (widest == 0) return;
   std::vector<std::byte> padded(widest);
   std::copy(mine.begin(), mine.end(), padded.begin());
   const auto gathered =

@@ -9,15 +9,15 @@
 namespace moe {
 namespace {
 
+constexpr std::int64_t kStageElements = std::int64_t{16} << 20;  // 64 MiB of fp32
+
 // NCCL would round every hop's partial sum of bf16 values to bf16: a bf16 gradient is widened a
-// chunk at a time to fp32, summed, and narrowed back, through one bounded staging buffer.
+// chunk at a time to fp32, summed, and narrowed back, through one bounded staging buffer (sized
+// by reduce_gradients before the first collective: growing it later would free memory, which
+// waits for the device, behind collectives that might never complete).
 void sum_bf16_in_fp32(const Tensor& grad, MeshGroup group, const Mesh& mesh, DeviceBuffer& staging,
                       cudaStream_t stream) {
-  constexpr std::int64_t kStageElements = std::int64_t{16} << 20;  // 64 MiB of fp32
   const std::int64_t total = grad.numel();
-  staging.reserve(static_cast<std::size_t>(std::max<std::int64_t>(
-                      std::min(total, kStageElements), 4)) *
-                  4);
   for (std::int64_t first = 0; first < total; first += kStageElements) {
     const std::int64_t n = std::min(kStageElements, total - first);
     const Tensor part(static_cast<std::uint16_t*>(grad.data) + first, DType::kBF16, {n});
@@ -45,18 +45,23 @@ void sum_gradients(std::initializer_list<const Tensor*> grads, MeshGroup group, 
 
 }  // namespace
 
-void reduce_gradients(const MoEGradients& grads, const Mesh& mesh, DeviceBuffer& staging,
-                      cudaStream_t stream) {
+void reduce_gradients(const MoEConfig& config, const MoEGradients& grads, const Mesh& mesh,
+                      DeviceBuffer& staging, cudaStream_t stream) {
+  std::int64_t widest = 4;
+  for (const Tensor* grad : {&grads.w13, &grads.w2, &grads.shared_w13, &grads.shared_w2}) {
+    if (grad->dtype == DType::kBF16) widest = std::max(widest, std::min(grad->numel(), kStageElements));
+  }
+  staging.reserve(static_cast<std::size_t>(widest) * 4);
   sum_gradients({&grads.w13, &grads.w2}, MeshGroup::kDataParallel, mesh, staging, stream,
                 "the expert gradient reduction");
   // The gate and the shared expert are replicated on every rank: summed over the world.
   mesh.all_reduce_sum(grads.gate_weight.data, grads.gate_weight.numel(), ncclFloat32,
                       MeshGroup::kWorld, stream);
-  if (grads.shared_w13.data != nullptr) {
+  if (config.shared_experts()) {
     sum_gradients({&grads.shared_w13, &grads.shared_w2}, MeshGroup::kWorld, mesh, staging, stream,
                   "the shared expert's gradient reduction");
   }
-  if (grads.shared_gate_weight.data != nullptr) {
+  if (config.shared_gate) {
     mesh.all_reduce_sum(grads.shared_gate_weight.data, grads.shared_gate_weight.numel(),
                         ncclFloat32, MeshGroup::kWorld, stream);
   }

@@ -11,8 +11,10 @@
 
 namespace moe {
 
-// staging: the scratch's, for the fp32 sum of bf16 gradients.
-void reduce_gradients(const MoEGradients& grads, const Mesh& mesh, DeviceBuffer& staging,
-                      cudaStream_t stream);
+// staging: the scratch's, for the fp32 sum of bf16 gradients. The config says which gradients
+// exist (never the pointers: bound tensors a config does not use must not be reduced on some
+// ranks only).
+void reduce_gradients(const MoEConfig& config, const MoEGradients& grads, const Mesh& mesh,
+                      DeviceBuffer& staging, cudaStream_t stream);
 
 }  // namespace moe

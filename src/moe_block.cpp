@@ -265,10 +265,12 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   }
   s.context.valid = false;  // a failure below leaves no half-built context
   s.times.used = 0;         // stage times restart with each forward; backward appends
+  s.times.current = "the token exchange's set-up";
   TokenExchange& exchange = s.token_exchange();
   const cudaStream_t stream = s.stream;
 
   // The shared expert, when there is one, on its own stream beside the routed path.
+  s.times.current = "moe shared expert";
   if (s.shared_expert) s.shared_expert->start_forward(x, s.params, stream);
 
   // Gate: logits [T, E] = x · Wgᵀ, fp32.
@@ -352,6 +354,7 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
   const Tensor dx = view(s.dx, s.dtype, {T, s.H});
 
   // The shared expert's backward on its own stream, beside the routed path's.
+  s.times.current = "moe shared expert backward";
   if (s.shared_expert) s.shared_expert->start_backward(dy, s.params, s.grads, stream);
 
   // Unpermute and combine backward: dy to every slot's row, then to the experts' ranks.
@@ -403,11 +406,10 @@ void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   on_mesh(s.mesh, s.times, "reduce_gradients", [&] {
     Range r("moe gradient reduction", s.times, s.stream);
-    moe::reduce_gradients(s.grads, s.mesh, s.shared.grad_stage, s.stream);
+    moe::reduce_gradients(s.config, s.grads, s.mesh, s.shared.grad_stage, s.stream);
     // After the first step's products were all timed: from here every rank runs the same
     // algorithms (one host wait, at the first call only).
     s.experts.agree_gemm_algorithms(s.mesh, s.stream);
-    if (s.shared_expert) s.shared_expert->agree_gemm_algorithms(s.mesh, s.stream);
   });
 }
 
@@ -499,6 +501,7 @@ void MoEBlock::update_expert_bias(float rate) {
     fail("MoEBlock::update_expert_bias: the config has expert_bias = false");
   if (s.router.global_load() == nullptr)
     fail("MoEBlock::update_expert_bias: no forward has counted the loads yet");
+  s.times.current = "the expert bias update";
   on_mesh(s.mesh, s.times, "update_expert_bias", [&] {
     moe::update_expert_bias(s.params.expert_bias.as<float>(), s.router.global_load(), s.E, rate,
                             s.stream);

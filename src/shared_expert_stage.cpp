@@ -87,8 +87,4 @@ void SharedExpertStage::add_input_grad(const Tensor& dx, const MoEParameters& pa
                         gated_ ? gate_.as<float>() : nullptr, params.shared_gate_weight, stream);
 }
 
-void SharedExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {
-  ffn_.agree_gemm_algorithms(mesh, stream);
-}
-
 }  // namespace moe

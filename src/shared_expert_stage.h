@@ -33,8 +33,8 @@ class SharedExpertStage {
   // dx += the shared expert's input gradient, queued on `stream` behind its backward.
   void add_input_grad(const Tensor& dx, const MoEParameters& params, cudaStream_t stream);
 
-  // As ExpertStage's: the ranks agree on its GEMM algorithms.
-  void agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream);
+  // Its FFN is one expert: plain products only, which ExpertFFN never times, so there are no
+  // GEMM algorithms for the ranks to agree on.
 
  private:
   bool gated_;

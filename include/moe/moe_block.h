@@ -99,7 +99,9 @@ struct MoEForward {
 // Blocks built with one scratch keep these once between them instead of once each (a model of L
 // layers: once, sized for its largest layer), which is safe because their calls never overlap:
 // they must all run on one stream, in the order a trainer runs its layers; a block on another
-// stream is refused. What a block keeps from forward to backward stays its own.
+// stream is refused. What a block keeps from forward to backward stays its own. A scratch of
+// blocks on a mesh holds buffers that every rank of the EP group maps: destroy it, like the
+// blocks, before their mesh.
 class MoEScratch {
  public:
   MoEScratch();
