@@ -141,16 +141,7 @@ TEST_CASE("MoEBlock on one GPU equals the fp64 reference", "[gpu][block]") {
         pre.topk = 3;
         run_case(pre, 33, rng);
 
-        // deepseek-v3-like, scaled down: sigmoid + bias, 4 groups keeping 2, top-4, scale 2.5.
-        MoEConfig ds = post;
-        ds.num_experts = 16;
-        ds.topk = 4;
-        ds.score_function = ScoreFunction::kSigmoid;
-        ds.expert_bias = true;
-        ds.num_groups = 4;
-        ds.group_topk = 2;
-        ds.scaling_factor = 2.5;
-        run_case(ds, 40, rng);
+        run_case(test::deepseek_like(post), 40, rng);
       }
     }
   }
@@ -202,14 +193,7 @@ TEST_CASE("MoEBlock with a shared expert, gated or not, equals the fp64 referenc
       c.activation_chunk_mib = 1.0 / 1024;
       run_case(c, 45, rng);
       // deepseek-v3's shape of it, scaled down: sigmoid + groups, a wide shared expert.
-      MoEConfig ds = c;
-      ds.num_experts = 16;
-      ds.topk = 4;
-      ds.score_function = ScoreFunction::kSigmoid;
-      ds.expert_bias = true;
-      ds.num_groups = 4;
-      ds.group_topk = 2;
-      ds.scaling_factor = 2.5;
+      MoEConfig ds = test::deepseek_like(c);
       ds.shared_ffn_hidden = 96;
       run_case(ds, 37, rng);
     }
@@ -439,14 +423,7 @@ TEST_CASE("routing replay: a recorded step replays bitwise; other routings equal
   post.align_size = 16;
   MoEConfig pre = post;
   pre.pre_softmax = true;
-  MoEConfig grouped = post;  // sigmoid + bias + groups, as deepseek-v3
-  grouped.num_experts = 16;
-  grouped.topk = 4;
-  grouped.score_function = ScoreFunction::kSigmoid;
-  grouped.expert_bias = true;
-  grouped.num_groups = 4;
-  grouped.group_topk = 2;
-  grouped.scaling_factor = 2.5;
+  const MoEConfig grouped = test::deepseek_like(post);
   MoEConfig softplus = post;
   softplus.score_function = ScoreFunction::kSqrtSoftplus;
   softplus.topk = 3;

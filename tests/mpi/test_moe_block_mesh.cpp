@@ -134,14 +134,7 @@ TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenate
   softmax.aux_loss_coeff = 0.05;
   softmax.z_loss_coeff = 0.01;
   softmax.align_size = 16;
-  MoEConfig deepseek = softmax;  // sigmoid + bias + groups, scaled down
-  deepseek.num_experts = 16;
-  deepseek.topk = 4;
-  deepseek.score_function = ScoreFunction::kSigmoid;
-  deepseek.expert_bias = true;
-  deepseek.num_groups = 4;
-  deepseek.group_topk = 2;
-  deepseek.scaling_factor = 2.5;
+  MoEConfig deepseek = test::deepseek_like(softmax);
   int index = 0;
   for (int ep = 1; ep <= world; ++ep) {
     if (world % ep != 0) continue;

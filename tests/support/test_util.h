@@ -140,6 +140,19 @@ inline MoEConfig small_config(int hidden, int ffn, int experts, int topk) {
   return config;
 }
 
+// deepseek-v3's router, scaled down, on `base`'s other settings: 16 experts, sigmoid + bias, 4
+// groups keeping 2, top-4, scale 2.5.
+inline MoEConfig deepseek_like(MoEConfig base) {
+  base.num_experts = 16;
+  base.topk = 4;
+  base.score_function = ScoreFunction::kSigmoid;
+  base.expert_bias = true;
+  base.num_groups = 4;
+  base.group_topk = 2;
+  base.scaling_factor = 2.5;
+  return base;
+}
+
 }  // namespace moe::test
 
 namespace moe::test {
