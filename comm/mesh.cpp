@@ -204,10 +204,15 @@ ncclComm_t Mesh::comm(MeshGroup group) const {
 
 void Mesh::all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group,
                           cudaStream_t stream) const {
+  all_reduce(data, count, type, ncclSum, group, stream);
+}
+
+void Mesh::all_reduce(void* data, std::size_t count, ncclDataType_t type, ncclRedOp_t op,
+                      MeshGroup group, cudaStream_t stream) const {
   ncclComm_t c = comm(group);
   if (c == nullptr || count == 0) return;
   group_start();
-  MOE_CHECK_NCCL(ncclAllReduce(data, data, count, type, ncclSum, c, stream));
+  MOE_CHECK_NCCL(ncclAllReduce(data, data, count, type, op, c, stream));
   group_end("an all-reduce");
 }
 

@@ -69,6 +69,11 @@ void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias,
 
 void RouterStage::set_totals(const RouterTotals& totals) {
   saved_.global_tokens = totals.global_tokens;
+  if (totals.first_invalid_given == RouterTotals::kAllGivenValid &&
+      totals.mesh_first_invalid_given != RouterTotals::kAllGivenValid) {
+    fail("MoEBlock::forward: another rank's replay_topk_idx holds an invalid expert (that rank's "
+         "error names it)");
+  }
   if (totals.first_invalid_given != RouterTotals::kAllGivenValid) {
     const std::uint64_t slot = totals.first_invalid_given >> 32;
     const auto expert = static_cast<std::int32_t>(totals.first_invalid_given & 0xffffffffu);
@@ -92,6 +97,8 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
                                  sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
   MOE_CHECK_CUDA(cudaMemcpyAsync(global_load_.data(), counts_.data(), E * sizeof(std::int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
+  MOE_CHECK_CUDA(cudaMemcpyAsync(&totals->mesh_first_invalid_given, &totals->first_invalid_given,
+                                 sizeof(std::uint64_t), cudaMemcpyDeviceToDevice, stream));
   mesh_.group_start();
   mesh_.all_reduce_sum(global_tokens, 1, ncclInt64, MeshGroup::kWorld, stream);
   mesh_.all_reduce_sum(global_load_.data(), E, ncclInt32, MeshGroup::kWorld, stream);
@@ -100,6 +107,9 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
     mesh_.all_reduce_sum(score_sum, E, ncclFloat32, MeshGroup::kWorld, stream);
   }
   if (params_.z_loss) mesh_.all_reduce_sum(z_sum, 1, ncclFloat32, MeshGroup::kWorld, stream);
+  // Every step, replaying or not, so that every rank's group holds the same operations.
+  mesh_.all_reduce(&totals->mesh_first_invalid_given, 1, ncclUint64, ncclMin, MeshGroup::kWorld,
+                   stream);
   mesh_.group_end("the loss statistics all-reduce");
   if (load_total_.bytes() == 0) reset_load_total(stream);
   accumulate_load(load_total_.as<std::int64_t>(), global_load_.as<std::int32_t>(), E, stream);

@@ -22,10 +22,12 @@ struct RouterTotals {
 
   std::int64_t global_tokens = 0;  // T_glob
   float losses[2] = {};            // L_aux, L_z
-  // Routing replay: the first invalid given slot, (t·K + k) << 32 | expert, or kAllGivenValid.
+  // Routing replay: this rank's first invalid given slot, (t·K + k) << 32 | expert, or
+  // kAllGivenValid; and the smallest of every rank's, so that all ranks fail in the same forward.
   std::uint64_t first_invalid_given = kAllGivenValid;
+  std::uint64_t mesh_first_invalid_given = kAllGivenValid;
 };
-static_assert(sizeof(RouterTotals) == 24);
+static_assert(sizeof(RouterTotals) == 32);
 
 // The router kernels' parameters for a layer's config: the kernels take plain values, never the
 // config itself.
@@ -44,7 +46,8 @@ class RouterStage {
   // the loss values from them (on a mesh), ready on the device before the dispatch copies them.
   void reduce_losses(cudaStream_t stream);
   // T_glob, once the host has it: the backward's loss gradients are scaled by it. Throws
-  // moe::Error naming the token, slot and expert when a replayed routing held an invalid one.
+  // moe::Error naming the token, slot and expert when this rank's replayed routing held an
+  // invalid one, and on the other ranks of the mesh an error saying that a peer's did.
   void set_totals(const RouterTotals& totals);
 
   // ∂L/∂logits [T, E] fp32 from dprob [T, K] (∂L/∂topk_p) and the loss gradients.

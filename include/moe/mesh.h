@@ -58,6 +58,9 @@ class Mesh {
   // In-place sum over a group (nothing for a group of one).
   void all_reduce_sum(void* data, std::size_t count, ncclDataType_t type, MeshGroup group,
                       cudaStream_t stream) const;
+  // In-place reduction by `op` over a group (nothing for a group of one).
+  void all_reduce(void* data, std::size_t count, ncclDataType_t type, ncclRedOp_t op,
+                  MeshGroup group, cudaStream_t stream) const;
   // Every rank's `bytes` of `send` (device) into recv[rank · bytes] (device), in group rank order
   // (nothing but the copy for a group of one).
   void all_gather(const void* send, void* recv, std::size_t bytes, MeshGroup group,

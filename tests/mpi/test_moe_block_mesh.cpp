@@ -2,7 +2,9 @@
 // gradients equal the fp64 single run on the concatenated batch with the same weights.
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdint>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -391,4 +393,43 @@ TEST_CASE("DP replicas given the same rows agree bitwise once the GEMM algorithm
       for (std::size_t i = 0; i < hashes.size(); ++i) CHECK(all[r * hashes.size() + i] == hashes[i]);
     }
   }
+}
+
+TEST_CASE("an invalid replay index on one rank fails every rank in the same forward",
+          "[mpi][block][replay]") {
+  const int world = test::world_size();
+  if (world < 2) {
+    WARN("needs two ranks; one rank is the single-GPU test");
+    return;
+  }
+  MoEConfig c = test::small_config(64, 48, 2 * world, 2);
+  c.ep = world;
+  c.gemm_autotune = false;
+  c.validate();
+  // A timeout far above what the check takes: a rank that waited it out would show.
+  const auto timeout = std::chrono::seconds(60);
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts, timeout);
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  std::mt19937_64 rng(11 + test::world_rank());
+  const std::int64_t T = 16;
+  const auto x = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
+  const Tensor x_t(x.data(), c.dtype, {T, c.hidden});
+  (void)block.forward(x_t);
+  DeviceBuffer recorded(static_cast<std::size_t>(T * c.topk) * 4);
+  const Tensor idx(recorded.data(), DType::kInt32, {T, c.topk});
+  block.record_routing(idx);
+  block.synchronize();
+  if (test::world_rank() == 1) {
+    const std::int32_t outside = c.num_experts;
+    copy_to_device(recorded.as<std::int32_t>() + 5, &outside, sizeof(outside));  // token 2, slot 1
+  }
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(block.forward(x_t, ForwardOptions{idx}),
+                    test::world_rank() == 1
+                        ? test::contains_text("token 2, slot 1: expert " +
+                                              std::to_string(c.num_experts))
+                        : test::contains_text("another rank's replay_topk_idx"));
+  CHECK(std::chrono::steady_clock::now() - start < timeout / 2);
+  MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
 }
