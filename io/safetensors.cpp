@@ -373,8 +373,14 @@ TensorFileWriter::TensorFileWriter(const std::filesystem::path& path,
          path.string());
   }
   fd_ = fd;
+  // The length prefix is written last, by finish(): until then the file starts with a zero length,
+  // which no reader accepts, so a file left by a process killed mid-write never reads as complete.
+  std::memcpy(length_prefix_.data(), header.data(), length_prefix_.size());
+  std::string unfinished = header;
+  std::fill(unfinished.begin(), unfinished.begin() + 8, '\0');
   try {
-    write_at(fd_, 0, reinterpret_cast<const std::byte*>(header.data()), header.size(), path_);
+    write_at(fd_, 0, reinterpret_cast<const std::byte*>(unfinished.data()), unfinished.size(),
+             path_);
   } catch (...) {
     discard();
     throw;
@@ -438,6 +444,12 @@ void TensorFileWriter::finish() {
       fail("tensor file '{}': tensor '{}' got {} of its {} bytes", path_.string(), name, s.written,
            s.bytes);
     }
+  }
+  try {
+    write_at(fd_, 0, length_prefix_.data(), length_prefix_.size(), path_);
+  } catch (...) {
+    discard();
+    throw;
   }
   const int fd = std::exchange(fd_, -1);
   if (::close(fd) != 0) {

@@ -21,6 +21,7 @@
 // checks, the reference's expert streaming) takes either.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -198,7 +199,8 @@ class TensorFileReader final : public TensorSource {
 // order), then append() adds each tensor's bytes in pieces. Tensors may be filled in any order,
 // one after another or interleaved; within a tensor the pieces follow in order. finish() checks
 // that every tensor got all its bytes; a writer destroyed before finish() succeeded removes the
-// file, so a failed run leaves no file that looks complete.
+// file, so a failed run leaves no file that looks complete (and until finish() the file's length
+// prefix is zero, which no reader accepts, so not even a process killed mid-write leaves one).
 class TensorFileWriter {
  public:
   // Throws moe::Error naming the tensor for an invalid or repeated name or a shape whose byte
@@ -235,6 +237,7 @@ class TensorFileWriter {
   std::filesystem::path path_;
   int fd_ = -1;
   bool finished_ = false;
+  std::array<std::byte, 8> length_prefix_{};  // written by finish()
   std::map<std::string, Slot> slots_;
 };
 

@@ -683,6 +683,9 @@ TEST_CASE("safetensors: the writer refuses what would make a wrong file and leav
     TensorFileWriter writer(path, specs);
     writer.append("a", values.data(), 8);
     writer.append("b", values.data(), 24);
+    // Every byte is there but the length prefix: a process killed now leaves no readable file.
+    CHECK_THAT(error_from([&] { TensorFileReader reader(path); }),
+               test::contains_text("the header must be a JSON object"));
     writer.finish();
     CHECK_THAT(error_from([&] { writer.append("a", values.data(), 0); }),
                test::contains_text("after the writer finished"));
