@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -99,8 +100,12 @@ std::int64_t MoEConfig::expert_capacity(std::int64_t tokens) const {
   if (tokens < 0) fail("expert_capacity: tokens = {} must be >= 0", tokens);
   if (num_experts < 1 || topk < 1)
     fail("expert_capacity: num_experts = {} and topk = {} must be >= 1", num_experts, topk);
-  // tokens · topk stays exact in double up to 2^53, far past any rank's slots.
-  const double rows = std::ceil(capacity_factor * static_cast<double>(tokens * topk) / num_experts);
+  // tokens · topk stays exact in double up to 2^53, far past any rank's slots. An expert is offered
+  // at most one slot per token, so a capacity above T can never fill: it would only pad (with
+  // pad_to_capacity, E blocks of zero rows per rank), and is taken as T.
+  const double rows =
+      std::min(std::ceil(capacity_factor * static_cast<double>(tokens * topk) / num_experts),
+               static_cast<double>(tokens));
   if (!(rows <= static_cast<double>(kMaxCapacityRows)))
     fail("capacity_factor = {} over {} tokens gives a capacity of {} rows, past the limit of {}",
          capacity_factor, tokens, rows, kMaxCapacityRows);

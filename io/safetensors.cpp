@@ -363,14 +363,24 @@ TensorFileWriter::TensorFileWriter(const std::filesystem::path& path,
       fail("TensorFileWriter: the tensors up to '{}' add up to more bytes than 64 bits count",
            t.name);
   }
-  // O_NONBLOCK: opening a FIFO that has no reader fails at once instead of blocking.
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0644);
-  if (fd < 0) fail("cannot create tensor file '{}': {}", path.string(), describe_errno(errno));
-  struct stat status {};
-  if (::fstat(fd, &status) != 0 || !S_ISREG(status.st_mode)) {
-    ::close(fd);  // not ours to remove: a device or a FIFO the path already named
+  // The target may be new or a regular file (through links); a FIFO, a device or a directory is
+  // refused before anything is created.
+  std::error_code status_error;
+  const auto target_status = std::filesystem::status(path, status_error);
+  if (std::filesystem::exists(target_status) && !std::filesystem::is_regular_file(target_status)) {
     fail("tensor file '{}' is not a regular file; results are written to regular files only",
          path.string());
+  }
+  std::error_code resolve_error;
+  target_ = std::filesystem::weakly_canonical(path, resolve_error);
+  if (resolve_error) target_ = path;
+  writing_ = target_.parent_path() /
+             fmt::format(".{}.writing.{}", target_.filename().string(), ::getpid());
+  const int fd =
+      ::open(writing_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) {
+    fail("cannot create tensor file '{}' (written first as '{}'): {}", path.string(),
+         writing_.string(), describe_errno(errno));
   }
   fd_ = fd;
   // The length prefix is written last, by finish(): until then the file starts with a zero length,
@@ -396,7 +406,7 @@ void TensorFileWriter::discard() noexcept {
   ::close(fd_);
   fd_ = -1;
   std::error_code ignored;  // best effort: the error that led here is the one to report
-  std::filesystem::remove(path_, ignored);
+  std::filesystem::remove(writing_, ignored);
 }
 
 const TensorFileWriter::Slot& TensorFileWriter::slot(const std::string& name) const {
@@ -455,8 +465,15 @@ void TensorFileWriter::finish() {
   if (::close(fd) != 0) {
     const int error = errno;
     std::error_code ignored;
-    std::filesystem::remove(path_, ignored);
+    std::filesystem::remove(writing_, ignored);
     fail("closing tensor file '{}' failed: {}", path_.string(), describe_errno(error));
+  }
+  if (::rename(writing_.c_str(), target_.c_str()) != 0) {
+    const int error = errno;
+    std::error_code ignored;
+    std::filesystem::remove(writing_, ignored);
+    fail("tensor file '{}': replacing it with the finished '{}' failed: {}", path_.string(),
+         writing_.string(), describe_errno(error));
   }
   finished_ = true;
 }

@@ -198,9 +198,11 @@ class TensorFileReader final : public TensorSource {
 // header TensorFile::write writes for tensors of these names, dtypes and shapes: data in name
 // order), then append() adds each tensor's bytes in pieces. Tensors may be filled in any order,
 // one after another or interleaved; within a tensor the pieces follow in order. finish() checks
-// that every tensor got all its bytes; a writer destroyed before finish() succeeded removes the
-// file, so a failed run leaves no file that looks complete (and until finish() the file's length
-// prefix is zero, which no reader accepts, so not even a process killed mid-write leaves one).
+// that every tensor got all its bytes. The bytes go to a file beside the target, which finish()
+// renames onto it (one atomic step): a writer that fails, or is destroyed before finish()
+// succeeded, removes its file and leaves whatever the target held untouched; and until finish()
+// the file's length prefix is zero, which no reader accepts, so not even a process killed
+// mid-write leaves a file that reads as complete.
 class TensorFileWriter {
  public:
   // Throws moe::Error naming the tensor for an invalid or repeated name or a shape whose byte
@@ -231,10 +233,13 @@ class TensorFileWriter {
   };
   const Slot& slot(const std::string& name) const;
   Slot& slot(const std::string& name);
-  // Closes and removes the file: what a writer that failed or was abandoned leaves behind.
+  // Closes and removes the file being written: a writer that failed or was abandoned leaves no
+  // trace.
   void discard() noexcept;
 
-  std::filesystem::path path_;
+  std::filesystem::path path_;     // the target, as named (messages)
+  std::filesystem::path target_;   // the target with its links resolved: what finish() replaces
+  std::filesystem::path writing_;  // the file being written, beside the target
   int fd_ = -1;
   bool finished_ = false;
   std::array<std::byte, 8> length_prefix_{};  // written by finish()

@@ -352,11 +352,15 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
   CHECK(config.expert_capacity(16) == 8);
   CHECK(config.expert_capacity(0) == 0);
   CHECK_THROWS_WITH(config.expert_capacity(-1), test::contains_text("tokens = -1 must be >= 0"));
+  // An expert is offered one slot per token at most: C is capped at T, then aligned.
   config.capacity_factor = 1e12;
-  CHECK_THROWS_WITH(config.expert_capacity(1000000),
-                    test::contains_text("capacity_factor = 1000000000000 over 1000000 tokens "
-                                        "gives a capacity of 2.5e+17 rows, past the limit of "
-                                        "2147483647"));
+  CHECK(config.expert_capacity(1000000) == 1000000);
+  CHECK(config.expert_capacity(10) == 12);  // 10, aligned to 4
+  config.align_size = 0;
+  CHECK(config.expert_capacity(7) == 7);
+  // Only T itself can pass the row limit now.
+  CHECK_THROWS_WITH(config.expert_capacity(std::int64_t{1} << 40),
+                    test::contains_text("over 1099511627776 tokens gives a capacity of"));
   CHECK_THROWS_WITH(plain.expert_capacity(10),
                     test::contains_text("capacity_factor = 0 is not a capacity"));
 
