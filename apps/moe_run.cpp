@@ -351,10 +351,11 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingFile);
   app.add_option("--out", out_path, "results file to write")->required();
+  // CLI::Range prints its bounds; PositiveNumber's message quoted a 300-digit double.
+  const CLI::Range degree(1, 1 << 20);
   app.add_option("--ep", ep, "expert-parallel degree (default: world / dp, or all ranks)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")
-      ->check(CLI::PositiveNumber);
+      ->check(degree);
+  app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")->check(degree);
   app.add_flag("--reference", use_reference, "run the fp64 CPU reference instead of the GPUs");
   app.add_flag("--check-finite,!--no-check-finite", check_finite_values,
                "refuse weights and inputs holding NaN or Inf, naming the tensor (default: on)");
@@ -368,6 +369,10 @@ int main(int argc, char** argv) {
     const TensorFileReader weights(weights_path);
     const TensorFileReader inputs(inputs_path);
     if (use_reference) {
+      // The reference runs the whole batch as one rank: a mesh asked for would be ignored.
+      if (ep != 0 || dp != 0)
+        fail("--ep {} --dp {}: --reference runs the whole batch on the CPU as one rank; drop them",
+             ep, dp);
       config.ep = config.dp = 1;
       return run_reference(config, weights, inputs, check_finite_values, out_path);
     }

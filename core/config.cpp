@@ -7,6 +7,8 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <type_traits>
+#include <vector>
 
 #include "core/input_file.h"
 #include "moe/error.h"
@@ -240,15 +242,44 @@ std::string MoEConfig::describe() const {
 
 namespace {
 
+// The config's dtypes are bf16 or fp32: int32 is a dtype of tensors, never of the layer's values.
+DType parse_activation_dtype(const std::string& text, const char* key) {
+  if (text != "bf16" && text != "fp32") fail("{} = '{}' is not bf16 or fp32", key, text);
+  return parse_dtype(text, key);
+}
+
 // Reads one scalar, turning yaml-cpp's conversion failure into an error that names the key.
 template <typename T>
 T read_scalar(const YAML::Node& node, const std::string& key, std::string_view source) {
   if (node.IsNull()) fail("{}: '{}' has no value", source, key);
   if (!node.IsScalar()) fail("{}: '{}' must be a scalar, not a list or map", source, key);
+  if constexpr (std::is_same_v<T, int>) {
+    // Decimal only: yaml-cpp reads a leading 0 as octal (hidden: 0100 would be 64) and 0x as hex.
+    const std::string& text = node.Scalar();
+    const std::size_t digits = text.find_first_not_of("+-") == 1 ? 1 : 0;
+    const bool decimal = !text.empty() && text.size() > digits &&
+                         text.find_first_not_of("0123456789", digits) == std::string::npos &&
+                         (text[digits] != '0' || text.size() == digits + 1);
+    if (!decimal)
+      fail("{}: {} = '{}' is not a decimal integer (leading zeros and other bases are refused)",
+           source, key, text);
+  }
   try {
     return node.as<T>();
   } catch (const YAML::Exception&) {
     fail("{}: {} = '{}' is not a valid value", source, key, node.Scalar());
+  }
+}
+
+// A setting's own parser (an enum's name, a dtype), its error prefixed with the file and key.
+template <typename Parse>
+auto parse_named(const YAML::Node& node, const std::string& key, std::string_view source,
+                 Parse&& parse) {
+  const std::string text = read_scalar<std::string>(node, key, source);
+  try {
+    return parse(text);
+  } catch (const Error& error) {
+    fail("{}: {}", source, error.what());
   }
 }
 
@@ -257,7 +288,12 @@ T read_scalar(const YAML::Node& node, const std::string& key, std::string_view s
 MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
   YAML::Node root;
   try {
-    root = YAML::Load(std::string(yaml_text));
+    // Every document, so that a second one (after a `---`) is refused, not silently dropped.
+    const std::vector<YAML::Node> documents = YAML::LoadAll(std::string(yaml_text));
+    if (documents.size() > 1)
+      fail("{}: holds {} YAML documents; a config is one map of `key: value` pairs", source,
+           documents.size());
+    if (!documents.empty()) root = documents.front();
   } catch (const YAML::Exception& e) {
     fail("{}: not valid YAML: {}", source, e.what());
   }
@@ -287,7 +323,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"topk", integer(&MoEConfig::topk)},
       {"score_function",
        [&](const YAML::Node& n, const std::string& k) {
-         config.score_function = parse_score_function(read_scalar<std::string>(n, k, source));
+         config.score_function = parse_named(n, k, source, parse_score_function);
        }},
       {"pre_softmax", flag(&MoEConfig::pre_softmax)},
       {"num_groups", integer(&MoEConfig::num_groups)},
@@ -300,18 +336,22 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"capacity_factor", real(&MoEConfig::capacity_factor)},
       {"drop_policy",
        [&](const YAML::Node& n, const std::string& k) {
-         config.drop_policy = parse_drop_policy(read_scalar<std::string>(n, k, source));
+         config.drop_policy = parse_named(n, k, source, parse_drop_policy);
        }},
       {"pad_to_capacity", flag(&MoEConfig::pad_to_capacity)},
       {"shared_ffn_hidden", integer(&MoEConfig::shared_ffn_hidden)},
       {"shared_gate", flag(&MoEConfig::shared_gate)},
       {"dtype",
        [&](const YAML::Node& n, const std::string& k) {
-         config.dtype = parse_dtype(read_scalar<std::string>(n, k, source), "dtype");
+         config.dtype = parse_named(n, k, source, [](const std::string& text) {
+           return parse_activation_dtype(text, "dtype");
+         });
        }},
       {"grad_dtype",
        [&](const YAML::Node& n, const std::string& k) {
-         config.grad_dtype = parse_dtype(read_scalar<std::string>(n, k, source), "grad_dtype");
+         config.grad_dtype = parse_named(n, k, source, [](const std::string& text) {
+           return parse_activation_dtype(text, "grad_dtype");
+         });
        }},
       {"keep_expert_input", flag(&MoEConfig::keep_expert_input)},
       {"activation_chunk_mib", real(&MoEConfig::activation_chunk_mib)},
@@ -321,7 +361,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"dp", integer(&MoEConfig::dp)},
       {"ep_transport",
        [&](const YAML::Node& n, const std::string& k) {
-         config.ep_transport = parse_ep_transport(read_scalar<std::string>(n, k, source));
+         config.ep_transport = parse_named(n, k, source, parse_ep_transport);
        }},
       {"tokens", integer(&MoEConfig::bench_tokens)},
   };

@@ -165,12 +165,17 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"ep", "3"}}, "ep = 3 must divide num_experts = 8"},
       {{{"ep", "0"}}, "ep = 0 must be >= 1"},
       {{{"dp", "0"}}, "dp = 0 must be >= 1"},
-      {{{"dtype", "int32"}}, "dtype = int32 must be bf16 or fp32"},
-      {{{"dtype", "fp16"}}, "dtype = 'fp16' is not a dtype"},
-      {{{"grad_dtype", "int32"}}, "grad_dtype = int32 must be bf16 or fp32"},
+      {{{"dtype", "int32"}}, "dtype = 'int32' is not bf16 or fp32"},
+      {{{"dtype", "fp16"}}, "dtype = 'fp16' is not bf16 or fp32"},
+      {{{"grad_dtype", "int32"}}, "grad_dtype = 'int32' is not bf16 or fp32"},
       {{{"score_function", "relu"}}, "score_function = 'relu' is not one of"},
       {{{"ep_transport", "ipc"}}, "ep_transport = 'ipc' is not one of auto, nccl, peer"},
-      {{{"topk", "two"}}, "topk = 'two' is not a valid value"},
+      {{{"topk", "two"}}, "topk = 'two' is not a decimal integer"},
+      // yaml-cpp would read these as octal (64, 16) and hex: refused, not misread.
+      {{{"hidden", "0100"}}, "hidden = '0100' is not a decimal integer"},
+      {{{"align_size", "020"}}, "align_size = '020' is not a decimal integer"},
+      {{{"shared_ffn_hidden", "0x18"}}, "shared_ffn_hidden = '0x18' is not a decimal integer"},
+      {{{"topk", "2.0"}}, "topk = '2.0' is not a decimal integer"},
       {{{"capacity_factor", "0"}},
        "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
       {{{"capacity_factor", "-1.5"}}, "capacity_factor = -1.5 must be positive and finite"},
@@ -189,6 +194,12 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"shared_ffn_hidden", "1048577"}}, "shared_ffn_hidden = 1048577 must be in [0, 1048576]"},
       {{{"top_k", "2"}}, "unknown key 'top_k'"},
   };
+  // Every error names the file it came from, the enum settings' too.
+  CHECK_THAT(error_of("hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\nscore_function: relu\n"),
+             test::contains_text("test.yaml: score_function = 'relu' is not one of"));
+  // A second YAML document is refused, not dropped.
+  CHECK_THAT(error_of("hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n---\nhidden: 32\n"),
+             test::contains_text("holds 2 YAML documents"));
   for (const auto& [overrides, expected] : cases) {
     Overrides fields = {
         {"hidden", "64"}, {"ffn_hidden", "32"}, {"num_experts", "8"}, {"topk", "2"}};
