@@ -199,7 +199,8 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
              test::contains_text("test.yaml: score_function = 'relu' is not one of"));
   // A second YAML document is refused, not dropped.
   CHECK_THAT(error_of("hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n---\nhidden: 32\n"),
-             test::contains_text("holds 2 YAML documents"));
+             test::contains_text("line 5 starts another YAML document"));
+  CHECK(error_of("---\nhidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n") == "(no error)");
   for (const auto& [overrides, expected] : cases) {
     Overrides fields = {
         {"hidden", "64"}, {"ffn_hidden", "32"}, {"num_experts", "8"}, {"topk", "2"}};
