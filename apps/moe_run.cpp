@@ -94,7 +94,7 @@ std::vector<std::byte> download_piece(const Tensor& t, std::int64_t first, std::
   return out;
 }
 
-// Step 2 of the failure order above: every rank passes its own error (empty: none) and either all
+// The agreement before NCCL starts (see the file comment): every rank passes its own error (empty: none) and either all
 // ranks return or all throw the first failing rank's message. Three collectives at most, reached by
 // every rank.
 void agree_on_errors(const std::string& error, int rank, int world) {
@@ -190,7 +190,7 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
   return 0;
 }
 
-// Step 3 of the failure order: this rank's share on its GPU, forward, backward, the results to rank
+// After the agreement: this rank's share on its GPU, forward, backward, the results to rank
 // 0's file.
 void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& checked, int rank,
               int world, const std::string& out_path, const Mesh& mesh, MoEBlock& block,
