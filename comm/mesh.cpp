@@ -1,6 +1,9 @@
 #include "moe/mesh.h"
 
+#include <atomic>
 #include <functional>
+#include <system_error>
+#include <vector>
 
 #include <condition_variable>
 #include <mutex>
@@ -81,13 +84,26 @@ struct Mesh::Comms {
   comm::NcclComm world;
   comm::NcclComm ep;
   comm::NcclComm dp;
-  bool aborted = false;
+  std::atomic<bool> aborted = false;
   std::unique_ptr<Watchdog> watchdog;  // last: stopped before the communicators go
+  // The three aborts run side by side. An abort sets its communicator's abort flag, which its
+  // kernels poll, and then frees the communicator's memory; a cudaFree waits for every kernel on
+  // the device, so an abort run alone waits for the kernels of the communicators not yet aborted:
+  // with a collective of another group stuck on a failed peer, forever.
   void abort_all() noexcept {
-    ep.abort();
-    dp.abort();
-    world.abort();
-    aborted = true;
+    if (aborted.exchange(true)) return;
+    comm::NcclComm* const comms[] = {&world, &ep, &dp};
+    std::vector<std::thread> aborting;
+    for (comm::NcclComm* c : comms) {
+      if (c->get() == nullptr) continue;
+      try {
+        aborting.emplace_back([c] { c->abort(); });
+      } catch (const std::system_error&) {  // no thread to spare: the rest in turn, below
+        break;
+      }
+    }
+    for (std::thread& thread : aborting) thread.join();
+    for (comm::NcclComm* c : comms) c->abort();  // a no-op for those aborted above
   }
 };
 
@@ -332,8 +348,7 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
 }
 
 void Mesh::abort() const noexcept {
-  if (!comms_ || comms_->aborted) return;
-  comms_->abort_all();
+  if (comms_) comms_->abort_all();
 }
 
 bool Mesh::aborted() const noexcept { return comms_ && comms_->aborted; }
