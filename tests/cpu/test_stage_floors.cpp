@@ -42,7 +42,7 @@ TEST_CASE("deepseek-v3's experts backward on one GPU is bound by its weight grad
   for (const DType grad : {DType::kFP32, DType::kBF16}) {
     config.grad_dtype = grad;
     const auto stages = bench::stage_work(config, T, true);
-    const auto& backward = stage("moe experts backward", stages);
+    const bench::StageWork backward = stage("moe experts backward", stages);
     const double g = grad == DType::kFP32 ? 4 : 2;
     // Weights read (bf16) and gradients written, then dY, h, X read and dX written.
     const double want = params * 2 + params * g + rows * 7168 * 2 * 3 + rows * 2 * 2048 * 2;
