@@ -5,6 +5,7 @@
 #include "moe/moe_block.h"
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,6 +77,11 @@ struct MoEBlock::State {
   DeviceBuffer dx;    // the backward's output, the block's until the next backward
   Event initialized;  // initialize() waits for its writes
   Event step_done;    // synchronize() waits for it
+  // synchronize()'s agreement over the world: this rank's count of them, and {count, -count}
+  // reduced by max on the device and read back on the host.
+  std::int64_t steps_agreed = 0;
+  DeviceBuffer agreement{2 * sizeof(std::int64_t)};
+  PinnedBuffer agreement_host;
 
   // What the forward keeps for the backward at the block's level; each stage keeps its own.
   struct Context {
@@ -413,12 +419,39 @@ void MoEBlock::reduce_gradients() {
   });
 }
 
+// On a mesh, the end of a step is agreed: every rank contributes how many synchronize() calls it
+// has made, and each must read back its own count as both the largest and the smallest. A rank
+// whose peers gave up on it (they timed out while it stalled) may see its own collectives
+// complete, over data its peers left behind before they aborted; this agreement cannot: it
+// times out, or it reads counts that disagree.
 void MoEBlock::synchronize() {
   auto& s = *s_;
   on_mesh(s.mesh, s.times, "synchronize", [&] {
     s.times.current = "the end of the step";
+    const bool agree = s.mesh.world_size() > 1;
+    const std::int64_t step = ++s.steps_agreed;
+    if (agree) {
+      const std::int64_t mine[2] = {step, -step};
+      s.agreement_host.reserve(sizeof(mine));
+      std::memcpy(s.agreement_host.as<std::int64_t>(), mine, sizeof(mine));
+      MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement.data(), s.agreement_host.as<std::int64_t>(), sizeof(mine),
+                                     cudaMemcpyHostToDevice, s.stream));
+      s.mesh.all_reduce(s.agreement.data(), 2, ncclInt64, ncclMax, MeshGroup::kWorld, s.stream);
+      MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement_host.as<std::int64_t>(), s.agreement.data(), sizeof(mine),
+                                     cudaMemcpyDeviceToHost, s.stream));
+    }
     s.step_done.record(s.stream);
     s.mesh.wait(s.step_done.get(), "the block's queued work");
+    if (agree) {
+      std::int64_t agreed[2];
+      std::memcpy(agreed, s.agreement_host.as<std::int64_t>(), sizeof(agreed));
+      if (agreed[0] != step || -agreed[1] != step) {
+        fail("rank {}: the ranks do not agree on the end of step {}: their counts of "
+             "synchronize() calls range from {} to {} (a peer failed and aborted, or the ranks' "
+             "calls differ)",
+             s.mesh.rank(), step, -agreed[1], agreed[0]);
+      }
+    }
   });
 }
 

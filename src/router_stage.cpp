@@ -68,6 +68,12 @@ void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias,
 }
 
 void RouterStage::set_totals(const RouterTotals& totals) {
+  const auto [latest, earliest_negated] = totals.forward_agreement;
+  if (latest != forwards_ || -earliest_negated != forwards_) {
+    fail("rank {}: the ranks do not agree on forward {}: their counts of forwards range from {} "
+         "to {} (a peer failed and aborted, or the ranks' calls differ)",
+         mesh_.rank(), forwards_, -earliest_negated, latest);
+  }
   saved_.global_tokens = totals.global_tokens;
   if (totals.first_invalid_given == RouterTotals::kAllGivenValid &&
       totals.mesh_first_invalid_given != RouterTotals::kAllGivenValid) {
@@ -91,10 +97,16 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   auto* aux_counts = aux_counts_.as<std::int32_t>();
   auto* score_sum = score_sum_.as<float>();
   auto* z_sum = z_sum_.as<float>();
-  host_tokens_.reserve(sizeof(std::int64_t));
-  *host_tokens_.as<std::int64_t>() = saved_.logits.dim(0);
-  MOE_CHECK_CUDA(cudaMemcpyAsync(global_tokens, host_tokens_.as<std::int64_t>(),
-                                 sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
+  ++forwards_;
+  host_tokens_.reserve(3 * sizeof(std::int64_t));
+  std::int64_t* host = host_tokens_.as<std::int64_t>();
+  host[0] = saved_.logits.dim(0);
+  host[1] = forwards_;
+  host[2] = -forwards_;
+  MOE_CHECK_CUDA(cudaMemcpyAsync(global_tokens, host, sizeof(std::int64_t), cudaMemcpyHostToDevice,
+                                 stream));
+  MOE_CHECK_CUDA(cudaMemcpyAsync(totals->forward_agreement, host + 1, 2 * sizeof(std::int64_t),
+                                 cudaMemcpyHostToDevice, stream));
   MOE_CHECK_CUDA(cudaMemcpyAsync(global_load_.data(), counts_.data(), E * sizeof(std::int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
   MOE_CHECK_CUDA(cudaMemcpyAsync(&totals->mesh_first_invalid_given, &totals->first_invalid_given,
@@ -110,6 +122,7 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   // Every step, replaying or not, so that every rank's group holds the same operations.
   mesh_.all_reduce(&totals->mesh_first_invalid_given, 1, ncclUint64, ncclMin, MeshGroup::kWorld,
                    stream);
+  mesh_.all_reduce(totals->forward_agreement, 2, ncclInt64, ncclMax, MeshGroup::kWorld, stream);
   mesh_.group_end("the loss statistics all-reduce");
   if (load_total_.bytes() == 0) reset_load_total(stream);
   accumulate_load(load_total_.as<std::int64_t>(), global_load_.as<std::int32_t>(), E, stream);

@@ -26,8 +26,12 @@ struct RouterTotals {
   // kAllGivenValid; and the smallest of every rank's, so that all ranks fail in the same forward.
   std::uint64_t first_invalid_given = kAllGivenValid;
   std::uint64_t mesh_first_invalid_given = kAllGivenValid;
+  // This rank's count of forwards as {count, -count}, reduced by max over the world: each reads
+  // back as this rank's own unless a rank is at another forward. A rank whose peers gave up on it
+  // and aborted can see its collectives complete over what they last left behind; this tells it.
+  std::int64_t forward_agreement[2] = {};
 };
-static_assert(sizeof(RouterTotals) == 32);
+static_assert(sizeof(RouterTotals) == 48);
 
 // The router kernels' parameters for a layer's config: the kernels take plain values, never the
 // config itself.
@@ -76,6 +80,7 @@ class RouterStage {
   DeviceBuffer topk_idx_, topk_p_, counts_, aux_counts_, score_sum_, z_sum_, global_load_, scalars_;
   DeviceBuffer load_total_;
   std::int64_t load_steps_ = 0;
+  std::int64_t forwards_ = 0;  // every forward's, never reset: the mesh's agreement on the step
   // T on its way to the device. Only the host writes it and only this stream's copies read it, so
   // it needs no guard: a copy still queued by a forward that failed half-way would read the next
   // forward's T, and that forward's own copy writes the same device word after it.

@@ -155,7 +155,10 @@ class MoEBlock {
   // Waits until the block's queued work is done, within the mesh's timeout, polling the mesh's
   // communicators for errors: where a trainer would synchronise its stream at the end of a step,
   // this returns or throws, where a stream synchronisation would wait forever on a peer that
-  // failed.
+  // failed. On a mesh it is also the step's commit point: every rank calls it once per step, and
+  // it returns only when every rank has reached the same call (one small all-reduce over the
+  // world), so a rank whose peers gave up on it throws here instead of keeping a step whose
+  // collectives ran without them.
   void synchronize();
   MoERouting routing() const;
   // Routing record: copies the last forward's topk_idx into `topk_idx` (device int32 [T, K]),

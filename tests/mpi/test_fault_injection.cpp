@@ -5,6 +5,8 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <span>
@@ -44,6 +46,22 @@ const char* const kStallStages[] = {"moe gate", "moe dispatch", "moe experts bac
 
 enum class Fault { kThrows, kStalls };
 
+// MOE_TEST_TRACE=1 prints, per rank, each stage entered and each case's outcome: where a rank
+// stopped when a case does not end.
+bool tracing() {
+  static const bool on = [] {
+    const char* value = std::getenv("MOE_TEST_TRACE");
+    return value != nullptr && std::strcmp(value, "0") != 0;
+  }();
+  return on;
+}
+
+void trace(const std::string& line) {
+  if (!tracing()) return;
+  std::fprintf(stderr, "[rank %d] %s\n", test::world_rank(), line.c_str());
+  std::fflush(stderr);
+}
+
 // Removes the hook when the case ends, whatever happens in it.
 struct HookGuard {
   ~HookGuard() { set_stage_hook({}); }
@@ -63,6 +81,7 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
   c.ep_transport = transport;
   c.gemm_autotune = false;
   c.validate();
+  trace("a new mesh");
   const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts, kTimeout);
   Stream stream;
   MoEBlock block(c, mesh, stream.get());
@@ -75,12 +94,16 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
   (void)block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   block.synchronize();
+  trace("the clean step ended");
   MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
 
   HookGuard guard;
-  if (rank == 1) {
-    set_stage_hook([stage, fault](const char* name) {
-      if (std::strcmp(name, stage) != 0) return;
+  trace(std::string("case: ") + (fault == Fault::kThrows ? "throws" : "stalls") + " at '" + stage +
+        "', transport " + std::string(ep_transport_name(transport)));
+  if (rank == 1 || tracing()) {
+    set_stage_hook([stage, fault, rank](const char* name) {
+      trace(std::string("enters '") + name + "'");
+      if (rank != 1 || std::strcmp(name, stage) != 0) return;
       if (fault == Fault::kThrows) fail("injected fault");
       std::this_thread::sleep_for(2 * kTimeout);
     });
@@ -97,43 +120,59 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
     outcome.message = error.what();
   }
   outcome.elapsed = std::chrono::steady_clock::now() - start;
+  trace((outcome.threw ? "threw after " : "returned after ") +
+        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(outcome.elapsed).count()) +
+        " ms: " + outcome.message);
   CHECK(mesh.aborted());
   return outcome;
 }
 
+void check_fault_on_every_rank(Fault fault) {
+  const auto stages = fault == Fault::kThrows ? std::span<const char* const>(kStages)
+                                              : std::span<const char* const>(kStallStages);
+  for (const EpTransport transport : {EpTransport::kNccl, EpTransport::kAuto}) {
+    for (const char* stage : stages) {
+      INFO("stage '" << stage << "', " << (fault == Fault::kThrows ? "throws" : "stalls")
+                     << ", transport " << ep_transport_name(transport) << ", rank "
+                     << test::world_rank());
+      const Outcome outcome = run_step_with_fault(stage, fault, transport);
+      INFO(outcome.message);
+      CHECK(outcome.threw);
+      // A throw is seen at once by its rank and within a timeout by the others; a stalled rank
+      // wakes after two timeouts and then waits one more on its aborted peers.
+      const auto bound = (fault == Fault::kThrows ? 2 : 4) * kTimeout + std::chrono::seconds(5);
+      CHECK(outcome.elapsed < bound);
+      if (test::world_rank() == 1 && fault == Fault::kThrows) {
+        CHECK_THAT(outcome.message, test::contains_text("rank 1: MoEBlock::") &&
+                                        test::contains_text(std::string("'") + stage + "'") &&
+                                        test::contains_text("injected fault"));
+      } else {
+        CHECK_THAT(outcome.message, test::contains_text("did not complete within 2000 ms") ||
+                                        test::contains_text("aborted"));
+      }
+      trace("the case's mesh and block are gone");
+      MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+    }
+  }
+}
+
 }  // namespace
 
-TEST_CASE("a rank that throws or stalls at any stage is an error on every rank", "[mpi][fault]") {
-  const int world = test::world_size();
-  if (world < 2) {
+TEST_CASE("a rank that throws at any stage is an error on every rank", "[mpi][fault]") {
+  if (test::world_size() < 2) {
     WARN("needs two ranks; nothing to check with one");
     return;
   }
-  for (const EpTransport transport : {EpTransport::kNccl, EpTransport::kAuto}) {
-    for (const Fault fault : {Fault::kThrows, Fault::kStalls}) {
-      const auto stages = fault == Fault::kThrows ? std::span<const char* const>(kStages)
-                                                  : std::span<const char* const>(kStallStages);
-      for (const char* stage : stages) {
-        INFO("stage '" << stage << "', " << (fault == Fault::kThrows ? "throws" : "stalls")
-                       << ", transport " << ep_transport_name(transport) << ", rank "
-                       << test::world_rank());
-        const Outcome outcome = run_step_with_fault(stage, fault, transport);
-        INFO(outcome.message);
-        CHECK(outcome.threw);
-        // A throw is seen at once by its rank and within a timeout by the others; a stalled rank
-        // wakes after two timeouts and then waits one more on its aborted peers.
-        const auto bound = (fault == Fault::kThrows ? 2 : 4) * kTimeout + std::chrono::seconds(5);
-        CHECK(outcome.elapsed < bound);
-        if (test::world_rank() == 1 && fault == Fault::kThrows) {
-          CHECK_THAT(outcome.message, test::contains_text("rank 1: MoEBlock::") &&
-                                          test::contains_text(std::string("'") + stage + "'") &&
-                                          test::contains_text("injected fault"));
-        } else {
-          CHECK_THAT(outcome.message, test::contains_text("did not complete within 2000 ms") ||
-                                          test::contains_text("aborted"));
-        }
-        MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
-      }
-    }
+  check_fault_on_every_rank(Fault::kThrows);
+}
+
+// The stalled rank itself may see its late collectives complete over what its aborted peers left
+// behind: it must still throw, at the latest in synchronize().
+TEST_CASE("a rank that stalls past the timeout is an error on every rank, itself included",
+          "[mpi][fault]") {
+  if (test::world_size() < 2) {
+    WARN("needs two ranks; nothing to check with one");
+    return;
   }
+  check_fault_on_every_rank(Fault::kStalls);
 }
