@@ -94,9 +94,9 @@ std::vector<std::byte> download_piece(const Tensor& t, std::int64_t first, std::
   return out;
 }
 
-// The agreement before NCCL starts (see the file comment): every rank passes its own error (empty: none) and either all
-// ranks return or all throw the first failing rank's message. Three collectives at most, reached by
-// every rank.
+// The agreement before NCCL starts (see the file comment): every rank passes its own error (empty:
+// none) and either all ranks return or all throw the first failing rank's message. Three
+// collectives at most, reached by every rank.
 void agree_on_errors(const std::string& error, int rank, int world) {
   if (world == 1) {
     if (!error.empty()) fail("{}", error);

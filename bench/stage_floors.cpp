@@ -37,9 +37,8 @@ std::vector<StageWork> stage_work(const MoEConfig& config, std::int64_t tokens,
       // x read, one row per slot written (or sent)
       {"moe dispatch", 0, T * H * b + rows * H * b, sent},
       // weights and X read; h (kept for the backward) and Y written
-      {"moe experts", 6 * rows * H * F, expert_weights * b + rows * H * b + rows * 2 * F * b +
-                                            rows * H * b,
-       0},
+      {"moe experts", 6 * rows * H * F,
+       expert_weights * b + rows * H * b + rows * 2 * F * b + rows * H * b, 0},
       // Y read (or received), out written
       {"moe combine", 0, rows * H * b + T * H * b, sent},
       // dy read, dY written; where the combine weighed the rows, Y read again for dprob
@@ -64,8 +63,8 @@ StageWork gradient_reduction_work(const MoEConfig& config) {
   const double g = static_cast<double>(dtype_size(config.grad_dtype));
   const double expert_weights = static_cast<double>(config.local_experts()) * 3 * H * F;
   // Gradient reduction: ring all-reduces move 2(n − 1)/n of the data; the expert gradients over
-  // the DP group (in the gradient dtype), the gate's (fp32) over the world; each element is read and
-  // written once in memory.
+  // the DP group (in the gradient dtype), the gate's (fp32) over the world; each element is read
+  // and written once in memory.
   const double dp = config.dp, world = config.ep * config.dp;
   const double expert_grad_bytes = expert_weights * g;
   const double gate_grad_bytes = E * H * 4;

@@ -70,11 +70,13 @@ void require_one_rank_per_gpu(MPI_Comm comm) {
     for (int b = a + 1; b < size; ++b) {
       if (std::memcmp(all[a].uuid, all[b].uuid, sizeof(Identity::uuid)) != 0) continue;
       std::string uuid;
-      for (const char byte : all[a].uuid) uuid += fmt::format("{:02x}", static_cast<unsigned char>(byte));
-      fail("ranks {} and {} of {} both run on GPU {} (NCCL needs one GPU per rank): start at most "
-           "as many ranks per node as it has GPUs (rank {} sees {}), or give each rank its own "
-           "GPU through CUDA_VISIBLE_DEVICES",
-           a, b, size, uuid, rank, cuda_device_count());
+      for (const char byte : all[a].uuid)
+        uuid += fmt::format("{:02x}", static_cast<unsigned char>(byte));
+      fail(
+          "ranks {} and {} of {} both run on GPU {} (NCCL needs one GPU per rank): start at most "
+          "as many ranks per node as it has GPUs (rank {} sees {}), or give each rank its own "
+          "GPU through CUDA_VISIBLE_DEVICES",
+          a, b, size, uuid, rank, cuda_device_count());
     }
   }
 }

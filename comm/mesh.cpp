@@ -296,9 +296,8 @@ void Mesh::group_end(std::string_view operation) const {
   }
   if (status != ncclSuccess) {
     abort();
-    fail("rank {}: {} failed: NCCL error {} ({}); the communicators were aborted", rank_,
-         operation, static_cast<int>(status),
-         ncclGetErrorString(status));
+    fail("rank {}: {} failed: NCCL error {} ({}); the communicators were aborted", rank_, operation,
+         static_cast<int>(status), ncclGetErrorString(status));
   }
 }
 
@@ -332,8 +331,7 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
             async != ncclSuccess && async != ncclInProgress) {
           abort();
           fail("rank {}: {} failed: NCCL error {} ({}); the communicators were aborted", rank_,
-         operation, static_cast<int>(async),
-               ncclGetErrorString(async));
+               operation, static_cast<int>(async), ncclGetErrorString(async));
         }
       }
     }
@@ -351,6 +349,8 @@ void Mesh::abort() const noexcept {
   if (comms_) comms_->abort_all();
 }
 
-bool Mesh::aborted() const noexcept { return comms_ && comms_->aborted; }
+bool Mesh::aborted() const noexcept {
+  return comms_ && comms_->aborted;
+}
 
 }  // namespace moe

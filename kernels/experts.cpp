@@ -469,7 +469,8 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_
     units.push_back(std::move(unit));
   }
   if (units.empty()) return;
-  const void* const* staged = addresses.empty() ? nullptr : pointers_->stage(addresses, stream, host_wait_);
+  const void* const* staged =
+      addresses.empty() ? nullptr : pointers_->stage(addresses, stream, host_wait_);
 
   // Largest first, each to the least loaded stream, so no stream is left with the long tail.
   std::stable_sort(units.begin(), units.end(),

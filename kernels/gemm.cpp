@@ -246,7 +246,7 @@ bool GemmRunner::adopt_known_winner(Plan& p, const PlanKey& key) {
   } else {
     // Another shape of this size class was timed: its winner, where it applies to this shape.
     p.algo = p.supports(handle_.get(), known->second, workspace_.bytes()) ? known->second
-                                                                           : p.candidates.front();
+                                                                          : p.candidates.front();
   }
   p.tuned = true;
   p.generation = tuning_->generation;

@@ -14,8 +14,8 @@
 #include <map>
 #include <memory>
 #include <span>
-#include <vector>
 #include <tuple>
+#include <vector>
 
 #include "moe/device.h"
 #include "moe/tensor.h"

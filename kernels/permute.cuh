@@ -16,8 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "moe/types.h"
 #include "moe/tensor.h"
+#include "moe/types.h"
 
 namespace moe {
 

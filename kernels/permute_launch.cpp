@@ -2,8 +2,8 @@
 
 #include <string>
 
-#include "moe/types.h"
 #include "moe/error.h"
+#include "moe/types.h"
 
 namespace moe::permute_detail {
 

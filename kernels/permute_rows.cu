@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <string>
 
-#include "moe/types.h"
 #include "moe/error.h"
+#include "moe/types.h"
 #include "permute.cuh"
 #include "permute_device.cuh"
 #include "permute_launch.h"

@@ -83,12 +83,12 @@ void router_forward(const RouterParams& params, const RouterForwardArgs& args, c
 // min((t·K + k) << 32 | expert) over its bad slots: the caller raises the error once it reads it.
 // The loss statistics stay those of the forward.
 struct RouterReplayArgs {
-  const float* logits = nullptr;       // [T, E] fp32, as the forward read them
+  const float* logits = nullptr;        // [T, E] fp32, as the forward read them
   const std::int32_t* given = nullptr;  // [T, K]
   std::int64_t tokens = 0;
-  std::int32_t* topk_idx = nullptr;           // [T, K] in: the forward's; out: the given
-  float* topk_p = nullptr;                    // [T, K] in: the forward's; out: the given's
-  std::int32_t* tokens_per_expert = nullptr;  // [E] out
+  std::int32_t* topk_idx = nullptr;             // [T, K] in: the forward's; out: the given
+  float* topk_p = nullptr;                      // [T, K] in: the forward's; out: the given's
+  std::int32_t* tokens_per_expert = nullptr;    // [E] out
   unsigned long long* first_invalid = nullptr;  // [1] in/out
 };
 void router_replay(const RouterParams& params, const RouterReplayArgs& args, cudaStream_t stream);

@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <string>
 
-#include "moe/types.h"
 #include "moe/error.h"
 #include "moe/tensor.h"
+#include "moe/types.h"
 #include "router.cuh"
 
 namespace moe::router_detail {

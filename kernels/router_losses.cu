@@ -48,8 +48,7 @@ __global__ void update_expert_bias_kernel(float* bias, const std::int32_t* load,
   }
 }
 
-__global__ void accumulate_load_kernel(std::int64_t* total, const std::int32_t* load,
-                                       int experts) {
+__global__ void accumulate_load_kernel(std::int64_t* total, const std::int32_t* load, int experts) {
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < experts; e += gridDim.x * blockDim.x)
     total[e] += load[e];
 }

@@ -30,7 +30,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // One warp per token; lane k < K holds slot k.
-__global__ void __launch_bounds__(kReplayWarps * kWarpSize)
+__global__ void __launch_bounds__(kReplayWarps* kWarpSize)
     router_replay_kernel(RouterParams p, const float* __restrict__ logits,
                          const std::int32_t* __restrict__ given, std::int64_t tokens,
                          std::int32_t* __restrict__ topk_idx, float* __restrict__ topk_p,
@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kReplayWarps * kWarpSize)
     }
     if (!valid) {
       // The lowest slot with its value: the host reports it after the dispatch's sync.
-      atomicMin(first_invalid, (static_cast<unsigned long long>(at) << 32) |
-                                   static_cast<unsigned>(expert));
+      atomicMin(first_invalid,
+                (static_cast<unsigned long long>(at) << 32) | static_cast<unsigned>(expert));
     }
     const bool token_valid = __all_sync(kFullMask, valid);
     const bool same = __all_sync(kFullMask, !slot || expert == selected);
@@ -109,9 +109,9 @@ void router_replay(const RouterParams& params, const RouterReplayArgs& args, cud
       args.first_invalid == nullptr) {
     fail("router_replay: a buffer is null");
   }
-  MOE_CHECK_CUDA(cudaMemsetAsync(args.tokens_per_expert, 0,
-                                 sizeof(std::int32_t) * static_cast<std::size_t>(params.num_experts),
-                                 stream));
+  MOE_CHECK_CUDA(
+      cudaMemsetAsync(args.tokens_per_expert, 0,
+                      sizeof(std::int32_t) * static_cast<std::size_t>(params.num_experts), stream));
   const std::int64_t blocks = (args.tokens + kReplayWarps - 1) / kReplayWarps;
   const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
   router_replay_kernel<<<grid, kReplayWarps * kWarpSize, 0, stream>>>(

@@ -18,16 +18,22 @@ constexpr int kWarp = 32;
 constexpr std::int64_t kTokensPerSlice = 128;
 constexpr std::int64_t kMaxSlices = 64;
 
-__device__ __forceinline__ float load(const float* p, std::int64_t i) { return p[i]; }
+__device__ __forceinline__ float load(const float* p, std::int64_t i) {
+  return p[i];
+}
 __device__ __forceinline__ float load(const __nv_bfloat16* p, std::int64_t i) {
   return __bfloat162float(p[i]);
 }
-__device__ __forceinline__ void store(float* p, std::int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(float* p, std::int64_t i, float v) {
+  p[i] = v;
+}
 __device__ __forceinline__ void store(__nv_bfloat16* p, std::int64_t i, float v) {
   p[i] = __float2bfloat16_rn(v);
 }
 
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+__device__ __forceinline__ float sigmoid(float v) {
+  return 1.0f / (1.0f + expf(-v));
+}
 
 // One warp per token: lanes stride over H, then a butterfly; the same order on every run.
 template <typename T>
@@ -64,9 +70,9 @@ __global__ void gate_logit_grad_kernel(const float* __restrict__ logit, float* _
 // consecutive columns, so each token's row is read in whole cache lines.
 template <typename T>
 __global__ void gate_weight_partials_kernel(const T* __restrict__ x,
-                                            const float* __restrict__ dlogit,
-                                            std::int64_t tokens, std::int64_t hidden,
-                                            std::int64_t per_slice, float* __restrict__ partial) {
+                                            const float* __restrict__ dlogit, std::int64_t tokens,
+                                            std::int64_t hidden, std::int64_t per_slice,
+                                            float* __restrict__ partial) {
   const std::int64_t h = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x;
   if (h >= hidden) return;
   const std::int64_t first = blockIdx.y * per_slice;
@@ -187,8 +193,7 @@ void add_shared_input_grad(const Tensor& dx, const Tensor& dx_shared, const floa
   with_element_type(dx.dtype, [&](auto* type) {
     using E = std::remove_pointer_t<decltype(type)>;
     add_input_grad_kernel<E><<<grid_for(T * H, 4 * kThreads), kThreads, 0, stream>>>(
-        dx.as<E>(), dx_shared.as<E>(), dlogit, dlogit != nullptr ? weight.as<E>() : nullptr, T,
-        H);
+        dx.as<E>(), dx_shared.as<E>(), dlogit, dlogit != nullptr ? weight.as<E>() : nullptr, T, H);
   });
   MOE_CHECK_CUDA(cudaGetLastError());
 }
@@ -201,8 +206,8 @@ void add_into(const Tensor& target, const Tensor& addend, cudaStream_t stream) {
   if (n == 0) return;
   with_element_type(target.dtype, [&](auto* type) {
     using E = std::remove_pointer_t<decltype(type)>;
-    add_into_kernel<E><<<grid_for(n, 4 * kThreads), kThreads, 0, stream>>>(target.as<E>(),
-                                                                            addend.as<E>(), n);
+    add_into_kernel<E>
+        <<<grid_for(n, 4 * kThreads), kThreads, 0, stream>>>(target.as<E>(), addend.as<E>(), n);
   });
   MOE_CHECK_CUDA(cudaGetLastError());
 }

@@ -1,6 +1,6 @@
 #include "moe/error.h"
-#include "reference/reference.h"
 #include "moe/tensor.h"
+#include "reference/reference.h"
 
 namespace moe::reference {
 

@@ -177,7 +177,8 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
       const auto& routing = front[rank(i)].routing;
       result[rank(i)].out = unpermute_combine(y_send_layout[i], send_layout[rank(i)], routing);
       dy_send_layout[i] = combine_backward_rows(dy[rank(i)], send_layout[rank(i)], routing);
-      // The combine consumed Y in the sender's layout: dp is taken there (docs/design.md, "Combine backward").
+      // The combine consumed Y in the sender's layout: dp is taken there (docs/design.md, "Combine
+      // backward").
       dprob[i] =
           combine_backward_prob(dy[rank(i)], y_send_layout[i], send_layout[rank(i)], routing);
     }

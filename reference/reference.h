@@ -1,4 +1,5 @@
-// The fp64 CPU reference of the whole layer, forward and backward, stage by stage, as docs/design.md states it.
+// The fp64 CPU reference of the whole layer, forward and backward, stage by stage, as
+// docs/design.md states it.
 //
 // Every GPU kernel has a counterpart here and every GPU test compares against it. Users may run it
 // to check the layer too. Nothing here is fast; everything here is plain.
@@ -284,9 +285,9 @@ struct LayerResult {
 };
 
 // Where dprob is formed, which decides what kAsStored rounds on its way there: in the combine
-// backward, dy·y with y stored (the combine as docs/design.md states it; MoEBlock over NCCL), or in the experts that
-// weighed their own rows, <dy·w2ᵀ, a> with dy·w2ᵀ stored and a from the stored h (MoEBlock on
-// one GPU and over the peer exchange). The same number in exact arithmetic.
+// backward, dy·y with y stored (the combine as docs/design.md states it; MoEBlock over NCCL), or in
+// the experts that weighed their own rows, <dy·w2ᵀ, a> with dy·w2ᵀ stored and a from the stored h
+// (MoEBlock on one GPU and over the peer exchange). The same number in exact arithmetic.
 enum class ProbabilityGradient { kCombine, kExperts };
 
 // dprob[t·K + k] = <dy[t]·w2_eᵀ, a(row(t, k))>, e the slot's expert, as the experts form it.

@@ -1,5 +1,5 @@
-// Forward steps 2 and 3 of docs/design.md in fp64: score functions, (grouped) top-K, probabilities, aux and z losses,
-// and their backward.
+// Forward steps 2 and 3 of docs/design.md in fp64: score functions, (grouped) top-K, probabilities,
+// aux and z losses, and their backward.
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -76,8 +76,7 @@ void ExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {
   const std::vector<std::byte> mine = tuning->serialize();
   // Sizes first, then every rank's records padded to the largest.
   const std::uint64_t mine_size = mine.size();
-  const auto sizes =
-      all_gather_to_host<std::uint64_t>(mesh, std::span(&mine_size, 1), stream);
+  const auto sizes = all_gather_to_host<std::uint64_t>(mesh, std::span(&mine_size, 1), stream);
   const std::uint64_t widest = *std::max_element(sizes.begin(), sizes.end());
   // Nothing timed anywhere yet (no rank had rows): agree at a later step instead of freezing the
   // heuristic's choices for good. The sizes are the same on every rank, and so is this return.

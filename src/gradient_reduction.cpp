@@ -49,7 +49,8 @@ void reduce_gradients(const MoEConfig& config, const MoEGradients& grads, const 
                       DeviceBuffer& staging, cudaStream_t stream) {
   std::int64_t widest = 4;
   for (const Tensor* grad : {&grads.w13, &grads.w2, &grads.shared_w13, &grads.shared_w2}) {
-    if (grad->dtype == DType::kBF16) widest = std::max(widest, std::min(grad->numel(), kStageElements));
+    if (grad->dtype == DType::kBF16)
+      widest = std::max(widest, std::min(grad->numel(), kStageElements));
   }
   staging.reserve(static_cast<std::size_t>(widest) * 4);
   sum_gradients({&grads.w13, &grads.w2}, MeshGroup::kDataParallel, mesh, staging, stream,

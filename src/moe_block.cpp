@@ -255,7 +255,7 @@ MoEForward MoEBlock::infer(const Tensor& x, const ForwardOptions& options) {
 }
 
 MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
-                                  bool save_context) {
+                                 bool save_context) {
   auto& s = *s_;
   s.times.current = "arguments";
   const std::int64_t T = x.rank() == 2 ? x.dim(0) : -1;
@@ -434,11 +434,11 @@ void MoEBlock::synchronize() {
       const std::int64_t mine[2] = {step, -step};
       s.agreement_host.reserve(sizeof(mine));
       std::memcpy(s.agreement_host.as<std::int64_t>(), mine, sizeof(mine));
-      MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement.data(), s.agreement_host.as<std::int64_t>(), sizeof(mine),
-                                     cudaMemcpyHostToDevice, s.stream));
+      MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement.data(), s.agreement_host.as<std::int64_t>(),
+                                     sizeof(mine), cudaMemcpyHostToDevice, s.stream));
       s.mesh.all_reduce(s.agreement.data(), 2, ncclInt64, ncclMax, MeshGroup::kWorld, s.stream);
-      MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement_host.as<std::int64_t>(), s.agreement.data(), sizeof(mine),
-                                     cudaMemcpyDeviceToHost, s.stream));
+      MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement_host.as<std::int64_t>(), s.agreement.data(),
+                                     sizeof(mine), cudaMemcpyDeviceToHost, s.stream));
     }
     s.step_done.record(s.stream);
     s.mesh.wait(s.step_done.get(), "the block's queued work");
@@ -446,10 +446,11 @@ void MoEBlock::synchronize() {
       std::int64_t agreed[2];
       std::memcpy(agreed, s.agreement_host.as<std::int64_t>(), sizeof(agreed));
       if (agreed[0] != step || -agreed[1] != step) {
-        fail("rank {}: the ranks do not agree on the end of step {}: their counts of "
-             "synchronize() calls range from {} to {} (a peer failed and aborted, or the ranks' "
-             "calls differ)",
-             s.mesh.rank(), step, -agreed[1], agreed[0]);
+        fail(
+            "rank {}: the ranks do not agree on the end of step {}: their counts of "
+            "synchronize() calls range from {} to {} (a peer failed and aborted, or the ranks' "
+            "calls differ)",
+            s.mesh.rank(), step, -agreed[1], agreed[0]);
       }
     }
   });

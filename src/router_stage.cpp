@@ -70,23 +70,26 @@ void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias,
 void RouterStage::set_totals(const RouterTotals& totals) {
   const auto [latest, earliest_negated] = totals.forward_agreement;
   if (latest != forwards_ || -earliest_negated != forwards_) {
-    fail("rank {}: the ranks do not agree on forward {}: their counts of forwards range from {} "
-         "to {} (a peer failed and aborted, or the ranks' calls differ)",
-         mesh_.rank(), forwards_, -earliest_negated, latest);
+    fail(
+        "rank {}: the ranks do not agree on forward {}: their counts of forwards range from {} "
+        "to {} (a peer failed and aborted, or the ranks' calls differ)",
+        mesh_.rank(), forwards_, -earliest_negated, latest);
   }
   saved_.global_tokens = totals.global_tokens;
   if (totals.first_invalid_given == RouterTotals::kAllGivenValid &&
       totals.mesh_first_invalid_given != RouterTotals::kAllGivenValid) {
-    fail("MoEBlock::forward: another rank's replay_topk_idx holds an invalid expert (that rank's "
-         "error names it)");
+    fail(
+        "MoEBlock::forward: another rank's replay_topk_idx holds an invalid expert (that rank's "
+        "error names it)");
   }
   if (totals.first_invalid_given != RouterTotals::kAllGivenValid) {
     const std::uint64_t slot = totals.first_invalid_given >> 32;
     const auto expert = static_cast<std::int32_t>(totals.first_invalid_given & 0xffffffffu);
     const int K = config_.topk;
-    fail("MoEBlock::forward: replay_topk_idx token {}, slot {}: expert {} is outside [0, {}) or "
-         "repeats an earlier slot of the token",
-         slot / K, slot % K, expert, config_.num_experts);
+    fail(
+        "MoEBlock::forward: replay_topk_idx token {}, slot {}: expert {} is outside [0, {}) or "
+        "repeats an earlier slot of the token",
+        slot / K, slot % K, expert, config_.num_experts);
   }
 }
 
@@ -103,8 +106,8 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   host[0] = saved_.logits.dim(0);
   host[1] = forwards_;
   host[2] = -forwards_;
-  MOE_CHECK_CUDA(cudaMemcpyAsync(global_tokens, host, sizeof(std::int64_t), cudaMemcpyHostToDevice,
-                                 stream));
+  MOE_CHECK_CUDA(
+      cudaMemcpyAsync(global_tokens, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
   MOE_CHECK_CUDA(cudaMemcpyAsync(totals->forward_agreement, host + 1, 2 * sizeof(std::int64_t),
                                  cudaMemcpyHostToDevice, stream));
   MOE_CHECK_CUDA(cudaMemcpyAsync(global_load_.data(), counts_.data(), E * sizeof(std::int32_t),

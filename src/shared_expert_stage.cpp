@@ -42,10 +42,8 @@ void SharedExpertStage::start_forward(const Tensor& x, const MoEParameters& para
     shared_gate_forward(x, params.shared_gate_weight, typed<float>(logit_, T), scale.as<float>(),
                         side_.get());
   }
-  const ExpertRows rows{.input = x,
-                        .output = view(y_, dtype_, {T, H_}),
-                        .scale = scale,
-                        .offsets = offsets_};
+  const ExpertRows rows{
+      .input = x, .output = view(y_, dtype_, {T, H_}), .scale = scale, .offsets = offsets_};
   ffn_.forward(rows, as_one_expert(params.shared_w13), as_one_expert(params.shared_w2),
                side_.get());
   joined_.record(side_.get());

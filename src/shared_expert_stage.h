@@ -45,7 +45,7 @@ class SharedExpertStage {
   DeviceBuffer activations_;  // the FFN's a chunk: its own, as it runs beside the routed experts
   ExpertStage ffn_;           // one expert over every token
   DeviceBuffer y_, dx_, logit_, gate_, workspace_;
-  Tensor x_;                        // the forward's input, kept for the backward
+  Tensor x_;                           // the forward's input, kept for the backward
   std::vector<std::int64_t> offsets_;  // {0, T}: every token is the one expert's row
 };
 

@@ -126,8 +126,9 @@ struct MoEConfig {
   std::int64_t padded_rows(std::int64_t count) const;
   // Capacity mode's row limit per (source rank, expert) for a source rank of `tokens` tokens:
   // ceil(capacity_factor · tokens · topk / num_experts), evaluated in double in that order, at
-  // most `tokens` (an expert is offered one slot per token at most), then padded to align_size. Throws moe::Error outside capacity mode, for a negative count, or when
-  // the limit passes kMaxCapacityRows.
+  // most `tokens` (an expert is offered one slot per token at most), then padded to align_size.
+  // Throws moe::Error outside capacity mode, for a negative count, or when the limit passes
+  // kMaxCapacityRows.
   std::int64_t expert_capacity(std::int64_t tokens) const;
   // Why the GPU layer (MoEBlock) cannot run this config yet, naming the setting and its value, or
   // empty when it can: capacity mode runs in the CPU reference only for now.

@@ -195,8 +195,9 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"top_k", "2"}}, "unknown key 'top_k'"},
   };
   // Every error names the file it came from, the enum settings' too.
-  CHECK_THAT(error_of("hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\nscore_function: relu\n"),
-             test::contains_text("test.yaml: score_function = 'relu' is not one of"));
+  CHECK_THAT(
+      error_of("hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\nscore_function: relu\n"),
+      test::contains_text("test.yaml: score_function = 'relu' is not one of"));
   // A second YAML document is refused, not dropped.
   CHECK_THAT(error_of("hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n---\nhidden: 32\n"),
              test::contains_text("line 5 starts another YAML document"));

@@ -11,7 +11,7 @@ TEST_CASE("load imbalance per expert and per EP rank", "[cpu][load]") {
   // 8 experts, 4 EP ranks of 2 experts: loads 10, 30 | 20, 20 | 0, 40 | 20, 20 (total 160).
   const std::vector<std::int64_t> loads = {10, 30, 20, 20, 0, 40, 20, 20};
   const LoadImbalance by_four = load_imbalance(loads, 4);
-  CHECK(by_four.expert == Approx(40.0 / 20.0));  // mean 20
+  CHECK(by_four.expert == Approx(40.0 / 20.0));   // mean 20
   CHECK(by_four.ep_rank == Approx(40.0 / 40.0));  // every rank holds 40
   const LoadImbalance by_two = load_imbalance(loads, 2);
   CHECK(by_two.ep_rank == Approx(80.0 / 80.0));
@@ -31,8 +31,10 @@ TEST_CASE("load imbalance per expert and per EP rank", "[cpu][load]") {
 TEST_CASE("load imbalance rejects a mesh that does not divide the experts, and negative loads",
           "[cpu][load]") {
   const std::vector<std::int64_t> loads = {1, 2, 3};
-  CHECK_THROWS_WITH(load_imbalance(loads, 2), test::contains_text("ep = 2 must be >= 1 and divide"));
+  CHECK_THROWS_WITH(load_imbalance(loads, 2),
+                    test::contains_text("ep = 2 must be >= 1 and divide"));
   CHECK_THROWS_WITH(load_imbalance(loads, 0), test::contains_text("ep = 0"));
   const std::vector<std::int64_t> negative = {4, -1};
-  CHECK_THROWS_WITH(load_imbalance(negative, 1), test::contains_text("expert 1 has a negative load -1"));
+  CHECK_THROWS_WITH(load_imbalance(negative, 1),
+                    test::contains_text("expert 1 has a negative load -1"));
 }

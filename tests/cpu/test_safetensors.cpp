@@ -26,7 +26,6 @@ using namespace moe;
 
 using namespace moe::test;
 
-
 TEST_CASE("safetensors: a hand-made file parses to its values", "[cpu][safetensors]") {
   const float values[3] = {1.5f, -2.0f, 0.25f};
   const std::int32_t ids[2] = {7, -3};
@@ -299,4 +298,3 @@ TEST_CASE("safetensors: only regular files of bounded size are read", "[cpu][saf
   CHECK_THAT(read_error(dir / "x.safetensors", size), test::contains_text("x.safetensors"));
   std::filesystem::remove_all(dir);
 }
-

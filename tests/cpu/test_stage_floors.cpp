@@ -10,7 +10,8 @@ using namespace moe;
 
 namespace {
 
-const bench::StageWork& stage(const std::string& name, const std::vector<bench::StageWork>& stages) {
+const bench::StageWork& stage(const std::string& name,
+                              const std::vector<bench::StageWork>& stages) {
   const auto found = std::find_if(stages.begin(), stages.end(),
                                   [&](const bench::StageWork& s) { return s.name == name; });
   REQUIRE(found != stages.end());
@@ -23,7 +24,8 @@ MoEConfig deepseek_v3() {
 
 }  // namespace
 
-TEST_CASE("a floor is the largest of its FLOPs, bytes and link bytes at their rates", "[cpu][bench]") {
+TEST_CASE("a floor is the largest of its FLOPs, bytes and link bytes at their rates",
+          "[cpu][bench]") {
   const bench::Rates rates{1e15, 4e12, 5e11};
   CHECK(bench::StageWork{"gemm", 2e12, 4e9, 0}.floor_ms(rates) == Approx(2.0));
   CHECK(bench::StageWork{"copy", 1e12, 8e9, 0}.floor_ms(rates) == Approx(2.0));

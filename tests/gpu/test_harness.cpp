@@ -127,7 +127,8 @@ TEST_CASE("cuBLASLt row-major products against the fp64 reference", "[gpu][harne
     double tolerance;
   };
   // Inputs are rounded to their dtype before the reference sees them, so only accumulation
-  // order and the output's rounding remain: fp32 out ≤ 1e-5, bf16 out ≤ 1e-2 (docs/design.md, "Tests").
+  // order and the output's rounding remain: fp32 out ≤ 1e-5, bf16 out ≤ 1e-2 (docs/design.md,
+  // "Tests").
   for (const Types types :
        {Types{DType::kFP32, DType::kFP32, 1e-5}, Types{DType::kBF16, DType::kFP32, 1e-5},
         Types{DType::kBF16, DType::kBF16, 1e-2}}) {

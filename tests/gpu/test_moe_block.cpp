@@ -22,7 +22,7 @@ namespace {
 
 struct Results {
   Matrix out, dx, dgate;
-  std::vector<Matrix> dw13, dw2;  // nn.Linear layout
+  std::vector<Matrix> dw13, dw2;                 // nn.Linear layout
   Matrix shared_dw13, shared_dw2, shared_dgate;  // with a shared expert (nn.Linear layout)
   float aux = 0, z = 0;
 };
@@ -450,8 +450,8 @@ TEST_CASE("routing replay: a recorded step replays bitwise; other routings equal
       Pending first = start_block(block, c, x);
       block.record_routing(recorded_idx);
       const Results want = finish_block(block, c, std::move(first), dy);
-      const Results again = finish_block(
-          block, c, start_block(block, c, x, ForwardOptions{recorded_idx}), dy);
+      const Results again =
+          finish_block(block, c, start_block(block, c, x, ForwardOptions{recorded_idx}), dy);
       CHECK(bitwise_equal(again.out, want.out));
       CHECK(bitwise_equal(again.dx, want.dx));
       CHECK(bitwise_equal(again.dgate, want.dgate));

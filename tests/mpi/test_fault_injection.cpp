@@ -121,7 +121,8 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
   }
   outcome.elapsed = std::chrono::steady_clock::now() - start;
   trace((outcome.threw ? "threw after " : "returned after ") +
-        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(outcome.elapsed).count()) +
+        std::to_string(
+            std::chrono::duration_cast<std::chrono::milliseconds>(outcome.elapsed).count()) +
         " ms: " + outcome.message);
   CHECK(mesh.aborted());
   return outcome;

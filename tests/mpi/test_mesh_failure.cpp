@@ -86,7 +86,7 @@ TEST_CASE("a moved-from mesh refuses collectives instead of doing nothing", "[mp
 // Run as two ranks that see one GPU (tests/CMakeLists.txt: mpi.test_mesh_failure.same_gpu).
 TEST_CASE("two ranks on one GPU are told to start one rank per GPU", "[.same-gpu]") {
   REQUIRE(test::world_size() == 2);
-  CHECK_THROWS_WITH(Mesh::from_mpi(MPI_COMM_WORLD, 2, 1, 4),
-                    test::contains_text("both run on GPU") &&
-                        test::contains_text("one GPU per rank"));
+  CHECK_THROWS_WITH(
+      Mesh::from_mpi(MPI_COMM_WORLD, 2, 1, 4),
+      test::contains_text("both run on GPU") && test::contains_text("one GPU per rank"));
 }

@@ -4,8 +4,8 @@
 
 #include <chrono>
 #include <cstdint>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "moe/mesh.h"
@@ -390,7 +390,8 @@ TEST_CASE("DP replicas given the same rows agree bitwise once the GEMM algorithm
     for (int r = 0; r < world; ++r) {
       if (r % ep != mesh.ep_index()) continue;
       INFO("rank " << test::world_rank() << " against its DP replica " << r);
-      for (std::size_t i = 0; i < hashes.size(); ++i) CHECK(all[r * hashes.size() + i] == hashes[i]);
+      for (std::size_t i = 0; i < hashes.size(); ++i)
+        CHECK(all[r * hashes.size() + i] == hashes[i]);
     }
   }
 }
@@ -425,11 +426,11 @@ TEST_CASE("an invalid replay index on one rank fails every rank in the same forw
     copy_to_device(recorded.as<std::int32_t>() + 5, &outside, sizeof(outside));  // token 2, slot 1
   }
   const auto start = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH(block.forward(x_t, ForwardOptions{idx}),
-                    test::world_rank() == 1
-                        ? test::contains_text("token 2, slot 1: expert " +
-                                              std::to_string(c.num_experts))
-                        : test::contains_text("another rank's replay_topk_idx"));
+  CHECK_THROWS_WITH(
+      block.forward(x_t, ForwardOptions{idx}),
+      test::world_rank() == 1
+          ? test::contains_text("token 2, slot 1: expert " + std::to_string(c.num_experts))
+          : test::contains_text("another rank's replay_topk_idx"));
   CHECK(std::chrono::steady_clock::now() - start < timeout / 2);
   MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
 }

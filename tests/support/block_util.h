@@ -83,7 +83,8 @@ inline void load_params(MoEBlock& block, const reference::Params& p, int first, 
     copy_into(view.shared_w13, transpose(p.shared.w13));
     copy_into(view.shared_w2, transpose(p.shared.w2));
   }
-  if (view.shared_gate_weight.data != nullptr) copy_into(view.shared_gate_weight, p.shared.gate_weight);
+  if (view.shared_gate_weight.data != nullptr)
+    copy_into(view.shared_gate_weight, p.shared.gate_weight);
 }
 
 // Draws x one token row at a time, redrawing a row until none of its routing scores is near a tie

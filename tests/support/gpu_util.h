@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "moe/device.h"
-#include "reference/reference.h"
 #include "moe/tensor.h"
+#include "reference/reference.h"
 #include "support/test_util.h"
 
 namespace moe::test {

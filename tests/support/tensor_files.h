@@ -5,11 +5,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <numeric>
 #include <random>
-#include <vector>
-#include <filesystem>
 #include <string>
+#include <vector>
 
 #include "moe/error.h"
 #include "moe/safetensors.h"
@@ -30,8 +30,8 @@ inline std::string hand_made(const std::string& header, const std::string& data)
 }
 
 // One header entry, written by hand so that any value (wrong ones included) can be given.
-inline std::string entry(const std::string& name, const std::string& dtype, const std::string& shape,
-                  const std::string& offsets) {
+inline std::string entry(const std::string& name, const std::string& dtype,
+                         const std::string& shape, const std::string& offsets) {
   return "\"" + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":" + shape +
          ",\"data_offsets\":" + offsets + "}";
 }
