@@ -264,6 +264,13 @@ T read_scalar(const YAML::Node& node, const std::string& key, std::string_view s
       fail("{}: {} = '{}' is not a decimal integer (leading zeros and other bases are refused)",
            source, key, text);
   }
+  if constexpr (std::is_same_v<T, bool>) {
+    // true or false only: yaml-cpp also takes YAML 1.1's y, n, yes, no, on and off, which a YAML
+    // 1.2 reader takes as strings, so the same file would mean different things to two tools.
+    const std::string& text = node.Scalar();
+    if (text != "true" && text != "false")
+      fail("{}: {} = '{}' is not true or false", source, key, text);
+  }
   try {
     return node.as<T>();
   } catch (const YAML::Exception&) {

@@ -176,6 +176,11 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"align_size", "020"}}, "align_size = '020' is not a decimal integer"},
       {{{"shared_ffn_hidden", "0x18"}}, "shared_ffn_hidden = '0x18' is not a decimal integer"},
       {{{"topk", "2.0"}}, "topk = '2.0' is not a decimal integer"},
+      // YAML 1.1's booleans, which yaml-cpp would take and a YAML 1.2 reader reads as strings.
+      {{{"keep_expert_input", "yes"}}, "keep_expert_input = 'yes' is not true or false"},
+      {{{"keep_expert_input", "off"}}, "keep_expert_input = 'off' is not true or false"},
+      {{{"gemm_autotune", "Y"}}, "gemm_autotune = 'Y' is not true or false"},
+      {{{"pre_softmax", "1"}}, "pre_softmax = '1' is not true or false"},
       {{{"capacity_factor", "0"}},
        "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
       {{{"capacity_factor", "-1.5"}}, "capacity_factor = -1.5 must be positive and finite"},
