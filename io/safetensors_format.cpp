@@ -93,6 +93,15 @@ std::int64_t dimension(const Json& value, std::size_t index, std::string_view so
 Entry parse_entry(const std::string& name, const Json& json, std::uint64_t data_bytes,
                   std::string_view source) {
   if (name.empty()) fail("{}: a tensor has an empty name", source);
+  // A control character would cut or garble every message naming the tensor (a NUL ends the
+  // C string a terminal is given): such a name is shown escaped, once, here.
+  const auto control = std::find_if(name.begin(), name.end(), [](char c) {
+    return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+  });
+  if (control != name.end()) {
+    fail("{}: tensor {} has a control character (U+{:04X}) in its name, at byte {}", source,
+         brief(Json(name)), static_cast<unsigned char>(*control), control - name.begin());
+  }
   if (!json.is_object())
     fail("{}: tensor '{}' has the entry {}; expected an object", source, name, brief(json));
   for (const auto& [field, value] : json.items()) {
