@@ -5,7 +5,7 @@
 //                                   --out R.safetensors [--ep E --dp D]
 //   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs (the only
 //                                          # one that runs capacity mode for now)
-//   build/apps/moe_run ... --no-check-finite   # skip the NaN/Inf check of weights and inputs
+//   build/apps/moe_run ... --no-check-finite   # skip the NaN/Inf check of weights, inputs and results
 //
 // The files hold the global batch and all experts (names and layouts: io/layer_files.h). No rank
 // reads them whole: the headers and the small tensors are checked first, then each rank reads its
@@ -179,6 +179,7 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
   if (in.replay_experts) options.replay_experts = *in.replay_experts;
   TensorFileWriter writer(out_path, layer_results_specs(config, in.x.rows),
                           layer_results_metadata(config));
+  if (check_finite_values) writer.refuse_non_finite();
   const FileExperts experts(config, weights);
   FileExpertGrads expert_grads(config, writer);
   const auto result =
@@ -193,8 +194,8 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
 // After the agreement: this rank's share on its GPU, forward, backward, the results to rank
 // 0's file.
 void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& checked, int rank,
-              int world, const std::string& out_path, const Mesh& mesh, MoEBlock& block,
-              const Stream& stream) {
+              int world, bool check_finite_values, const std::string& out_path, const Mesh& mesh,
+              MoEBlock& block, const Stream& stream) {
   const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden,
                      K = config.topk, T = in.tokens;
   if (mesh.rank() != rank)
@@ -239,6 +240,7 @@ void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& c
   if (rank == 0) {
     writer = std::make_unique<TensorFileWriter>(
         out_path, layer_results_specs(config, checked.tokens), layer_results_metadata(config));
+    if (check_finite_values) writer->refuse_non_finite();
   }
   std::vector<int> all_ranks(static_cast<std::size_t>(world));
   std::iota(all_ranks.begin(), all_ranks.end(), 0);
@@ -320,7 +322,8 @@ int run_mesh(const MoEConfig& config, const TensorSource& weights, const TensorS
     mesh.emplace(Mesh::from_mpi(MPI_COMM_WORLD, config.ep, config.dp, config.num_experts));
     stream.emplace();
     block.emplace(config, *mesh, stream->get());
-    run_rank(config, std::move(in), checked, rank, world, out_path, *mesh, *block, *stream);
+    run_rank(config, std::move(in), checked, rank, world, check_finite_values, out_path, *mesh,
+             *block, *stream);
   } catch (const std::exception& e) {
     if (world == 1) throw;
     std::fprintf(stderr, "moe_run: rank %d: %s\n", rank, e.what());
@@ -358,7 +361,7 @@ int main(int argc, char** argv) {
   app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")->check(degree);
   app.add_flag("--reference", use_reference, "run the fp64 CPU reference instead of the GPUs");
   app.add_flag("--check-finite,!--no-check-finite", check_finite_values,
-               "refuse weights and inputs holding NaN or Inf, naming the tensor (default: on)");
+               "refuse weights, inputs and results holding NaN or Inf, naming the tensor (default: on)");
   CLI11_PARSE(app, argc, argv);
   try {
     refuse_overwriting_inputs(

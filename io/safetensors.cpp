@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <system_error>
 
@@ -358,7 +359,7 @@ TensorFileWriter::TensorFileWriter(const std::filesystem::path& path,
   std::uint64_t offset = header.size();
   for (const TensorSpec& t : tensors) {
     const std::uint64_t bytes = *checked_bytes(t.shape, t.dtype);
-    slots_[t.name] = Slot{offset, bytes, 0};
+    slots_[t.name] = Slot{offset, bytes, 0, t.dtype, t.shape};
     if (__builtin_add_overflow(offset, bytes, &offset))
       fail("TensorFileWriter: the tensors up to '{}' add up to more bytes than 64 bits count",
            t.name);
@@ -431,12 +432,44 @@ void TensorFileWriter::append(const std::string& name, std::span<const std::byte
          path_.string(), name, s.bytes, bytes.size(), s.written);
   }
   try {
+    if (refuse_non_finite_) check_finite(name, s, bytes);
     write_at(fd_, s.begin + s.written, bytes.data(), bytes.size(), path_);
   } catch (...) {
     discard();
     throw;
   }
   s.written += bytes.size();
+}
+
+void TensorFileWriter::check_finite(const std::string& name, const Slot& s,
+                                    std::span<const std::byte> bytes) const {
+  if (s.dtype != FileDType::kF32 && s.dtype != FileDType::kBF16) return;
+  const std::size_t element = file_dtype_size(s.dtype);
+  if (s.written % element != 0 || bytes.size() % element != 0) {
+    fail("tensor file '{}': tensor '{}' is checked for NaN and Inf, so its pieces must hold whole "
+         "{}-byte elements; {} bytes came after {}",
+         path_.string(), name, element, bytes.size(), s.written);
+  }
+  for (std::size_t i = 0; i < bytes.size() / element; ++i) {
+    float value = 0.0f;
+    if (s.dtype == FileDType::kBF16) {
+      BF16 raw;
+      std::memcpy(&raw, bytes.data() + i * element, element);
+      value = from_bf16(raw);
+    } else {
+      std::memcpy(&value, bytes.data() + i * element, element);
+    }
+    if (std::isfinite(value)) continue;
+    std::vector<std::int64_t> index(s.shape.size());
+    auto rest = static_cast<std::int64_t>(s.written / element + i);
+    for (std::size_t d = s.shape.size(); d-- > 0;) {
+      index[d] = rest % s.shape[d];
+      rest /= s.shape[d];
+    }
+    fail("tensor file '{}': tensor '{}' would hold {} at [{}]; results that are not finite are "
+         "refused, and the file was not written",
+         path_.string(), name, static_cast<double>(value), fmt::join(index, ", "));
+  }
 }
 
 std::uint64_t TensorFileWriter::remaining(const std::string& name) const {

@@ -221,6 +221,10 @@ class TensorFileWriter {
   }
   // Bytes of tensor `name` not yet appended.
   std::uint64_t remaining(const std::string& name) const;
+  // From here on, append() refuses BF16 and F32 bytes that hold a NaN or an Inf: the writer then
+  // fails, its file removed, naming the tensor and the first such element's index and value.
+  // Pieces must then hold whole elements.
+  void refuse_non_finite() { refuse_non_finite_ = true; }
   // Throws moe::Error naming the first tensor that is not complete and its byte counts, or when
   // closing the file fails; the file is then removed.
   void finish();
@@ -230,9 +234,13 @@ class TensorFileWriter {
     std::uint64_t begin = 0;  // in the file
     std::uint64_t bytes = 0;
     std::uint64_t written = 0;
+    FileDType dtype = FileDType::kF32;
+    std::vector<std::int64_t> shape;
   };
   const Slot& slot(const std::string& name) const;
   Slot& slot(const std::string& name);
+  // Throws (the caller discards) at the first NaN or Inf among `bytes`, the next of slot `s`.
+  void check_finite(const std::string& name, const Slot& s, std::span<const std::byte> bytes) const;
   // Closes and removes the file being written: a writer that failed or was abandoned leaves no
   // trace.
   void discard() noexcept;
@@ -242,6 +250,7 @@ class TensorFileWriter {
   std::filesystem::path writing_;  // the file being written, beside the target
   int fd_ = -1;
   bool finished_ = false;
+  bool refuse_non_finite_ = false;
   std::array<std::byte, 8> length_prefix_{};  // written by finish()
   std::map<std::string, Slot> slots_;
 };

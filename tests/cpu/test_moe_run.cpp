@@ -290,6 +290,32 @@ TEST_CASE("moe_run names the tensor holding NaN or Inf; --no-check-finite lets i
   }
 }
 
+TEST_CASE("moe_run refuses results that overflow to Inf, leaving an older --out as it was",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const RunDir d(rng);
+  // Finite inputs whose products overflow fp32: every x is 1e30, so h is about 1e30 and the
+  // experts' SwiGLU about 1e60.
+  TensorFile inputs = d.files.inputs;
+  FileTensor& x = inputs.get("x");
+  const float huge = 1e30f;
+  for (std::int64_t i = 0; i < x.numel(); ++i) std::memcpy(x.data.data() + i * 4, &huge, 4);
+  inputs.write(d.path("huge.safetensors"));
+  std::ofstream(d.dir / "out.safetensors") << "older results";
+  std::string error;
+  CHECK(d.run(d.path("huge.safetensors"), d.path("out.safetensors"), &error) == 1);
+  CHECK_THAT(error, test::contains_text("tensor file '" + d.path("out.safetensors") +
+                                        "': tensor '") &&
+                        test::contains_text("results that are not finite are refused"));
+  CHECK(file_bytes(d.dir / "out.safetensors") == "older results");
+  // Asked for, they are written.
+  CHECK(d.run(d.path("huge.safetensors"), d.path("out.safetensors"), &error,
+              "--no-check-finite") == 0);
+  CHECK(file_bytes(d.dir / "out.safetensors") != "older results");
+}
+
 TEST_CASE("moe_run: an align_size beyond the bound fails at once with its value",
           "[cpu][moe_run]") {
   const auto seed = test::fresh_seed();

@@ -364,3 +364,71 @@ TEST_CASE("safetensors: the writer refuses what would make a wrong file and leav
   CHECK(std::filesystem::exists(fifo));
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("safetensors: a writer refusing non-finite values names the first, index by index",
+          "[cpu][safetensors]") {
+  const auto seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const auto dir = temp_path("finite");
+  std::filesystem::create_directories(dir);
+  const auto path = dir / "out.safetensors";
+  const std::vector<std::int64_t> shape = {3, 5, 7};
+  const std::int64_t n = 3 * 5 * 7;
+  for (const FileDType dtype : {FileDType::kF32, FileDType::kBF16}) {
+    const std::size_t element = file_dtype_size(dtype);
+    const float bad[3] = {std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()};
+    const int which = std::uniform_int_distribution<int>(0, 2)(rng);
+    const auto at = std::uniform_int_distribution<std::int64_t>(0, n - 1)(rng);
+    INFO(file_dtype_name(dtype) << " element " << at);
+    std::vector<std::byte> bytes(static_cast<std::size_t>(n) * element);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float value = i == at ? bad[which] : 1e30f;  // large, but finite in either dtype
+      if (dtype == FileDType::kBF16) {
+        const BF16 raw = to_bf16(value);
+        std::memcpy(bytes.data() + i * 2, &raw, 2);
+      } else {
+        std::memcpy(bytes.data() + i * 4, &value, 4);
+      }
+    }
+    const std::vector<TensorSpec> specs = {{"t", dtype, shape}, {"i", FileDType::kI32, {2}}};
+    {
+      // Integer tensors are never checked; the float one fails in the piece holding the value,
+      // whichever piece that is.
+      TensorFileWriter writer(path, specs);
+      writer.refuse_non_finite();
+      const std::int32_t ints[2] = {-1, 0x7f800000};  // an int that reads as Inf as a float
+      writer.append("i", ints, sizeof(ints));
+      const std::size_t piece = 7 * element;
+      std::string error = "(no error)";
+      for (std::size_t first = 0; first < bytes.size() && error == "(no error)"; first += piece)
+        error = error_from([&] { writer.append("t", bytes.data() + first, piece); });
+      const std::string value = which == 0 ? "nan" : which == 1 ? "inf" : "-inf";
+      const std::string index = std::to_string(at / 35) + ", " + std::to_string(at / 7 % 5) +
+                                ", " + std::to_string(at % 7);
+      CHECK_THAT(error, test::contains_text("tensor 't' would hold " + value + " at [" + index +
+                                            "]; results that are not finite are refused"));
+    }
+    CHECK_FALSE(std::filesystem::exists(path));
+    CHECK(std::filesystem::is_empty(dir));
+    {
+      // Pieces must hold whole elements.
+      TensorFileWriter writer(path, specs);
+      writer.refuse_non_finite();
+      CHECK_THAT(error_from([&] { writer.append("t", bytes.data(), element + 1); }),
+                 test::contains_text("pieces must hold whole"));
+    }
+    {
+      // Not asked to refuse, the writer writes what it is given.
+      TensorFileWriter writer(path, specs);
+      writer.append("t", bytes);
+      writer.append("i", bytes.data(), 8);
+      writer.finish();
+    }
+    CHECK(TensorFile::read(path).get("t").data == bytes);
+    std::filesystem::remove(path);
+  }
+  std::filesystem::remove_all(dir);
+}
