@@ -17,9 +17,12 @@
 #include "io/layer_files.h"
 #include "io/rank_inputs.h"
 #include "support/catch.h"
+#include "support/tensor_files.h"
 #include "support/test_util.h"
 
 using namespace moe;
+using test::error_from;
+using test::file_bytes;
 using reference::Matrix;
 
 namespace {
@@ -37,25 +40,10 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
 };
 
-template <typename Call>
-std::string error_from(Call&& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 // The message with its leading source (a path or "<memory>") cut off.
 std::string without_source(std::string message, const std::string& source) {
   if (message.rfind(source, 0) == 0) message.erase(0, source.size());
   return message;
-}
-
-std::string file_bytes(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 // The same file with every F32 tensor stored as BF16 (the values rounded).
@@ -103,15 +91,8 @@ Layer random_layer(MoEConfig config, std::int64_t tokens, std::mt19937_64& rng) 
   config.validate();
   Layer l;
   l.config = config;
-  l.params = test::random_params(config, rng);
   // Values an F32 file holds exactly, so the files and the direct computation see one number.
-  const auto to_float = [](Matrix& m) { m = test::round_to(m, DType::kFP32); };
-  to_float(l.params.gate_weight);
-  for (auto& m : l.params.experts.w13) to_float(m);
-  for (auto& m : l.params.experts.w2) to_float(m);
-  for (auto* m : {&l.params.shared.w13, &l.params.shared.w2, &l.params.shared.gate_weight})
-    to_float(*m);
-  for (auto& b : l.params.expert_bias) b = static_cast<float>(b);
+  l.params = test::round_params(test::random_params(config, rng), DType::kFP32);
   l.x = test::round_to(test::random_matrix(tokens, config.hidden, rng), DType::kFP32);
   l.dy = test::round_to(test::random_matrix(tokens, config.hidden, rng), DType::kFP32);
   return l;

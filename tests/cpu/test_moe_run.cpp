@@ -19,9 +19,12 @@
 
 #include "io/layer_files.h"
 #include "support/catch.h"
+#include "support/tensor_files.h"
 #include "support/test_util.h"
 
 using namespace moe;
+using test::error_from;
+using test::file_bytes;
 using reference::Matrix;
 
 namespace {
@@ -42,23 +45,6 @@ Files make_files(const MoEConfig& c, const reference::Params& p, const Matrix& x
   return {layer_weights_file(c, p), layer_inputs_file(x, dy)};
 }
 
-reference::Params float_params(reference::Params p) {
-  for (auto* m : {&p.gate_weight}) {
-    for (auto& v : m->data) v = static_cast<float>(v);
-  }
-  for (auto& m : p.experts.w13) {
-    for (auto& v : m.data) v = static_cast<float>(v);
-  }
-  for (auto& m : p.experts.w2) {
-    for (auto& v : m.data) v = static_cast<float>(v);
-  }
-  for (auto& v : p.expert_bias) v = static_cast<float>(v);
-  for (auto* m : {&p.shared.w13, &p.shared.w2, &p.shared.gate_weight}) {
-    for (auto& v : m->data) v = static_cast<float>(v);
-  }
-  return p;
-}
-
 // A small layer's files in a fresh directory: config.yaml, weights.safetensors,
 // inputs.safetensors. Removed with the object.
 struct RunDir {
@@ -71,7 +57,7 @@ struct RunDir {
           ("moe_run_" + std::to_string(::getpid()) + "_" + std::to_string(rng()));
     std::filesystem::create_directories(dir);
     config = test::small_config(6, 4, 4, 2);
-    const auto params = float_params(test::random_params(config, rng));
+    const auto params = test::round_params(test::random_params(config, rng), DType::kFP32);
     const Matrix x = test::round_to(test::random_matrix(5, 6, rng), DType::kFP32);
     const Matrix dy = test::round_to(test::random_matrix(5, 6, rng), DType::kFP32);
     files = make_files(config, params, x, dy);
@@ -104,13 +90,6 @@ struct RunDir {
   }
 };
 
-std::string file_bytes(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 std::string layer_error(const MoEConfig& c, const TensorFile& weights, const TensorFile& inputs) {
   try {
     read_layer_inputs(c, weights, inputs);
@@ -135,7 +114,7 @@ TEST_CASE("moe_run --reference writes the fp64 reference's results", "[cpu][moe_
   c.z_loss_coeff = 0.01;
   c.align_size = 4;
   c.validate();
-  const auto params = float_params(test::random_params(c, rng));
+  const auto params = test::round_params(test::random_params(c, rng), DType::kFP32);
   const Matrix x = test::round_to(test::random_matrix(9, c.hidden, rng), DType::kFP32);
   const Matrix dy = test::round_to(test::random_matrix(9, c.hidden, rng), DType::kFP32);
   const auto files = make_files(c, params, x, dy);
@@ -446,7 +425,7 @@ TEST_CASE("moe_run --reference: capacity mode, shared experts and routing replay
       "capacity_factor: 0.5\ndrop_policy: position\npad_to_capacity: true\n"
       "shared_ffn_hidden: 3\nshared_gate: true\naux_loss_coeff: 0.1\n";
   const MoEConfig c = parse_config(yaml);
-  const auto params = float_params(test::random_params(c, rng));
+  const auto params = test::round_params(test::random_params(c, rng), DType::kFP32);
   const Matrix x = test::round_to(test::random_matrix(9, 6, rng), DType::kFP32);
   const Matrix dy = test::round_to(test::random_matrix(9, 6, rng), DType::kFP32);
   // A routing to replay that the router would not choose: token t -> (t mod 4, (t + 1) mod 4).
@@ -524,7 +503,7 @@ TEST_CASE("layer files: shared weights and topk_idx are read only where the conf
   MoEConfig shared = test::small_config(6, 4, 4, 2);
   shared.shared_ffn_hidden = 3;
   shared.shared_gate = true;
-  const auto params = float_params(test::random_params(shared, rng));  // exact in the F32 file
+  const auto params = test::round_params(test::random_params(shared, rng), DType::kFP32);  // exact in the F32 file
   const Matrix x = test::random_matrix(3, 6, rng), dy = test::random_matrix(3, 6, rng);
   const TensorFile weights = layer_weights_file(shared, params);
   const TensorFile inputs = layer_inputs_file(x, dy);

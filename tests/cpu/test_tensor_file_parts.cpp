@@ -57,21 +57,6 @@ std::vector<std::byte> slice(const FileTensor& t, std::int64_t first, std::int64
   return {t.data.begin() + first * element, t.data.begin() + (first + count) * element};
 }
 
-template <typename Call>
-std::string error_from(Call&& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-std::string file_bytes(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
 }  // namespace
 
 TEST_CASE("safetensors: ranges and rows read from the header alone equal the whole file's",

@@ -51,18 +51,6 @@ inline reference::ProbabilityGradient dprob_path(const MoEBlock& block) {
                                           : reference::ProbabilityGradient::kCombine;
 }
 
-// Parameters rounded to what the block stores (dtype for weights, fp32 for the bias).
-inline reference::Params round_params(reference::Params p, DType dtype) {
-  p.gate_weight = round_to(p.gate_weight, dtype);
-  for (auto& w : p.experts.w13) w = round_to(w, dtype);
-  for (auto& w : p.experts.w2) w = round_to(w, dtype);
-  for (auto& b : p.expert_bias) b = static_cast<float>(b);
-  if (p.shared.w13.rows > 0) p.shared.w13 = round_to(p.shared.w13, dtype);
-  if (p.shared.w2.rows > 0) p.shared.w2 = round_to(p.shared.w2, dtype);
-  if (p.shared.gate_weight.rows > 0) p.shared.gate_weight = round_to(p.shared.gate_weight, dtype);
-  return p;
-}
-
 // Loads the gate, the bias, experts [first, first + count) and the shared expert into the block
 // (nn.Linear layout).
 inline void load_params(MoEBlock& block, const reference::Params& p, int first, int count) {

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
@@ -52,6 +54,23 @@ inline std::string read_error(const std::filesystem::path& path, std::uint64_t m
     return e.what();
   }
   return "(no error)";
+}
+
+// The message of the moe::Error that `call` throws, or "(no error)".
+template <typename Call>
+std::string error_from(Call&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// A file's bytes, as a string.
+inline std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 inline std::filesystem::path temp_path(const std::string& stem) {

@@ -111,6 +111,18 @@ inline reference::Params random_params(const MoEConfig& config, std::mt19937_64&
   return params;
 }
 
+// Parameters rounded to what the block stores (dtype for weights, fp32 for the bias).
+inline reference::Params round_params(reference::Params p, DType dtype) {
+  p.gate_weight = round_to(p.gate_weight, dtype);
+  for (auto& w : p.experts.w13) w = round_to(w, dtype);
+  for (auto& w : p.experts.w2) w = round_to(w, dtype);
+  for (auto& b : p.expert_bias) b = static_cast<float>(b);
+  if (p.shared.w13.rows > 0) p.shared.w13 = round_to(p.shared.w13, dtype);
+  if (p.shared.w2.rows > 0) p.shared.w2 = round_to(p.shared.w2, dtype);
+  if (p.shared.gate_weight.rows > 0) p.shared.gate_weight = round_to(p.shared.gate_weight, dtype);
+  return p;
+}
+
 // Central differences of f over every entry of `values`, each moved by ±step in turn (fp64:
 // O(step²) truncation, ~1e-11 rounding at step 1e-5).
 inline std::vector<double> finite_differences(std::vector<double>& values,
