@@ -5,7 +5,7 @@
 //                                   --out R.safetensors [--ep E --dp D]
 //   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs (the only
 //                                          # one that runs capacity mode for now)
-//   build/apps/moe_run ... --no-check-finite   # skip the NaN/Inf check of weights, inputs and results
+//   build/apps/moe_run ... --no-check-finite   # no NaN/Inf check of weights, inputs, results
 //
 // The files hold the global batch and all experts (names and layouts: io/layer_files.h). No rank
 // reads them whole: the headers and the small tensors are checked first, then each rank reads its
@@ -360,8 +360,9 @@ int main(int argc, char** argv) {
       ->check(degree);
   app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")->check(degree);
   app.add_flag("--reference", use_reference, "run the fp64 CPU reference instead of the GPUs");
-  app.add_flag("--check-finite,!--no-check-finite", check_finite_values,
-               "refuse weights, inputs and results holding NaN or Inf, naming the tensor (default: on)");
+  app.add_flag(
+      "--check-finite,!--no-check-finite", check_finite_values,
+      "refuse weights, inputs and results holding NaN or Inf, naming the tensor (default: on)");
   CLI11_PARSE(app, argc, argv);
   try {
     refuse_overwriting_inputs(

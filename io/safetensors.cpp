@@ -446,9 +446,10 @@ void TensorFileWriter::check_finite(const std::string& name, const Slot& s,
   if (s.dtype != FileDType::kF32 && s.dtype != FileDType::kBF16) return;
   const std::size_t element = file_dtype_size(s.dtype);
   if (s.written % element != 0 || bytes.size() % element != 0) {
-    fail("tensor file '{}': tensor '{}' is checked for NaN and Inf, so its pieces must hold whole "
-         "{}-byte elements; {} bytes came after {}",
-         path_.string(), name, element, bytes.size(), s.written);
+    fail(
+        "tensor file '{}': tensor '{}' is checked for NaN and Inf, so its pieces must hold whole "
+        "{}-byte elements; {} bytes came after {}",
+        path_.string(), name, element, bytes.size(), s.written);
   }
   for (std::size_t i = 0; i < bytes.size() / element; ++i) {
     float value = 0.0f;
@@ -466,9 +467,10 @@ void TensorFileWriter::check_finite(const std::string& name, const Slot& s,
       index[d] = rest % s.shape[d];
       rest /= s.shape[d];
     }
-    fail("tensor file '{}': tensor '{}' would hold {} at [{}]; results that are not finite are "
-         "refused, and the file was not written",
-         path_.string(), name, static_cast<double>(value), fmt::join(index, ", "));
+    fail(
+        "tensor file '{}': tensor '{}' would hold {} at [{}]; results that are not finite are "
+        "refused, and the file was not written",
+        path_.string(), name, static_cast<double>(value), fmt::join(index, ", "));
   }
 }
 

@@ -21,9 +21,9 @@
 #include "support/test_util.h"
 
 using namespace moe;
+using reference::Matrix;
 using test::error_from;
 using test::file_bytes;
-using reference::Matrix;
 
 namespace {
 

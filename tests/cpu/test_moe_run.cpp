@@ -23,9 +23,9 @@
 #include "support/test_util.h"
 
 using namespace moe;
+using reference::Matrix;
 using test::error_from;
 using test::file_bytes;
-using reference::Matrix;
 
 namespace {
 
@@ -285,13 +285,13 @@ TEST_CASE("moe_run refuses results that overflow to Inf, leaving an older --out 
   std::ofstream(d.dir / "out.safetensors") << "older results";
   std::string error;
   CHECK(d.run(d.path("huge.safetensors"), d.path("out.safetensors"), &error) == 1);
-  CHECK_THAT(error, test::contains_text("tensor file '" + d.path("out.safetensors") +
-                                        "': tensor '") &&
-                        test::contains_text("results that are not finite are refused"));
+  CHECK_THAT(error,
+             test::contains_text("tensor file '" + d.path("out.safetensors") + "': tensor '") &&
+                 test::contains_text("results that are not finite are refused"));
   CHECK(file_bytes(d.dir / "out.safetensors") == "older results");
   // Asked for, they are written.
-  CHECK(d.run(d.path("huge.safetensors"), d.path("out.safetensors"), &error,
-              "--no-check-finite") == 0);
+  CHECK(d.run(d.path("huge.safetensors"), d.path("out.safetensors"), &error, "--no-check-finite") ==
+        0);
   CHECK(file_bytes(d.dir / "out.safetensors") != "older results");
 }
 
@@ -503,7 +503,8 @@ TEST_CASE("layer files: shared weights and topk_idx are read only where the conf
   MoEConfig shared = test::small_config(6, 4, 4, 2);
   shared.shared_ffn_hidden = 3;
   shared.shared_gate = true;
-  const auto params = test::round_params(test::random_params(shared, rng), DType::kFP32);  // exact in the F32 file
+  const auto params =
+      test::round_params(test::random_params(shared, rng), DType::kFP32);  // exact in the F32 file
   const Matrix x = test::random_matrix(3, 6, rng), dy = test::random_matrix(3, 6, rng);
   const TensorFile weights = layer_weights_file(shared, params);
   const TensorFile inputs = layer_inputs_file(x, dy);

@@ -240,9 +240,9 @@ TEST_CASE("safetensors: repeated keys and unknown fields are rejected", "[cpu][s
                                 "abcd")),
              test::contains_text(
                  R"(tensor "a\u0000b" has a control character (U+0000) in its name, at byte 1)"));
-  CHECK_THAT(error_of(hand_made(R"({"x\ty":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
-                                "abcd")),
-             test::contains_text(R"(tensor "x\ty" has a control character (U+0009))"));
+  CHECK_THAT(
+      error_of(hand_made(R"({"x\ty":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "abcd")),
+      test::contains_text(R"(tensor "x\ty" has a control character (U+0009))"));
   CHECK_THAT(error_of(hand_made(R"({"x":[1,2]})", "")),
              test::contains_text("tensor 'x' has the entry a list of 2 items; expected an object"));
   CHECK_THAT(error_of(hand_made(R"({"x":{"dtype":7,"shape":[1],"data_offsets":[0,4]}})", "abcd")),

@@ -391,8 +391,8 @@ TEST_CASE("safetensors: a writer refusing non-finite values names the first, ind
       for (std::size_t first = 0; first < bytes.size() && error == "(no error)"; first += piece)
         error = error_from([&] { writer.append("t", bytes.data() + first, piece); });
       const std::string value = which == 0 ? "nan" : which == 1 ? "inf" : "-inf";
-      const std::string index = std::to_string(at / 35) + ", " + std::to_string(at / 7 % 5) +
-                                ", " + std::to_string(at % 7);
+      const std::string index = std::to_string(at / 35) + ", " + std::to_string(at / 7 % 5) + ", " +
+                                std::to_string(at % 7);
       CHECK_THAT(error, test::contains_text("tensor 't' would hold " + value + " at [" + index +
                                             "]; results that are not finite are refused"));
     }

@@ -15,9 +15,9 @@
 #include "moe/mesh.h"
 #include "moe/moe_block.h"
 #include "support/catch.h"
-#include "support/test_util.h"
 #include "support/gpu_util.h"
 #include "support/test_main.h"
+#include "support/test_util.h"
 
 using namespace moe;
 
