@@ -275,13 +275,19 @@ TEST_CASE("moe_run refuses results that overflow to Inf, leaving an older --out 
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   const RunDir d(rng);
-  // Finite inputs whose products overflow fp32: every x is 1e30, so h is about 1e30 and the
-  // experts' SwiGLU about 1e60.
+  // Finite inputs whose products overflow fp32: every x is 1e30 and every expert weight 0.5, so
+  // h is 3e30 in every column and the experts' SwiGLU about 1e61.
+  const auto fill = [](TensorFile& file, const std::string& name, float value) {
+    FileTensor& t = file.get(name);
+    for (std::int64_t i = 0; i < t.numel(); ++i) std::memcpy(t.data.data() + i * 4, &value, 4);
+  };
   TensorFile inputs = d.files.inputs;
-  FileTensor& x = inputs.get("x");
-  const float huge = 1e30f;
-  for (std::int64_t i = 0; i < x.numel(); ++i) std::memcpy(x.data.data() + i * 4, &huge, 4);
+  fill(inputs, "x", 1e30f);
   inputs.write(d.path("huge.safetensors"));
+  TensorFile weights = d.files.weights;
+  fill(weights, "w13", 0.5f);
+  fill(weights, "w2", 0.5f);
+  weights.write(d.path("weights.safetensors"));
   std::ofstream(d.dir / "out.safetensors") << "older results";
   std::string error;
   CHECK(d.run(d.path("huge.safetensors"), d.path("out.safetensors"), &error) == 1);
