@@ -1,0 +1,94 @@
+// One MoEBlock step's results read back to the host, and their check against the fp64 reference
+// of the whole layer: the GPU tests of the block share them.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <utility>
+#include <vector>
+
+#include "moe/moe_block.h"
+#include "reference/reference.h"
+#include "support/block_util.h"
+#include "support/catch.h"
+
+namespace moe::test {
+
+struct Results {
+  Matrix out, dx, dgate;
+  std::vector<Matrix> dw13, dw2;                 // nn.Linear layout
+  Matrix shared_dw13, shared_dw2, shared_dgate;  // with a shared expert (nn.Linear layout)
+  float aux = 0, z = 0;
+};
+
+// A forward whose backward has not run yet: x must stay on the device until then.
+struct Pending {
+  DeviceBuffer x_dev;
+  Results results;
+};
+
+inline Pending start_block(MoEBlock& block, const MoEConfig& c, const Matrix& x,
+                           const ForwardOptions& options = {}) {
+  Pending p{upload_as(x, c.dtype), {}};
+  const auto fwd = block.forward(Tensor(p.x_dev.data(), c.dtype, {x.rows, c.hidden}), options);
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
+  p.results.out = read(fwd.out, x.rows, c.hidden);
+  p.results.aux = fwd.aux_loss;
+  p.results.z = fwd.z_loss;
+  return p;
+}
+
+inline Results finish_block(MoEBlock& block, const MoEConfig& c, Pending pending,
+                            const Matrix& dy) {
+  const auto dy_dev = upload_as(dy, c.dtype);
+  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {dy.rows, c.hidden}));
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
+  Results r = std::move(pending.results);
+  r.dx = read(dx, dy.rows, c.hidden);
+  const auto& g = block.gradients();
+  r.dgate = read(g.gate_weight, c.num_experts, c.hidden);
+  const int E_loc = static_cast<int>(g.w13.dim(0));
+  const Matrix all13 = read(g.w13, E_loc * 2 * c.ffn_hidden, c.hidden);
+  const Matrix all2 = read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
+  for (int e = 0; e < E_loc; ++e) {
+    r.dw13.push_back(
+        reference::slice_rows(all13, e * 2 * c.ffn_hidden, (e + 1) * 2 * c.ffn_hidden));
+    r.dw2.push_back(
+        reference::slice_rows(all2, static_cast<std::int64_t>(e) * c.hidden, (e + 1) * c.hidden));
+  }
+  if (c.shared_experts()) {
+    r.shared_dw13 = read(g.shared_w13, 2 * c.shared_ffn_hidden, c.hidden);
+    r.shared_dw2 = read(g.shared_w2, c.hidden, c.shared_ffn_hidden);
+  }
+  if (c.shared_gate) r.shared_dgate = read(g.shared_gate_weight, 1, c.hidden);
+  return r;
+}
+
+inline Results run_block(MoEBlock& block, const MoEConfig& c, const Matrix& x, const Matrix& dy) {
+  return finish_block(block, c, start_block(block, c, x), dy);
+}
+
+inline void check_against_reference(const MoEConfig& c, const Results& got,
+                                    const reference::LayerResult& want) {
+  const double tol = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
+  CHECK(relative_error(got.out, want.out) <= tol);
+  CHECK(relative_error(got.dx, want.dx) <= tol);
+  CHECK(relative_error(got.dgate, want.d_gate_weight) <= tol);
+  CHECK(got.aux == Approx(want.aux_loss).epsilon(1e-5).margin(1e-9));
+  CHECK(got.z == Approx(want.z_loss).epsilon(1e-5).margin(1e-9));
+  for (std::size_t e = 0; e < got.dw13.size(); ++e) {
+    INFO("expert " << e);
+    CHECK(relative_error(got.dw13[e], transpose(want.expert_grads.dw13[e])) <= tol);
+    CHECK(relative_error(got.dw2[e], transpose(want.expert_grads.dw2[e])) <= tol);
+  }
+  if (c.shared_experts()) {
+    INFO("shared expert");
+    CHECK(relative_error(got.shared_dw13, transpose(want.shared_grads.dw13)) <= tol);
+    CHECK(relative_error(got.shared_dw2, transpose(want.shared_grads.dw2)) <= tol);
+  }
+  if (c.shared_gate) {
+    CHECK(relative_error(got.shared_dgate, want.shared_grads.dgate_weight) <= tol);
+  }
+}
+
+}  // namespace moe::test
