@@ -8,15 +8,23 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 
 namespace moe {
 
+// A message as it may reach a terminal or a log: control characters other than newline and tab
+// written as \xNN (a NUL would end the C string what() gives, an escape sequence would drive the
+// terminal), and at most kMaxErrorBytes, the rest counted (a message quoting a file's text must not
+// grow with the file).
+inline constexpr std::size_t kMaxErrorBytes = 4096;
+std::string readable_message(std::string_view message);
+
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& message) : std::runtime_error(message) {}
+  explicit Error(const std::string& message) : std::runtime_error(readable_message(message)) {}
 };
 
 [[noreturn]] inline void fail(const std::string& message) {

@@ -1,6 +1,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 
 #include "moe/device.h"
 #include "moe/error.h"
@@ -59,6 +60,34 @@ TEST_CASE("check macros name the call, the file and the line", "[cpu][error]") {
   CHECK_THROWS_AS(MOE_CHECK_CUBLAS(CUBLAS_STATUS_INVALID_VALUE), Error);
   CHECK_THROWS_AS(MOE_CHECK_NCCL(ncclInvalidArgument), Error);
   CHECK_NOTHROW(MOE_CHECK_NCCL(ncclSuccess));
+}
+
+TEST_CASE("error messages show control characters escaped and stop at a bound", "[cpu][error]") {
+  const auto message_of = [](const std::string& text) {
+    try {
+      fail(text);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  // A NUL would end what() early, an escape sequence drive the terminal; newlines and tabs stay.
+  CHECK(message_of(std::string("sig\0moid", 8)) == "sig\\x00moid");
+  CHECK(message_of("a\x1b[2Jb\x7f") == "a\\x1b[2Jb\\x7f");
+  CHECK(message_of("line one\n\tline two") == "line one\n\tline two");
+  // A message quoting a file's text stops at kMaxErrorBytes, the rest counted, never inside a
+  // UTF-8 sequence.
+  const std::string long_text = "x" + std::string(3 * kMaxErrorBytes, 'y');
+  const std::string shown = message_of(long_text);
+  CHECK(shown.size() < kMaxErrorBytes + 40);
+  CHECK_THAT(shown, test::contains_text("... (" + std::to_string(2 * kMaxErrorBytes + 1) +
+                                        " more bytes)"));
+  std::string accented;
+  while (accented.size() < 2 * kMaxErrorBytes) accented += "\xc3\xa9";  // é, two bytes
+  const std::string cut = message_of(accented);
+  const std::size_t kept = cut.find(" ... (");
+  REQUIRE(kept != std::string::npos);
+  CHECK(kept % 2 == 0);
 }
 
 TEST_CASE("device count is zero, not an exception, without a GPU", "[cpu][device]") {
