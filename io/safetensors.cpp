@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <system_error>
 
 #include "core/input_file.h"
@@ -364,6 +365,20 @@ TensorFileWriter::TensorFileWriter(const std::filesystem::path& path,
       fail("TensorFileWriter: the tensors up to '{}' add up to more bytes than 64 bits count",
            t.name);
   }
+  if (path.empty()) fail("TensorFileWriter: the path of the tensor file to write is empty");
+  // A link must lead to a file, existing or not, in a directory that exists: a dangling link or a
+  // loop of links is refused (replacing it would write somewhere else than it names).
+  std::error_code link_error;
+  if (std::filesystem::is_symlink(std::filesystem::symlink_status(path, link_error))) {
+    std::error_code exists_error;
+    const bool leads_somewhere = std::filesystem::exists(path, exists_error);
+    if (!leads_somewhere) {
+      fail(
+          "tensor file '{}' is a symbolic link that leads nowhere (a missing target or a loop); "
+          "name the file itself",
+          path.string());
+    }
+  }
   // The target may be new or a regular file (through links); a FIFO, a device or a directory is
   // refused before anything is created.
   std::error_code status_error;
@@ -375,8 +390,12 @@ TensorFileWriter::TensorFileWriter(const std::filesystem::path& path,
   std::error_code resolve_error;
   target_ = std::filesystem::weakly_canonical(path, resolve_error);
   if (resolve_error) target_ = path;
-  writing_ = target_.parent_path() /
-             fmt::format(".{}.writing.{}", target_.filename().string(), ::getpid());
+  // Beside the target under a name of its own; a long name is shortened (and told apart by its
+  // hash) so that the temporary one stays within the file system's name length.
+  std::string stem = target_.filename().string();
+  if (stem.size() > 160)
+    stem = fmt::format("{}~{:x}", stem.substr(0, 140), std::hash<std::string>{}(stem));
+  writing_ = target_.parent_path() / fmt::format(".{}.writing.{}", stem, ::getpid());
   const int fd =
       ::open(writing_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {

@@ -341,6 +341,29 @@ TEST_CASE("safetensors: the writer refuses what would make a wrong file and leav
              test::contains_text("tensor 'n' of shape [-2] has a negative dimension"));
   CHECK_THAT(error_from([&] { TensorFileWriter w(dir / "absent" / "x.safetensors", specs); }),
              test::contains_text("cannot create tensor file"));
+  // An empty path, a link that leads nowhere and a loop of links are refused; nothing is made.
+  CHECK_THAT(error_from([&] { TensorFileWriter w("", specs); }),
+             test::contains_text("the path of the tensor file to write is empty"));
+  const auto dangling = dir / "dangling";
+  std::filesystem::create_symlink(dir / "missing.safetensors", dangling);
+  CHECK_THAT(error_from([&] { TensorFileWriter w(dangling, specs); }),
+             test::contains_text("is a symbolic link that leads nowhere"));
+  std::filesystem::create_symlink(dir / "loop_b", dir / "loop_a");
+  std::filesystem::create_symlink(dir / "loop_a", dir / "loop_b");
+  CHECK_THAT(error_from([&] { TensorFileWriter w(dir / "loop_a", specs); }),
+             test::contains_text("is a symbolic link that leads nowhere"));
+  CHECK(std::filesystem::is_symlink(std::filesystem::symlink_status(dangling)));
+  CHECK_FALSE(std::filesystem::exists(dir / "missing.safetensors"));
+  // A name as long as the file system allows (255 bytes) is written, through a shorter
+  // temporary name.
+  const auto longest = dir / std::string(255, 'n');
+  {
+    TensorFileWriter writer(longest, specs);
+    writer.append("a", values.data(), 8);
+    writer.append("b", values.data(), 24);
+    writer.finish();
+  }
+  CHECK(TensorFile::read(longest).get("b").shape == std::vector<std::int64_t>{2, 3});
   // A FIFO is refused without blocking, and left where it was.
   const auto fifo = dir / "fifo";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
