@@ -46,6 +46,10 @@ std::string brief(const Json& value) {
 Json parse_header_json(std::string_view text, std::string_view source) {
   if (text.empty() || text.front() != '{')
     fail("{}: the header must be a JSON object starting with '{{'", source);
+  // JSON text holds no raw NUL (a string writes it \u0000), but the parser takes one as the end of
+  // its input, which would let bytes after it (NUL padding instead of spaces) pass unread.
+  if (const auto nul = text.find('\0'); nul != std::string_view::npos)
+    fail("{}: the header holds a NUL byte at offset {}; JSON text has none", source, nul);
   std::vector<std::set<std::string>> open_objects;  // keys seen so far, innermost object last
   std::string entry;  // the top-level key being read: names the tensor in messages
   const Json::parser_callback_t callback = [&](int depth, Json::parse_event_t event, Json& parsed) {

@@ -247,6 +247,8 @@ TEST_CASE("safetensors: repeated keys and unknown fields are rejected", "[cpu][s
              test::contains_text("tensor 'x' has the entry a list of 2 items; expected an object"));
   CHECK_THAT(error_of(hand_made(R"({"x":{"dtype":7,"shape":[1],"data_offsets":[0,4]}})", "abcd")),
              test::contains_text("tensor 'x' has dtype 7; expected a string"));
+  CHECK_THAT(error_of(hand_made(std::string("{}\0\0", 4), "")),
+             test::contains_text("the header holds a NUL byte at offset 2"));
   CHECK_THAT(error_of(hand_made(" {}", "")), test::contains_text("must be a JSON object"));
   CHECK_THAT(error_of(hand_made("", "")), test::contains_text("must be a JSON object"));
   CHECK_THAT(error_of(hand_made(R"({"__metadata__":{"a":1}})", "")),
