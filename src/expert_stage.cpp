@@ -1,6 +1,7 @@
 #include "src/expert_stage.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -39,7 +40,8 @@ ExpertStage::ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer
       dtype_(config.dtype),
       ffn_(config.hidden, config.ffn_hidden, config.num_experts / mesh.ep(), config.dtype,
            ExpertSchedule::kBatched, 4,
-           static_cast<std::size_t>(config.activation_chunk_mib * (1 << 20)),
+           // Rounded up: a chunk smaller than a byte asked is the smallest, not "no chunks" (0).
+           static_cast<std::size_t>(std::ceil(config.activation_chunk_mib * (1 << 20))),
            static_cast<std::size_t>(config.gemm_workspace_mib) << 20, config.gemm_autotune),
       a_(activations) {
   ffn_.set_host_wait([&mesh](cudaEvent_t event) {
