@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "apps/train_kernels.cuh"
+#include "cli/checks.h"
 #include "comm/bootstrap.h"
 #include "kernels/elementwise.cuh"
 #include "moe/config.h"
@@ -348,19 +349,20 @@ int main(int argc, char** argv) {
   CLI::App app{"moe_train: a residual MoE stack regressing onto a fixed teacher, over a mesh"};
   Options o;
   app.add_option("--config", o.config_path, "layer config (YAML)")->check(CLI::ExistingFile);
-  app.add_option("--layers", o.layers, "MoE layers")->check(CLI::PositiveNumber);
-  app.add_option("--steps", o.steps, "optimizer steps in this run")->check(CLI::NonNegativeNumber);
-  app.add_option("--tokens", o.tokens, "tokens per GPU per step")->check(CLI::PositiveNumber);
-  app.add_option("--lr", o.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.layers, "MoE layers")->check(cli::count_in(1, 4096));
+  app.add_option("--steps", o.steps, "optimizer steps in this run")
+      ->check(cli::count_in(0, 1000000000));
+  app.add_option("--tokens", o.tokens, "tokens per GPU per step")->check(cli::count_in(1, 1 << 30));
+  app.add_option("--lr", o.lr, "AdamW learning rate")->check(cli::finite_in(1e-30, 1e3));
   app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay")
-      ->check(CLI::NonNegativeNumber);
+      ->check(cli::finite_in(0, 1e3));
   app.add_option("--bias-rate", o.bias_rate, "expert-bias update rate (configs with a bias)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--ep", o.ep, "expert-parallel degree")->check(CLI::PositiveNumber);
-  app.add_option("--dp", o.dp, "data-parallel degree")->check(CLI::PositiveNumber);
+      ->check(cli::finite_in(0, 1e3));
+  app.add_option("--ep", o.ep, "expert-parallel degree")->check(cli::count_in(1, 1 << 20));
+  app.add_option("--dp", o.dp, "data-parallel degree")->check(cli::count_in(1, 1 << 20));
   app.add_option("--seed", o.seed, "seed of the weights and data");
   app.add_option("--log-every", o.log_every, "print the loss every N steps")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::count_in(1, 1000000000));
   app.add_option("--save", o.save_path, "write a checkpoint (safetensors) at the end");
   app.add_option("--load", o.load_path, "resume from a checkpoint")->check(CLI::ExistingFile);
   CLI11_PARSE(app, argc, argv);
