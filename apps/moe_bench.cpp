@@ -25,10 +25,12 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <thread>
 
 #include "bench/bench_util.h"
 #include "bench/stage_floors.h"
+#include "cli/checks.h"
 #include "comm/bootstrap.h"
 #include "kernels/elementwise.cuh"
 #include "moe/config.h"
@@ -88,15 +90,17 @@ int main(int argc, char** argv) {
   double activation_chunk_mib = -1;
   int gemm_workspace_mib = -1;
   double stage_lead_ms = 1.0;
+  double capacity_factor = -1;
+  std::string drop_policy;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::count_in(1, 1 << 20));
   app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::count_in(1, 1 << 20));
   app.add_option("--tokens", tokens, "tokens per GPU (default: the config's)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--iters", iters, "timed iterations")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
+      ->check(cli::count_in(1, 1 << 30));
+  app.add_option("--iters", iters, "timed iterations")->check(cli::count_in(1, 1000000));
+  app.add_option("--warmup", warmup, "untimed iterations first")->check(cli::count_in(0, 1000000));
   app.add_option("--grad-dtype", grad_dtype,
                  "expert weight gradients: bf16 or fp32 (default: the config's)")
       ->check(CLI::IsMember({"bf16", "fp32"}));
@@ -105,21 +109,29 @@ int main(int argc, char** argv) {
   app.add_option("--activation-chunk-mib", activation_chunk_mib,
                  "the SwiGLU output in chunks of at most this many MiB, 0: every row at once "
                  "(default: the config's)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(cli::finite_in(0, 1048576));
   app.add_option("--gemm-workspace-mib", gemm_workspace_mib,
                  "cuBLASLt workspace per GEMM stream, MiB (default: the config's)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(cli::count_in(0, 4096));
   app.add_option("--ep-transport", ep_transport,
                  "rows across the EP group: auto, nccl or peer (default: the config's)")
       ->check(CLI::IsMember({"auto", "nccl", "peer"}));
   app.add_option("--stage-lead-ms", stage_lead_ms,
                  "time the stages with the host this many ms ahead of the GPU (0: behind it, as "
                  "in the timed steps)")
-      ->check(CLI::Range(0.0, 100.0));
+      ->check(cli::finite_in(0, 100));
+  app.add_option("--capacity-factor", capacity_factor,
+                 "capacity mode with this factor; 0 for dropless (default: the config's)")
+      ->check(cli::finite_in(0, 1e4));
+  app.add_option("--drop-policy", drop_policy, "capacity mode's drop policy: probs or position")
+      ->check(CLI::IsMember({"probs", "position"}));
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   CLI11_PARSE(app, argc, argv);
 
   try {
+    std::error_code same_error;
+    if (!json_path.empty() && std::filesystem::equivalent(json_path, config_path, same_error))
+      fail("moe_bench: --json '{}' is the config file; name another file", json_path);
     comm::MpiSession mpi(&argc, &argv);
     const int world = mpi.size();
     const bool root = mpi.rank() == 0;
@@ -140,6 +152,8 @@ int main(int argc, char** argv) {
     if (activation_chunk_mib >= 0) config.activation_chunk_mib = activation_chunk_mib;
     if (gemm_workspace_mib >= 0) config.gemm_workspace_mib = gemm_workspace_mib;
     if (!ep_transport.empty()) config.ep_transport = parse_ep_transport(ep_transport);
+    if (capacity_factor >= 0) config.capacity_factor = capacity_factor;
+    if (!drop_policy.empty()) config.drop_policy = parse_drop_policy(drop_policy);
     if (config.bench_tokens <= 0) fail("moe_bench: the config sets no token count; pass --tokens");
     config.validate();
 
@@ -223,6 +237,15 @@ int main(int argc, char** argv) {
     std::vector<std::int64_t> load(static_cast<std::size_t>(config.num_experts));
     copy_to_host(load.data(), load_stats.tokens_per_expert.data, load.size() * sizeof(load[0]));
     const LoadImbalance imbalance = load_imbalance(load, ep);
+    // Capacity mode: the share of the last step's slots dropped, over the mesh.
+    double dropped_fraction = 0.0;
+    if (config.capacity_mode()) {
+      std::vector<std::int32_t> dropped(static_cast<std::size_t>(config.num_experts));
+      copy_to_host(dropped.data(), block.routing().dropped_per_expert.data, dropped.size() * 4);
+      double sum = std::accumulate(dropped.begin(), dropped.end(), 0.0);
+      MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+      dropped_fraction = sum / (static_cast<double>(T) * config.topk * world);
+    }
 
     // Useful work: gate 6·T·E·H, experts 18·(T·K)·H·F (forward + backward, padding excluded).
     const double E = config.num_experts, K = config.topk, F = config.ffn_hidden;
@@ -289,6 +312,9 @@ int main(int argc, char** argv) {
                    100 * link_floor_ms / total_ms);
       fmt::print("load over {} steps: max/mean {:.2f} per expert, {:.2f} per EP rank\n",
                  load_stats.steps, imbalance.expert, imbalance.ep_rank);
+      if (config.capacity_mode())
+        fmt::print("capacity mode: {:.2f}% of the last step's slots dropped\n",
+                   100.0 * dropped_fraction);
       fmt::print(
           "device memory of the layer: {:.2f} GiB ({:.1f} KiB per token), of which {:.2f} GiB "
           "scratch that a model's layers share; the mesh's communicators took {:.2f} GiB "
@@ -321,6 +347,8 @@ int main(int argc, char** argv) {
             {"load_imbalance_expert", imbalance.expert},
             {"load_imbalance_ep_rank", imbalance.ep_rank},
             {"load_steps", load_stats.steps},
+            {"capacity_factor", config.capacity_factor},
+            {"dropped_fraction", dropped_fraction},
             {"grad_dtype", dtype_name(config.grad_dtype)},
             {"TFLOPs_per_gpu", tflops},
             {"fraction_of_dense", tflops * 1e12 / gemm_rate},
@@ -333,7 +361,10 @@ int main(int argc, char** argv) {
           report["stages_ms"][name] = stage_sum[name] / iters;
           if (floors.count(name)) report["stages_floor_ms"][name] = floors.at(name);
         }
-        std::ofstream(json_path) << report.dump(2) << "\n";
+        std::ofstream json(json_path);
+        json << report.dump(2) << "\n";
+        json.close();
+        if (!json) fail("moe_bench: cannot write --json '{}'", json_path);
       }
     }
     return 0;

@@ -4,8 +4,12 @@
 //   mpirun -np N build/apps/moe_run --config C.yaml --weights W.safetensors --inputs I.safetensors
 //                                   --out R.safetensors [--ep E --dp D]
 //   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs (the only
-//                                          # one that runs capacity mode for now)
+//                                          # one that runs capacity mode under EP for now)
 //   build/apps/moe_run ... --no-check-finite   # no NaN/Inf check of weights, inputs, results
+//
+// In capacity mode each rank drops from its own tokens (C from its own T), while --reference
+// runs the whole batch as one rank: with several ranks the two differ by design
+// (docs/design.md, "Capacity mode").
 //
 // The files hold the global batch and all experts (names and layouts: io/layer_files.h). No rank
 // reads them whole: the headers and the small tensors are checked first, then each rank reads its
@@ -34,6 +38,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <new>
 #include <numeric>
 #include <optional>
 #include <utility>
@@ -233,6 +238,13 @@ void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& c
   copy_to_host(load.data(), routing.tokens_per_expert.data, load.size() * 4);
   MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, load.data(), static_cast<int>(E), MPI_INT32_T, MPI_SUM,
                               MPI_COMM_WORLD));
+  // Capacity mode: the drops summed over the ranks (each rank drops from its own tokens).
+  std::vector<std::int32_t> dropped(static_cast<std::size_t>(E), 0);
+  if (config.capacity_mode()) {
+    copy_to_host(dropped.data(), routing.dropped_per_expert.data, dropped.size() * 4);
+    MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, dropped.data(), static_cast<int>(E), MPI_INT32_T,
+                                MPI_SUM, MPI_COMM_WORLD));
+  }
 
   // Rank 0 writes the header now (every shape is known) and then each tensor as it comes.
   const std::vector<std::int64_t> split = checked.split(world);
@@ -256,6 +268,8 @@ void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& c
           tokens_part("topk_p", routing.topk_p, K));
   collect(writer.get(), "topk_idx", all_ranks, rows_k, rank, 4,
           tokens_part("topk_idx", routing.topk_idx, K));
+  if (config.capacity_mode())
+    collect(writer.get(), "kept", all_ranks, rows_k, rank, 7, tokens_part("kept", routing.kept, K));
   // Ranks 0 .. EP-1 (DP index 0) hold the DP-summed gradients of consecutive expert slices.
   const std::vector<int> ep_ranks(all_ranks.begin(), all_ranks.begin() + config.ep);
   const std::int64_t local = config.local_experts();
@@ -277,10 +291,10 @@ void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& c
   writer->append("aux_loss", &fwd.aux_loss, 4);
   writer->append("z_loss", &fwd.z_loss, 4);
   writer->append("tokens_per_expert", load.data(), load.size() * 4);
-  // The GPU layer runs dropless only (main refuses capacity mode): every slot kept.
-  const std::vector<std::int32_t> kept(static_cast<std::size_t>(checked.tokens * K), 1);
-  writer->append("kept", kept.data(), kept.size() * 4);
-  const std::vector<std::int32_t> dropped(static_cast<std::size_t>(E), 0);
+  if (!config.capacity_mode()) {  // dropless: every slot kept
+    const std::vector<std::int32_t> kept(static_cast<std::size_t>(checked.tokens * K), 1);
+    writer->append("kept", kept.data(), kept.size() * 4);
+  }
   writer->append("dropped_per_expert", dropped.data(), dropped.size() * 4);
   whole("grad.gate_weight", g.gate_weight);
   if (config.shared_experts()) {
@@ -374,9 +388,12 @@ int main(int argc, char** argv) {
     const TensorFileReader inputs(inputs_path);
     if (use_reference) {
       // The reference runs the whole batch as one rank: a mesh asked for would be ignored.
-      if (ep != 0 || dp != 0)
-        fail("--ep {} --dp {}: --reference runs the whole batch on the CPU as one rank; drop them",
-             ep, dp);
+      if (ep != 0 || dp != 0) {
+        const std::string given = ep != 0 && dp != 0 ? fmt::format("--ep {} --dp {}", ep, dp)
+                                  : ep != 0          ? fmt::format("--ep {}", ep)
+                                                     : fmt::format("--dp {}", dp);
+        fail("{}: --reference runs the whole batch on the CPU as one rank; drop them", given);
+      }
       config.ep = config.dp = 1;
       return run_reference(config, weights, inputs, check_finite_values, out_path);
     }
@@ -391,7 +408,15 @@ int main(int argc, char** argv) {
     config.ep = ep;
     config.dp = dp;
     config.validate();
+    // Again with the mesh's shape (capacity mode runs on one EP rank): the same on every rank, so
+    // all stop alike before any collective.
+    if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
     return run_mesh(config, weights, inputs, checked, check_finite_values, out_path);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "moe_run: out of host memory; --reference holds x, dy, the weights it reads and "
+                 "the results in fp64 (about twice their files' bytes each for F32 files)\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_run: %s\n", e.what());
     return 1;

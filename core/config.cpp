@@ -121,11 +121,20 @@ std::int64_t MoEConfig::expert_capacity(std::int64_t tokens) const {
 }
 
 std::string MoEConfig::unsupported_by_gpu_layer() const {
-  if (capacity_mode())
+  if (capacity_mode() && ep > 1)
     return fmt::format(
-        "capacity_factor={}: capacity mode is not implemented by the GPU layer yet; moe_run "
-        "--reference runs it on the CPU",
-        capacity_factor);
+        "capacity_factor={} with ep = {}: the GPU layer runs capacity mode on one EP rank only, "
+        "for now; moe_run --reference runs it on the CPU",
+        capacity_factor, ep);
+  // The dropped slots take a layout group of their own after the E experts'.
+  if (capacity_mode() && num_experts >= kMaxExperts)
+    return fmt::format(
+        "capacity_factor={} with num_experts = {}: the GPU layer's capacity mode needs a layout "
+        "group beside the experts', at most {} experts; moe_run --reference runs it on the CPU",
+        capacity_factor, num_experts, kMaxExperts - 1);
+  if (pad_to_capacity)
+    return "pad_to_capacity: the GPU layer does not lay out fixed blocks yet; moe_run "
+           "--reference runs it on the CPU";
   return {};
 }
 

@@ -115,24 +115,14 @@ __global__ void kept_routing_kernel(const std::int32_t* __restrict__ kept,
   }
 }
 
-}  // namespace
-
-std::size_t capacity_workspace_bytes(std::int64_t tokens, int topk, int experts) {
-  const std::int64_t slots = tokens * topk;
-  if (slots > INT_MAX)
-    fail("capacity mode: " + std::to_string(tokens) + " tokens x top-" + std::to_string(topk) +
-         " = " + std::to_string(slots) + " slots, beyond the sort's int32 count");
-  return 4 * aligned(static_cast<std::size_t>(slots) * 4) + sort_temp_bytes(slots, experts);
+__global__ void kept_counts_kernel(const std::int32_t* __restrict__ routed,
+                                   const std::int32_t* __restrict__ dropped, int experts,
+                                   std::int32_t* __restrict__ kept) {
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < experts; e += gridDim.x * blockDim.x)
+    kept[e] = routed[e] - dropped[e];
 }
 
-void keep_within_capacity(const CapacityArgs& a, cudaStream_t stream) {
-  if (a.tokens < 0 || a.topk < 1 || a.experts < 1 || a.capacity < 0)
-    fail("keep_within_capacity: tokens = " + std::to_string(a.tokens) +
-         ", topk = " + std::to_string(a.topk) + ", experts = " + std::to_string(a.experts) +
-         ", capacity = " + std::to_string(a.capacity));
-  const std::int64_t slots = a.tokens * a.topk;
-  MOE_CHECK_CUDA(cudaMemsetAsync(a.dropped, 0, static_cast<std::size_t>(a.experts) * 4, stream));
-  if (slots == 0) return;
+void mark_kept(const CapacityArgs& a, std::int64_t slots, cudaStream_t stream) {
   const int blocks = blocks_for(slots);
   if (a.by_probability) {
     const SortSpace s = carve(a.workspace, slots, a.experts);
@@ -154,6 +144,33 @@ void keep_within_capacity(const CapacityArgs& a, cudaStream_t stream) {
   kept_routing_kernel<<<blocks, kThreads, 0, stream>>>(a.kept, a.topk_idx, a.topk_p, slots,
                                                        a.experts, a.kept_idx, a.kept_p, a.dropped);
   MOE_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+std::size_t capacity_workspace_bytes(std::int64_t tokens, int topk, int experts) {
+  const std::int64_t slots = tokens * topk;
+  if (slots > INT_MAX)
+    fail("capacity mode: " + std::to_string(tokens) + " tokens x top-" + std::to_string(topk) +
+         " = " + std::to_string(slots) + " slots, beyond the sort's int32 count");
+  return 4 * aligned(static_cast<std::size_t>(slots) * 4) + sort_temp_bytes(slots, experts);
+}
+
+void keep_within_capacity(const CapacityArgs& a, cudaStream_t stream) {
+  if (a.tokens < 0 || a.topk < 1 || a.experts < 1 || a.capacity < 0)
+    fail("keep_within_capacity: tokens = " + std::to_string(a.tokens) +
+         ", topk = " + std::to_string(a.topk) + ", experts = " + std::to_string(a.experts) +
+         ", capacity = " + std::to_string(a.capacity));
+  const std::int64_t slots = a.tokens * a.topk;
+  if ((a.routed_counts == nullptr) != (a.kept_counts == nullptr))
+    fail("keep_within_capacity: routed_counts and kept_counts go together");
+  MOE_CHECK_CUDA(cudaMemsetAsync(a.dropped, 0, static_cast<std::size_t>(a.experts) * 4, stream));
+  if (slots > 0) mark_kept(a, slots, stream);
+  if (a.kept_counts != nullptr) {
+    kept_counts_kernel<<<blocks_for(a.experts), kThreads, 0, stream>>>(a.routed_counts, a.dropped,
+                                                                       a.experts, a.kept_counts);
+    MOE_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace moe

@@ -30,7 +30,10 @@ struct CapacityArgs {
   std::int32_t* kept_idx = nullptr;  // [T, K] out: topk_idx, or `experts` where dropped
   float* kept_p = nullptr;           // [T, K] out: topk_p, or 0 where dropped
   std::int32_t* dropped = nullptr;   // [E] out: dropped slots per expert
-  void* workspace = nullptr;         // capacity_workspace_bytes()
+  // Optional, both or neither: the routed slots per expert [E] in, the kept ones [E] out.
+  const std::int32_t* routed_counts = nullptr;
+  std::int32_t* kept_counts = nullptr;
+  void* workspace = nullptr;  // capacity_workspace_bytes()
 };
 
 std::size_t capacity_workspace_bytes(std::int64_t tokens, int topk, int experts);

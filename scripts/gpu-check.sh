@@ -197,6 +197,15 @@ if [ $bench -eq 1 ]; then
     note "moe_bench: FAILED"
   fi
   cat "$logs/moe_bench.txt"
+  # Capacity mode on one GPU, beside the dropless run's numbers.
+  if "$MOE_BUILD_DIR/apps/moe_bench" --capacity-factor 1.25 --json "$logs/moe_bench_capacity.json" \
+       >"$logs/moe_bench_capacity.txt" 2>&1; then
+    note "moe_bench capacity 1.25 (one GPU): $(grep -m1 "^throughput" "$logs/moe_bench_capacity.txt"); $(grep -m1 "^capacity mode" "$logs/moe_bench_capacity.txt")"
+  else
+    status=1
+    note "moe_bench --capacity-factor 1.25: FAILED"
+  fi
+  cat "$logs/moe_bench_capacity.txt"
 fi
 
 cp "$logs"/*.json "$out"/ 2>/dev/null

@@ -32,25 +32,26 @@ class LocalExchange final : public TokenExchange {
   void permute(const Tensor& x, const SlotRouting& routing) override {
     const std::int64_t T = x.dim(0);
     const int align = config_.align_size;
-    layout_.build(routing.topk_idx, T, K_, E_, align, stream_);
+    groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
+    layout_.build(routing.topk_idx, T, K_, groups_, align, stream_);
     // The permute starts as soon as the layout is built: on the main stream the two copies took
     // 9–10 µs of the dispatch stage, and the host can learn the counts while the GPU permutes,
     // since X holds the most rows any routing can pad to.
     layout_built_.record(stream_);
     const cudaStream_t count_stream = count_stream_.get();
     MOE_CHECK_CUDA(cudaStreamWaitEvent(count_stream, layout_built_.get(), 0));
-    host_.reserve(routing.totals_bytes + (E_ + 1) * sizeof(std::int32_t));
+    host_.reserve(routing.totals_bytes + (groups_ + 1) * sizeof(std::int32_t));
     totals_bytes_ = routing.totals_bytes;
     MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>(), routing.totals, totals_bytes_,
                                    cudaMemcpyDeviceToHost, count_stream));
     MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>() + totals_bytes_, layout_.offsets(),
-                                   (E_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
+                                   (groups_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
                                    count_stream));
     copied_.record(count_stream);
-    const std::int64_t max_rows = T * K_ + std::int64_t{E_} * std::max(align - 1, 0);
+    const std::int64_t max_rows = T * K_ + std::int64_t{groups_} * std::max(align - 1, 0);
     X_.reserve(std::max<std::int64_t>(max_rows * H_, 1) * dtype_size(dtype_));
     row_prob_.reserve(std::max<std::int64_t>(max_rows, 1) * sizeof(float));
-    permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_,
+    permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_,
                  Tensor(X_.data(), dtype_, {max_rows, H_}), stream_, routing.topk_p,
                  row_prob_.as<float>());
   }
@@ -61,15 +62,20 @@ class LocalExchange final : public TokenExchange {
     const auto* offsets = reinterpret_cast<const std::int32_t*>(host_.as<char>() + totals_bytes_);
     saved_.expert_offsets.assign(offsets, offsets + E_ + 1);
     saved_.rows = saved_.expert_offsets.back();
+    saved_.all_rows = offsets[groups_];
   }
 
   ExpertRows expert_rows() override {
-    // One row buffer: the down products write Y over X once the up products have read it.
-    const Tensor Y = one_row_buffer() ? rows(X_) : view(Y_, dtype_, {saved_.rows, H_});
+    // One row buffer: the down products write Y over X once the up products have read it. Y holds
+    // the dropped group's rows too, which the unpermute reads.
+    if (!one_row_buffer()) view(Y_, dtype_, {saved_.all_rows, H_});
+    const Tensor Y = one_row_buffer() ? rows(X_) : rows(Y_);
     return {rows(X_), Y, row_prob(), saved_.expert_offsets};
   }
 
-  void combine() override {}  // the experts' output is already where the unpermute reads it
+  // The experts' output is already where the unpermute reads it; the dropped slots' rows, which
+  // no expert wrote, become zero.
+  void combine() override { clear_dropped_rows(one_row_buffer() ? X_ : Y_); }
 
   void unpermute(const Tensor& out) override {
     const Tensor Y = one_row_buffer() ? rows(X_) : rows(Y_);
@@ -79,8 +85,9 @@ class LocalExchange final : public TokenExchange {
   // dY(t, k) = dy[t]: the probabilities are inside the experts, whose backward forms dprob.
   void unpermute_backward(const Tensor& dy, float*) override {
     // One row buffer: dY over the dead Y. Else the scratch's dY.
-    const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.rows, H_});
-    permute_rows(dy, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_, dY, stream_);
+    const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.all_rows, H_});
+    permute_rows(dy, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, dY,
+                 stream_);
   }
 
   void combine_backward() override {}
@@ -94,7 +101,7 @@ class LocalExchange final : public TokenExchange {
       // X permuted from x again over dY once dY is dead, dX over X once dw13 has read it.
       g.dY = g.dX = g.input;
       g.refill = [this, x, X = g.input](cudaStream_t on) {
-        permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_, X, on);
+        permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, X, on);
       };
     } else {
       g.dY = rows(dY_);
@@ -103,7 +110,8 @@ class LocalExchange final : public TokenExchange {
     return g;
   }
 
-  void dispatch_backward() override {}
+  // dX's rows of dropped slots, which no expert wrote, become zero.
+  void dispatch_backward() override { clear_dropped_rows(one_row_buffer() ? X_ : Y_); }
 
   void permute_backward(const Tensor& dx, float* dprob) override {
     const Tensor dX = one_row_buffer() ? rows(X_) : rows(Y_);
@@ -118,11 +126,20 @@ class LocalExchange final : public TokenExchange {
     return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
   }
   Tensor row_prob() const { return Tensor(row_prob_.data(), DType::kFP32, {saved_.rows}); }
+  // Zero in `buffer` the rows of the dropped group, after the experts' rows.
+  void clear_dropped_rows(DeviceBuffer& buffer) const {
+    const std::int64_t dropped_rows = saved_.all_rows - saved_.rows;
+    if (dropped_rows == 0) return;
+    const auto row_bytes = static_cast<std::size_t>(H_) * dtype_size(dtype_);
+    MOE_CHECK_CUDA(cudaMemsetAsync(buffer.as<char>() + saved_.rows * row_bytes, 0,
+                                   static_cast<std::size_t>(dropped_rows) * row_bytes, stream_));
+  }
 
   MoEConfig config_;
   const Mesh& mesh_;
   cudaStream_t stream_;
   int E_, K_;
+  int groups_ = 0;  // the layout's: E, and in capacity mode the dropped group after them
   std::int64_t H_;
   DType dtype_;
   SlotLayout layout_;
@@ -146,7 +163,8 @@ class LocalExchange final : public TokenExchange {
 
   // What the forward keeps for the backward, beside the layout, X (unless refilled) and row_prob.
   struct Saved {
-    std::int64_t rows = 0;  // padding included
+    std::int64_t rows = 0;      // the experts', padding included
+    std::int64_t all_rows = 0;  // rows, then the dropped group's in capacity mode
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };

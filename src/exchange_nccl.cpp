@@ -43,6 +43,8 @@ class NcclExchange final : public TokenExchange {
   bool probabilities_in_experts() const override { return false; }
 
   void permute(const Tensor& x, const SlotRouting& routing) override {
+    // MoEBlock refuses capacity mode under EP before any forward; this names the cause if not.
+    if (routing.has_dropped_group) fail("capacity mode runs on one EP rank only, for now");
     saved_.tokens = x.dim(0);
     saved_.routing = routing;
     layout_.build(routing.topk_idx, saved_.tokens, K_, E_, /*align=*/1, stream_);

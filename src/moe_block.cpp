@@ -14,6 +14,7 @@
 #include "kernels/router.cuh"
 #include "moe/device.h"
 #include "moe/error.h"
+#include "src/capacity_stage.h"
 #include "src/expert_stage.h"
 #include "src/gate_stage.h"
 #include "src/gradient_reduction.h"
@@ -69,6 +70,7 @@ struct MoEBlock::State {
   MoEScratch::Buffers& shared;
   GateStage gate;
   RouterStage router;
+  std::unique_ptr<CapacityStage> capacity;  // in capacity mode
   ExpertStage experts;
   std::unique_ptr<SharedExpertStage> shared_expert;  // with config.shared_ffn_hidden > 0
   // Made at construction on one EP rank, at the first forward under EP (choosing is collective).
@@ -107,6 +109,8 @@ struct MoEBlock::State {
         shared(buffers),
         gate(c, buffers.dlogits_low),
         router(c, m, buffers.router_ws),
+        capacity(c.capacity_mode() ? std::make_unique<CapacityStage>(c, buffers.layout_ws)
+                                   : nullptr),
         experts(c, m, buffers.a),
         shared_expert(c.shared_experts() ? std::make_unique<SharedExpertStage>(c, m) : nullptr) {}
 
@@ -287,10 +291,21 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     s.check("gate", logits);
   }
 
-  // Route: top-K, probabilities, expert counts; then the losses over the whole mesh.
+  // Route: top-K, probabilities, expert counts; in capacity mode the drops (before anything is
+  // queued on the mesh: their buffers may grow); then the losses over the whole mesh.
   {
     Range r("moe router", s.times, stream);
     s.router.forward(logits, s.params.expert_bias, replay.as<std::int32_t>(), stream);
+  }
+  SlotRouting routing{s.router.topk_idx(), s.router.topk_p(), s.router.device_totals(),
+                      sizeof(RouterTotals)};
+  if (s.capacity) {
+    Range r("moe capacity", s.times, stream);
+    s.capacity->forward(s.router.topk_idx(), s.router.topk_p(), s.router.tokens_per_expert(), T,
+                        stream);
+    routing.topk_idx = s.capacity->kept_idx();
+    routing.topk_p = s.capacity->kept_p();
+    routing.has_dropped_group = true;
   }
   {
     Range r("moe losses", s.times, stream);
@@ -302,8 +317,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   RouterTotals totals;
   {
     Range r("moe dispatch", s.times, stream);
-    exchange.permute(x, {s.router.topk_idx(), s.router.topk_p(), s.router.device_totals(),
-                         sizeof(RouterTotals)});
+    exchange.permute(x, routing);
     exchange.dispatch(x, &totals);
     s.router.set_totals(totals);
   }
@@ -458,9 +472,18 @@ void MoEBlock::synchronize() {
 
 MoERouting MoEBlock::routing() const {
   auto& s = *s_;
-  return {Tensor(s.router.topk_idx(), DType::kInt32, {s.context.T, s.K}),
-          Tensor(s.router.topk_p(), DType::kFP32, {s.context.T, s.K}),
-          Tensor(s.router.tokens_per_expert(), DType::kInt32, {s.E})};
+  MoERouting r;
+  r.topk_idx = Tensor(s.router.topk_idx(), DType::kInt32, {s.context.T, s.K});
+  r.topk_p = Tensor(s.router.topk_p(), DType::kFP32, {s.context.T, s.K});
+  r.tokens_per_expert = Tensor(s.router.tokens_per_expert(), DType::kInt32, {s.E});
+  if (s.capacity) {
+    r.tokens_per_expert.data = const_cast<std::int32_t*>(s.capacity->kept_counts());
+    r.kept =
+        Tensor(const_cast<std::int32_t*>(s.capacity->kept()), DType::kInt32, {s.context.T, s.K});
+    r.dropped_per_expert =
+        Tensor(const_cast<std::int32_t*>(s.capacity->dropped()), DType::kInt32, {s.E});
+  }
+  return r;
 }
 
 void MoEBlock::record_routing(const Tensor& topk_idx) const {

@@ -40,6 +40,9 @@ struct SlotRouting {
   // synchronisation.
   const void* totals = nullptr;
   std::size_t totals_bytes = 0;
+  // Capacity mode: the dropped slots are sent to group E (topk_idx = E, topk_p = 0), which the
+  // layout places after every expert's; no GEMM reads those rows and no exchange sends them.
+  bool has_dropped_group = false;
 };
 
 // The experts' rows on this rank, padded expert-major (docs/design.md, "Dispatch").

@@ -58,7 +58,12 @@ struct MoEGradients {
 struct MoERouting {
   Tensor topk_idx;           // [T, K] int32, descending score order
   Tensor topk_p;             // [T, K] fp32, scaled
-  Tensor tokens_per_expert;  // [E] int32, this rank's tokens
+  Tensor tokens_per_expert;  // [E] int32, this rank's slots that kept their row
+  // Capacity mode only (empty tensors when dropless: every slot kept): kept [T, K] int32 is 1
+  // where the slot kept its row, dropped_per_expert [E] int32 counts the others. A dropped slot
+  // keeps its topk_idx and topk_p.
+  Tensor kept;
+  Tensor dropped_per_expert;
 };
 
 // What one forward may be told beyond its input.

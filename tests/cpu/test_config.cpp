@@ -353,8 +353,17 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
 
   // The GPU layer's refusal names the setting and its value.
   CHECK(full.unsupported_by_gpu_layer() ==
-        "capacity_factor=1.25: capacity mode is not implemented by the GPU layer yet; moe_run "
-        "--reference runs it on the CPU");
+        "pad_to_capacity: the GPU layer does not lay out fixed blocks yet; moe_run --reference "
+        "runs it on the CPU");
+  CHECK(parse_config(kBase + "capacity_factor: 1.25\n").unsupported_by_gpu_layer().empty());
+  MoEConfig widest = parse_config(kBase + "capacity_factor: 1.25\n");
+  widest.num_experts = kMaxExperts;
+  CHECK_THAT(widest.unsupported_by_gpu_layer(),
+             test::contains_text("num_experts = 2048: the GPU layer's capacity mode needs a layout "
+                                 "group beside the experts', at most 2047 experts"));
+  CHECK(parse_config(kBase + "capacity_factor: 1.25\nep: 2\n").unsupported_by_gpu_layer() ==
+        "capacity_factor=1.25 with ep = 2: the GPU layer runs capacity mode on one EP rank only, "
+        "for now; moe_run --reference runs it on the CPU");
   CHECK(parse_config(kBase + "shared_ffn_hidden: 8\nshared_gate: true\n")
             .unsupported_by_gpu_layer()
             .empty());

@@ -474,8 +474,8 @@ TEST_CASE("moe_run --reference: capacity mode, shared experts and routing replay
                           " 2>" + d.path("gpu.txt");
   CHECK(WEXITSTATUS(std::system(gpu.c_str())) == 1);
   CHECK_THAT(file_bytes(d.dir / "gpu.txt"),
-             test::contains_text("capacity_factor=0.5: capacity mode is not implemented by the "
-                                 "GPU layer yet; moe_run --reference runs it on the CPU"));
+             test::contains_text("pad_to_capacity: the GPU layer does not lay out fixed blocks "
+                                 "yet; moe_run --reference runs it on the CPU"));
   CHECK_FALSE(std::filesystem::exists(d.dir / "gpu.safetensors"));
   // Dropless, a replay is the GPU layer's to run: not refused (without a GPU, moe_run stops at
   // finding none; with one, it runs).

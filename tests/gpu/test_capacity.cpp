@@ -100,8 +100,10 @@ void check_case(const Case& c, std::mt19937_64& rng) {
   stream.synchronize();
 
   DeviceBuffer kept(slot_bytes), kept_idx(slot_bytes), kept_p(slot_bytes),
-      dropped(static_cast<std::size_t>(E) * 4), workspace(capacity_workspace_bytes(T, K, E) + 16);
-  for (const auto* b : {&kept, &kept_idx, &kept_p, &dropped, &workspace}) test::poison(*b);
+      dropped(static_cast<std::size_t>(E) * 4), kept_counts(static_cast<std::size_t>(E) * 4),
+      workspace(capacity_workspace_bytes(T, K, E) + 16);
+  for (const auto* b : {&kept, &kept_idx, &kept_p, &dropped, &kept_counts, &workspace})
+    test::poison(*b);
   CapacityArgs args;
   args.topk_idx = idx_dev.as<std::int32_t>();
   args.topk_p = prob_dev.as<float>();
@@ -116,6 +118,8 @@ void check_case(const Case& c, std::mt19937_64& rng) {
   args.kept_idx = kept_idx.as<std::int32_t>();
   args.kept_p = kept_p.as<float>();
   args.dropped = dropped.as<std::int32_t>();
+  args.routed_counts = counts.as<std::int32_t>();
+  args.kept_counts = kept_counts.as<std::int32_t>();
   args.workspace = workspace.data();
   keep_within_capacity(args, stream.get());
   stream.synchronize();
@@ -124,6 +128,10 @@ void check_case(const Case& c, std::mt19937_64& rng) {
   const auto got_idx = test::download<std::int32_t>(kept_idx, static_cast<std::size_t>(slots));
   const auto got_p = test::download<float>(kept_p, static_cast<std::size_t>(slots));
   const auto got_dropped = test::download<std::int32_t>(dropped, static_cast<std::size_t>(E));
+  const auto got_kept_counts =
+      test::download<std::int32_t>(kept_counts, static_cast<std::size_t>(E));
+  std::vector<double> routed(static_cast<std::size_t>(E), 0.0);
+  for (const int e : routing.expert) routed[static_cast<std::size_t>(e)] += 1.0;
   std::int64_t wrong = 0, first_wrong = -1;
   for (std::int64_t s = 0; s < slots; ++s) {
     const auto i = static_cast<std::size_t>(s);
@@ -136,7 +144,9 @@ void check_case(const Case& c, std::mt19937_64& rng) {
   CHECK(wrong == 0);
   for (int e = 0; e < E; ++e) {
     INFO("expert " << e);
-    CHECK(got_dropped[static_cast<std::size_t>(e)] == want_dropped[static_cast<std::size_t>(e)]);
+    const auto i = static_cast<std::size_t>(e);
+    CHECK(got_dropped[i] == want_dropped[i]);
+    CHECK(got_kept_counts[i] == routed[i] - want_dropped[i]);
   }
 }
 
