@@ -262,6 +262,12 @@ template <typename T>
 T read_scalar(const YAML::Node& node, const std::string& key, std::string_view source) {
   if (node.IsNull()) fail("{}: '{}' has no value", source, key);
   if (!node.IsScalar()) fail("{}: '{}' must be a scalar, not a list or map", source, key);
+  // A number or a flag in quotes is a string to every other YAML reader: refused, not converted.
+  if constexpr (!std::is_same_v<T, std::string>) {
+    if (node.Tag() == "!")
+      fail("{}: {} = '{}' is quoted, which makes it a string; write it without quotes", source,
+           key, node.Scalar());
+  }
   if constexpr (std::is_same_v<T, int>) {
     // Decimal only: yaml-cpp reads a leading 0 as octal (hidden: 0100 would be 64) and 0x as hex.
     const std::string& text = node.Scalar();
@@ -305,19 +311,29 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
   // One document: yaml-cpp's Load reads the first and drops the rest without a word, so a
   // document marker after the first key is refused here. (Its LoadAll loops on some malformed
   // inputs, which the fuzzer found.)
-  bool content = false;
+  // Directives (%YAML) and a `---` may open the document, and a `...` may close it; content, a
+  // directive or a `---` after the content, or anything after a `...`, is another document.
+  bool content = false, ended = false;
   std::size_t line_number = 0;
   for (std::size_t at = 0; at <= yaml_text.size();) {
     const std::size_t end = std::min(yaml_text.find('\n', at), yaml_text.size());
     const std::string_view line = yaml_text.substr(at, end - at);
     ++line_number;
-    const bool marker = (line.starts_with("---") || line.starts_with("...")) &&
-                        (line.size() == 3 || line[3] == ' ' || line[3] == '\t' || line[3] == '\r');
-    if (marker && content)
+    const auto is_marker = [&](std::string_view marker) {
+      return line.starts_with(marker) &&
+             (line.size() == 3 || line[3] == ' ' || line[3] == '\t' || line[3] == '\r');
+    };
+    const std::size_t first = line.find_first_not_of(" \t\r");
+    const bool blank = first == std::string_view::npos || line[first] == '#';
+    const bool another = is_marker("---")       ? content
+                         : is_marker("...")     ? false
+                         : line.starts_with('%') ? content
+                                                 : !blank && ended;
+    if (another)
       fail("{}: line {} starts another YAML document; a config is one map of `key: value` pairs",
            source, line_number);
-    const std::size_t first = line.find_first_not_of(" \t\r");
-    if (!marker && first != std::string_view::npos && line[first] != '#') content = true;
+    if (is_marker("...") && content) ended = true;
+    if (!blank && !is_marker("---") && !is_marker("...") && !line.starts_with('%')) content = true;
     at = end + 1;
   }
   YAML::Node root;

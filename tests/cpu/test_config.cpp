@@ -181,6 +181,10 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"keep_expert_input", "off"}}, "keep_expert_input = 'off' is not true or false"},
       {{{"gemm_autotune", "Y"}}, "gemm_autotune = 'Y' is not true or false"},
       {{{"pre_softmax", "1"}}, "pre_softmax = '1' is not true or false"},
+      // Quoted, a number or a flag is a string to other YAML readers.
+      {{{"hidden", "\"64\""}}, "hidden = '64' is quoted, which makes it a string"},
+      {{{"aux_loss_coeff", "'0.1'"}}, "aux_loss_coeff = '0.1' is quoted"},
+      {{{"keep_expert_input", "'true'"}}, "keep_expert_input = 'true' is quoted"},
       {{{"capacity_factor", "0"}},
        "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
       {{{"capacity_factor", "-1.5"}}, "capacity_factor = -1.5 must be positive and finite"},
@@ -207,6 +211,16 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
   CHECK_THAT(error_of("hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n---\nhidden: 32\n"),
              test::contains_text("line 5 starts another YAML document"));
   CHECK(error_of("---\nhidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n") == "(no error)");
+  // One document may open with directives and `---` and close with `...`.
+  const std::string body = "hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n";
+  CHECK(error_of("%YAML 1.2\n---\n" + body) == "(no error)");
+  CHECK(error_of("---\n" + body + "...\n# the end\n\n") == "(no error)");
+  CHECK_THAT(error_of(body + "...\nhidden: 32\n"),
+             test::contains_text("line 6 starts another YAML document"));
+  CHECK_THAT(error_of(body + "...\n---\nhidden: 32\n"),
+             test::contains_text("line 6 starts another YAML document"));
+  CHECK_THAT(error_of(body + "%YAML 1.2\n"),
+             test::contains_text("line 5 starts another YAML document"));
   for (const auto& [overrides, expected] : cases) {
     Overrides fields = {
         {"hidden", "64"}, {"ffn_hidden", "32"}, {"num_experts", "8"}, {"topk", "2"}};
