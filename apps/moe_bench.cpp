@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
   try {
     std::error_code same_error;
     if (!json_path.empty() && std::filesystem::equivalent(json_path, config_path, same_error))
-      fail("moe_bench: --json '{}' is the config file; name another file", json_path);
+      fail("--json '{}' is the config file; name another file", json_path);
     comm::MpiSession mpi(&argc, &argv);
     const int world = mpi.size();
     const bool root = mpi.rank() == 0;
@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
     if (!ep_transport.empty()) config.ep_transport = parse_ep_transport(ep_transport);
     if (capacity_factor >= 0) config.capacity_factor = capacity_factor;
     if (!drop_policy.empty()) config.drop_policy = parse_drop_policy(drop_policy);
-    if (config.bench_tokens <= 0) fail("moe_bench: the config sets no token count; pass --tokens");
+    if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
     config.validate();
 
     const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, config.num_experts);
@@ -364,7 +364,7 @@ int main(int argc, char** argv) {
         std::ofstream json(json_path);
         json << report.dump(2) << "\n";
         json.close();
-        if (!json) fail("moe_bench: cannot write --json '{}'", json_path);
+        if (!json) fail("cannot write --json '{}'", json_path);
       }
     }
     return 0;

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -132,7 +133,7 @@ class Checkpoint {
     const TensorFile file = TensorFile::read(path);
     const auto layers = static_cast<std::size_t>(metadata_int(file, path, "layers"));
     if (layers != optimizers.size())
-      fail("moe_train: {} holds {} layers, the model has {}", path, layers, optimizers.size());
+      fail("{} holds {} layers, the model has {}", path, layers, optimizers.size());
     for (std::size_t l = 0; l < optimizers.size(); ++l) {
       for (auto& slot : optimizers[l]->slots()) {
         const std::string base = fmt::format("layers.{}.{}", l, slot.name);
@@ -144,7 +145,7 @@ class Checkpoint {
       const Tensor bias = blocks[l]->parameters().expert_bias;
       const auto& stored = file.get(fmt::format("layers.{}.expert_bias", l));
       if (stored.dtype != FileDType::kF32 || stored.shape != bias.shape)
-        fail("moe_train: {}: layers.{}.expert_bias has the wrong dtype or shape", path, l);
+        fail("{}: layers.{}.expert_bias has the wrong dtype or shape", path, l);
       copy_to_device(bias.data, stored.data.data(), stored.data.size());
     }
     return metadata_int(file, path, "step");
@@ -154,14 +155,13 @@ class Checkpoint {
   // A non-negative integer the checkpoint's metadata must hold.
   static int metadata_int(const TensorFile& file, const std::string& path, const char* key) {
     const auto found = file.metadata.find(key);
-    if (found == file.metadata.end()) fail("moe_train: {} has no '{}' in its metadata", path, key);
+    if (found == file.metadata.end()) fail("{} has no '{}' in its metadata", path, key);
     try {
       const int value = std::stoi(found->second);
       if (value >= 0) return value;
     } catch (const std::exception&) {
     }
-    fail("moe_train: {}: metadata {} = '{}' is not a non-negative integer", path, key,
-         found->second);
+    fail("{}: metadata {} = '{}' is not a non-negative integer", path, key, found->second);
   }
 
   // Adds the whole tensor (all experts) to the file on rank 0.
@@ -175,8 +175,7 @@ class Checkpoint {
     }
     if (mesh_.dp_index() != 0) return;  // DP replicas hold the same experts
     if (local.size() > static_cast<std::size_t>(INT_MAX))
-      fail("moe_train: {} has {} elements per rank, more than one MPI message holds", name,
-           local.size());
+      fail("{} has {} elements per rank, more than one MPI message holds", name, local.size());
     std::vector<float> all(mesh_.rank() == 0 ? local.size() * mesh_.ep() : 0);
     MOE_CHECK_MPI(MPI_Gather(local.data(), static_cast<int>(local.size()), MPI_FLOAT, all.data(),
                              static_cast<int>(local.size()), MPI_FLOAT, 0, ep_group_));
@@ -189,7 +188,7 @@ class Checkpoint {
     std::vector<std::int64_t> shape = slot.param.shape;
     if (slot.expert_sliced) shape[0] *= mesh_.ep();
     if (stored.dtype != FileDType::kF32 || stored.shape != shape)
-      fail("moe_train: checkpoint tensor {} is {}{}, expected F32 of {} elements along dim 0", name,
+      fail("checkpoint tensor {} is {}{}, expected F32 of {} elements along dim 0", name,
            file_dtype_name(stored.dtype), fmt::join(stored.shape, "x"), shape[0]);
     const std::size_t bytes = static_cast<std::size_t>(slot.param.numel()) * 4;
     const std::size_t first = slot.expert_sliced ? bytes * mesh_.ep_index() : 0;
@@ -367,6 +366,15 @@ int main(int argc, char** argv) {
   app.add_option("--load", o.load_path, "resume from a checkpoint")->check(CLI::ExistingFile);
   CLI11_PARSE(app, argc, argv);
   try {
+    // The checkpoint is written after every step has run: what would make it fail is found now.
+    if (!o.save_path.empty()) {
+      std::error_code same_error;
+      if (std::filesystem::equivalent(o.save_path, o.config_path, same_error))
+        fail("--save '{}' is the config file; name another file", o.save_path);
+      const auto directory = std::filesystem::path(o.save_path).parent_path();
+      if (!directory.empty() && !std::filesystem::is_directory(directory))
+        fail("--save '{}': the directory '{}' does not exist", o.save_path, directory.string());
+    }
     comm::MpiSession mpi(&argc, &argv);
     if (cuda_device_count() == 0) {
       if (mpi.rank() == 0) std::fprintf(stderr, "moe_train: no CUDA GPU on this machine.\n");
