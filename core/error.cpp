@@ -2,44 +2,6 @@
 
 #include <mpi.h>
 
-#include <algorithm>
-#include <string>
-
-namespace moe {
-
-std::string readable_message(std::string_view message) {
-  std::string out;
-  out.reserve(std::min(message.size(), kMaxErrorBytes));
-  std::size_t used = 0;
-  for (; used < message.size(); ++used) {
-    const auto c = static_cast<unsigned char>(message[used]);
-    const bool control = (c < 0x20 && c != '\n' && c != '\t') || c == 0x7f;
-    const std::size_t width = control ? 4 : 1;
-    // Cut before a character that would pass the bound, and never inside a UTF-8 sequence.
-    if (out.size() + width > kMaxErrorBytes) {
-      while (used > 0 && out.size() > 0 &&
-             (static_cast<unsigned char>(message[used]) & 0xC0) == 0x80) {
-        --used;
-        out.pop_back();
-      }
-      break;
-    }
-    if (control) {
-      constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 0xF];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  if (used < message.size())
-    out += " ... (" + std::to_string(message.size() - used) + " more bytes)";
-  return out;
-}
-
-}  // namespace moe
-
 namespace moe::detail {
 
 void check_cuda(cudaError_t status, std::string_view call, const char* file, int line) {

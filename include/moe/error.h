@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <stdexcept>
 #include <string>
@@ -20,7 +21,36 @@ namespace moe {
 // terminal), and at most kMaxErrorBytes, the rest counted (a message quoting a file's text must not
 // grow with the file).
 inline constexpr std::size_t kMaxErrorBytes = 4096;
-std::string readable_message(std::string_view message);
+inline std::string readable_message(std::string_view message) {
+  std::string out;
+  out.reserve(std::min(message.size(), kMaxErrorBytes));
+  std::size_t used = 0;
+  for (; used < message.size(); ++used) {
+    const auto c = static_cast<unsigned char>(message[used]);
+    const bool control = (c < 0x20 && c != '\n' && c != '\t') || c == 0x7f;
+    const std::size_t width = control ? 4 : 1;
+    // Cut before a character that would pass the bound, and never inside a UTF-8 sequence.
+    if (out.size() + width > kMaxErrorBytes) {
+      while (used > 0 && out.size() > 0 &&
+             (static_cast<unsigned char>(message[used]) & 0xC0) == 0x80) {
+        --used;
+        out.pop_back();
+      }
+      break;
+    }
+    if (control) {
+      constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xF];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (used < message.size())
+    out += " ... (" + std::to_string(message.size() - used) + " more bytes)";
+  return out;
+}
 
 class Error : public std::runtime_error {
  public:
