@@ -265,8 +265,8 @@ T read_scalar(const YAML::Node& node, const std::string& key, std::string_view s
   // A number or a flag in quotes is a string to every other YAML reader: refused, not converted.
   if constexpr (!std::is_same_v<T, std::string>) {
     if (node.Tag() == "!")
-      fail("{}: {} = '{}' is quoted, which makes it a string; write it without quotes", source,
-           key, node.Scalar());
+      fail("{}: {} = '{}' is quoted, which makes it a string; write it without quotes", source, key,
+           node.Scalar());
   }
   if constexpr (std::is_same_v<T, int>) {
     // Decimal only: yaml-cpp reads a leading 0 as octal (hidden: 0100 would be 64) and 0x as hex.
@@ -325,15 +325,13 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
     };
     const std::size_t first = line.find_first_not_of(" \t\r");
     const bool blank = first == std::string_view::npos || line[first] == '#';
-    const bool another = is_marker("---")       ? content
-                         : is_marker("...")     ? false
-                         : line.starts_with('%') ? content
-                                                 : !blank && ended;
-    if (another)
+    const bool opener = is_marker("---") || line.starts_with('%');
+    const bool closer = is_marker("...");
+    if ((opener && content) || (!opener && !closer && !blank && ended))
       fail("{}: line {} starts another YAML document; a config is one map of `key: value` pairs",
            source, line_number);
-    if (is_marker("...") && content) ended = true;
-    if (!blank && !is_marker("---") && !is_marker("...") && !line.starts_with('%')) content = true;
+    if (closer && content) ended = true;
+    if (!blank && !opener && !closer) content = true;
     at = end + 1;
   }
   YAML::Node root;
