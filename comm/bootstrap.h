@@ -55,6 +55,8 @@ class NcclComm {
   int size() const;
   // Aborts the communicator (after an error or a timeout); later use is an error.
   void abort() noexcept;
+  // Gives up ownership: the caller destroys or aborts the handle.
+  [[nodiscard]] ncclComm_t release() noexcept { return std::exchange(comm_, nullptr); }
 
  private:
   ncclComm_t comm_ = nullptr;

@@ -1,12 +1,11 @@
 #include "moe/mesh.h"
 
 #include <atomic>
-#include <functional>
-#include <system_error>
-#include <vector>
-
 #include <condition_variable>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "comm/bootstrap.h"
@@ -90,20 +89,42 @@ struct Mesh::Comms {
   // kernels poll, and then frees the communicator's memory; a cudaFree waits for every kernel on
   // the device, so an abort run alone waits for the kernels of the communicators not yet aborted:
   // with a collective of another group stuck on a failed peer, forever.
-  void abort_all() noexcept {
+  // The frees also wait for any other work on the device: a kernel that never ends, or a stream
+  // held by the host, holds them for as long. So the caller waits for the aborts at most `grace`
+  // and then goes on to report its error; aborts still waiting own their handles and finish on
+  // their own threads whenever the device lets them.
+  void abort_all(std::chrono::milliseconds grace) noexcept {
     if (aborted.exchange(true)) return;
-    comm::NcclComm* const comms[] = {&world, &ep, &dp};
-    std::vector<std::thread> aborting;
-    for (comm::NcclComm* c : comms) {
-      if (c->get() == nullptr) continue;
+    struct Pending {
+      std::mutex mutex;
+      std::condition_variable finished;
+      int running = 0;
+    };
+    auto pending = std::make_shared<Pending>();
+    for (comm::NcclComm* c : {&world, &ep, &dp}) {
+      const ncclComm_t handle = c->release();
+      if (handle == nullptr) continue;
       try {
-        aborting.emplace_back([c] { c->abort(); });
-      } catch (const std::system_error&) {  // no thread to spare: the rest in turn, below
-        break;
+        {
+          std::lock_guard lock(pending->mutex);
+          ++pending->running;
+        }
+        std::thread([handle, pending] {
+          (void)ncclCommAbort(handle);
+          std::lock_guard lock(pending->mutex);
+          --pending->running;
+          pending->finished.notify_all();
+        }).detach();
+      } catch (const std::system_error&) {  // no thread to spare: this one here
+        {
+          std::lock_guard lock(pending->mutex);
+          --pending->running;
+        }
+        (void)ncclCommAbort(handle);
       }
     }
-    for (std::thread& thread : aborting) thread.join();
-    for (comm::NcclComm* c : comms) c->abort();  // a no-op for those aborted above
+    std::unique_lock lock(pending->mutex);
+    pending->finished.wait_for(lock, grace, [&] { return pending->running == 0; });
   }
 };
 
@@ -180,7 +201,8 @@ Mesh Mesh::from_nccl(ncclComm_t world, int ep, int dp, int num_experts, Timeout 
 
 void Mesh::start_watchdog() {
   Comms* comms = comms_.get();  // stable across moves of the Mesh
-  comms->watchdog = std::make_unique<Watchdog>([comms] { comms->abort_all(); });
+  const Timeout grace = timeout_;
+  comms->watchdog = std::make_unique<Watchdog>([comms, grace] { comms->abort_all(grace); });
 }
 
 Mesh::Mesh(Mesh&&) noexcept = default;
@@ -346,7 +368,7 @@ void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
 }
 
 void Mesh::abort() const noexcept {
-  if (comms_) comms_->abort_all();
+  if (comms_) comms_->abort_all(timeout_);
 }
 
 bool Mesh::aborted() const noexcept {
