@@ -433,39 +433,38 @@ void MoEBlock::reduce_gradients() {
   });
 }
 
-// On a mesh, the end of a step is agreed: every rank contributes how many synchronize() calls it
-// has made, and each must read back its own count as both the largest and the smallest. A rank
-// whose peers gave up on it (they timed out while it stalled) may see its own collectives
-// complete, over data its peers left behind before they aborted; this agreement cannot: it
-// times out, or it reads counts that disagree.
+// On a mesh, the end of a step is agreed. Each rank first waits for its own step's work; only
+// then does it contribute how many synchronize() calls it has made, and each must read back its
+// own count as both the largest and the smallest. A rank whose peers gave up on it (they timed
+// out while it stalled) may see its own collectives complete, over data its peers queued before
+// they aborted, this one included were it queued with the rest; a peer that timed out never
+// queues it, so the late rank times out on it, or reads counts that disagree.
 void MoEBlock::synchronize() {
   auto& s = *s_;
   on_mesh(s.mesh, s.times, "synchronize", [&] {
     s.times.current = "the end of the step";
-    const bool agree = s.mesh.world_size() > 1;
-    const std::int64_t step = ++s.steps_agreed;
-    if (agree) {
-      const std::int64_t mine[2] = {step, -step};
-      s.agreement_host.reserve(sizeof(mine));
-      std::memcpy(s.agreement_host.as<std::int64_t>(), mine, sizeof(mine));
-      MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement.data(), s.agreement_host.as<std::int64_t>(),
-                                     sizeof(mine), cudaMemcpyHostToDevice, s.stream));
-      s.mesh.all_reduce(s.agreement.data(), 2, ncclInt64, ncclMax, MeshGroup::kWorld, s.stream);
-      MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement_host.as<std::int64_t>(), s.agreement.data(),
-                                     sizeof(mine), cudaMemcpyDeviceToHost, s.stream));
-    }
     s.step_done.record(s.stream);
     s.mesh.wait(s.step_done.get(), "the block's queued work");
-    if (agree) {
-      std::int64_t agreed[2];
-      std::memcpy(agreed, s.agreement_host.as<std::int64_t>(), sizeof(agreed));
-      if (agreed[0] != step || -agreed[1] != step) {
-        fail(
-            "rank {}: the ranks do not agree on the end of step {}: their counts of "
-            "synchronize() calls range from {} to {} (a peer failed and aborted, or the ranks' "
-            "calls differ)",
-            s.mesh.rank(), step, -agreed[1], agreed[0]);
-      }
+    const std::int64_t step = ++s.steps_agreed;
+    if (s.mesh.world_size() == 1) return;
+    const std::int64_t mine[2] = {step, -step};
+    s.agreement_host.reserve(sizeof(mine));
+    std::memcpy(s.agreement_host.as<std::int64_t>(), mine, sizeof(mine));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement.data(), s.agreement_host.as<std::int64_t>(),
+                                   sizeof(mine), cudaMemcpyHostToDevice, s.stream));
+    s.mesh.all_reduce(s.agreement.data(), 2, ncclInt64, ncclMax, MeshGroup::kWorld, s.stream);
+    MOE_CHECK_CUDA(cudaMemcpyAsync(s.agreement_host.as<std::int64_t>(), s.agreement.data(),
+                                   sizeof(mine), cudaMemcpyDeviceToHost, s.stream));
+    s.step_done.record(s.stream);
+    s.mesh.wait(s.step_done.get(), "the ranks' agreement on the end of the step");
+    std::int64_t agreed[2];
+    std::memcpy(agreed, s.agreement_host.as<std::int64_t>(), sizeof(agreed));
+    if (agreed[0] != step || -agreed[1] != step) {
+      fail(
+          "rank {}: the ranks do not agree on the end of step {}: their counts of "
+          "synchronize() calls range from {} to {} (a peer failed and aborted, or the ranks' "
+          "calls differ)",
+          s.mesh.rank(), step, -agreed[1], agreed[0]);
     }
   });
 }
