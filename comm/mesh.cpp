@@ -324,6 +324,7 @@ void Mesh::group_end(std::string_view operation) const {
 }
 
 void Mesh::wait(cudaEvent_t event, std::string_view operation) const {
+  ++host_waits_;
   // The waits on a step's path (the dispatch's row counts) are for work queued a fraction of a
   // millisecond earlier, and the GPU idles from the event until the host queues what follows:
   // a sleeping poll overshot by the sleep's timer slack (~50 µs on Linux) plus up to the length

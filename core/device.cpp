@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
+
 namespace moe {
 
 int cuda_device_count() noexcept {
@@ -27,9 +29,18 @@ std::string describe_devices() {
   return text;
 }
 
+namespace {
+std::atomic<std::int64_t> allocations{0};
+}  // namespace
+
+std::int64_t buffer_allocations() noexcept {
+  return allocations.load();
+}
+
 void DeviceBuffer::reserve(std::size_t bytes) {
   if (bytes <= bytes_) return;
   release();
+  allocations.fetch_add(1);
   MOE_CHECK_CUDA(cudaMalloc(&data_, bytes));
   bytes_ = bytes;
 }
@@ -43,6 +54,7 @@ void DeviceBuffer::release() noexcept {
 void PinnedBuffer::reserve(std::size_t bytes) {
   if (bytes <= bytes_) return;
   release();
+  allocations.fetch_add(1);
   MOE_CHECK_CUDA(cudaMallocHost(&data_, bytes));
   bytes_ = bytes;
 }

@@ -74,7 +74,9 @@ struct ExpertFFN::PointerStaging {
            slot_capacity);
     const std::size_t slot = next;
     next = (next + 1) % kSlots;
-    wait(uploaded[slot].get());
+    // Waited for only when still queued: a step's host waits are counted (Mesh::host_waits), and
+    // an upload done long ago is no synchronisation.
+    if (cudaEventQuery(uploaded[slot].get()) != cudaSuccess) wait(uploaded[slot].get());
     const void** host_slot = host.as<const void*>() + slot * slot_capacity;
     std::copy(pointers.begin(), pointers.end(), host_slot);
     const void** device_slot = device.as<const void*>() + slot * slot_capacity;

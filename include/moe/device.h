@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -20,6 +21,11 @@ int cuda_device_count() noexcept;
 
 // One line per visible device: index, name, memory, SM count.
 std::string describe_devices();
+
+// How many allocations DeviceBuffer and PinnedBuffer have made in this process, every thread
+// together. A step that allocates synchronises (a free waits for the device) and cannot be
+// captured in a CUDA graph: tests read this around a step to show that it allocated nothing.
+std::int64_t buffer_allocations() noexcept;
 
 // Device memory. Grow-only reuse is the caller's choice: reserve() keeps the allocation when it is
 // already large enough.

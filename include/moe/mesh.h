@@ -12,6 +12,7 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string_view>
 
@@ -78,6 +79,9 @@ class Mesh {
   // Blocks until `event` completes, polling NCCL errors; after the timeout aborts every
   // communicator and throws, naming this rank and `operation`.
   void wait(cudaEvent_t event, std::string_view operation) const;
+  // How many times wait() was called on this mesh: every host synchronisation of a MoEBlock's
+  // step goes through it, so a trainer or a test can count a step's synchronisations.
+  std::int64_t host_waits() const noexcept { return host_waits_; }
   // Aborts every communicator of the mesh (after a failure elsewhere): later collectives are
   // errors. The trainer's communicator given to from_nccl is not one of them.
   void abort() const noexcept;
@@ -94,6 +98,7 @@ class Mesh {
   int device_ = 0;
   Timeout timeout_ = kDefaultTimeout;
   mutable int group_depth_ = 0;
+  mutable std::int64_t host_waits_ = 0;
   std::unique_ptr<Comms> comms_;
 };
 

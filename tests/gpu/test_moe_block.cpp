@@ -8,6 +8,7 @@
 #include <span>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "moe/device.h"
 #include "moe/mesh.h"
@@ -424,6 +425,61 @@ TEST_CASE("routing replay: a recorded step replays bitwise; other routings equal
           block.forward(Tensor(bad_x.data(), c.dtype, {T, c.hidden}),
                         ForwardOptions{Tensor(bad_dev.data(), DType::kInt32, {T, K})}),
           test::contains_text("token 3, slot 1: expert " + std::to_string(c.num_experts)));
+    }
+  }
+}
+
+// docs/design.md, "Host synchronisations, counted": once warm, a step waits on the host once, in
+// the forward's dispatch, and allocates nothing; the backward and the gradient reduction never
+// wait. The timing trials of gemm_autotune are off: they wait once per new GEMM size class.
+TEST_CASE("a warm step waits on the host once, in the forward, and allocates nothing",
+          "[gpu][block]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig dropless = base_config(DType::kBF16);
+  dropless.gemm_autotune = false;
+  dropless.aux_loss_coeff = 0.01;
+  dropless.z_loss_coeff = 0.001;
+  dropless.align_size = 16;
+  MoEConfig capacity = dropless;
+  capacity.capacity_factor = 1.0;
+  MoEConfig shared = dropless;
+  shared.shared_ffn_hidden = 32;
+  MoEConfig kept = dropless;
+  kept.keep_expert_input = true;
+  const std::pair<const char*, MoEConfig> variants[] = {{"dropless", dropless},
+                                                        {"capacity 1.0", capacity},
+                                                        {"shared expert", shared},
+                                                        {"keep_expert_input", kept}};
+  for (const auto& [name, c] : variants) {
+    INFO(name);
+    c.validate();
+    Stream stream;
+    const Mesh mesh = Mesh::single();
+    MoEBlock block(c, mesh, stream.get());
+    test::load_params(block, test::round_params(test::random_params(c, rng), c.dtype), 0,
+                      c.num_experts);
+    const std::int64_t big = 48, small = 20;
+    const auto x = test::upload_as(test::random_matrix(big, c.hidden, rng), c.dtype);
+    const auto dy = test::upload_as(test::random_matrix(big, c.hidden, rng), c.dtype);
+    // The warm-up: buffers grow, the first reduce_gradients agrees on the GEMM algorithms.
+    (void)block.forward(Tensor(x.data(), c.dtype, {big, c.hidden}));
+    (void)block.backward(Tensor(dy.data(), c.dtype, {big, c.hidden}));
+    block.reduce_gradients();
+    block.synchronize();
+    for (const std::int64_t tokens : {big, small, big}) {
+      INFO("T = " << tokens);
+      const std::int64_t waits = mesh.host_waits();
+      const std::int64_t allocations = buffer_allocations();
+      (void)block.forward(Tensor(x.data(), c.dtype, {tokens, c.hidden}));
+      CHECK(mesh.host_waits() - waits == 1);
+      (void)block.backward(Tensor(dy.data(), c.dtype, {tokens, c.hidden}));
+      block.reduce_gradients();
+      CHECK(mesh.host_waits() - waits == 1);
+      block.synchronize();
+      CHECK(mesh.host_waits() - waits == 2);  // synchronize() waits by definition
+      CHECK(buffer_allocations() == allocations);
     }
   }
 }
