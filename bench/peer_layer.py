@@ -54,6 +54,9 @@ class TorchtitanStyleMoE:
         self.E_loc = self.E // ep
         self.score = cfg.get("score_function", "softmax")
         self.groups, self.group_topk = cfg.get("num_groups", 0), cfg.get("group_topk", 0)
+        if cfg.get("max_nodes_per_token", 0):  # node-limited routing: one group per node
+            self.groups = ep // cfg["ep_ranks_per_node"]
+            self.group_topk = cfg["max_nodes_per_token"]
         self.scale = cfg.get("scaling_factor", 1.0)
         self.aux_coeff, self.z_coeff = cfg.get("aux_loss_coeff", 0.0), cfg.get("z_loss_coeff", 0.0)
         self.align = max(1, cfg.get("align_size", 0))

@@ -138,6 +138,13 @@ std::string MoEConfig::unsupported_by_gpu_layer() const {
   return {};
 }
 
+MoEConfig::RoutingGroups MoEConfig::routing_groups() const {
+  if (max_nodes_per_token > 0 && ep_ranks_per_node > 0) {
+    return {ep / ep_ranks_per_node, max_nodes_per_token};
+  }
+  return {num_groups, group_topk};
+}
+
 void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(hidden > 0, "hidden = {} must be positive", hidden);
   MOE_CONFIG_REQUIRE(ffn_hidden > 0, "ffn_hidden = {} must be positive", ffn_hidden);
@@ -160,6 +167,7 @@ void MoEConfig::validate() const {
       "expert_bias = true needs score_function = sigmoid or sqrtsoftplus, not softmax");
 
   // Group-limited routing: both zero means off; anything else must be a complete, valid setting.
+  // (Node-limited routing, which sets the groups from the mesh, is checked with the mesh below.)
   MOE_CONFIG_REQUIRE(num_groups >= 0, "num_groups = {} must be >= 0", num_groups);
   MOE_CONFIG_REQUIRE(group_topk >= 0, "group_topk = {} must be >= 0", group_topk);
   MOE_CONFIG_REQUIRE((num_groups == 0) == (group_topk == 0),
@@ -221,6 +229,36 @@ void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(dp >= 1, "dp = {} must be >= 1", dp);
   MOE_CONFIG_REQUIRE(num_experts % ep == 0, "ep = {} must divide num_experts = {}", ep,
                      num_experts);
+
+  // Node-limited routing: one routing group per node of ep_ranks_per_node EP ranks.
+  MOE_CONFIG_REQUIRE(max_nodes_per_token >= 0, "max_nodes_per_token = {} must be >= 0",
+                     max_nodes_per_token);
+  MOE_CONFIG_REQUIRE(ep_ranks_per_node >= 0, "ep_ranks_per_node = {} must be >= 0",
+                     ep_ranks_per_node);
+  MOE_CONFIG_REQUIRE((max_nodes_per_token == 0) == (ep_ranks_per_node == 0),
+                     "max_nodes_per_token = {} and ep_ranks_per_node = {}: set both (node-limited "
+                     "routing) or neither",
+                     max_nodes_per_token, ep_ranks_per_node);
+  if (node_limited_routing()) {
+    MOE_CONFIG_REQUIRE(num_groups == 0,
+                       "max_nodes_per_token = {} with num_groups = {}: node-limited routing makes "
+                       "one routing group per node itself; leave num_groups and group_topk at 0",
+                       max_nodes_per_token, num_groups);
+    MOE_CONFIG_REQUIRE(ep % ep_ranks_per_node == 0, "ep_ranks_per_node = {} must divide ep = {}",
+                       ep_ranks_per_node, ep);
+    const int nodes = ep / ep_ranks_per_node;
+    MOE_CONFIG_REQUIRE(max_nodes_per_token <= nodes,
+                       "max_nodes_per_token = {} must be in [1, ep / ep_ranks_per_node = {} nodes]",
+                       max_nodes_per_token, nodes);
+    MOE_CONFIG_REQUIRE(topk % max_nodes_per_token == 0,
+                       "max_nodes_per_token = {} must divide topk = {} (each node kept is scored "
+                       "by its top topk / max_nodes_per_token experts)",
+                       max_nodes_per_token, topk);
+    MOE_CONFIG_REQUIRE(topk / max_nodes_per_token <= num_experts / nodes,
+                       "topk / max_nodes_per_token = {} must not exceed the experts per node, "
+                       "num_experts / nodes = {}",
+                       topk / max_nodes_per_token, num_experts / nodes);
+  }
   MOE_CONFIG_REQUIRE(ep_transport == EpTransport::kAuto || ep_transport == EpTransport::kNccl ||
                          ep_transport == EpTransport::kPeer,
                      "ep_transport = {} must be auto, nccl or peer",
@@ -232,7 +270,11 @@ std::string MoEConfig::describe() const {
   std::string router(score_function_name(score_function));
   if (score_function == ScoreFunction::kSoftmax) router += pre_softmax ? "(pre)" : "(post)";
   if (expert_bias) router += "+bias";
-  if (num_groups > 0) router += fmt::format(" groups={}/top{}", num_groups, group_topk);
+  if (node_limited_routing()) {
+    router += fmt::format(" nodes<={} ({} ranks/node)", max_nodes_per_token, ep_ranks_per_node);
+  } else if (num_groups > 0) {
+    router += fmt::format(" groups={}/top{}", num_groups, group_topk);
+  }
   std::string features;
   if (capacity_mode()) {
     features += fmt::format(" capacity={}({}{})", capacity_factor, drop_policy_name(drop_policy),
@@ -371,6 +413,8 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"pre_softmax", flag(&MoEConfig::pre_softmax)},
       {"num_groups", integer(&MoEConfig::num_groups)},
       {"group_topk", integer(&MoEConfig::group_topk)},
+      {"max_nodes_per_token", integer(&MoEConfig::max_nodes_per_token)},
+      {"ep_ranks_per_node", integer(&MoEConfig::ep_ranks_per_node)},
       {"scaling_factor", real(&MoEConfig::scaling_factor)},
       {"expert_bias", flag(&MoEConfig::expert_bias)},
       {"aux_loss_coeff", real(&MoEConfig::aux_loss_coeff)},

@@ -77,9 +77,9 @@ std::vector<int> select_experts(const MoEConfig& config, std::span<const double>
   const int E = config.num_experts;
   if (!config.grouped_routing()) return top_indices(r, all_indices(r.size()), config.topk);
 
-  const int G = config.num_groups;
+  const auto [G, kept_groups] = config.routing_groups();
   const int per_group = E / G;
-  const int per_group_k = config.topk / config.group_topk;
+  const int per_group_k = config.topk / kept_groups;
   std::vector<double> group_score(static_cast<std::size_t>(G));
   for (int g = 0; g < G; ++g) {
     const auto group = r.subspan(static_cast<std::size_t>(g * per_group), per_group);
@@ -88,7 +88,7 @@ std::vector<int> select_experts(const MoEConfig& config, std::span<const double>
     }
   }
   std::vector<int> candidates;
-  for (const int g : top_indices(group_score, all_indices(G), config.group_topk)) {
+  for (const int g : top_indices(group_score, all_indices(G), kept_groups)) {
     for (int i = 0; i < per_group; ++i) candidates.push_back(g * per_group + i);
   }
   std::sort(candidates.begin(), candidates.end());  // so ties still go to the lower index

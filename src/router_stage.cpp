@@ -11,8 +11,8 @@ RouterParams router_params(const MoEConfig& config) {
   p.topk = config.topk;
   p.score_function = config.score_function;
   p.pre_softmax = config.pre_softmax;
-  p.num_groups = config.num_groups;
-  p.group_topk = config.group_topk;
+  p.num_groups = config.routing_groups().count;  // node-limited routing: one group per node
+  p.group_topk = config.routing_groups().topk;
   p.scaling_factor = static_cast<float>(config.scaling_factor);
   p.expert_bias = config.expert_bias;
   p.aux_loss = config.aux_loss_coeff > 0;

@@ -56,6 +56,12 @@ struct MoEConfig {
   bool pre_softmax = false;  // softmax only: select on softmax(logits) instead of the logits
   int num_groups = 0;        // G; 0 with group_topk 0 = group-limited routing off
   int group_topk = 0;        // GK
+  // Node-limited routing: each token's experts lie on at most max_nodes_per_token nodes, the EP
+  // ranks taken ep_ranks_per_node to a node in rank order. A rank's experts are contiguous, and so
+  // are a node's: this is group-limited routing with one group per node (routing_groups()). Both
+  // zero = off; it leaves num_groups and group_topk at zero.
+  int max_nodes_per_token = 0;
+  int ep_ranks_per_node = 0;
   double scaling_factor = 1.0;
   bool expert_bias = false;  // sigmoid / sqrtsoftplus only: bias that changes selection alone
 
@@ -117,7 +123,15 @@ struct MoEConfig {
   // Tokens per GPU used by the benchmarks for this shape (not a property of the layer).
   int bench_tokens = 0;
 
-  bool grouped_routing() const { return num_groups > 0; }
+  // The groups the router limits each token to: num_groups keeping group_topk, or under
+  // node-limited routing one group per node keeping max_nodes_per_token; {0, 0} when neither.
+  struct RoutingGroups {
+    int count = 0;
+    int topk = 0;
+  };
+  RoutingGroups routing_groups() const;
+  bool grouped_routing() const { return routing_groups().count > 0; }
+  bool node_limited_routing() const { return max_nodes_per_token > 0 || ep_ranks_per_node > 0; }
   bool capacity_mode() const { return capacity_factor > 0; }
   bool shared_experts() const { return shared_ffn_hidden > 0; }
   int local_experts() const { return num_experts / ep; }  // E_loc

@@ -143,6 +143,25 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
        "group_topk = 3 must divide topk = 4"},
       {{{"num_groups", "4"}, {"group_topk", "1"}, {"topk", "4"}},
        "topk / group_topk = 4 must not exceed the experts per group, num_experts / num_groups = 2"},
+      {{{"max_nodes_per_token", "1"}},
+       "max_nodes_per_token = 1 and ep_ranks_per_node = 0: set both"},
+      {{{"ep_ranks_per_node", "-1"}}, "ep_ranks_per_node = -1 must be >= 0"},
+      {{{"max_nodes_per_token", "1"},
+        {"ep_ranks_per_node", "1"},
+        {"ep", "2"},
+        {"num_groups", "2"},
+        {"group_topk", "1"}},
+       "max_nodes_per_token = 1 with num_groups = 2: node-limited routing makes one routing group "
+       "per node itself"},
+      {{{"max_nodes_per_token", "1"}, {"ep_ranks_per_node", "3"}, {"ep", "4"}},
+       "ep_ranks_per_node = 3 must divide ep = 4"},
+      {{{"max_nodes_per_token", "3"}, {"ep_ranks_per_node", "2"}, {"ep", "4"}},
+       "max_nodes_per_token = 3 must be in [1, ep / ep_ranks_per_node = 2 nodes]"},
+      {{{"max_nodes_per_token", "2"}, {"ep_ranks_per_node", "1"}, {"ep", "4"}, {"topk", "3"}},
+       "max_nodes_per_token = 2 must divide topk = 3"},
+      {{{"max_nodes_per_token", "1"}, {"ep_ranks_per_node", "1"}, {"ep", "4"}, {"topk", "4"}},
+       "topk / max_nodes_per_token = 4 must not exceed the experts per node, num_experts / nodes = "
+       "2"},
       {{{"expert_bias", "true"}},
        "expert_bias = true needs score_function = sigmoid or sqrtsoftplus"},
       {{{"score_function", "sigmoid"}, {"pre_softmax", "true"}},
@@ -245,6 +264,23 @@ TEST_CASE("valid grouped and biased settings are accepted", "[cpu][config]") {
   CHECK(config.local_experts() == 2);
   CHECK(config.dtype == DType::kFP32);
   CHECK_THAT(config.describe(), test::contains_text("sqrtsoftplus+bias groups=4/top2"));
+}
+
+TEST_CASE("node-limited routing is group-limited routing with one group per node",
+          "[cpu][config]") {
+  const auto config = parse_config(kBase +
+                                   "score_function: sigmoid\nexpert_bias: true\n"
+                                   "max_nodes_per_token: 2\nep_ranks_per_node: 2\nep: 8\n");
+  CHECK(config.node_limited_routing());
+  CHECK(config.grouped_routing());
+  CHECK(config.routing_groups().count == 4);  // 8 EP ranks, 2 to a node
+  CHECK(config.routing_groups().topk == 2);
+  CHECK(config.num_groups == 0);
+  CHECK_THAT(config.describe(), test::contains_text("nodes<=2 (2 ranks/node)"));
+  const auto grouped = parse_config(kBase + "num_groups: 4\ngroup_topk: 2\n");
+  CHECK_FALSE(grouped.node_limited_routing());
+  CHECK(grouped.routing_groups().count == 4);
+  CHECK(grouped.routing_groups().topk == 2);
 }
 
 TEST_CASE("a repeated key is an error naming the key, never a silent choice", "[cpu][config]") {

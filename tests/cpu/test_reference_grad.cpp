@@ -1,4 +1,5 @@
 // The reference backward against central finite differences of the reference forward (fp64).
+#include <algorithm>
 #include <functional>
 #include <random>
 #include <string>
@@ -151,6 +152,50 @@ TEST_CASE("routing follows the design on hand-worked rows", "[cpu][reference][ro
   CHECK(route(config, logits, {}).expert == std::vector<int>{0, 1});
   logits.data = {3.0, 2.0, 4.0, 1.5};  // group 1 (5.5) wins
   CHECK(route(config, logits, {}).expert == std::vector<int>{2, 3});
+}
+
+TEST_CASE("node-limited routing keeps each token's experts on at most max_nodes_per_token nodes",
+          "[cpu][reference][router]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  // 16 experts over 8 EP ranks (2 each), 2 ranks to a node: 4 nodes of 4 experts.
+  MoEConfig config = test::small_config(8, 8, 16, 4);
+  config.score_function = ScoreFunction::kSigmoid;
+  config.ep = 8;
+  config.ep_ranks_per_node = 2;
+  config.max_nodes_per_token = 2;
+  config.validate();
+  MoEConfig grouped = config;
+  grouped.ep_ranks_per_node = grouped.max_nodes_per_token = 0;
+  grouped.num_groups = 4;
+  grouped.group_topk = 2;
+  MoEConfig unlimited = config;
+  unlimited.max_nodes_per_token = 4;  // every node: the plain top-K
+  MoEConfig plain = config;
+  plain.ep_ranks_per_node = plain.max_nodes_per_token = 0;
+  const int experts_per_node = config.num_experts / config.ep * config.ep_ranks_per_node;
+  int limited_tokens = 0;
+  for (int t = 0; t < 200; ++t) {
+    const Matrix logits = test::random_matrix(1, config.num_experts, rng);
+    const auto experts = route(config, logits, {}).expert;
+    std::vector<int> nodes;
+    for (const int e : experts) nodes.push_back(e / experts_per_node);
+    std::sort(nodes.begin(), nodes.end());
+    nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+    INFO("token " << t);
+    CHECK(nodes.size() <= 2);
+    CHECK(experts == route(grouped, logits, {}).expert);
+    CHECK(route(unlimited, logits, {}).expert == route(plain, logits, {}).expert);
+    if (route(plain, logits, {}).expert != experts) ++limited_tokens;
+  }
+  CHECK(limited_tokens > 0);  // the limit changed some routings: it was tested, not idle
+
+  // By hand: nodes {0..3} {4..7} {8..11} {12..15}, one kept, scored by their top 4 / 1 = 4.
+  config.max_nodes_per_token = 1;
+  config.validate();
+  Matrix row(1, 16);
+  // Node 1 (4 σ(1) ≈ 2.9) beats nodes 2 and 3 (4 σ(0) = 2) and node 0 (σ(9) + 3 σ(-9) ≈ 1.0).
+  row.data = {9, -9, -9, -9, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0};
+  CHECK(route(config, row, {}).expert == std::vector<int>{4, 5, 6, 7});
 }
 
 TEST_CASE("layer backward equals finite differences, every router mode", "[cpu][reference]") {

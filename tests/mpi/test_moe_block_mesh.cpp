@@ -2,6 +2,8 @@
 // gradients equal the fp64 single run on the concatenated batch with the same weights.
 #include <mpi.h>
 
+#include <algorithm>
+
 #include <chrono>
 #include <cstdint>
 #include <random>
@@ -161,6 +163,16 @@ TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenate
       half_grads.ep_transport = transport;
       ++index;
       run_mesh_case(half_grads, ep, world / ep, false, seed + index);
+      if (ep >= 2) {  // node-limited routing, one EP rank to a node
+        MoEConfig node_limited = deepseek;
+        node_limited.num_groups = node_limited.group_topk = 0;
+        node_limited.ep_ranks_per_node = 1;
+        node_limited.max_nodes_per_token = std::max(1, ep / 2);
+        node_limited.dtype = DType::kBF16;
+        node_limited.ep_transport = transport;
+        ++index;
+        run_mesh_case(node_limited, ep, world / ep, false, seed + index);
+      }
     }
   }
 }

@@ -185,10 +185,11 @@ inline bool well_separated(const MoEConfig& config, const reference::Matrix& log
     const auto r = reference::selection_scores(config, row, bias);
     if (min_adjacent_gap({row.begin(), row.end()}) < gap || min_adjacent_gap(r) < gap) return false;
     if (!config.grouped_routing()) continue;
-    const int per_group = config.num_experts / config.num_groups;
-    const int per_group_k = config.topk / config.group_topk;
+    const auto [groups, kept_groups] = config.routing_groups();
+    const int per_group = config.num_experts / groups;
+    const int per_group_k = config.topk / kept_groups;
     std::vector<double> group_scores;
-    for (int g = 0; g < config.num_groups; ++g) {
+    for (int g = 0; g < groups; ++g) {
       std::vector<double> members(r.begin() + g * per_group, r.begin() + (g + 1) * per_group);
       std::sort(members.rbegin(), members.rend());
       group_scores.push_back(std::accumulate(members.begin(), members.begin() + per_group_k, 0.0));
