@@ -205,12 +205,27 @@ int main(int argc, char** argv) {
     std::map<std::string, double> stage_sum;
     std::vector<std::string> stage_order;
     Event start(true), stop(true);
+    // The host's side of the unheld steps: the time inside forward() (its one wait for the row
+    // counts included) and inside backward() (queueing alone), and the host waits per step.
+    std::vector<double> host_forward_ms, host_backward_ms;
+    const std::int64_t waits_before = mesh.host_waits();
+    const auto host_ms = [](auto from, auto to) {
+      return std::chrono::duration<double, std::milli>(to - from).count();
+    };
     auto timed_steps = [&](double lead_ms, bool stages) {
       std::vector<double> times;
       for (int i = 0; i < iters; ++i) {
         if (lead_ms > 0) MOE_CHECK_CUDA(cudaLaunchHostFunc(stream.get(), hold_stream, &lead_ms));
         start.record(stream.get());
-        step();
+        const auto called = std::chrono::steady_clock::now();
+        block.forward(x_t);
+        const auto forwarded = std::chrono::steady_clock::now();
+        block.backward(dy_t);
+        const auto queued = std::chrono::steady_clock::now();
+        if (lead_ms == 0) {
+          host_forward_ms.push_back(host_ms(called, forwarded));
+          host_backward_ms.push_back(host_ms(forwarded, queued));
+        }
         stop.record(stream.get());
         MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
         double ms = stop.elapsed_ms_since(start);
@@ -227,6 +242,8 @@ int main(int argc, char** argv) {
       return times;
     };
     const std::vector<double> totals = timed_steps(0.0, stage_lead_ms == 0.0);
+    const double host_waits_per_step =
+        static_cast<double>(mesh.host_waits() - waits_before) / std::max(iters, 1);
     const std::vector<double> led_totals =
         stage_lead_ms > 0.0 ? timed_steps(stage_lead_ms, true) : totals;
     const double reduce_ms = bench::median_ms([&](int) { block.reduce_gradients(); }, stream.get(),
@@ -307,6 +324,10 @@ int main(int argc, char** argv) {
           "throughput: {:.0f} TFLOP/s per GPU, {:.0f}% of the dense GEMM rate; {:.0f} tokens/s per "
           "GPU\n",
           tflops, 100.0 * tflops * 1e12 / gemm_rate, T / (total_ms * 1e-3));
+      fmt::print(
+          "host per step: {:.3f} ms in forward() (its wait for the row counts included), {:.3f} ms "
+          "queueing backward(); {:.2f} host waits\n",
+          median(host_forward_ms), median(host_backward_ms), host_waits_per_step);
       if (link_floor_ms > 0)
         fmt::print("NVLink floor {:.3f} ms ({:.0f}% of the step)\n", link_floor_ms,
                    100 * link_floor_ms / total_ms);
@@ -342,6 +363,9 @@ int main(int argc, char** argv) {
             {"stage_lead_ms", stage_lead_ms},
             {"total_ms_host_ahead", median(led_totals)},
             {"reduce_ms", reduce_ms},
+            {"host_forward_ms", median(host_forward_ms)},
+            {"host_backward_ms", median(host_backward_ms)},
+            {"host_waits_per_step", host_waits_per_step},
             {"step_floor_ms", step_floor_ms},
             {"reduce_floor_ms", reduce_floor_ms},
             {"load_imbalance_expert", imbalance.expert},
