@@ -177,3 +177,41 @@ TEST_CASE("a rank that stalls past the timeout is an error on every rank, itself
   }
   check_fault_on_every_rank(Fault::kStalls);
 }
+
+// Run by tests/support/rank_exit.sh, which checks that the job ends: rank 1 leaves the process as
+// it enters the dispatch, without finalising MPI. Open MPI then ends the job; a rank it had not
+// yet ended and that is blocked on the exchange is released by the mesh's timeout and says so.
+TEST_CASE("a rank that exits mid-step ends the job", "[.rank-exits]") {
+  REQUIRE(test::world_size() >= 2);
+  const int rank = test::world_rank();
+  MoEConfig c = test::small_config(32, 24, 2 * test::world_size(), 2);
+  c.ep = test::world_size();
+  c.gemm_autotune = false;
+  c.validate();
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, c.ep, 1, c.num_experts, kTimeout);
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  std::mt19937_64 rng(7 + rank);
+  const std::int64_t T = 24;
+  const auto x = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
+  const auto dy = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
+  (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
+  (void)block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
+  block.synchronize();
+  MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+  HookGuard guard;
+  set_stage_hook([rank](const char* name) {
+    if (rank != 1 || std::strcmp(name, "moe dispatch") != 0) return;
+    std::fprintf(stderr, "[rank 1] exits at 'moe dispatch'\n");
+    std::fflush(stderr);
+    std::_Exit(3);
+  });
+  try {
+    (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
+    block.synchronize();
+  } catch (const Error& error) {
+    std::fprintf(stderr, "[rank %d] %s\n", rank, error.what());
+    std::fflush(stderr);
+  }
+  CHECK(mesh.aborted());
+}
