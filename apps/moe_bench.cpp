@@ -3,6 +3,7 @@
 //   mpirun -np N build/apps/moe_bench [--config configs/X.yaml] [--ep E --dp D] [--tokens T]
 //                                      [--iters I] [--warmup W] [--grad-dtype bf16|fp32]
 //                                      [--keep-expert-input] [--stage-lead-ms L]
+//                                      [--capacity-factor C [--drop-policy P] [--pad-to-capacity]]
 //                                      [--json FILE]
 //
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
@@ -92,6 +93,7 @@ int main(int argc, char** argv) {
   double stage_lead_ms = 1.0;
   double capacity_factor = -1;
   std::string drop_policy;
+  bool pad_to_capacity = false;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(cli::count_in(1, 1 << 20));
@@ -125,6 +127,8 @@ int main(int argc, char** argv) {
       ->check(cli::finite_in(0, 1e4));
   app.add_option("--drop-policy", drop_policy, "capacity mode's drop policy: probs or position")
       ->check(CLI::IsMember({"probs", "position"}));
+  app.add_flag("--pad-to-capacity", pad_to_capacity,
+               "capacity mode: every expert's block exactly C rows (fixed GEMM shapes)");
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   CLI11_PARSE(app, argc, argv);
 
@@ -154,6 +158,7 @@ int main(int argc, char** argv) {
     if (!ep_transport.empty()) config.ep_transport = parse_ep_transport(ep_transport);
     if (capacity_factor >= 0) config.capacity_factor = capacity_factor;
     if (!drop_policy.empty()) config.drop_policy = parse_drop_policy(drop_policy);
+    if (pad_to_capacity) config.pad_to_capacity = true;
     if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
     config.validate();
 
@@ -372,6 +377,7 @@ int main(int argc, char** argv) {
             {"load_imbalance_ep_rank", imbalance.ep_rank},
             {"load_steps", load_stats.steps},
             {"capacity_factor", config.capacity_factor},
+            {"pad_to_capacity", config.pad_to_capacity},
             {"dropped_fraction", dropped_fraction},
             {"grad_dtype", dtype_name(config.grad_dtype)},
             {"TFLOPs_per_gpu", tflops},

@@ -132,9 +132,6 @@ std::string MoEConfig::unsupported_by_gpu_layer() const {
         "capacity_factor={} with num_experts = {}: the GPU layer's capacity mode needs a layout "
         "group beside the experts', at most {} experts; moe_run --reference runs it on the CPU",
         capacity_factor, num_experts, kMaxExperts - 1);
-  if (pad_to_capacity)
-    return "pad_to_capacity: the GPU layer does not lay out fixed blocks yet; moe_run "
-           "--reference runs it on the CPU";
   return {};
 }
 

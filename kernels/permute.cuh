@@ -32,6 +32,10 @@ struct LayoutArgs {
   std::int32_t* offsets = nullptr;  // [E + 1] out: start of each padded group; [E] = total rows
   std::int32_t* row_map = nullptr;  // [T, K] out: (t, k) -> row; inside a group, token order
   void* workspace = nullptr;        // layout_workspace_bytes()
+  // > 0: groups [0, fixed_groups) each take exactly fixed_rows rows (capacity mode's
+  // pad_to_capacity; their counts must not exceed it), the groups after them `align` as before.
+  int fixed_rows = 0;
+  int fixed_groups = 0;
 };
 
 std::size_t layout_workspace_bytes(std::int64_t tokens, int topk, int experts);

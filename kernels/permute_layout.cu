@@ -61,8 +61,8 @@ __host__ __device__ constexpr int scan_column_lanes(int experts) {
 // read and written once more. (One thread walking a whole column, a dependent load per layout
 // block, takes 38 µs at E = 8, T = 8192.)
 __global__ void __launch_bounds__(kScanThreads)
-    layout_scan_kernel(std::int32_t* histogram, int blocks, int experts, int align,
-                       std::int32_t* counts, std::int32_t* offsets) {
+    layout_scan_kernel(std::int32_t* histogram, int blocks, int experts, int align, int fixed_rows,
+                       int fixed_groups, std::int32_t* counts, std::int32_t* offsets) {
   constexpr int kChunk = 8;  // entries a lane loads before it writes them back
   __shared__ int padded[kMaxExperts];
   __shared__ int segment_base[kMaxExperts > kScanThreads ? kMaxExperts : kScanThreads];
@@ -93,7 +93,9 @@ __global__ void __launch_bounds__(kScanThreads)
       segment_base[first / columns_per_pass * kScanThreads + threadIdx.x] = inclusive - sum;
       if (part == 0) {
         counts[e] = column_total;
-        padded[e] = align > 1 ? (column_total + align - 1) / align * align : column_total;
+        padded[e] = e < fixed_groups ? fixed_rows
+                    : align > 1      ? (column_total + align - 1) / align * align
+                                     : column_total;
       }
     }
   }
@@ -178,7 +180,13 @@ void build_layout(const LayoutArgs& a, cudaStream_t stream) {
   if (a.align < 0) fail("build_layout: align = " + std::to_string(a.align) + " must be >= 0");
   // The scan sums the padded rows in int32: the slots plus the most padding any routing can
   // add (align - 1 rows per expert) must fit, not the slots alone.
-  const std::int64_t padding = std::int64_t{a.experts} * std::max(a.align - 1, 0);
+  if (a.fixed_rows < 0 || a.fixed_groups < 0 || a.fixed_groups > a.experts ||
+      (a.fixed_groups > 0 && a.fixed_rows == 0)) {
+    fail("build_layout: fixed_rows = " + std::to_string(a.fixed_rows) + " over fixed_groups = " +
+         std::to_string(a.fixed_groups) + " of " + std::to_string(a.experts) + " groups");
+  }
+  const std::int64_t padding = std::int64_t{a.experts} * std::max(a.align - 1, 0) +
+                               std::int64_t{a.fixed_groups} * a.fixed_rows;
   if (a.tokens < 0 || a.tokens * a.topk + padding > INT_MAX) {
     fail("build_layout: tokens = " + std::to_string(a.tokens) +
          " with topk = " + std::to_string(a.topk) + " and up to " + std::to_string(padding) +
@@ -198,8 +206,8 @@ void build_layout(const LayoutArgs& a, cudaStream_t stream) {
         a.topk_idx, a.tokens, a.topk, a.experts, histogram);
     MOE_CHECK_LAUNCH();
   }
-  layout_scan_kernel<<<1, kScanThreads, 0, stream>>>(histogram, blocks, a.experts, a.align,
-                                                     a.counts, a.offsets);
+  layout_scan_kernel<<<1, kScanThreads, 0, stream>>>(
+      histogram, blocks, a.experts, a.align, a.fixed_rows, a.fixed_groups, a.counts, a.offsets);
   MOE_CHECK_LAUNCH();
   if (a.tokens > 0) {
     const std::size_t bitmap =

@@ -206,6 +206,14 @@ if [ $bench -eq 1 ]; then
     note "moe_bench --capacity-factor 1.25: FAILED"
   fi
   cat "$logs/moe_bench_capacity.txt"
+  if "$MOE_BUILD_DIR/apps/moe_bench" --capacity-factor 1.25 --pad-to-capacity \
+       --json "$logs/moe_bench_padded.json" >"$logs/moe_bench_padded.txt" 2>&1; then
+    note "moe_bench capacity 1.25 padded (one GPU): $(grep -m1 "^throughput" "$logs/moe_bench_padded.txt")"
+  else
+    status=1
+    note "moe_bench --capacity-factor 1.25 --pad-to-capacity: FAILED"
+  fi
+  cat "$logs/moe_bench_padded.txt"
 fi
 
 cp "$logs"/*.json "$out"/ 2>/dev/null

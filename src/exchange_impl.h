@@ -16,8 +16,9 @@ namespace moe {
 class SlotLayout {
  public:
   explicit SlotLayout(DeviceBuffer& workspace) : workspace_(workspace) {}
+  // fixed_rows > 0: the first fixed_groups groups take exactly that many rows each.
   void build(const std::int32_t* topk_idx, std::int64_t tokens, int topk, int experts, int align,
-             cudaStream_t stream);
+             cudaStream_t stream, int fixed_rows = 0, int fixed_groups = 0);
   const std::int32_t* counts() const { return counts_.as<std::int32_t>(); }    // [E]
   const std::int32_t* offsets() const { return offsets_.as<std::int32_t>(); }  // [E + 1]
   const std::int32_t* row_map() const { return row_map_.as<std::int32_t>(); }  // [T, K]

@@ -33,7 +33,11 @@ class LocalExchange final : public TokenExchange {
     const std::int64_t T = x.dim(0);
     const int align = config_.align_size;
     groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
-    layout_.build(routing.topk_idx, T, K_, groups_, align, stream_);
+    // pad_to_capacity: every expert's group exactly C rows (kept rows never exceed C), so the
+    // expert GEMMs run on fixed shapes whatever the routing.
+    const auto fixed_rows = static_cast<int>(routing.expert_group_rows);
+    layout_.build(routing.topk_idx, T, K_, groups_, align, stream_, fixed_rows,
+                  fixed_rows > 0 ? E_ : 0);
     // The permute starts as soon as the layout is built: on the main stream the two copies took
     // 9–10 µs of the dispatch stage, and the host can learn the counts while the GPU permutes,
     // since X holds the most rows any routing can pad to.
@@ -48,7 +52,8 @@ class LocalExchange final : public TokenExchange {
                                    (groups_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
                                    count_stream));
     copied_.record(count_stream);
-    const std::int64_t max_rows = T * K_ + std::int64_t{groups_} * std::max(align - 1, 0);
+    const std::int64_t max_rows = T * K_ + std::int64_t{groups_} * std::max(align - 1, 0) +
+                                  std::int64_t{E_} * routing.expert_group_rows;
     X_.reserve(std::max<std::int64_t>(max_rows * H_, 1) * dtype_size(dtype_));
     row_prob_.reserve(std::max<std::int64_t>(max_rows, 1) * sizeof(float));
     permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_,

@@ -9,14 +9,14 @@
 namespace moe {
 
 void SlotLayout::build(const std::int32_t* topk_idx, std::int64_t tokens, int topk, int experts,
-                       int align, cudaStream_t stream) {
+                       int align, cudaStream_t stream, int fixed_rows, int fixed_groups) {
   auto* counts = typed<std::int32_t>(counts_, experts);
   auto* offsets = typed<std::int32_t>(offsets_, experts + 1);
   auto* row_map = typed<std::int32_t>(row_map_, tokens * topk);
   workspace_.reserve(layout_workspace_bytes(tokens, topk, experts));
-  build_layout(
-      {topk_idx, tokens, topk, experts, align, counts, offsets, row_map, workspace_.data()},
-      stream);
+  build_layout({topk_idx, tokens, topk, experts, align, counts, offsets, row_map, workspace_.data(),
+                fixed_rows, fixed_groups},
+               stream);
 }
 
 bool choosing_exchange_is_collective(const Mesh& mesh) {

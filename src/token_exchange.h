@@ -43,6 +43,9 @@ struct SlotRouting {
   // Capacity mode: the dropped slots are sent to group E (topk_idx = E, topk_p = 0), which the
   // layout places after every expert's; no GEMM reads those rows and no exchange sends them.
   bool has_dropped_group = false;
+  // pad_to_capacity: every expert's group takes exactly this many rows (its kept rows, then zero
+  // rows); 0 = each group padded to align_size alone.
+  std::int64_t expert_group_rows = 0;
 };
 
 // The experts' rows on this rank, padded expert-major (docs/design.md, "Dispatch").

@@ -401,10 +401,13 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
   CHECK_THAT(probs.describe(), test::contains_text("capacity=2(probs)"));
   CHECK_THAT(probs.describe(), test::contains_text("shared=8 "));
 
-  // The GPU layer's refusal names the setting and its value.
-  CHECK(full.unsupported_by_gpu_layer() ==
-        "pad_to_capacity: the GPU layer does not lay out fixed blocks yet; moe_run --reference "
-        "runs it on the CPU");
+  // The GPU layer's refusal names the setting and its value; one EP rank runs every capacity
+  // setting, pad_to_capacity included.
+  CHECK(full.unsupported_by_gpu_layer().empty());
+  MoEConfig under_ep = full;
+  under_ep.ep = 2;
+  CHECK_THAT(under_ep.unsupported_by_gpu_layer(),
+             test::contains_text("with ep = 2: the GPU layer runs capacity mode on one EP rank"));
   CHECK(parse_config(kBase + "capacity_factor: 1.25\n").unsupported_by_gpu_layer().empty());
   MoEConfig widest = parse_config(kBase + "capacity_factor: 1.25\n");
   widest.num_experts = kMaxExperts;

@@ -467,16 +467,20 @@ TEST_CASE("moe_run --reference: capacity mode, shared experts and routing replay
   std::memcpy(idx.data(), results.get("topk_idx").data.data(), 18 * 4);
   CHECK(std::vector<int>(idx.begin(), idx.end()) == given);
 
-  // Without --reference the GPU layer refuses before MPI starts, naming the setting.
+  // Without --reference the GPU layer runs it too, pad_to_capacity included (without a GPU,
+  // moe_run stops at finding none).
   const std::string gpu = std::string(MOE_RUN_PATH) + " --config " + d.path("config.yaml") +
                           " --weights " + d.path("weights.safetensors") + " --inputs " +
                           d.path("replay.safetensors") + " --out " + d.path("gpu.safetensors") +
                           " 2>" + d.path("gpu.txt");
-  CHECK(WEXITSTATUS(std::system(gpu.c_str())) == 1);
-  CHECK_THAT(file_bytes(d.dir / "gpu.txt"),
-             test::contains_text("pad_to_capacity: the GPU layer does not lay out fixed blocks "
-                                 "yet; moe_run --reference runs it on the CPU"));
-  CHECK_FALSE(std::filesystem::exists(d.dir / "gpu.safetensors"));
+  {
+    const int padded = WEXITSTATUS(std::system(gpu.c_str()));
+    const std::string padded_error = file_bytes(d.dir / "gpu.txt");
+    INFO(padded_error);
+    CHECK((padded == 0 || padded_error.find("no CUDA GPU on this machine") != std::string::npos));
+    CHECK(padded_error.find("pad_to_capacity") == std::string::npos);
+    std::filesystem::remove(d.dir / "gpu.safetensors");
+  }
   // Dropless, a replay is the GPU layer's to run: not refused (without a GPU, moe_run stops at
   // finding none; with one, it runs).
   std::ofstream(d.dir / "config.yaml") << "hidden: 6\nffn_hidden: 4\nnum_experts: 4\ntopk: 2\n"

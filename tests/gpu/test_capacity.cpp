@@ -148,6 +148,45 @@ void check_case(const Case& c, std::mt19937_64& rng) {
     CHECK(got_dropped[i] == want_dropped[i]);
     CHECK(got_kept_counts[i] == routed[i] - want_dropped[i]);
   }
+
+  // pad_to_capacity's layout of the kept routing: expert e's group is exactly rows
+  // [e·C, (e + 1)·C), its kept slots first; the dropped slots' group E follows, unpadded.
+  if (c.capacity == 0) return;
+  DeviceBuffer fixed_counts(static_cast<std::size_t>(E + 1) * 4),
+      fixed_offsets(static_cast<std::size_t>(E + 2) * 4), fixed_rows(slot_bytes),
+      fixed_ws(layout_workspace_bytes(T, K, E + 1));
+  for (const auto* b : {&fixed_counts, &fixed_offsets, &fixed_rows}) test::poison(*b);
+  LayoutArgs fixed{kept_idx.as<std::int32_t>(),
+                   T,
+                   K,
+                   E + 1,
+                   1,
+                   fixed_counts.as<std::int32_t>(),
+                   fixed_offsets.as<std::int32_t>(),
+                   fixed_rows.as<std::int32_t>(),
+                   fixed_ws.data()};
+  fixed.fixed_rows = static_cast<int>(c.capacity);
+  fixed.fixed_groups = E;
+  build_layout(fixed, stream.get());
+  stream.synchronize();
+  const auto got_offsets =
+      test::download<std::int32_t>(fixed_offsets, static_cast<std::size_t>(E + 2));
+  const auto got_rows = test::download<std::int32_t>(fixed_rows, static_cast<std::size_t>(slots));
+  const std::int64_t dropped_slots = std::count(want_kept.begin(), want_kept.end(), 0);
+  for (int e = 0; e <= E; ++e) CHECK(got_offsets[e] == e * c.capacity);
+  CHECK(got_offsets[E + 1] == E * c.capacity + dropped_slots);
+  std::vector<int> used(static_cast<std::size_t>(E * c.capacity + dropped_slots), 0);
+  std::int64_t misplaced = 0;
+  for (std::int64_t s = 0; s < slots; ++s) {
+    const auto i = static_cast<std::size_t>(s);
+    const std::int64_t row = got_rows[i];
+    const bool keep = want_kept[i] != 0;
+    const std::int64_t begin = keep ? idx[i] * c.capacity : E * c.capacity;
+    const std::int64_t end =
+        keep ? begin + got_kept_counts[static_cast<std::size_t>(idx[i])] : begin + dropped_slots;
+    if (row < begin || row >= end || used[static_cast<std::size_t>(row)]++ > 0) ++misplaced;
+  }
+  CHECK(misplaced == 0);
 }
 
 }  // namespace

@@ -444,12 +444,15 @@ TEST_CASE("a warm step waits on the host once, in the forward, and allocates not
   dropless.align_size = 16;
   MoEConfig capacity = dropless;
   capacity.capacity_factor = 1.0;
+  MoEConfig padded = capacity;
+  padded.pad_to_capacity = true;
   MoEConfig shared = dropless;
   shared.shared_ffn_hidden = 32;
   MoEConfig kept = dropless;
   kept.keep_expert_input = true;
   const std::pair<const char*, MoEConfig> variants[] = {{"dropless", dropless},
                                                         {"capacity 1.0", capacity},
+                                                        {"capacity 1.0, padded", padded},
                                                         {"shared expert", shared},
                                                         {"keep_expert_input", kept}};
   for (const auto& [name, c] : variants) {

@@ -1,7 +1,7 @@
 // MoEBlock in capacity mode on one GPU against the fp64 reference of the whole layer: output,
 // losses, dx and every weight gradient, the kept mask and the counts, over both drop policies,
 // capacity factors that drop many slots, a few or none, alignments and dtypes; every token to the
-// same experts; what the GPU layer does not run yet refused by name.
+// same experts; pad_to_capacity's fixed blocks.
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -190,12 +190,28 @@ TEST_CASE("capacity mode that drops nothing equals the dropless layer bitwise",
   }
 }
 
-TEST_CASE("what the GPU layer does not run in capacity mode yet is refused by name",
-          "[gpu][block][capacity]") {
-  Stream stream;
-  const Mesh mesh = Mesh::single();
-  MoEConfig padded = capacity_config(DType::kFP32, 1.25, DropPolicy::kProbs, 0);
-  padded.pad_to_capacity = true;
-  CHECK_THROWS_WITH(MoEBlock(padded, mesh, stream.get()),
-                    test::contains_text("pad_to_capacity: the GPU layer does not lay out fixed"));
+// Every expert's block exactly C rows (the kernel test checks the layout itself): the zero rows
+// change no result, so the layer still equals the reference, dropping or not.
+TEST_CASE("pad_to_capacity on one GPU equals the fp64 reference", "[gpu][block][capacity]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const auto padded = [](MoEConfig c) {
+    c.pad_to_capacity = true;
+    c.validate();
+    return c;
+  };
+  for (const DType dtype : {DType::kFP32, DType::kBF16}) {
+    for (const DropPolicy policy : {DropPolicy::kProbs, DropPolicy::kPosition}) {
+      CHECK(run_capacity_case(padded(capacity_config(dtype, 0.5, policy, 0)), 45, rng) > 0);
+      run_capacity_case(padded(capacity_config(dtype, 1.25, policy, 16)), 45, rng);
+      run_capacity_case(padded(capacity_config(dtype, 2.0, policy, 0)), 45, rng);
+      MoEConfig kept = padded(capacity_config(dtype, 0.5, policy, 0));
+      kept.keep_expert_input = true;
+      CHECK(run_capacity_case(kept, 45, rng) > 0);
+      run_capacity_case(kept, 1, rng);
+      run_capacity_case(kept, 0, rng);
+      CHECK(run_capacity_case(padded(capacity_config(dtype, 1.0, policy, 0)), 64, rng, true) > 0);
+    }
+  }
 }
