@@ -39,7 +39,8 @@ const ExchangeCounts& ExpertExchange::exchange_counts(const std::int32_t* counts
   }
   // The pinned buffer is free again once the previous call's copies landed (long since, as a
   // rule: that call waited for them); bounded all the same, like every wait on a mesh.
-  mesh_.wait(copied_.get(), "the previous dispatch's counts copy");
+  if (cudaEventQuery(copied_.get()) != cudaSuccess)  // not a host wait, as a rule (see above)
+    mesh_.wait(copied_.get(), "the previous dispatch's counts copy");
   host_.reserve(2 * counts_bytes + extra_bytes);
   auto* bytes = host_.as<char>();
   MOE_CHECK_CUDA(cudaMemcpyAsync(bytes, counts, counts_bytes, cudaMemcpyDeviceToHost, stream));

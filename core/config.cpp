@@ -121,11 +121,16 @@ std::int64_t MoEConfig::expert_capacity(std::int64_t tokens) const {
 }
 
 std::string MoEConfig::unsupported_by_gpu_layer() const {
-  if (capacity_mode() && ep > 1)
+  if (pad_to_capacity && ep > 1)
     return fmt::format(
-        "capacity_factor={} with ep = {}: the GPU layer runs capacity mode on one EP rank only, "
+        "pad_to_capacity with ep = {}: the GPU layer lays out fixed blocks on one EP rank only, "
         "for now; moe_run --reference runs it on the CPU",
-        capacity_factor, ep);
+        ep);
+  if (capacity_mode() && ep > 1 && ep_transport == EpTransport::kPeer)
+    return fmt::format(
+        "capacity_factor={} with ep_transport = peer: capacity mode runs over the NCCL exchange "
+        "(auto or nccl), for now",
+        capacity_factor);
   // The dropped slots take a layout group of their own after the E experts'.
   if (capacity_mode() && num_experts >= kMaxExperts)
     return fmt::format(

@@ -5,6 +5,10 @@
 // rows by the probabilities (a probability would need an exchange of its own both ways), so the
 // rows the combine got back are kept for dprob.
 //
+// Capacity mode: the dropped slots form group E of the sender's layout, after every expert's
+// rows, so no peer's range holds them and they are never sent; the combine and the dispatch
+// backward set their rows to zero, so they add nothing to out, dx or dprob.
+//
 // Buffer roles, each taken only once the previous content is dead (docs/design.md, "Buffers"):
 //   send_rows [T·K, H]: x gathered to send → Y returned (kept for dprob) → received dY →
 //                       returned dX
@@ -43,12 +47,13 @@ class NcclExchange final : public TokenExchange {
   bool probabilities_in_experts() const override { return false; }
 
   void permute(const Tensor& x, const SlotRouting& routing) override {
-    // MoEBlock refuses capacity mode under EP before any forward; this names the cause if not.
-    if (routing.has_dropped_group) fail("capacity mode runs on one EP rank only, for now");
+    // MoEBlock refuses fixed blocks under EP before any forward; this names the cause if not.
+    if (routing.expert_group_rows > 0) fail("pad_to_capacity runs on one EP rank only, for now");
     saved_.tokens = x.dim(0);
     saved_.routing = routing;
-    layout_.build(routing.topk_idx, saved_.tokens, K_, E_, /*align=*/1, stream_);
-    permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_, slots(),
+    groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
+    layout_.build(routing.topk_idx, saved_.tokens, K_, groups_, /*align=*/1, stream_);
+    permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, slots(),
                  stream_);
   }
 
@@ -57,6 +62,9 @@ class NcclExchange final : public TokenExchange {
     const ExchangeCounts& c =
         exchange_.exchange_counts(layout_.counts(), recv_counts, saved_.routing.totals, totals,
                                   saved_.routing.totals_bytes, stream_);
+    // The rows sent: every expert's; the dropped group's after them stay here.
+    saved_.sent_rows = 0;
+    for (const std::int64_t rows : c.send_rows) saved_.sent_rows += rows;
     const Tensor recv = view(Y_, dtype_, {c.total_received(), H_});  // Y is not written yet
     exchange_.exchange_rows(send_rows_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_,
                             stream_);
@@ -82,6 +90,7 @@ class NcclExchange final : public TokenExchange {
     unsort_chunks(chunks(), rows(Y_), recv, stream_);
     exchange_.exchange_rows(recv.data, c.recv_rows, send_rows_.data(), c.send_rows, row_bytes_,
                             stream_);
+    clear_dropped_rows();
   }
 
   void unpermute(const Tensor& out) override {
@@ -97,7 +106,7 @@ class NcclExchange final : public TokenExchange {
     // dY to send goes over Y, dead since the combine (which kept the rows it got back).
     const Tensor dY_sent = view(Y_, dtype_, {saved_.tokens * K_, H_});
     moe::combine_backward(dy, slots(), layout_.row_map(), saved_.routing.topk_p, K_,
-                          layout_.offsets(), layout_.counts(), E_, dY_sent, dprob, stream_);
+                          layout_.offsets(), layout_.counts(), groups_, dY_sent, dprob, stream_);
   }
 
   void combine_backward() override {
@@ -118,6 +127,7 @@ class NcclExchange final : public TokenExchange {
     const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // dead after the experts
     unsort_chunks(chunks(), rows(Y_), recv, stream_);
     exchange_.exchange_rows(recv.data, c.recv_rows, slots().data, c.send_rows, row_bytes_, stream_);
+    clear_dropped_rows();
   }
 
   // The probabilities were applied in the unpermute backward.
@@ -131,6 +141,13 @@ class NcclExchange final : public TokenExchange {
   Tensor rows(const DeviceBuffer& buffer) const {
     return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
   }
+  // The dropped group's rows of slots(), which no exchange wrote, become zero.
+  void clear_dropped_rows() {
+    const std::int64_t dropped = saved_.tokens * K_ - saved_.sent_rows;
+    if (!saved_.routing.has_dropped_group || dropped == 0) return;
+    MOE_CHECK_CUDA(cudaMemsetAsync(send_rows_.as<char>() + saved_.sent_rows * row_bytes_, 0,
+                                   static_cast<std::size_t>(dropped) * row_bytes_, stream_));
+  }
   ChunkArgs chunks() const {
     return {recv_counts_.as<std::int32_t>(), ranks_, E_loc_, config_.align_size, chunk_ws_.data()};
   }
@@ -138,6 +155,7 @@ class NcclExchange final : public TokenExchange {
   MoEConfig config_;
   cudaStream_t stream_;
   int ranks_, E_, E_loc_, K_;
+  int groups_ = 0;  // E, or E + 1 with capacity mode's dropped group
   std::int64_t H_;
   DType dtype_;
   std::size_t row_bytes_;
@@ -151,7 +169,8 @@ class NcclExchange final : public TokenExchange {
   struct Saved {
     SlotRouting routing;
     std::int64_t tokens = 0;
-    std::int64_t rows = 0;  // padding included
+    std::int64_t rows = 0;       // padding included
+    std::int64_t sent_rows = 0;  // this rank's rows sent to the experts (dropped ones stay)
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };

@@ -407,21 +407,24 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
   CHECK_THAT(probs.describe(), test::contains_text("shared=8 "));
 
   // The GPU layer's refusal names the setting and its value; one EP rank runs every capacity
-  // setting, pad_to_capacity included.
+  // setting, pad_to_capacity included, and EP every one but fixed blocks and the peer exchange.
   CHECK(full.unsupported_by_gpu_layer().empty());
   MoEConfig under_ep = full;
   under_ep.ep = 2;
-  CHECK_THAT(under_ep.unsupported_by_gpu_layer(),
-             test::contains_text("with ep = 2: the GPU layer runs capacity mode on one EP rank"));
+  CHECK(under_ep.unsupported_by_gpu_layer() ==
+        "pad_to_capacity with ep = 2: the GPU layer lays out fixed blocks on one EP rank only, "
+        "for now; moe_run --reference runs it on the CPU");
   CHECK(parse_config(kBase + "capacity_factor: 1.25\n").unsupported_by_gpu_layer().empty());
   MoEConfig widest = parse_config(kBase + "capacity_factor: 1.25\n");
   widest.num_experts = kMaxExperts;
   CHECK_THAT(widest.unsupported_by_gpu_layer(),
              test::contains_text("num_experts = 2048: the GPU layer's capacity mode needs a layout "
                                  "group beside the experts', at most 2047 experts"));
-  CHECK(parse_config(kBase + "capacity_factor: 1.25\nep: 2\n").unsupported_by_gpu_layer() ==
-        "capacity_factor=1.25 with ep = 2: the GPU layer runs capacity mode on one EP rank only, "
-        "for now; moe_run --reference runs it on the CPU");
+  CHECK(parse_config(kBase + "capacity_factor: 1.25\nep: 2\n").unsupported_by_gpu_layer().empty());
+  CHECK(parse_config(kBase + "capacity_factor: 1.25\nep: 2\nep_transport: peer\n")
+            .unsupported_by_gpu_layer() ==
+        "capacity_factor=1.25 with ep_transport = peer: capacity mode runs over the NCCL exchange "
+        "(auto or nccl), for now");
   CHECK(parse_config(kBase + "shared_ffn_hidden: 8\nshared_gate: true\n")
             .unsupported_by_gpu_layer()
             .empty());

@@ -12,6 +12,7 @@
 #include "moe/moe_block.h"
 #include "support/block_results.h"
 #include "support/block_util.h"
+#include "support/capacity_check.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
 
@@ -53,24 +54,6 @@ void draw_positive_separated(const MoEConfig& c, const reference::Params& params
   }
 }
 
-// Whether, for each expert offered more than C slots, its C-th and (C+1)-th largest routed
-// probabilities are at least 1e-6 apart: far more than the GPU's fp32 error on them (about 1e-8),
-// so both keep the same slots. Ties elsewhere decide nothing.
-bool capacity_boundary_clear(const MoEConfig& c, std::int64_t tokens,
-                             const reference::LayerResult& want) {
-  if (c.drop_policy == DropPolicy::kPosition || tokens == 0) return true;
-  const auto capacity = static_cast<std::size_t>(c.expert_capacity(tokens));
-  std::vector<std::vector<double>> of_expert(static_cast<std::size_t>(c.num_experts));
-  for (std::size_t i = 0; i < want.routing.expert.size(); ++i)
-    of_expert[static_cast<std::size_t>(want.routing.expert[i])].push_back(want.routing.prob[i]);
-  for (auto& probs : of_expert) {
-    if (probs.size() <= capacity || capacity == 0) continue;
-    std::sort(probs.rbegin(), probs.rend());
-    if (probs[capacity - 1] - probs[capacity] < 1e-6) return false;
-  }
-  return true;
-}
-
 // One step against the reference; returns how many slots were dropped.
 int run_capacity_case(const MoEConfig& c, std::int64_t tokens, std::mt19937_64& rng,
                       bool skewed = false) {
@@ -94,7 +77,7 @@ int run_capacity_case(const MoEConfig& c, std::int64_t tokens, std::mt19937_64& 
     }
     dy = test::round_to(test::random_matrix(tokens, c.hidden, rng), c.dtype);
     want = reference::run_layer(c, params, x, dy, test::kAsStored, test::kDprobInExperts);
-    if (capacity_boundary_clear(c, tokens, want)) break;
+    if (test::capacity_boundary_clear(c, tokens, want)) break;
   }
   Stream stream;
   const Mesh mesh = Mesh::single();

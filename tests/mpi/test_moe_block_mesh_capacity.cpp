@@ -1,0 +1,155 @@
+// Capacity mode on EP × DP meshes against the fp64 mesh reference (reference::run_mesh), where
+// each rank drops from its own tokens: every rank's output, dx, losses, kept mask and counts, the
+// gate's gradient summed over the mesh and its local experts' gradients. The dropped slots stay on
+// their sender over the NCCL exchange.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "moe/mesh.h"
+#include "moe/moe_block.h"
+#include "support/block_util.h"
+#include "support/capacity_check.h"
+#include "support/catch.h"
+#include "support/test_main.h"
+
+using namespace moe;
+using reference::Matrix;
+
+namespace {
+
+std::uint64_t shared_seed() {
+  std::uint64_t seed = test::world_rank() == 0 ? test::fresh_seed() : 0;
+  MOE_CHECK_MPI(MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
+  return seed;
+}
+
+// One step of every rank against the mesh reference; returns the slots dropped over the mesh.
+// Every rank draws the same batches and computes the same reference, so every rank takes the
+// same retries.
+int run_capacity_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t seed) {
+  const int world = test::world_size();
+  const int rank = test::world_rank();
+  c.ep = ep;
+  c.dp = dp;
+  c.validate();
+  INFO(c.describe() << " rank " << rank << (empty_rank ? ", last rank without tokens" : ""));
+  std::mt19937_64 rng(seed);
+  auto params = test::round_params(test::random_params(c, rng), c.dtype);
+  std::vector<Matrix> xs(world), dys(world);
+  std::vector<reference::LayerResult> want;
+  for (int attempt = 0;; ++attempt) {
+    REQUIRE(attempt < 50);
+    for (int r = 0; r < world; ++r) {
+      const std::int64_t tokens =
+          empty_rank && r == world - 1 ? 0 : std::uniform_int_distribution<int>(1, 40)(rng);
+      test::draw_separated(c, params, xs[r], tokens, rng);
+      dys[r] = test::round_to(test::random_matrix(tokens, c.hidden, rng), c.dtype);
+    }
+    want = reference::run_mesh(c, params, xs, dys);
+    bool clear = true;
+    for (int r = 0; r < world; ++r)
+      clear = clear && test::capacity_boundary_clear(c, xs[r].rows, want[r]);
+    if (clear) break;
+  }
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, c.num_experts);
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  const int E_loc = c.num_experts / ep;
+  test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
+  const std::int64_t T = xs[rank].rows;
+  const auto x = test::upload_as(xs[rank], c.dtype);
+  const auto dy = test::upload_as(dys[rank], c.dtype);
+  const auto fwd = block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
+  INFO("transport " << ep_transport_name(block.ep_transport()));
+  if (ep > 1) CHECK(block.ep_transport() == EpTransport::kNccl);
+  const Tensor dx = block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
+  block.reduce_gradients();
+  block.synchronize();
+
+  const reference::LayerResult& mine = want[rank];
+  const double tol = c.dtype == DType::kBF16 ? 2e-2 : 1e-5;
+  if (T > 0) {
+    CHECK(test::relative_error(test::read(fwd.out, T, c.hidden), mine.out) <= tol);
+    CHECK(test::relative_error(test::read(dx, T, c.hidden), mine.dx) <= tol);
+  }
+  CHECK(fwd.aux_loss == Approx(mine.aux_loss).epsilon(1e-5).margin(1e-9));
+  CHECK(fwd.z_loss == Approx(mine.z_loss).epsilon(1e-5).margin(1e-9));
+  const auto& g = block.gradients();
+  CHECK(test::relative_error(test::read(g.gate_weight, c.num_experts, c.hidden),
+                             mine.d_gate_weight) <= tol);
+  const Matrix dw13 =
+      test::read(g.w13, static_cast<std::int64_t>(E_loc) * 2 * c.ffn_hidden, c.hidden);
+  const Matrix dw2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
+  for (int le = 0; le < E_loc; ++le) {
+    INFO("local expert " << le);
+    CHECK(test::relative_error(
+              reference::slice_rows(dw13, le * 2 * c.ffn_hidden, (le + 1) * 2 * c.ffn_hidden),
+              test::transpose(mine.expert_grads.dw13[le])) <= tol);
+    CHECK(test::relative_error(reference::slice_rows(dw2, static_cast<std::int64_t>(le) * c.hidden,
+                                                     (le + 1) * c.hidden),
+                               test::transpose(mine.expert_grads.dw2[le])) <= tol);
+  }
+  if (c.shared_experts()) {  // summed over the world
+    const std::int64_t Fs = c.shared_ffn_hidden;
+    CHECK(test::relative_error(test::read(g.shared_w13, 2 * Fs, c.hidden),
+                               test::transpose(mine.shared_grads.dw13)) <= tol);
+    CHECK(test::relative_error(test::read(g.shared_w2, c.hidden, Fs),
+                               test::transpose(mine.shared_grads.dw2)) <= tol);
+  }
+  // This rank's own drops: the kept mask over its slots, and its kept and dropped counts.
+  const MoERouting routing = block.routing();
+  const auto slots = static_cast<std::size_t>(T * c.topk);
+  const auto E = static_cast<std::size_t>(c.num_experts);
+  std::vector<std::int32_t> kept(slots), counts(E), dropped(E);
+  if (slots > 0) copy_to_host(kept.data(), routing.kept.data, slots * 4);
+  copy_to_host(counts.data(), routing.tokens_per_expert.data, E * 4);
+  copy_to_host(dropped.data(), routing.dropped_per_expert.data, E * 4);
+  CHECK(std::vector<int>(kept.begin(), kept.end()) == mine.kept);
+  for (std::size_t e = 0; e < E; ++e) {
+    INFO("expert " << e);
+    CHECK(counts[e] == mine.tokens_per_expert[e]);
+    CHECK(dropped[e] == mine.dropped_per_expert[e]);
+  }
+  int dropped_slots = 0;
+  for (const auto& r : want)
+    dropped_slots += static_cast<int>(std::count(r.kept.begin(), r.kept.end(), 0));
+  return dropped_slots;
+}
+
+}  // namespace
+
+TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][block][capacity]") {
+  const int world = test::world_size();
+  const auto seed = shared_seed();
+  INFO("seed " << seed);
+  int index = 0;
+  for (int ep = 1; ep <= world; ++ep) {
+    if (world % ep != 0) continue;
+    for (const DropPolicy policy : {DropPolicy::kProbs, DropPolicy::kPosition}) {
+      for (const double factor : {0.5, 1.25}) {
+        MoEConfig c = test::small_config(64, 48, 8, 2);
+        c.dtype = DType::kFP32;
+        c.gemm_autotune = false;
+        c.capacity_factor = factor;
+        c.drop_policy = policy;
+        c.aux_loss_coeff = 0.05;
+        c.z_loss_coeff = 0.01;
+        c.align_size = index % 2 == 0 ? 0 : 16;
+        ++index;
+        const int dropped = run_capacity_mesh_case(c, ep, world / ep, index % 3 == 0, seed + index);
+        if (factor == 0.5) CHECK(dropped > 0);
+      }
+    }
+    // deepseek's router and a shared expert beside the drops, in bf16.
+    MoEConfig ds = test::deepseek_like(test::small_config(64, 48, 8, 2));
+    ds.capacity_factor = 0.75;
+    ds.shared_ffn_hidden = 40;
+    ds.gemm_autotune = false;
+    ++index;
+    run_capacity_mesh_case(ds, ep, world / ep, false, seed + index);
+  }
+}
