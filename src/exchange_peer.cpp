@@ -71,7 +71,7 @@ class PeerExchange final : public TokenExchange {
   // The sender's layout only: dispatch stores the rows where they go.
   void permute(const Tensor& x, const SlotRouting& routing) override {
     // MoEBlock refuses capacity mode under EP before any forward; this names the cause if not.
-    if (routing.has_dropped_group) fail("capacity mode runs on one EP rank only, for now");
+    if (routing.has_dropped_group) fail("capacity mode runs over the NCCL exchange, for now");
     saved_.routing = routing;
     layout_.build(routing.topk_idx, x.dim(0), K_, E_, /*align=*/1, stream_);
   }
