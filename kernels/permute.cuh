@@ -21,7 +21,10 @@
 
 namespace moe {
 
-// The layout of T·K routed rows over `experts` expert groups, each padded to `align`.
+// The layout of T·K routed rows over `experts` expert groups, each padded to `align`. A token is
+// ranked once per group: slots of one token that name the same group (only capacity mode's group
+// of dropped slots, whose rows are only ever zero) share one row; the group still counts every
+// slot, so its row range is never exceeded.
 struct LayoutArgs {
   const std::int32_t* topk_idx = nullptr;  // [T, K]
   std::int64_t tokens = 0;

@@ -150,7 +150,9 @@ void check_case(const Case& c, std::mt19937_64& rng) {
   }
 
   // pad_to_capacity's layout of the kept routing: expert e's group is exactly rows
-  // [e·C, (e + 1)·C), its kept slots first; the dropped slots' group E follows, unpadded.
+  // [e·C, (e + 1)·C), its kept slots first, each on a row of its own; the dropped slots' group E
+  // follows, unpadded. (A token's several dropped slots may share one row of that group: the
+  // layout ranks a token once per group, and the dropped rows are only ever zero.)
   if (c.capacity == 0) return;
   DeviceBuffer fixed_counts(static_cast<std::size_t>(E + 1) * 4),
       fixed_offsets(static_cast<std::size_t>(E + 2) * 4), fixed_rows(slot_bytes),
@@ -184,7 +186,8 @@ void check_case(const Case& c, std::mt19937_64& rng) {
     const std::int64_t begin = keep ? idx[i] * c.capacity : E * c.capacity;
     const std::int64_t end =
         keep ? begin + got_kept_counts[static_cast<std::size_t>(idx[i])] : begin + dropped_slots;
-    if (row < begin || row >= end || used[static_cast<std::size_t>(row)]++ > 0) ++misplaced;
+    if (row < begin || row >= end || (keep && used[static_cast<std::size_t>(row)]++ > 0))
+      ++misplaced;
   }
   CHECK(misplaced == 0);
 }
