@@ -490,11 +490,16 @@ TEST_CASE("a recorded step replays bitwise on an EP mesh", "[mpi][block][replay]
     };
     const auto run = [&](const ForwardOptions& options, bool record) {
       Step s;
+      // test::read copies on the legacy stream, which does not wait for the block's: each read
+      // follows a wait for the stream.
       const auto fwd = block.forward(x_t, options);
       if (record) block.record_routing(idx);
+      stream.synchronize();
       s.out = test::read(fwd.out, T, c.hidden);
       s.aux = fwd.aux_loss;
-      s.dx = test::read(block.backward(dy_t), T, c.hidden);
+      const Tensor dx = block.backward(dy_t);
+      stream.synchronize();
+      s.dx = test::read(dx, T, c.hidden);
       block.reduce_gradients();
       block.synchronize();
       const auto& g = block.gradients();
@@ -503,8 +508,8 @@ TEST_CASE("a recorded step replays bitwise on an EP mesh", "[mpi][block][replay]
       s.dw2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
       return s;
     };
-    // The first step's reduce_gradients agrees the GEMM algorithms over the mesh (a rank may
-    // switch to a peer's): the recorded step and its replay come after it.
+    // The first step's reduce_gradients agrees the GEMM algorithms over the mesh: the recorded
+    // step and its replay both come after it, so they run the same ones by construction.
     (void)run({}, false);
     const Step want = run({}, true);
     const Step again = run(ForwardOptions{idx}, false);
