@@ -23,7 +23,10 @@ inline void copy_into(const Tensor& dst, const reference::Matrix& m) {
   MOE_CHECK_CUDA(cudaMemcpy(dst.data, buffer.data(), dst.bytes(), cudaMemcpyDeviceToDevice));
 }
 
+// Waits for the whole device first: the layer's streams are non-blocking, and the copy (on the
+// legacy stream) would not wait for them.
 inline reference::Matrix read(const Tensor& t, std::int64_t rows, std::int64_t cols) {
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
   reference::Matrix m(rows, cols);
   const auto n = static_cast<std::size_t>(rows * cols);
   if (t.dtype == DType::kBF16) {
