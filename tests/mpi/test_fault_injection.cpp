@@ -73,30 +73,53 @@ struct Outcome {
   std::chrono::steady_clock::duration elapsed{};
 };
 
-Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transport) {
-  const int world = test::world_size();
-  const int rank = test::world_rank();
-  MoEConfig c = test::small_config(32, 24, 2 * world, 2);
-  c.ep = world;
-  c.ep_transport = transport;
-  c.gemm_autotune = false;
-  c.validate();
-  trace("a new mesh");
-  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts, kTimeout);
-  Stream stream;
-  MoEBlock block(c, mesh, stream.get());
-  std::mt19937_64 rng(7 + rank);
-  const std::int64_t T = 24;
-  const auto x = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
-  const auto dy = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
-  // One clean step first: the transport is chosen and every connection made.
-  (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
-  (void)block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
-  block.reduce_gradients();
-  block.synchronize();
-  trace("the clean step ended");
-  MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+// A block over EP = every rank, with this rank's input and output gradient, after one clean
+// step: the transport is chosen and every connection made.
+class SteppedBlock {
+ public:
+  explicit SteppedBlock(EpTransport transport)
+      : config_(make_config(transport)),
+        mesh_(Mesh::from_mpi(MPI_COMM_WORLD, config_.ep, 1, config_.num_experts, kTimeout)),
+        block_(config_, mesh_, stream_.get()) {
+    std::mt19937_64 rng(7 + test::world_rank());
+    x_ = test::upload_as(test::random_matrix(kTokens, config_.hidden, rng), config_.dtype);
+    dy_ = test::upload_as(test::random_matrix(kTokens, config_.hidden, rng), config_.dtype);
+    step();
+    trace("the clean step ended");
+    MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+  }
+  // forward, backward, reduce_gradients, synchronize.
+  void step() {
+    (void)block_.forward(x());
+    (void)block_.backward(Tensor(dy_.data(), config_.dtype, {kTokens, config_.hidden}));
+    block_.reduce_gradients();
+    block_.synchronize();
+  }
+  Tensor x() const { return Tensor(x_.data(), config_.dtype, {kTokens, config_.hidden}); }
+  MoEBlock& block() { return block_; }
+  const Mesh& mesh() const { return mesh_; }
 
+ private:
+  static constexpr std::int64_t kTokens = 24;
+  static MoEConfig make_config(EpTransport transport) {
+    MoEConfig c = test::small_config(32, 24, 2 * test::world_size(), 2);
+    c.ep = test::world_size();
+    c.ep_transport = transport;
+    c.gemm_autotune = false;
+    c.validate();
+    trace("a new mesh");
+    return c;
+  }
+  MoEConfig config_;
+  Mesh mesh_;
+  Stream stream_;
+  MoEBlock block_;
+  DeviceBuffer x_, dy_;
+};
+
+Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transport) {
+  const int rank = test::world_rank();
+  SteppedBlock stepped(transport);
   HookGuard guard;
   trace(std::string("case: ") + (fault == Fault::kThrows ? "throws" : "stalls") + " at '" + stage +
         "', transport " + std::string(ep_transport_name(transport)));
@@ -111,10 +134,7 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
   Outcome outcome;
   const auto start = std::chrono::steady_clock::now();
   try {
-    (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
-    (void)block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
-    block.reduce_gradients();
-    block.synchronize();
+    stepped.step();
   } catch (const Error& error) {
     outcome.threw = true;
     outcome.message = error.what();
@@ -124,7 +144,7 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
         std::to_string(
             std::chrono::duration_cast<std::chrono::milliseconds>(outcome.elapsed).count()) +
         " ms: " + outcome.message);
-  CHECK(mesh.aborted());
+  CHECK(stepped.mesh().aborted());
   return outcome;
 }
 
@@ -184,21 +204,7 @@ TEST_CASE("a rank that stalls past the timeout is an error on every rank, itself
 TEST_CASE("a rank that exits mid-step ends the job", "[.rank-exits]") {
   REQUIRE(test::world_size() >= 2);
   const int rank = test::world_rank();
-  MoEConfig c = test::small_config(32, 24, 2 * test::world_size(), 2);
-  c.ep = test::world_size();
-  c.gemm_autotune = false;
-  c.validate();
-  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, c.ep, 1, c.num_experts, kTimeout);
-  Stream stream;
-  MoEBlock block(c, mesh, stream.get());
-  std::mt19937_64 rng(7 + rank);
-  const std::int64_t T = 24;
-  const auto x = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
-  const auto dy = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
-  (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
-  (void)block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
-  block.synchronize();
-  MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+  SteppedBlock stepped(EpTransport::kAuto);
   HookGuard guard;
   set_stage_hook([rank](const char* name) {
     if (rank != 1 || std::strcmp(name, "moe dispatch") != 0) return;
@@ -207,11 +213,11 @@ TEST_CASE("a rank that exits mid-step ends the job", "[.rank-exits]") {
     std::_Exit(3);
   });
   try {
-    (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
-    block.synchronize();
+    (void)stepped.block().forward(stepped.x());
+    stepped.block().synchronize();
   } catch (const Error& error) {
     std::fprintf(stderr, "[rank %d] %s\n", rank, error.what());
     std::fflush(stderr);
   }
-  CHECK(mesh.aborted());
+  CHECK(stepped.mesh().aborted());
 }

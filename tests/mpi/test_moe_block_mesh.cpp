@@ -14,18 +14,13 @@
 #include "moe/moe_block.h"
 #include "support/block_util.h"
 #include "support/catch.h"
+#include "support/mesh_checks.h"
 #include "support/test_main.h"
 
 using namespace moe;
 using reference::Matrix;
 
 namespace {
-
-std::uint64_t shared_seed() {
-  std::uint64_t seed = test::world_rank() == 0 ? test::fresh_seed() : 0;
-  MOE_CHECK_MPI(MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
-  return seed;
-}
 
 // Under EP each case runs over both transports: NCCL, and the peer exchange where the EP group has
 // peer access (auto then picks it; the block reports which it took).
@@ -103,29 +98,7 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   CHECK(fwd.aux_loss == Approx(want.aux_loss).epsilon(1e-5).margin(1e-9));
   CHECK(fwd.z_loss == Approx(want.z_loss).epsilon(1e-5).margin(1e-9));
   const auto& g = block.gradients();
-  CHECK(test::relative_error(test::read(g.gate_weight, c.num_experts, c.hidden),
-                             want.d_gate_weight) <= tol);
-  const Matrix dw13 =
-      test::read(g.w13, static_cast<std::int64_t>(E_loc) * 2 * c.ffn_hidden, c.hidden);
-  const Matrix dw2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
-  for (int le = 0; le < E_loc; ++le) {
-    const int e = mesh.ep_index() * E_loc + le;
-    INFO("expert " << e);
-    CHECK(test::relative_error(
-              reference::slice_rows(dw13, le * 2 * c.ffn_hidden, (le + 1) * 2 * c.ffn_hidden),
-              test::transpose(want.expert_grads.dw13[e])) <= tol);
-    CHECK(test::relative_error(reference::slice_rows(dw2, static_cast<std::int64_t>(le) * c.hidden,
-                                                     (le + 1) * c.hidden),
-                               test::transpose(want.expert_grads.dw2[e])) <= tol);
-  }
-  // The shared expert's gradients, summed over the world: the single run's on every rank.
-  if (c.shared_experts()) {
-    const std::int64_t Fs = c.shared_ffn_hidden;
-    CHECK(test::relative_error(test::read(g.shared_w13, 2 * Fs, c.hidden),
-                               test::transpose(want.shared_grads.dw13)) <= tol);
-    CHECK(test::relative_error(test::read(g.shared_w2, c.hidden, Fs),
-                               test::transpose(want.shared_grads.dw2)) <= tol);
-  }
+  test::check_rank_gradients(c, g, want, mesh.ep_index() * E_loc, E_loc, tol);
   if (c.shared_gate) {
     CHECK(test::relative_error(test::read(g.shared_gate_weight, 1, c.hidden),
                                want.shared_grads.dgate_weight) <= tol);
@@ -137,7 +110,7 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
 TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenated batch",
           "[mpi][block]") {
   const int world = test::world_size();
-  const auto seed = shared_seed();
+  const auto seed = test::shared_seed();
   INFO("seed " << seed);
   MoEConfig softmax = test::small_config(64, 48, 8, 2);
   softmax.aux_loss_coeff = 0.05;
@@ -185,7 +158,7 @@ TEST_CASE("MoEBlock on every mesh shape equals the single run on the concatenate
 TEST_CASE("MoEBlock with a shared expert on every mesh shape equals the single run",
           "[mpi][block][shared]") {
   const int world = test::world_size();
-  const auto seed = shared_seed();
+  const auto seed = test::shared_seed();
   INFO("seed " << seed);
   MoEConfig c = test::small_config(64, 48, 8, 2);
   c.aux_loss_coeff = 0.05;
@@ -216,7 +189,7 @@ TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[m
   c.aux_loss_coeff = 0.05;
   c.align_size = 8;
   // The bias pushes every token to experts 0 and 1, which live on EP rank 0 whatever the mesh.
-  const auto seed = shared_seed();
+  const auto seed = test::shared_seed();
   std::mt19937_64 rng(seed);
   c.ep = world;
   c.dp = 1;
@@ -258,7 +231,7 @@ TEST_CASE("steps of changing batch sizes on one EP block: buffers grow and are m
   c.dp = 1;
   c.ep_transport = transport;
   c.validate();
-  const auto seed = shared_seed();
+  const auto seed = test::shared_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   auto params = test::round_params(test::random_params(c, rng), c.dtype);
@@ -302,7 +275,7 @@ TEST_CASE("two EP layers sharing a scratch: forward 1, forward 2, backward 2, ba
   second_config.ffn_hidden = 40;
   first_config.validate();
   second_config.validate();
-  const auto seed = shared_seed();
+  const auto seed = test::shared_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, 8);
@@ -369,7 +342,7 @@ TEST_CASE("DP replicas given the same rows agree bitwise once the GEMM algorithm
     WARN("needs two ranks; one rank has no replica");
     return;
   }
-  const auto seed = shared_seed();
+  const auto seed = test::shared_seed();
   INFO("seed " << seed);
   for (const int ep : {1, 2}) {
     if (world % ep != 0 || world / ep < 2) continue;
@@ -456,7 +429,7 @@ TEST_CASE("an invalid replay index on one rank fails every rank in the same forw
 // same, over both transports (the replayed probabilities are recomputed by the forward's rule).
 TEST_CASE("a recorded step replays bitwise on an EP mesh", "[mpi][block][replay]") {
   const int world = test::world_size();
-  const auto seed = shared_seed();
+  const auto seed = test::shared_seed();
   INFO("seed " << seed);
   for (const EpTransport transport : transports(world)) {
     MoEConfig c = test::deepseek_like(test::small_config(64, 48, 8, 2));

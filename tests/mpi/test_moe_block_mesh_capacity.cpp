@@ -14,18 +14,13 @@
 #include "support/block_util.h"
 #include "support/capacity_check.h"
 #include "support/catch.h"
+#include "support/mesh_checks.h"
 #include "support/test_main.h"
 
 using namespace moe;
 using reference::Matrix;
 
 namespace {
-
-std::uint64_t shared_seed() {
-  std::uint64_t seed = test::world_rank() == 0 ? test::fresh_seed() : 0;
-  MOE_CHECK_MPI(MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
-  return seed;
-}
 
 // One step of every rank against the mesh reference; returns the slots dropped over the mesh.
 // Every rank draws the same batches and computes the same reference, so every rank takes the
@@ -78,28 +73,7 @@ int run_capacity_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::ui
   }
   CHECK(fwd.aux_loss == Approx(mine.aux_loss).epsilon(1e-5).margin(1e-9));
   CHECK(fwd.z_loss == Approx(mine.z_loss).epsilon(1e-5).margin(1e-9));
-  const auto& g = block.gradients();
-  CHECK(test::relative_error(test::read(g.gate_weight, c.num_experts, c.hidden),
-                             mine.d_gate_weight) <= tol);
-  const Matrix dw13 =
-      test::read(g.w13, static_cast<std::int64_t>(E_loc) * 2 * c.ffn_hidden, c.hidden);
-  const Matrix dw2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
-  for (int le = 0; le < E_loc; ++le) {
-    INFO("local expert " << le);
-    CHECK(test::relative_error(
-              reference::slice_rows(dw13, le * 2 * c.ffn_hidden, (le + 1) * 2 * c.ffn_hidden),
-              test::transpose(mine.expert_grads.dw13[le])) <= tol);
-    CHECK(test::relative_error(reference::slice_rows(dw2, static_cast<std::int64_t>(le) * c.hidden,
-                                                     (le + 1) * c.hidden),
-                               test::transpose(mine.expert_grads.dw2[le])) <= tol);
-  }
-  if (c.shared_experts()) {  // summed over the world
-    const std::int64_t Fs = c.shared_ffn_hidden;
-    CHECK(test::relative_error(test::read(g.shared_w13, 2 * Fs, c.hidden),
-                               test::transpose(mine.shared_grads.dw13)) <= tol);
-    CHECK(test::relative_error(test::read(g.shared_w2, c.hidden, Fs),
-                               test::transpose(mine.shared_grads.dw2)) <= tol);
-  }
+  test::check_rank_gradients(c, block.gradients(), mine, 0, E_loc, tol);
   // This rank's own drops: the kept mask over its slots, and its kept and dropped counts.
   const MoERouting routing = block.routing();
   const auto slots = static_cast<std::size_t>(T * c.topk);
@@ -124,7 +98,7 @@ int run_capacity_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::ui
 
 TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][block][capacity]") {
   const int world = test::world_size();
-  const auto seed = shared_seed();
+  const auto seed = test::shared_seed();
   INFO("seed " << seed);
   int index = 0;
   for (int ep = 1; ep <= world; ++ep) {
