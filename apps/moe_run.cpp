@@ -394,8 +394,8 @@ int main(int argc, char** argv) {
                                                      : fmt::format("--dp {}", dp);
         fail("{}: --reference runs the whole batch on the CPU as one rank; drop them", given);
       }
-      config.ep = config.dp = 1;
-      return run_reference(config, weights, inputs, check_finite_values, out_path);
+      // Routed as the config's mesh routes (node-limited routing depends on its ep).
+      return run_reference(config.for_one_rank(), weights, inputs, check_finite_values, out_path);
     }
     const CheckedLayerFiles checked = check_layer_files(config, weights, inputs);
     // Refused before MPI starts, so that every rank stops at once with the same message.

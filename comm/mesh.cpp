@@ -3,9 +3,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <mutex>
-#include <system_error>
 #include <thread>
 
 #include "comm/bootstrap.h"
@@ -100,29 +100,40 @@ struct Mesh::Comms {
       std::condition_variable finished;
       int running = 0;
     };
-    auto pending = std::make_shared<Pending>();
-    for (comm::NcclComm* c : {&world, &ep, &dp}) {
-      const ncclComm_t handle = c->release();
-      if (handle == nullptr) continue;
-      try {
-        {
-          std::lock_guard lock(pending->mutex);
-          ++pending->running;
-        }
-        std::thread([handle, pending] {
-          (void)ncclCommAbort(handle);
-          std::lock_guard lock(pending->mutex);
-          --pending->running;
-          pending->finished.notify_all();
-        }).detach();
-      } catch (const std::system_error&) {  // no thread to spare: this one here
-        {
-          std::lock_guard lock(pending->mutex);
-          --pending->running;
-        }
-        (void)ncclCommAbort(handle);
-      }
+    std::shared_ptr<Pending> pending;
+    try {
+      pending = std::make_shared<Pending>();
+    } catch (...) {  // no memory for it: every abort here, in turn
     }
+    const ncclComm_t handles[] = {world.release(), ep.release(), dp.release()};
+    ncclComm_t here[std::size(handles)] = {};
+    std::size_t aborted_here = 0;
+    for (const ncclComm_t handle : handles) {
+      if (handle == nullptr) continue;
+      bool started = false;
+      if (pending) {
+        try {
+          {
+            std::lock_guard lock(pending->mutex);
+            ++pending->running;
+          }
+          std::thread([handle, pending] {
+            (void)ncclCommAbort(handle);
+            std::lock_guard lock(pending->mutex);
+            --pending->running;
+            pending->finished.notify_all();
+          }).detach();
+          started = true;
+        } catch (...) {  // no thread to spare
+          std::lock_guard lock(pending->mutex);
+          --pending->running;
+        }
+      }
+      if (!started) here[aborted_here++] = handle;
+    }
+    // Those without a thread of their own, once every other abort has set its flag.
+    for (std::size_t i = 0; i < aborted_here; ++i) (void)ncclCommAbort(here[i]);
+    if (!pending) return;
     std::unique_lock lock(pending->mutex);
     pending->finished.wait_for(lock, grace, [&] { return pending->running == 0; });
   }

@@ -142,9 +142,25 @@ std::string MoEConfig::unsupported_by_gpu_layer() const {
 
 MoEConfig::RoutingGroups MoEConfig::routing_groups() const {
   if (max_nodes_per_token > 0 && ep_ranks_per_node > 0) {
-    return {ep / ep_ranks_per_node, max_nodes_per_token};
+    // An EP group inside one node (ep <= ep_ranks_per_node), or over no more nodes than a token
+    // may reach, limits nothing.
+    const int nodes = ep > ep_ranks_per_node ? ep / ep_ranks_per_node : 1;
+    if (nodes > max_nodes_per_token) return {nodes, max_nodes_per_token};
+    return {};
   }
   return {num_groups, group_topk};
+}
+
+MoEConfig MoEConfig::for_one_rank() const {
+  MoEConfig one = *this;
+  if (node_limited_routing()) {
+    const RoutingGroups groups = routing_groups();
+    one.num_groups = groups.count;
+    one.group_topk = groups.topk;
+    one.max_nodes_per_token = one.ep_ranks_per_node = 0;
+  }
+  one.ep = one.dp = 1;
+  return one;
 }
 
 void MoEConfig::validate() const {
@@ -246,20 +262,20 @@ void MoEConfig::validate() const {
                        "max_nodes_per_token = {} with num_groups = {}: node-limited routing makes "
                        "one routing group per node itself; leave num_groups and group_topk at 0",
                        max_nodes_per_token, num_groups);
-    MOE_CONFIG_REQUIRE(ep % ep_ranks_per_node == 0, "ep_ranks_per_node = {} must divide ep = {}",
-                       ep_ranks_per_node, ep);
-    const int nodes = ep / ep_ranks_per_node;
-    MOE_CONFIG_REQUIRE(max_nodes_per_token <= nodes,
-                       "max_nodes_per_token = {} must be in [1, ep / ep_ranks_per_node = {} nodes]",
-                       max_nodes_per_token, nodes);
-    MOE_CONFIG_REQUIRE(topk % max_nodes_per_token == 0,
-                       "max_nodes_per_token = {} must divide topk = {} (each node kept is scored "
-                       "by its top topk / max_nodes_per_token experts)",
-                       max_nodes_per_token, topk);
-    MOE_CONFIG_REQUIRE(topk / max_nodes_per_token <= num_experts / nodes,
-                       "topk / max_nodes_per_token = {} must not exceed the experts per node, "
-                       "num_experts / nodes = {}",
-                       topk / max_nodes_per_token, num_experts / nodes);
+    // A config file may leave ep to the launcher (ep 1, one node: no limit yet); the apps validate
+    // again once they set the mesh's ep.
+    MOE_CONFIG_REQUIRE(ep <= ep_ranks_per_node || ep % ep_ranks_per_node == 0,
+                       "ep_ranks_per_node = {} must divide ep = {}", ep_ranks_per_node, ep);
+    if (const int nodes = routing_groups().count; nodes > 0) {
+      MOE_CONFIG_REQUIRE(topk % max_nodes_per_token == 0,
+                         "max_nodes_per_token = {} must divide topk = {} (each node kept is "
+                         "scored by its top topk / max_nodes_per_token experts)",
+                         max_nodes_per_token, topk);
+      MOE_CONFIG_REQUIRE(topk / max_nodes_per_token <= num_experts / nodes,
+                         "topk / max_nodes_per_token = {} must not exceed the experts per node, "
+                         "num_experts / nodes = {}",
+                         topk / max_nodes_per_token, num_experts / nodes);
+    }
   }
   MOE_CONFIG_REQUIRE(ep_transport == EpTransport::kAuto || ep_transport == EpTransport::kNccl ||
                          ep_transport == EpTransport::kPeer,

@@ -58,8 +58,9 @@ struct MoEConfig {
   int group_topk = 0;        // GK
   // Node-limited routing: each token's experts lie on at most max_nodes_per_token nodes, the EP
   // ranks taken ep_ranks_per_node to a node in rank order. A rank's experts are contiguous, and so
-  // are a node's: this is group-limited routing with one group per node (routing_groups()). Both
-  // zero = off; it leaves num_groups and group_topk at zero.
+  // are a node's: this is group-limited routing with one group per node (routing_groups()), and no
+  // limit at all while the EP group spans at most max_nodes_per_token nodes (one GPU included).
+  // Both zero = off; it leaves num_groups and group_topk at zero.
   int max_nodes_per_token = 0;
   int ep_ranks_per_node = 0;
   double scaling_factor = 1.0;
@@ -124,7 +125,8 @@ struct MoEConfig {
   int bench_tokens = 0;
 
   // The groups the router limits each token to: num_groups keeping group_topk, or under
-  // node-limited routing one group per node keeping max_nodes_per_token; {0, 0} when neither.
+  // node-limited routing one group per node of the mesh's ep keeping max_nodes_per_token; {0, 0}
+  // when there is no limit.
   struct RoutingGroups {
     int count = 0;
     int topk = 0;
@@ -132,6 +134,9 @@ struct MoEConfig {
   RoutingGroups routing_groups() const;
   bool grouped_routing() const { return routing_groups().count > 0; }
   bool node_limited_routing() const { return max_nodes_per_token > 0 || ep_ranks_per_node > 0; }
+  // This config for one rank running the mesh's whole batch, routed as the mesh routes it: ep and
+  // dp 1, and node-limited routing (which depends on ep) written as the groups it resolves to.
+  MoEConfig for_one_rank() const;
   bool capacity_mode() const { return capacity_factor > 0; }
   bool shared_experts() const { return shared_ffn_hidden > 0; }
   int local_experts() const { return num_experts / ep; }  // E_loc

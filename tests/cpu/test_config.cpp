@@ -160,8 +160,6 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
        "per node itself"},
       {{{"max_nodes_per_token", "1"}, {"ep_ranks_per_node", "3"}, {"ep", "4"}},
        "ep_ranks_per_node = 3 must divide ep = 4"},
-      {{{"max_nodes_per_token", "3"}, {"ep_ranks_per_node", "2"}, {"ep", "4"}},
-       "max_nodes_per_token = 3 must be in [1, ep / ep_ranks_per_node = 2 nodes]"},
       {{{"max_nodes_per_token", "2"}, {"ep_ranks_per_node", "1"}, {"ep", "4"}, {"topk", "3"}},
        "max_nodes_per_token = 2 must divide topk = 3"},
       {{{"max_nodes_per_token", "1"}, {"ep_ranks_per_node", "1"}, {"ep", "4"}, {"topk", "4"}},
@@ -282,6 +280,22 @@ TEST_CASE("node-limited routing is group-limited routing with one group per node
   CHECK(config.routing_groups().topk == 2);
   CHECK(config.num_groups == 0);
   CHECK_THAT(config.describe(), test::contains_text("nodes<=2 (2 ranks/node)"));
+  // For one rank running the mesh's batch: the same groups, written out.
+  const MoEConfig one = config.for_one_rank();
+  CHECK(one.ep == 1);
+  CHECK_FALSE(one.node_limited_routing());
+  CHECK(one.num_groups == 4);
+  CHECK(one.group_topk == 2);
+  // No limit while the EP group spans at most max_nodes_per_token nodes: one GPU, one node, or
+  // as many nodes as a token may reach. A config file may leave ep to the launcher.
+  for (const char* ep : {"1", "2", "4"}) {
+    INFO("ep " << ep);
+    const auto loose =
+        parse_config(kBase + "max_nodes_per_token: 2\nep_ranks_per_node: 2\nep: " + ep + "\n");
+    CHECK(loose.node_limited_routing());
+    CHECK_FALSE(loose.grouped_routing());
+    CHECK(loose.for_one_rank().num_groups == 0);
+  }
   const auto grouped = parse_config(kBase + "num_groups: 4\ngroup_topk: 2\n");
   CHECK_FALSE(grouped.node_limited_routing());
   CHECK(grouped.routing_groups().count == 4);

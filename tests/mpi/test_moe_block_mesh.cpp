@@ -84,13 +84,7 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   block.reduce_gradients();
   MOE_CHECK_CUDA(cudaDeviceSynchronize());
 
-  MoEConfig single = c;
-  if (c.node_limited_routing()) {  // the mesh's nodes as plain groups: one rank has one node
-    single.num_groups = c.routing_groups().count;
-    single.group_topk = c.routing_groups().topk;
-    single.max_nodes_per_token = single.ep_ranks_per_node = 0;
-  }
-  single.ep = single.dp = 1;
+  const MoEConfig single = c.for_one_rank();  // node-limited: the mesh's nodes as plain groups
   const auto want =
       reference::run_layer(single, params, x, dy, test::kAsStored, test::dprob_path(block));
   const double tol = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
