@@ -136,14 +136,17 @@ int main(int argc, char** argv) {
     std::error_code same_error;
     if (!json_path.empty() && std::filesystem::equivalent(json_path, config_path, same_error))
       fail("--json '{}' is the config file; name another file", json_path);
+    // The results are written after every step has run: what would make that fail is found now.
+    if (!json_path.empty()) {
+      const auto directory = std::filesystem::path(json_path).parent_path();
+      if (!directory.empty() && !std::filesystem::is_directory(directory))
+        fail("--json '{}': the directory '{}' does not exist", json_path, directory.string());
+      if (std::filesystem::is_directory(json_path))
+        fail("--json '{}' is a directory; name a file", json_path);
+    }
     comm::MpiSession mpi(&argc, &argv);
     const int world = mpi.size();
     const bool root = mpi.rank() == 0;
-    if (cuda_device_count() == 0) {
-      if (root)
-        std::fprintf(stderr, "moe_bench: no CUDA GPU on this machine; it needs at least one.\n");
-      return 2;
-    }
     auto config = load_config(config_path);
     if (ep == 0 && dp == 0) ep = world, dp = 1;
     if (ep == 0) ep = world / dp;
@@ -159,8 +162,17 @@ int main(int argc, char** argv) {
     if (capacity_factor >= 0) config.capacity_factor = capacity_factor;
     if (!drop_policy.empty()) config.drop_policy = parse_drop_policy(drop_policy);
     if (pad_to_capacity) config.pad_to_capacity = true;
+    if (!drop_policy.empty() && !config.capacity_mode())
+      fail("--drop-policy {} needs capacity mode (--capacity-factor, or the config's)",
+           drop_policy);
     if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
     config.validate();
+    // Every setting is checked first, on any machine.
+    if (cuda_device_count() == 0) {
+      if (root)
+        std::fprintf(stderr, "moe_bench: no CUDA GPU on this machine; it needs at least one.\n");
+      return 2;
+    }
 
     const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, config.num_experts);
     Stream stream;

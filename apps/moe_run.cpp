@@ -394,17 +394,35 @@ int main(int argc, char** argv) {
                                                      : fmt::format("--dp {}", dp);
         fail("{}: --reference runs the whole batch on the CPU as one rank; drop them", given);
       }
-      // Routed as the config's mesh routes (node-limited routing depends on its ep).
+      // Routed as the config's mesh routes: node-limited routing depends on its ep, which only
+      // the file can give here.
+      if (config.node_limited_routing() && config.ep == 1)
+        fail(
+            "max_nodes_per_token = {} depends on the mesh: set `ep:` in the config to the EP size "
+            "the reference stands for (--reference runs the batch as one rank)",
+            config.max_nodes_per_token);
       return run_reference(config.for_one_rank(), weights, inputs, check_finite_values, out_path);
     }
     const CheckedLayerFiles checked = check_layer_files(config, weights, inputs);
-    // Refused before MPI starts, so that every rank stops at once with the same message.
-    if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
+    // Refused before MPI starts, so that every rank stops at once with the same message: with the
+    // mesh asked for where --ep / --dp give it (the world size is known only under MPI).
+    MoEConfig asked = config;
+    asked.ep = ep != 0 ? ep : 1;
+    asked.dp = dp != 0 ? dp : 1;
+    if (const std::string why = asked.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
+    // The file's ep decides node-limited routing (as under --reference): a mesh of another EP
+    // size would route otherwise.
+    const int file_ep = config.ep;
     comm::MpiSession mpi(&argc, &argv);
     if (cuda_device_count() == 0) fail("no CUDA GPU on this machine (--reference runs on the CPU)");
     if (ep == 0 && dp == 0) ep = mpi.size(), dp = 1;
     if (ep == 0) ep = mpi.size() / dp;
     if (dp == 0) dp = mpi.size() / ep;
+    if (config.node_limited_routing() && file_ep != 1 && file_ep != ep)
+      fail(
+          "the config's ep = {} sets the nodes of max_nodes_per_token = {}, but the mesh has "
+          "EP {}; give --ep {} (and as many ranks) or change the file",
+          file_ep, config.max_nodes_per_token, ep, file_ep);
     config.ep = ep;
     config.dp = dp;
     config.validate();

@@ -359,7 +359,7 @@ int main(int argc, char** argv) {
       ->check(cli::finite_in(0, 1e3));
   app.add_option("--ep", o.ep, "expert-parallel degree")->check(cli::count_in(1, 1 << 20));
   app.add_option("--dp", o.dp, "data-parallel degree")->check(cli::count_in(1, 1 << 20));
-  app.add_option("--seed", o.seed, "seed of the weights and data");
+  app.add_option("--seed", o.seed, "seed of the weights and data")->check(cli::unsigned_integer());
   app.add_option("--log-every", o.log_every, "print the loss every N steps")
       ->check(cli::count_in(1, 1000000000));
   app.add_option("--save", o.save_path, "write a checkpoint (safetensors) at the end");
@@ -374,7 +374,10 @@ int main(int argc, char** argv) {
       const auto directory = std::filesystem::path(o.save_path).parent_path();
       if (!directory.empty() && !std::filesystem::is_directory(directory))
         fail("--save '{}': the directory '{}' does not exist", o.save_path, directory.string());
+      if (std::filesystem::is_directory(o.save_path))
+        fail("--save '{}' is a directory; name a file", o.save_path);
     }
+    (void)load_config(o.config_path);  // the file's own errors, on any machine
     comm::MpiSession mpi(&argc, &argv);
     if (cuda_device_count() == 0) {
       if (mpi.rank() == 0) std::fprintf(stderr, "moe_train: no CUDA GPU on this machine.\n");

@@ -219,7 +219,7 @@ void MoEConfig::validate() const {
   // Capacity mode: 0 is off; its two companions mean nothing without it, so they are refused
   // rather than silently ignored.
   MOE_CONFIG_REQUIRE(std::isfinite(capacity_factor) && capacity_factor >= 0,
-                     "capacity_factor = {} must be positive and finite (0 or absent = dropless)",
+                     "capacity_factor = {} must be positive and finite (absent = dropless)",
                      capacity_factor);
   MOE_CONFIG_REQUIRE(drop_policy == DropPolicy::kProbs || drop_policy == DropPolicy::kPosition,
                      "drop_policy = {} must be probs or position", static_cast<int>(drop_policy));
@@ -262,15 +262,16 @@ void MoEConfig::validate() const {
                        "max_nodes_per_token = {} with num_groups = {}: node-limited routing makes "
                        "one routing group per node itself; leave num_groups and group_topk at 0",
                        max_nodes_per_token, num_groups);
+    // Each node kept is scored by its top topk / max_nodes_per_token experts, whatever the mesh.
+    MOE_CONFIG_REQUIRE(topk % max_nodes_per_token == 0,
+                       "max_nodes_per_token = {} must divide topk = {} (each node kept is scored "
+                       "by its top topk / max_nodes_per_token experts)",
+                       max_nodes_per_token, topk);
     // A config file may leave ep to the launcher (ep 1, one node: no limit yet); the apps validate
     // again once they set the mesh's ep.
     MOE_CONFIG_REQUIRE(ep <= ep_ranks_per_node || ep % ep_ranks_per_node == 0,
                        "ep_ranks_per_node = {} must divide ep = {}", ep_ranks_per_node, ep);
     if (const int nodes = routing_groups().count; nodes > 0) {
-      MOE_CONFIG_REQUIRE(topk % max_nodes_per_token == 0,
-                         "max_nodes_per_token = {} must divide topk = {} (each node kept is "
-                         "scored by its top topk / max_nodes_per_token experts)",
-                         max_nodes_per_token, topk);
       MOE_CONFIG_REQUIRE(topk / max_nodes_per_token <= num_experts / nodes,
                          "topk / max_nodes_per_token = {} must not exceed the experts per node, "
                          "num_experts / nodes = {}",
@@ -368,6 +369,9 @@ auto parse_named(const YAML::Node& node, const std::string& key, std::string_vie
 }  // namespace
 
 MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
+  // yaml-cpp's own message would stop at the byte (a binary file given as the config, say).
+  if (const auto nul = yaml_text.find('\0'); nul != std::string_view::npos)
+    fail("{}: holds a NUL byte at offset {}; a config is YAML text", source, nul);
   // One document: yaml-cpp's Load reads the first and drops the rest without a word, so a
   // document marker after the first key is refused here. (Its LoadAll loops on some malformed
   // inputs, which the fuzzer found.)

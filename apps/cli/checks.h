@@ -6,7 +6,9 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 namespace moe::cli {
@@ -28,6 +30,19 @@ inline CLI::Validator finite_in(double low, double high) {
         return {};
       },
       fmt::format("in [{}, {}]", low, high));
+}
+
+// A whole number of at most 64 bits, no sign (a seed): "-1" would wrap to 2^64 - 1.
+inline CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        std::uint64_t value = 0;
+        const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+        if (text.empty() || error != std::errc() || end != text.data() + text.size())
+          return fmt::format("'{}' is not a whole number in [0, 2^64 - 1]", text);
+        return {};
+      },
+      "UINT");
 }
 
 // An integer in [low, high], the bounds printed as integers.

@@ -158,6 +158,8 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
         {"group_topk", "1"}},
        "max_nodes_per_token = 1 with num_groups = 2: node-limited routing makes one routing group "
        "per node itself"},
+      {{{"max_nodes_per_token", "3"}, {"ep_ranks_per_node", "2"}},
+       "max_nodes_per_token = 3 must divide topk = 2"},
       {{{"max_nodes_per_token", "1"}, {"ep_ranks_per_node", "3"}, {"ep", "4"}},
        "ep_ranks_per_node = 3 must divide ep = 4"},
       {{{"max_nodes_per_token", "2"}, {"ep_ranks_per_node", "1"}, {"ep", "4"}, {"topk", "3"}},
@@ -300,6 +302,13 @@ TEST_CASE("node-limited routing is group-limited routing with one group per node
   CHECK_FALSE(grouped.node_limited_routing());
   CHECK(grouped.routing_groups().count == 4);
   CHECK(grouped.routing_groups().topk == 2);
+}
+
+TEST_CASE("a config with a NUL byte is refused as not text, naming the offset", "[cpu][config]") {
+  std::string text = kBase;
+  text.insert(text.find("topk"), 1, '\0');
+  CHECK_THROWS_WITH(parse_config(text), test::contains_text("holds a NUL byte at offset") &&
+                                            test::contains_text("a config is YAML text"));
 }
 
 TEST_CASE("a repeated key is an error naming the key, never a silent choice", "[cpu][config]") {

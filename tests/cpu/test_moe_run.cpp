@@ -317,6 +317,32 @@ TEST_CASE("moe_run: an align_size beyond the bound fails at once with its value"
   }
 }
 
+TEST_CASE("moe_run --reference routes node-limited as the config's mesh, and asks for its ep",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::string error;
+  {  // No ep in the file: the nodes are unknown.
+    const RunDir d(rng, "max_nodes_per_token: 1\nep_ranks_per_node: 1\n");
+    CHECK(d.run(d.path("inputs.safetensors"), d.path("out.safetensors"), &error) == 1);
+    CHECK_THAT(error,
+               test::contains_text("max_nodes_per_token = 1 depends on the mesh: set `ep:`"));
+  }
+  {  // ep 2, a rank to a node: every token's two experts on one rank's pair, {0, 1} or {2, 3}.
+    const RunDir d(rng, "max_nodes_per_token: 1\nep_ranks_per_node: 1\nep: 2\n");
+    REQUIRE(d.run(d.path("inputs.safetensors"), d.path("out.safetensors"), &error) == 0);
+    const auto results = TensorFile::read(d.dir / "out.safetensors");
+    const auto& idx = results.get("topk_idx");
+    std::vector<std::int32_t> experts(idx.data.size() / 4);
+    std::memcpy(experts.data(), idx.data.data(), idx.data.size());
+    for (std::size_t t = 0; t + 1 < experts.size(); t += 2) {
+      INFO("token " << t / 2);
+      CHECK(experts[t] / 2 == experts[t + 1] / 2);
+    }
+  }
+}
+
 TEST_CASE("layer files: tokens_per_rank counts are checked, their sum for overflow",
           "[cpu][moe_run]") {
   const auto seed = test::fresh_seed();
