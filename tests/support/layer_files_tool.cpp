@@ -6,6 +6,9 @@
 //       shared: shared experts with a gate.
 //   layer_files_tool compare A B TOL    every result tensor of A equals B's: routing exactly, the
 //                                        rest within relative L2 error TOL
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <numeric>
@@ -92,15 +95,32 @@ int compare(const std::string& a_path, const std::string& b_path, double toleran
   return failures == 0 ? 0 : 1;
 }
 
+// The whole of `text` as a number of type T, or an error naming the argument and the text.
+template <typename T>
+T whole_number(const char* what, const std::string& text) {
+  T value{};
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size())
+    throw Error(std::string(what) + " '" + text + "' is not a number of its kind");
+  return value;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const std::string verb = argc > 1 ? argv[1] : "";
-    if (verb == "make" && argc >= 4 && argc <= 6)
-      return make(argv[2], std::stoull(argv[3]), argc > 4 ? argv[4] : "plain",
-                  argc > 5 ? std::stoi(argv[5]) : 1);
-    if (verb == "compare" && argc == 5) return compare(argv[2], argv[3], std::stod(argv[4]));
+    if (verb == "make" && argc >= 4 && argc <= 6) {
+      const std::string variant = argc > 4 ? argv[4] : "plain";
+      const int world = argc > 5 ? whole_number<int>("WORLD", argv[5]) : 1;
+      return make(argv[2], whole_number<std::uint64_t>("SEED", argv[3]), variant, world);
+    }
+    if (verb == "compare" && argc == 5) {
+      const double tolerance = whole_number<double>("TOLERANCE", argv[4]);
+      if (!(tolerance >= 0) || !std::isfinite(tolerance))
+        throw Error("compare: TOLERANCE '" + std::string(argv[4]) + "' must be finite and >= 0");
+      return compare(argv[2], argv[3], tolerance);
+    }
     std::fprintf(stderr,
                  "usage: layer_files_tool make DIR SEED [plain|replay|shared [WORLD]] | compare A "
                  "B TOLERANCE\n");
