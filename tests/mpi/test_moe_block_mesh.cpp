@@ -457,16 +457,11 @@ TEST_CASE("a recorded step replays bitwise on an EP mesh", "[mpi][block][replay]
     };
     const auto run = [&](const ForwardOptions& options, bool record) {
       Step s;
-      // test::read copies on the legacy stream, which does not wait for the block's: each read
-      // follows a wait for the stream.
       const auto fwd = block.forward(x_t, options);
       if (record) block.record_routing(idx);
-      stream.synchronize();
-      s.out = test::read(fwd.out, T, c.hidden);
+      s.out = test::read(fwd.out, T, c.hidden);  // (read waits for the device)
       s.aux = fwd.aux_loss;
-      const Tensor dx = block.backward(dy_t);
-      stream.synchronize();
-      s.dx = test::read(dx, T, c.hidden);
+      s.dx = test::read(block.backward(dy_t), T, c.hidden);
       block.reduce_gradients();
       block.synchronize();
       const auto& g = block.gradients();
