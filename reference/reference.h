@@ -248,6 +248,9 @@ struct SharedForward {
   ExpertActivations act;     // h, a and the ungated output y, one row per token
   std::vector<double> gate;  // [T] sigmoid(x · gate_weightᵀ); 1 without shared_gate
   Matrix out;                // [T, H] gate ⊙ y: what the layer adds to its output
+  // How the forward rounded: under kAsStored the backward forms the gate's gradient as the GPU
+  // does, <dy·w2ᵀ rounded, a>, instead of <dy, y> (the same number in exact arithmetic).
+  Intermediates intermediates = Intermediates::kExact;
 };
 
 SharedForward shared_forward(const MoEConfig& config, const SharedExpert& shared, const Matrix& x,

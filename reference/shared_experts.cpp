@@ -5,6 +5,7 @@
 
 #include "moe/error.h"
 #include "reference/reference.h"
+#include "reference/stages.h"
 
 namespace moe::reference {
 namespace {
@@ -39,6 +40,7 @@ SharedForward shared_forward(const MoEConfig& config, const SharedExpert& shared
   check_shared(config, shared, x.cols);
   const std::array<std::int64_t, 2> offsets = {0, x.rows};
   SharedForward f;
+  f.intermediates = intermediates;
   f.act = experts_forward(x, offsets, as_expert(shared), intermediates, config.dtype);
   f.gate.assign(static_cast<std::size_t>(x.rows), 1.0);
   f.out = f.act.y;
@@ -64,8 +66,15 @@ SharedExpertGrads shared_backward(const MoEConfig& config, const SharedExpert& s
   Matrix dlogit(x.rows, 1);
   for (std::int64_t t = 0; t < x.rows; ++t) {
     const double g = forward.gate[t];
+    // At one token this is the whole gate gradient: a dot product whose terms may cancel, so the
+    // reference rounds where the GPU's experts do.
     double dy_dot_y = 0.0;
-    for (std::int64_t j = 0; j < x.cols; ++j) dy_dot_y += dy(t, j) * forward.act.y(t, j);
+    if (forward.intermediates == Intermediates::kAsStored) {
+      dy_dot_y =
+          expert_prob_grad(dy, t, forward.act.h, t, shared.w2, forward.intermediates, config.dtype);
+    } else {
+      for (std::int64_t j = 0; j < x.cols; ++j) dy_dot_y += dy(t, j) * forward.act.y(t, j);
+    }
     dlogit(t, 0) = g * (1.0 - g) * dy_dot_y;
     for (auto& v : dY.row(t)) v *= g;
   }
