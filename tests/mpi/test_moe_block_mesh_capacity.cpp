@@ -101,6 +101,8 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
   const auto seed = test::shared_seed();
   INFO("seed " << seed);
   int index = 0;
+  // Over the run, not per case: a case of a few tokens may fit within its capacity.
+  int dropped_at_half = 0;
   for (int ep = 1; ep <= world; ++ep) {
     if (world % ep != 0) continue;
     for (const DropPolicy policy : {DropPolicy::kProbs, DropPolicy::kPosition}) {
@@ -116,7 +118,7 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
         c.align_size = factor == 0.5 ? 0 : 16;
         ++index;
         const int dropped = run_capacity_mesh_case(c, ep, world / ep, index % 3 == 0, seed + index);
-        if (factor == 0.5) CHECK(dropped > 0);
+        if (factor == 0.5) dropped_at_half += dropped;
       }
     }
     // deepseek's router and a shared expert beside the drops, in bf16.
@@ -127,4 +129,5 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
     ++index;
     run_capacity_mesh_case(ds, ep, world / ep, false, seed + index);
   }
+  CHECK(dropped_at_half > 0);
 }
