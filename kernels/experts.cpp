@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "moe/error.h"
+#include "pointer_upload.cuh"
 #include "swiglu.cuh"
 
 namespace moe {
@@ -49,40 +50,29 @@ double flops(const GemmShape& s) {
 
 }  // namespace
 
-// Operand addresses for the batched and grouped calls, staged through pinned memory into device
-// arrays. A ring of slots, each rewritten only once its previous upload has completed; with a
-// handful of calls per step that upload finished long ago, so the host never waits on the GPU.
+// Operand addresses for the batched and grouped calls, in device arrays written by a kernel that
+// carries them in its parameters (kernels/pointer_upload.cuh). A ring of slots: a slot is written
+// on the caller's stream, read by GEMMs forked from it and joined back before the call returns,
+// so the next write to it, queued on that stream later, follows every read. The host never
+// waits, and a captured CUDA graph replays each call's own addresses.
 struct ExpertFFN::PointerStaging {
   static constexpr std::size_t kSlots = 8;
   std::size_t slot_capacity;  // pointers per slot
-  PinnedBuffer host;
   DeviceBuffer device;
-  std::vector<Event> uploaded;
   std::size_t next = 0;
 
-  explicit PointerStaging(std::size_t capacity) : slot_capacity(capacity), uploaded(kSlots) {
-    host.reserve(kSlots * capacity * sizeof(void*));
+  explicit PointerStaging(std::size_t capacity) : slot_capacity(capacity) {
     device.reserve(kSlots * capacity * sizeof(void*));
   }
   // Enqueues the upload on `stream`; the returned device array is valid for work queued after it.
-  // A slot is reused once its last upload is done, waited for through `wait` (the mesh bounds it:
-  // behind a collective whose peer is gone, the upload would never complete).
-  const void* const* stage(const std::vector<const void*>& pointers, cudaStream_t stream,
-                           const std::function<void(cudaEvent_t)>& wait) {
+  const void* const* stage(const std::vector<const void*>& pointers, cudaStream_t stream) {
     if (pointers.size() > slot_capacity)
       fail("ExpertFFN: {} operand pointers exceed the {} staged per call", pointers.size(),
            slot_capacity);
     const std::size_t slot = next;
     next = (next + 1) % kSlots;
-    // Waited for only when still queued: a step's host waits are counted (Mesh::host_waits), and
-    // an upload done long ago is no synchronisation.
-    if (cudaEventQuery(uploaded[slot].get()) != cudaSuccess) wait(uploaded[slot].get());
-    const void** host_slot = host.as<const void*>() + slot * slot_capacity;
-    std::copy(pointers.begin(), pointers.end(), host_slot);
     const void** device_slot = device.as<const void*>() + slot * slot_capacity;
-    MOE_CHECK_CUDA(cudaMemcpyAsync(device_slot, host_slot, pointers.size() * sizeof(void*),
-                                   cudaMemcpyHostToDevice, stream));
-    uploaded[slot].record(stream);
+    upload_pointers(pointers.data(), pointers.size(), device_slot, stream);
     return device_slot;
   }
 };
@@ -471,8 +461,7 @@ void ExpertFFN::run_on_streams(const std::vector<Product>& products, bool batch_
     units.push_back(std::move(unit));
   }
   if (units.empty()) return;
-  const void* const* staged =
-      addresses.empty() ? nullptr : pointers_->stage(addresses, stream, host_wait_);
+  const void* const* staged = addresses.empty() ? nullptr : pointers_->stage(addresses, stream);
 
   // Largest first, each to the least loaded stream, so no stream is left with the long tail.
   std::stable_sort(units.begin(), units.end(),
@@ -582,7 +571,7 @@ void ExpertFFN::run_grouped_call(const std::vector<std::vector<const Product*>>&
   std::vector<const void*> addresses = first;
   addresses.insert(addresses.end(), second.begin(), second.end());
   addresses.insert(addresses.end(), out.begin(), out.end());
-  const void* const* device = pointers_->stage(addresses, stream, host_wait_);
+  const void* const* device = pointers_->stage(addresses, stream);
   auto& g = *grouped_;
   check_cublas_status(cublasSetStream(g.handle, stream), "cublasSetStream");
   check_cublas_status(
