@@ -94,6 +94,7 @@ int main(int argc, char** argv) {
   double capacity_factor = -1;
   std::string drop_policy;
   bool pad_to_capacity = false;
+  bool graph = false;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(cli::count_in(1, 1 << 20));
@@ -129,6 +130,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"probs", "position"}));
   app.add_flag("--pad-to-capacity", pad_to_capacity,
                "capacity mode: every expert's block exactly C rows (fixed GEMM shapes)");
+  app.add_flag("--graph", graph,
+               "static shapes (--pad-to-capacity, one GPU): the eager steps leave the losses on "
+               "the device, then the step is captured in a CUDA graph and its replay timed too");
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   CLI11_PARSE(app, argc, argv);
 
@@ -167,6 +171,11 @@ int main(int argc, char** argv) {
            drop_policy);
     if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
     config.validate();
+    if (graph && (!config.pad_to_capacity || world > 1))
+      fail(
+          "--graph needs static shapes: pad_to_capacity (--pad-to-capacity) on one GPU, got {} "
+          "on {} rank(s)",
+          config.pad_to_capacity ? "pad_to_capacity" : "no pad_to_capacity", world);
     // Every setting is checked first, on any machine.
     if (cuda_device_count() == 0) {
       if (root)
@@ -197,8 +206,11 @@ int main(int argc, char** argv) {
     init_normal(x_t, 100 + mpi.rank(), 0, 1.0f, stream.get());
     init_normal(dy_t, 200 + mpi.rank(), 0, 1e-2f, stream.get());
 
+    // With --graph the eager steps are the graph's: the losses stay on the device.
+    ForwardOptions options;
+    options.losses_on_host = !graph;
     auto step = [&] {
-      block.forward(x_t);
+      block.forward(x_t, options);
       block.backward(dy_t);
     };
     // Warm-up: `warmup` steps, then as many more as bring the GPU to its clock under sustained
@@ -235,7 +247,7 @@ int main(int argc, char** argv) {
         if (lead_ms > 0) MOE_CHECK_CUDA(cudaLaunchHostFunc(stream.get(), hold_stream, &lead_ms));
         start.record(stream.get());
         const auto called = std::chrono::steady_clock::now();
-        block.forward(x_t);
+        block.forward(x_t, options);
         const auto forwarded = std::chrono::steady_clock::now();
         block.backward(dy_t);
         const auto queued = std::chrono::steady_clock::now();
@@ -263,6 +275,22 @@ int main(int argc, char** argv) {
         static_cast<double>(mesh.host_waits() - waits_before) / std::max(iters, 1);
     const std::vector<double> led_totals =
         stage_lead_ms > 0.0 ? timed_steps(stage_lead_ms, true) : totals;
+    // The same step captured once and replayed: its GPU time and the host's time to launch it.
+    std::vector<double> graph_ms, graph_host_ms;
+    if (graph) {
+      block.set_stage_timing(false);
+      const CudaGraph captured(stream.get(), step);
+      for (int i = 0; i < warmup; ++i) captured.replay(stream.get());
+      for (int i = 0; i < iters; ++i) {
+        start.record(stream.get());
+        const auto called = std::chrono::steady_clock::now();
+        captured.replay(stream.get());
+        graph_host_ms.push_back(host_ms(called, std::chrono::steady_clock::now()));
+        stop.record(stream.get());
+        MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
+        graph_ms.push_back(stop.elapsed_ms_since(start));
+      }
+    }
     const double reduce_ms = bench::median_ms([&](int) { block.reduce_gradients(); }, stream.get(),
                                               1, std::max(3, iters / 4));
     // The routing's balance over every step run (the mesh's loads, counted on the device).
@@ -345,6 +373,13 @@ int main(int argc, char** argv) {
           "host per step: {:.3f} ms in forward() (its wait for the row counts included), {:.3f} ms "
           "queueing backward(); {:.2f} host waits\n",
           median(host_forward_ms), median(host_backward_ms), host_waits_per_step);
+      if (graph) {
+        fmt::print(
+            "CUDA graph replay: {:.3f} ms per step ({:.3f} eager), the host {:.1f} us to launch "
+            "it ({:.1f} us to queue the eager step)\n",
+            median(graph_ms), total_ms, 1e3 * median(graph_host_ms),
+            1e3 * (median(host_forward_ms) + median(host_backward_ms)));
+      }
       if (link_floor_ms > 0)
         fmt::print("NVLink floor {:.3f} ms ({:.0f}% of the step)\n", link_floor_ms,
                    100 * link_floor_ms / total_ms);
@@ -399,6 +434,10 @@ int main(int argc, char** argv) {
             {"memory_bytes", memory_peak},
             {"scratch_bytes", scratch->bytes()},
             {"mesh_memory_bytes", mesh_memory}};
+        if (graph) {
+          report["graph_ms"] = median(graph_ms);
+          report["graph_host_launch_ms"] = median(graph_host_ms);
+        }
         for (const auto& name : stage_order) {
           report["stages_ms"][name] = stage_sum[name] / iters;
           if (floors.count(name)) report["stages_floor_ms"][name] = floors.at(name);

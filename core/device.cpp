@@ -119,6 +119,58 @@ CublasLtHandle& CublasLtHandle::operator=(CublasLtHandle&& other) noexcept {
   return *this;
 }
 
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MOE_CHECK_CUDA(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+CudaGraph::CudaGraph(cudaStream_t stream, const std::function<void()>& work) {
+  if (!work) fail("CudaGraph: empty work");
+  MOE_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    work();
+  } catch (...) {
+    cudaGraph_t partial = nullptr;
+    (void)cudaStreamEndCapture(stream, &partial);  // invalidated captures end with an error
+    if (partial != nullptr) (void)cudaGraphDestroy(partial);
+    (void)cudaGetLastError();
+    throw;
+  }
+  MOE_CHECK_CUDA(cudaStreamEndCapture(stream, &graph_));
+  try {
+    MOE_CHECK_CUDA(cudaGraphInstantiate(&exec_, graph_, 0));
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+CudaGraph::~CudaGraph() {
+  release();
+}
+CudaGraph& CudaGraph::operator=(CudaGraph&& other) noexcept {
+  if (this != &other) {
+    release();
+    graph_ = std::exchange(other.graph_, nullptr);
+    exec_ = std::exchange(other.exec_, nullptr);
+  }
+  return *this;
+}
+void CudaGraph::release() noexcept {
+  if (exec_ != nullptr) (void)cudaGraphExecDestroy(exec_);
+  if (graph_ != nullptr) (void)cudaGraphDestroy(graph_);
+  exec_ = nullptr;
+  graph_ = nullptr;
+}
+void CudaGraph::replay(cudaStream_t stream) const {
+  MOE_CHECK_CUDA(cudaGraphLaunch(exec_, stream));
+}
+std::size_t CudaGraph::nodes() const {
+  std::size_t count = 0;
+  MOE_CHECK_CUDA(cudaGraphGetNodes(graph_, nullptr, &count));
+  return count;
+}
+
 void copy_to_device(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
   MOE_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));

@@ -38,20 +38,27 @@ class LocalExchange final : public TokenExchange {
     const auto fixed_rows = static_cast<int>(routing.expert_group_rows);
     layout_.build(routing.topk_idx, T, K_, groups_, align, stream_, fixed_rows,
                   fixed_rows > 0 ? E_ : 0);
-    // The permute starts as soon as the layout is built: on the main stream the two copies took
-    // 9–10 µs of the dispatch stage, and the host can learn the counts while the GPU permutes,
-    // since X holds the most rows any routing can pad to.
-    layout_built_.record(stream_);
-    const cudaStream_t count_stream = count_stream_.get();
-    MOE_CHECK_CUDA(cudaStreamWaitEvent(count_stream, layout_built_.get(), 0));
-    host_.reserve(routing.totals_bytes + (groups_ + 1) * sizeof(std::int32_t));
-    totals_bytes_ = routing.totals_bytes;
-    MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>(), routing.totals, totals_bytes_,
-                                   cudaMemcpyDeviceToHost, count_stream));
-    MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>() + totals_bytes_, layout_.offsets(),
-                                   (groups_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
-                                   count_stream));
-    copied_.record(count_stream);
+    tokens_ = T;
+    fixed_rows_ = fixed_rows;
+    to_host_ = routing.to_host;
+    if (to_host_) {
+      // The permute starts as soon as the layout is built: on the main stream the two copies took
+      // 9–10 µs of the dispatch stage, and the host can learn the counts while the GPU permutes,
+      // since X holds the most rows any routing can pad to.
+      layout_built_.record(stream_);
+      const cudaStream_t count_stream = count_stream_.get();
+      MOE_CHECK_CUDA(cudaStreamWaitEvent(count_stream, layout_built_.get(), 0));
+      host_.reserve(routing.totals_bytes + (groups_ + 1) * sizeof(std::int32_t));
+      totals_bytes_ = routing.totals_bytes;
+      MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>(), routing.totals, totals_bytes_,
+                                     cudaMemcpyDeviceToHost, count_stream));
+      MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>() + totals_bytes_, layout_.offsets(),
+                                     (groups_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
+                                     count_stream));
+      copied_.record(count_stream);
+    } else if (fixed_rows == 0) {
+      fail("the local exchange: the row counts stay on the device only with fixed groups");
+    }
     const std::int64_t max_rows = T * K_ + std::int64_t{groups_} * std::max(align - 1, 0) +
                                   std::int64_t{E_} * routing.expert_group_rows;
     X_.reserve(std::max<std::int64_t>(max_rows * H_, 1) * dtype_size(dtype_));
@@ -62,8 +69,21 @@ class LocalExchange final : public TokenExchange {
   }
 
   void dispatch(const Tensor&, void* totals) override {
-    mesh_.wait(copied_.get(), "the forward's row counts");  // the one host synchronisation
-    std::memcpy(totals, host_.as<char>(), totals_bytes_);
+    if (to_host_) {
+      mesh_.wait(copied_.get(), "the forward's row counts");  // the one host synchronisation
+      std::memcpy(totals, host_.as<char>(), totals_bytes_);
+    }
+    if (fixed_rows_ > 0) {
+      // Known beforehand, whether or not the counts came: expert e's group is rows
+      // [e·C, (e + 1)·C), and the dropped group after them holds at most a row per token, padded.
+      // The same shapes every step, so the same buffers and GEMM plans, which a graph needs.
+      saved_.expert_offsets.resize(static_cast<std::size_t>(E_) + 1);
+      for (int e = 0; e <= E_; ++e) saved_.expert_offsets[e] = std::int64_t{e} * fixed_rows_;
+      saved_.rows = saved_.expert_offsets.back();
+      const std::int64_t align = std::max(config_.align_size, 1);
+      saved_.all_rows = saved_.rows + (groups_ > E_ ? (tokens_ + align - 1) / align * align : 0);
+      return;
+    }
     const auto* offsets = reinterpret_cast<const std::int32_t*>(host_.as<char>() + totals_bytes_);
     saved_.expert_offsets.assign(offsets, offsets + E_ + 1);
     saved_.rows = saved_.expert_offsets.back();
@@ -165,6 +185,9 @@ class LocalExchange final : public TokenExchange {
   PinnedBuffer host_;  // routing.totals, then the layout's offsets
 
   std::size_t totals_bytes_ = 0;  // where the offsets start in host_
+  std::int64_t tokens_ = 0;       // the forward's T
+  int fixed_rows_ = 0;            // pad_to_capacity's C; 0 without fixed groups
+  bool to_host_ = true;           // routing.to_host
 
   // What the forward keeps for the backward, beside the layout, X (unless refilled) and row_prob.
   struct Saved {

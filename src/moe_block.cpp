@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -93,6 +94,10 @@ struct MoEBlock::State {
   } context;
   bool check_finite = false;
   StageTimes times;
+  // Static shapes: the token counts of the last eager forward and backward, which grew every
+  // buffer and chose every GEMM algorithm that a captured call of that count will use.
+  std::int64_t prepared_forward = -1;
+  std::int64_t prepared_backward = -1;
 
   State(const MoEConfig& c, const Mesh& m, cudaStream_t s, std::shared_ptr<MoEScratch> owner,
         MoEScratch::Buffers& buffers)
@@ -118,6 +123,41 @@ struct MoEBlock::State {
   TokenExchange& token_exchange() {
     if (exchange == nullptr) exchange = make_token_exchange(exchange_setup());
     return *exchange;
+  }
+
+  // Capacity mode with pad_to_capacity on one rank: every shape of a step is known on the host
+  // beforehand, so a step needs nothing from the device (docs/design.md, "Static shapes").
+  bool static_shapes() const {
+    return config.capacity_mode() && config.pad_to_capacity && mesh.world_size() == 1;
+  }
+
+  // A call whose stream is capturing a CUDA graph is refused, before it queues anything, where it
+  // would wait on the host or allocate; the error says why.
+  void check_capture(const char* call, std::int64_t T, std::int64_t prepared) const {
+    const char* why = nullptr;
+    if (!config.capacity_mode() || !config.pad_to_capacity) {
+      why =
+          "a layer without capacity_factor and pad_to_capacity reads its row counts on the "
+          "host every forward";
+    } else if (mesh.world_size() > 1) {
+      why = "on a mesh the forward agrees with its peers on the host (capture runs on one rank)";
+    } else if (check_finite) {
+      why = "check mode (set_check_finite) reads every stage's output on the host";
+    } else if (times.on) {
+      why = "stage timing (set_stage_timing) reads its events on the host";
+    }
+    if (why != nullptr)
+      fail("MoEBlock::{}: the stream is capturing a CUDA graph, but {}", call, why);
+    if (T != prepared) {
+      const std::string last = prepared < 0
+                                   ? std::string("has not run one eagerly yet")
+                                   : fmt::format("last ran one eagerly at T = {}", prepared);
+      fail(
+          "MoEBlock::{}: the stream is capturing a CUDA graph at T = {} tokens, but the block {}: "
+          "run one forward and backward at this token count first, so that no buffer grows and "
+          "every GEMM algorithm is chosen before the capture",
+          call, T, last);
+    }
   }
 
   // Check mode: the stage's output must be finite (synchronises).
@@ -273,6 +313,22 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     expect_tensor(replay, "MoEBlock::forward replay_topk_idx", DType::kInt32, {T, s.K});
     if (replay.data == nullptr && T > 0) fail("MoEBlock::forward: replay_topk_idx has no data");
   }
+  const bool capturing = stream_is_capturing(s.stream);
+  if (capturing) {
+    s.check_capture(save_context ? "forward" : "infer", T, s.prepared_forward);
+    if (options.losses_on_host)
+      fail(
+          "MoEBlock::forward: a captured forward cannot return its losses on the host: pass "
+          "ForwardOptions::losses_on_host = false and read MoEForward::losses on the device");
+    if (replay.data != nullptr)
+      fail(
+          "MoEBlock::forward: replay_topk_idx is checked on the host, which a captured forward "
+          "cannot do");
+  }
+  // Whether the host learns the counts and losses: always but for static shapes that were not
+  // asked to (a replayed routing is checked on the host too).
+  const bool wait_for_host = !s.static_shapes() || options.losses_on_host || replay.data != nullptr;
+  const std::int64_t allocations = buffer_allocations();
   s.context.valid = false;  // a failure below leaves no half-built context
   s.times.used = 0;         // stage times restart with each forward; backward appends
   s.times.current = "the token exchange's set-up";
@@ -299,6 +355,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   }
   SlotRouting routing{s.router.topk_idx(), s.router.topk_p(), s.router.device_totals(),
                       sizeof(RouterTotals)};
+  routing.to_host = wait_for_host;
   if (s.capacity) {
     Range r("moe capacity", s.times, stream);
     s.capacity->forward(s.router.topk_idx(), s.router.topk_p(), s.router.tokens_per_expert(), T,
@@ -314,13 +371,14 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   }
 
   // Permute and dispatch: the slots' rows to their experts, padded expert-major; the row counts,
-  // T_glob and the losses reach the host (the one host synchronisation).
+  // T_glob and the losses reach the host (the one host synchronisation), unless the shapes are
+  // static and the host was not asked to learn the losses.
   RouterTotals totals;
   {
     Range r("moe dispatch", s.times, stream);
     exchange.permute(x, routing);
-    exchange.dispatch(x, &totals);
-    s.router.set_totals(totals);
+    exchange.dispatch(x, wait_for_host ? &totals : nullptr);
+    if (wait_for_host) s.router.set_totals(totals);
   }
   const ExpertRows rows = exchange.expert_rows();
   s.check("dispatch", rows.input);
@@ -347,10 +405,15 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     s.check("shared expert", out);
   }
 
+  if (capturing && buffer_allocations() != allocations)
+    fail("MoEBlock::forward: the block's buffers grew while capturing a CUDA graph at T = {}", T);
+  if (!capturing && s.static_shapes()) s.prepared_forward = T;
   s.context.x = x;
   s.context.T = T;
   s.context.valid = save_context;
-  return {out, totals.losses[0], totals.losses[1]};
+  const float unread = std::numeric_limits<float>::quiet_NaN();
+  return {out, wait_for_host ? totals.losses[0] : unread, wait_for_host ? totals.losses[1] : unread,
+          Tensor(s.router.device_losses(), DType::kFP32, {2})};
 }
 
 Tensor MoEBlock::backward(const Tensor& dy) {
@@ -366,6 +429,9 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
         "forward)");
   const std::int64_t T = s.context.T;
   expect_tensor(dy, "MoEBlock::backward dy", s.dtype, {T, s.H});
+  const bool capturing = stream_is_capturing(s.stream);
+  if (capturing) s.check_capture("backward", T, s.prepared_backward);
+  const std::int64_t allocations = buffer_allocations();
   s.context.valid = false;
   TokenExchange& exchange = *s.exchange;
   const cudaStream_t stream = s.stream;
@@ -420,12 +486,19 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
     s.shared_expert->add_input_grad(dx, s.params, stream);
     s.check("shared expert backward", dx);
   }
+  if (capturing && buffer_allocations() != allocations)
+    fail("MoEBlock::backward: the block's buffers grew while capturing a CUDA graph at T = {}", T);
+  if (!capturing && s.static_shapes()) s.prepared_backward = T;
   return dx;
 }
 
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   on_mesh(s.mesh, s.times, "reduce_gradients", [&] {
+    if (s.mesh.world_size() > 1 && stream_is_capturing(s.stream))
+      fail(
+          "MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, which a block runs "
+          "on one rank only");
     Range r("moe gradient reduction", s.times, s.stream);
     moe::reduce_gradients(s.config, s.grads, s.mesh, s.shared.grad_stage, s.stream);
     // After the first step's products were all timed: from here every rank runs the same
@@ -443,6 +516,10 @@ void MoEBlock::reduce_gradients() {
 void MoEBlock::synchronize() {
   auto& s = *s_;
   on_mesh(s.mesh, s.times, "synchronize", [&] {
+    if (stream_is_capturing(s.stream))
+      fail(
+          "MoEBlock::synchronize: waits on the host, which a stream capturing a CUDA graph "
+          "cannot do: call it after the graph's replay");
     s.times.current = "the end of the step";
     s.step_done.record(s.stream);
     s.mesh.wait(s.step_done.get(), "the block's queued work");

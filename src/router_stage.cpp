@@ -69,13 +69,13 @@ void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias,
 
 void RouterStage::set_totals(const RouterTotals& totals) {
   const auto [latest, earliest_negated] = totals.forward_agreement;
-  if (latest != forwards_ || -earliest_negated != forwards_) {
+  if (mesh_.world_size() > 1 && (latest != forwards_ || -earliest_negated != forwards_)) {
     fail(
         "rank {}: the ranks do not agree on forward {}: their counts of forwards range from {} "
         "to {} (a peer failed and aborted, or the ranks' calls differ)",
         mesh_.rank(), forwards_, -earliest_negated, latest);
   }
-  saved_.global_tokens = totals.global_tokens;
+  if (mesh_.world_size() > 1) saved_.global_tokens = totals.global_tokens;
   if (totals.first_invalid_given == RouterTotals::kAllGivenValid &&
       totals.mesh_first_invalid_given != RouterTotals::kAllGivenValid) {
     fail(
@@ -101,15 +101,20 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   auto* score_sum = score_sum_.as<float>();
   auto* z_sum = z_sum_.as<float>();
   ++forwards_;
-  host_tokens_.reserve(3 * sizeof(std::int64_t));
-  std::int64_t* host = host_tokens_.as<std::int64_t>();
-  host[0] = saved_.logits.dim(0);
-  host[1] = forwards_;
-  host[2] = -forwards_;
-  MOE_CHECK_CUDA(
-      cudaMemcpyAsync(global_tokens, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
-  MOE_CHECK_CUDA(cudaMemcpyAsync(totals->forward_agreement, host + 1, 2 * sizeof(std::int64_t),
-                                 cudaMemcpyHostToDevice, stream));
+  // On one rank T_glob is T, known on the host, and there is no peer to agree with: nothing goes
+  // up, so a forward of static shapes reads no host memory and may be captured in a graph.
+  saved_.global_tokens = saved_.logits.dim(0);
+  if (mesh_.world_size() > 1) {
+    host_tokens_.reserve(3 * sizeof(std::int64_t));
+    std::int64_t* host = host_tokens_.as<std::int64_t>();
+    host[0] = saved_.logits.dim(0);
+    host[1] = forwards_;
+    host[2] = -forwards_;
+    MOE_CHECK_CUDA(
+        cudaMemcpyAsync(global_tokens, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(totals->forward_agreement, host + 1, 2 * sizeof(std::int64_t),
+                                   cudaMemcpyHostToDevice, stream));
+  }
   MOE_CHECK_CUDA(cudaMemcpyAsync(global_load_.data(), counts_.data(), E * sizeof(std::int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
   MOE_CHECK_CUDA(cudaMemcpyAsync(&totals->mesh_first_invalid_given, &totals->first_invalid_given,

@@ -49,7 +49,8 @@ class RouterStage {
   // The statistics, the loads and the token count summed over the world (one NCCL group), then
   // the loss values from them (on a mesh), ready on the device before the dispatch copies them.
   void reduce_losses(cudaStream_t stream);
-  // T_glob, once the host has it: the backward's loss gradients are scaled by it. Throws
+  // T_glob, once the host has it: the backward's loss gradients are scaled by it (on one rank it
+  // is T, and a forward that does not wait for the host need not call this). Throws
   // moe::Error naming the token, slot and expert when this rank's replayed routing held an
   // invalid one, and on the other ranks of the mesh an error saying that a peer's did.
   void set_totals(const RouterTotals& totals);
@@ -70,6 +71,8 @@ class RouterStage {
   void reset_load_total(cudaStream_t stream);
   // RouterTotals on the device, complete once reduce_losses' work has run.
   const void* device_totals() const { return scalars_.data(); }
+  // Its loss values, fp32 {L_aux, L_z}.
+  float* device_losses() const { return scalars_.as<RouterTotals>()->losses; }
 
  private:
   MoEConfig config_;

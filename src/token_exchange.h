@@ -46,6 +46,9 @@ struct SlotRouting {
   // pad_to_capacity: every expert's group takes exactly this many rows (its kept rows, then zero
   // rows); 0 = each group padded to align_size alone.
   std::int64_t expert_group_rows = 0;
+  // Whether dispatch copies `totals` and the row counts to the host and waits for them. False only
+  // with fixed groups on one EP rank (the local exchange), whose layout the host knows beforehand.
+  bool to_host = true;
 };
 
 // The experts' rows on this rank, padded expert-major (docs/design.md, "Dispatch").
@@ -85,6 +88,7 @@ class TokenExchange {
   virtual void permute(const Tensor& x, const SlotRouting& routing) = 0;
   // The rows reach their experts' ranks in the padded expert-major layout, and the host learns
   // the row counts and routing.totals (into `totals`): the forward's one host synchronisation.
+  // Without routing.to_host, `totals` is null and the host learns nothing.
   virtual void dispatch(const Tensor& x, void* totals) = 0;
   // Where the experts read and write; may grow the output buffer.
   virtual ExpertRows expert_rows() = 0;

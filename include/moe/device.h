@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -134,6 +135,32 @@ class CublasLtHandle {
 
  private:
   cublasLtHandle_t handle_ = nullptr;
+};
+
+// Whether `stream` is capturing a CUDA graph now (a capture begun on it, or on a stream it joined).
+bool stream_is_capturing(cudaStream_t stream);
+
+// A CUDA graph of the work that `work` queues on `stream`, captured in thread-local mode (a host
+// synchronisation or other capture-unsafe call on this thread fails the capture), then
+// instantiated; replay() launches it on any stream. Work that throws ends the capture, which is
+// discarded, and the error propagates. Streams forked from `stream` by events must join back.
+class CudaGraph {
+ public:
+  CudaGraph(cudaStream_t stream, const std::function<void()>& work);
+  ~CudaGraph();
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  CudaGraph(CudaGraph&& other) noexcept
+      : graph_(std::exchange(other.graph_, nullptr)), exec_(std::exchange(other.exec_, nullptr)) {}
+  CudaGraph& operator=(CudaGraph&& other) noexcept;
+
+  void replay(cudaStream_t stream) const;
+  std::size_t nodes() const;  // the captured operations, kernels, copies and joins
+
+ private:
+  void release() noexcept;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
 };
 
 // Host <-> device copies that check their result; complete on return, for every stream.

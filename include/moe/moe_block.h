@@ -3,7 +3,7 @@
 //
 //   moe::MoEBlock block(config, mesh, stream);
 //   block.initialize(seed);                       // or bind() the trainer's own memory
-//   auto [out, aux_loss, z_loss] = block.forward(x);
+//   auto [out, aux_loss, z_loss, losses] = block.forward(x);
 //   Tensor dx = block.backward(dy);               // fills block.gradients()
 //   block.reduce_gradients();                     // sums over the mesh (the trainer scales)
 //
@@ -13,6 +13,20 @@
 //
 //   auto scratch = std::make_shared<moe::MoEScratch>();
 //   for (auto& config : layers) blocks.emplace_back(config, mesh, stream, scratch);
+//
+// Static shapes (capacity_factor with pad_to_capacity, on one rank): no host synchronisation at
+// all with ForwardOptions::losses_on_host = false, and, once one eager forward and backward have
+// run at a token count, forward, infer, backward and reduce_gradients at that count may be
+// captured in a CUDA graph on the block's stream (moe::CudaGraph, or the trainer's own capture):
+//
+//   moe::ForwardOptions on_device;
+//   on_device.losses_on_host = false;
+//   block.forward(x, on_device); block.backward(dy);                    // prepares
+//   moe::CudaGraph step(stream, [&] {
+//     block.forward(x, on_device);
+//     block.backward(dy);
+//   });
+//   step.replay(stream);                          // equals the eager step, bitwise
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -73,7 +87,14 @@ struct ForwardOptions {
   // experts instead of selecting and recomputes their probabilities from the current logits, so
   // the gradient flows through them; the losses are computed as usual. Replaying the recorded
   // step's own routing reproduces the step bitwise. Empty (the default): the router selects.
+  // The given experts are checked on the host, so a replayed forward always waits for them.
   Tensor replay_topk_idx;
+  // Whether MoEForward::aux_loss and z_loss are filled in, which takes a host wait. A dropless
+  // forward waits anyway (for the row counts) and fills them whatever this says. A block of
+  // static shapes (capacity_factor with pad_to_capacity, on one rank) needs nothing from the
+  // device: with false its forward does not wait at all, the floats are NaN and the values stay
+  // on the device in MoEForward::losses. A forward captured in a CUDA graph must pass false.
+  bool losses_on_host = true;
 };
 
 // Per-expert load over the steps since construction or reset_load_statistics(): the mesh-wide
@@ -95,8 +116,12 @@ LoadImbalance load_imbalance(std::span<const std::int64_t> tokens_per_expert, in
 
 struct MoEForward {
   Tensor out;  // [T, H], x's dtype, owned by the block until the next forward
+  // L_aux and L_z on the host; NaN where the forward did not wait (ForwardOptions::losses_on_host).
   float aux_loss = 0.0f;
   float z_loss = 0.0f;
+  // fp32 [2] on the device, {L_aux, L_z}, written on the block's stream; valid until the next
+  // forward. What a captured forward leaves for the trainer's own graph to read.
+  Tensor losses;
 };
 
 // Device memory a block needs only inside one forward or one backward call: the SwiGLU output,

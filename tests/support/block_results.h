@@ -38,13 +38,8 @@ inline Pending start_block(MoEBlock& block, const MoEConfig& c, const Matrix& x,
   return p;
 }
 
-inline Results finish_block(MoEBlock& block, const MoEConfig& c, Pending pending,
-                            const Matrix& dy) {
-  const auto dy_dev = upload_as(dy, c.dtype);
-  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {dy.rows, c.hidden}));
-  MOE_CHECK_CUDA(cudaDeviceSynchronize());
-  Results r = std::move(pending.results);
-  r.dx = read(dx, dy.rows, c.hidden);
+// The block's gradients as they lie on the device, into r.
+inline void read_gradients(const MoEBlock& block, const MoEConfig& c, Results& r) {
   const auto& g = block.gradients();
   r.dgate = read(g.gate_weight, c.num_experts, c.hidden);
   const int E_loc = static_cast<int>(g.w13.dim(0));
@@ -61,6 +56,31 @@ inline Results finish_block(MoEBlock& block, const MoEConfig& c, Pending pending
     r.shared_dw2 = read(g.shared_w2, c.hidden, c.shared_ffn_hidden);
   }
   if (c.shared_gate) r.shared_dgate = read(g.shared_gate_weight, 1, c.hidden);
+}
+
+inline Results finish_block(MoEBlock& block, const MoEConfig& c, Pending pending,
+                            const Matrix& dy) {
+  const auto dy_dev = upload_as(dy, c.dtype);
+  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {dy.rows, c.hidden}));
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
+  Results r = std::move(pending.results);
+  r.dx = read(dx, dy.rows, c.hidden);
+  read_gradients(block, c, r);
+  return r;
+}
+
+// A step's results as they lie on the device (a replayed graph's): out, dx, the gradients, and
+// the losses from their device copy.
+inline Results read_step(const MoEBlock& block, const MoEConfig& c, const MoEForward& fwd,
+                         const Tensor& dx, std::int64_t tokens) {
+  Results r;
+  r.out = read(fwd.out, tokens, c.hidden);
+  r.dx = read(dx, tokens, c.hidden);
+  float losses[2];
+  copy_to_host(losses, fwd.losses.data, sizeof(losses));
+  r.aux = losses[0];
+  r.z = losses[1];
+  read_gradients(block, c, r);
   return r;
 }
 

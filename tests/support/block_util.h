@@ -81,8 +81,8 @@ inline void load_params(MoEBlock& block, const reference::Params& p, int first, 
 // Draws x one token row at a time, redrawing a row until none of its routing scores is near a tie
 // (the GPU's fp32 logits then route exactly as the fp64 reference's). Per row, not per batch: a
 // whole batch free of near-ties would be exponentially unlikely.
-inline void draw_separated(const MoEConfig& config, reference::Params& params, reference::Matrix& x,
-                           std::int64_t tokens, std::mt19937_64& rng) {
+inline void draw_separated(const MoEConfig& config, const reference::Params& params,
+                           reference::Matrix& x, std::int64_t tokens, std::mt19937_64& rng) {
   x = reference::Matrix(tokens, config.hidden);
   for (std::int64_t t = 0; t < tokens; ++t) {
     for (int attempt = 0;; ++attempt) {
