@@ -318,12 +318,13 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     s.check_capture(save_context ? "forward" : "infer", T, s.prepared_forward);
     if (options.losses_on_host)
       fail(
-          "MoEBlock::forward: a captured forward cannot return its losses on the host: pass "
-          "ForwardOptions::losses_on_host = false and read MoEForward::losses on the device");
+          "MoEBlock::forward: the stream is capturing a CUDA graph, but "
+          "ForwardOptions::losses_on_host asks for the losses on the host: pass false and read "
+          "MoEForward::losses on the device");
     if (replay.data != nullptr)
       fail(
-          "MoEBlock::forward: replay_topk_idx is checked on the host, which a captured forward "
-          "cannot do");
+          "MoEBlock::forward: the stream is capturing a CUDA graph, but replay_topk_idx is "
+          "checked on the host");
   }
   // Whether the host learns the counts and losses: always but for static shapes that were not
   // asked to (a replayed routing is checked on the host too).
