@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Dropless against capacity mode with fixed blocks (pad_to_capacity) at the model shapes on one
+# GPU: each padded run also captures its step in a CUDA graph and times the replay. Writes one
+# moe_bench JSON per run to OUTDIR and prints a table last.
+#   scripts/bench-static-shapes.sh [--configs "a b"] [--tokens "1024 8192"] [--factors "1.0 1.25"]
+#                                  [--grad-dtype bf16|fp32] OUTDIR
+set -uo pipefail
+source "$(dirname "$0")/common.sh"
+
+configs="mixtral-8x7b qwen3-30b-a3b" tokens="1024 8192" factors="1.0 1.25 2.0" grad="" out=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --configs) configs=$2; shift 2 ;;
+    --tokens) tokens=$2; shift 2 ;;
+    --factors) factors=$2; shift 2 ;;
+    --grad-dtype) grad=$2; shift 2 ;;
+    -*) echo "usage: $0 [--configs C] [--tokens T] [--factors F] [--grad-dtype D] OUTDIR" >&2; exit 2 ;;
+    *) out=$1; shift ;;
+  esac
+done
+[ -n "$out" ] || { echo "usage: $0 [options] OUTDIR" >&2; exit 2; }
+mkdir -p "$out" || exit 2
+bench=$MOE_BUILD_DIR/apps/moe_bench
+[ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
+common=(--iters 10 --stage-lead-ms 0)
+[ -n "$grad" ] && common+=(--grad-dtype "$grad")
+status=0
+for config in $configs; do
+  for t in $tokens; do
+    name=$config-T$t
+    "$bench" --config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" "${common[@]}" \
+      --json "$out/$name-dropless.json" >"$out/$name-dropless.txt" 2>&1 ||
+      { status=1; echo "FAILED: $name dropless"; tail -3 "$out/$name-dropless.txt"; }
+    for f in $factors; do
+      "$bench" --config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" "${common[@]}" \
+        --capacity-factor "$f" --pad-to-capacity --graph --json "$out/$name-padded-$f.json" \
+        >"$out/$name-padded-$f.txt" 2>&1 ||
+        { status=1; echo "FAILED: $name capacity $f"; tail -3 "$out/$name-padded-$f.txt"; }
+    done
+  done
+done
+python3 - "$out" <<'PY'
+import json, pathlib, sys
+rows = []
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    r = json.loads(path.read_text())
+    rows.append(r)
+rows.sort(key=lambda r: (r["config_file"], r["tokens_per_gpu"], r["capacity_factor"]))
+print(f"{'config':<22} {'T':>5} {'mode':<14} {'eager ms':>9} {'graph ms':>9} {'vs dropless':>11} "
+      f"{'host eager us':>13} {'host graph us':>13} {'dropped':>8} {'memory GiB':>10}")
+base = {}
+for r in rows:
+    key = (r["config_file"], r["tokens_per_gpu"])
+    if r["capacity_factor"] == 0:
+        base[key] = r["total_ms"]
+for r in rows:
+    key = (r["config_file"], r["tokens_per_gpu"])
+    mode = "dropless" if r["capacity_factor"] == 0 else f"padded {r['capacity_factor']:g}"
+    graph = r.get("graph_ms")
+    best = min(r["total_ms"], graph) if graph else r["total_ms"]
+    ratio = f"{best / base[key]:.2f}x" if key in base else "-"
+    host_eager = 1e3 * (r["host_forward_ms"] + r["host_backward_ms"])
+    host_graph = f"{1e3 * r['graph_host_launch_ms']:.1f}" if graph else "-"
+    print(f"{r['config_file'].removesuffix('.yaml'):<22} {r['tokens_per_gpu']:>5} {mode:<14} "
+          f"{r['total_ms']:>9.3f} {graph if graph else float('nan'):>9.3f} {ratio:>11} "
+          f"{host_eager:>13.1f} {host_graph:>13} {100 * r['dropped_fraction']:>7.2f}% "
+          f"{r['memory_bytes'] / 2**30:>10.2f}")
+PY
+exit $status
