@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
   app.add_flag("--pad-to-capacity", pad_to_capacity,
                "capacity mode: every expert's block exactly C rows (fixed GEMM shapes)");
   app.add_flag("--graph", graph,
-               "static shapes (--pad-to-capacity, one GPU): the eager steps leave the losses on "
+               "static shapes (--pad-to-capacity, ep = 1): the eager steps leave the losses on "
                "the device, then the step is captured in a CUDA graph and its replay timed too");
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   CLI11_PARSE(app, argc, argv);
@@ -171,11 +171,11 @@ int main(int argc, char** argv) {
            drop_policy);
     if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
     config.validate();
-    if (graph && (!config.pad_to_capacity || world > 1))
+    if (graph && (!config.pad_to_capacity || config.ep > 1))
       fail(
-          "--graph needs static shapes: pad_to_capacity (--pad-to-capacity) on one GPU, got {} "
-          "on {} rank(s)",
-          config.pad_to_capacity ? "pad_to_capacity" : "no pad_to_capacity", world);
+          "--graph needs static shapes: pad_to_capacity (--pad-to-capacity) and ep = 1, got {} "
+          "and ep = {}",
+          config.pad_to_capacity ? "pad_to_capacity" : "no pad_to_capacity", config.ep);
     // Every setting is checked first, on any machine.
     if (cuda_device_count() == 0) {
       if (root)

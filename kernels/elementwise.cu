@@ -1,6 +1,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <iterator>
+#include <string>
 
 #include "elementwise.cuh"
 #include "moe/error.h"
@@ -77,6 +79,16 @@ unsigned grid_for(std::int64_t n) {
       std::max<std::int64_t>(1, std::min<std::int64_t>((n + 255) / 256, 4096)));
 }
 
+struct SmallValues {
+  std::int64_t values[8];
+  int count;
+};
+
+__global__ void write_values_kernel(std::int64_t* device, const SmallValues values) {
+  if (static_cast<int>(threadIdx.x) < values.count)
+    device[threadIdx.x] = values.values[threadIdx.x];
+}
+
 }  // namespace
 
 void init_normal(const Tensor& out, std::uint64_t seed, std::uint64_t first, float stddev,
@@ -122,6 +134,17 @@ void convert(const Tensor& in, const Tensor& out, cudaStream_t stream) {
   if (in_bf16) return launch<__nv_bfloat16, float>(in, out, stream);
   if (out_bf16) return launch<float, __nv_bfloat16>(in, out, stream);
   launch<float, float>(in, out, stream);
+}
+
+void write_values(std::int64_t* device, std::span<const std::int64_t> values, cudaStream_t stream) {
+  SmallValues small{};
+  if (values.size() > std::size(small.values))
+    fail("write_values: " + std::to_string(values.size()) + " values, at most 8");
+  if (values.empty()) return;
+  std::copy(values.begin(), values.end(), small.values);
+  small.count = static_cast<int>(values.size());
+  write_values_kernel<<<1, 32, 0, stream>>>(device, small);
+  MOE_CHECK_CUDA(cudaGetLastError());
 }
 
 }  // namespace moe

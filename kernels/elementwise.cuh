@@ -1,9 +1,11 @@
-// Elementwise device work: dtype conversion, seeded initialisation, finiteness checks.
+// Elementwise device work: dtype conversion, seeded initialisation, finiteness checks, small
+// writes of host values.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <span>
 
 #include "moe/tensor.h"
 
@@ -16,6 +18,11 @@ void convert(const Tensor& in, const Tensor& out, cudaStream_t stream);
 // element i: the same global slice gets the same values on every rank.
 void init_normal(const Tensor& out, std::uint64_t seed, std::uint64_t first, float stddev,
                  cudaStream_t stream);
+
+// device[i] = values[i] for at most 8 values, carried in the kernel's parameters: unlike a copy
+// from host memory, the launch reads the host values when it is queued, so a CUDA graph that
+// captures it writes the values it was captured with.
+void write_values(std::int64_t* device, std::span<const std::int64_t> values, cudaStream_t stream);
 
 // Counts the NaN and Inf elements of a bf16 or fp32 tensor into *count (device, int32).
 void count_nonfinite(const Tensor& t, int* count, cudaStream_t stream);

@@ -95,11 +95,12 @@ void router_replay(const RouterParams& params, const RouterReplayArgs& args, cud
 
 // The loss values from the statistics summed over the mesh: losses[0] = L_aux, losses[1] = L_z.
 // Counts f and sums P are those of the whole mesh; *global_tokens (device) is T_glob, read on the
-// device so that the values are ready before the forward's one host synchronisation.
+// device, so that neither the values nor the backward need the host. factors (device fp32 [2])
+// receives what the backward takes, α·E/(K·T_glob²) and β/T_glob (0 for a loss that is off).
 void router_losses(const RouterParams& params, double aux_loss_coeff, double z_loss_coeff,
                    const std::int32_t* aux_tokens_per_expert, const float* aux_score_sum,
                    const float* z_sum, const std::int64_t* global_tokens, float* losses,
-                   cudaStream_t stream);
+                   float* factors, cudaStream_t stream);
 
 struct RouterBackwardArgs {
   const void* logits = nullptr;  // [T, E] as in forward
@@ -111,7 +112,10 @@ struct RouterBackwardArgs {
   // Aux-loss gradient: the mesh-wide f [E], and α·E/(K·T_glob²); null / 0 = none.
   const std::int32_t* aux_tokens_per_expert = nullptr;
   float aux_factor = 0.0f;
-  float z_factor = 0.0f;     // β / T_glob; 0 = none
+  float z_factor = 0.0f;  // β / T_glob; 0 = none
+  // Or both factors on the device, fp32 {aux, z} as router_losses writes them (T_glob then never
+  // reaches the host); when set, aux_factor and z_factor are not read.
+  const float* loss_factors = nullptr;
   float* dlogits = nullptr;  // [T, E] out, fp32, every element written
 };
 

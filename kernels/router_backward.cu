@@ -30,6 +30,7 @@ struct BackwardKernelArgs {
   const std::int32_t* aux_tokens_per_expert;
   float aux_factor;
   float z_factor;
+  const float* loss_factors;  // device {aux, z}, or null for the two above
   float* dlogits;
 };
 
@@ -61,8 +62,10 @@ __global__ void __launch_bounds__(kThreads, backward_blocks_per_sm<V>())
   const float c = p.scaling_factor;
   const float inv_c = 1.0f / c;
   const bool softmax = p.score_function == ScoreFunction::kSoftmax;
-  const bool aux = a.aux_factor != 0.0f;
-  const bool z = a.z_factor != 0.0f;
+  const float aux_factor = a.loss_factors != nullptr ? a.loss_factors[0] : a.aux_factor;
+  const float z_factor = a.loss_factors != nullptr ? a.loss_factors[1] : a.z_factor;
+  const bool aux = aux_factor != 0.0f && a.aux_tokens_per_expert != nullptr;
+  const bool z = z_factor != 0.0f;
   const bool need_row = (softmax && p.pre_softmax) || aux || z;
   const bool need_row_softmax = (softmax && (p.pre_softmax || aux)) || z;
   constexpr bool kStrided = kStridedLanes<V>;
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, backward_blocks_per_sm<V>())
   // ∂L_aux/∂s_aux[t, e] = factor · f_e is the same for every token: held in registers, or in
   // shared memory from 32 entries per lane on (kStridedLanes).
   auto aux_grad_of = [&](int e) {
-    return (aux && e < E) ? a.aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
+    return (aux && e < E) ? aux_factor * static_cast<float>(a.aux_tokens_per_expert[e]) : 0.0f;
   };
   float aux_grad[V];
   if constexpr (kStrided) {
@@ -213,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, backward_blocks_per_sm<V>())
         if (aux) elementwise_scores(p.score_function, l, w);
       }
     }
-    const float z_scale = z ? a.z_factor * 2.0f * (row_max + logf(row_sum)) : 0.0f;
+    const float z_scale = z ? z_factor * 2.0f * (row_max + logf(row_sum)) : 0.0f;
     float g[V];
     if (softmax) {
       // Every dense term is softmax(l) times one coefficient of the token (plus f_e's factor):
@@ -365,6 +368,7 @@ void launch_backward(const RouterParams& p, const RouterBackwardArgs& args, cuda
                            args.aux_tokens_per_expert,
                            args.aux_factor,
                            args.z_factor,
+                           args.loss_factors,
                            args.dlogits};
   dispatch_layout(p.num_experts, [&]<int S, int V>() {
     constexpr int kTeams = kWarpSize / S;

@@ -18,7 +18,7 @@ constexpr int kReduceThreads = 256;
 __global__ void router_losses_kernel(int experts, int topk, const std::int32_t* f,
                                      const float* score_sum, const float* z_sum,
                                      const std::int64_t* global_tokens, double aux_coeff,
-                                     double z_coeff, float* losses) {
+                                     double z_coeff, float* losses, float* factors) {
   __shared__ float partial[kReduceThreads / kWarpSize];
   float sum = 0.0f;
   if (f != nullptr) {
@@ -32,6 +32,9 @@ __global__ void router_losses_kernel(int experts, int topk, const std::int32_t* 
     const double z_factor = T > 0 ? z_coeff / T : 0.0;                             // β/T
     losses[0] = f != nullptr ? static_cast<float>(aux_factor * aux_total) : 0.0f;
     losses[1] = z_sum != nullptr ? static_cast<float>(z_factor * *z_sum) : 0.0f;
+    // The same values aux_loss_factor and z_loss_factor give on the host.
+    factors[0] = f != nullptr ? static_cast<float>(aux_factor) : 0.0f;
+    factors[1] = z_sum != nullptr ? static_cast<float>(z_factor) : 0.0f;
   }
 }
 
@@ -70,11 +73,13 @@ float z_loss_factor(double z_loss_coeff, std::int64_t global_tokens) {
 void router_losses(const RouterParams& params, double aux_loss_coeff, double z_loss_coeff,
                    const std::int32_t* aux_tokens_per_expert, const float* aux_score_sum,
                    const float* z_sum, const std::int64_t* global_tokens, float* losses,
-                   cudaStream_t stream) {
+                   float* factors, cudaStream_t stream) {
+  if (losses == nullptr || factors == nullptr || global_tokens == nullptr)
+    fail("router_losses: global_tokens, losses and factors are required");
   router_losses_kernel<<<1, kReduceThreads, 0, stream>>>(
       params.num_experts, params.topk, params.aux_loss ? aux_tokens_per_expert : nullptr,
       aux_score_sum, params.z_loss ? z_sum : nullptr, global_tokens, aux_loss_coeff, z_loss_coeff,
-      losses);
+      losses, factors);
   MOE_CHECK_LAUNCH();
 }
 

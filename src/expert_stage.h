@@ -29,6 +29,10 @@ class ExpertStage {
   // without autotuning, on one rank, or once agreed. Waits for the stream (within the mesh's
   // timeout), once.
   void agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream);
+  // Whether agree_gemm_algorithms has nothing left to do on this mesh (it would wait otherwise).
+  bool gemm_algorithms_agreed(const Mesh& mesh) const {
+    return ffn_.tuning() == nullptr || ffn_.tuning()->frozen || mesh.world_size() == 1;
+  }
 
  private:
   std::int64_t F_;

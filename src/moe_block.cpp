@@ -98,6 +98,7 @@ struct MoEBlock::State {
   // buffer and chose every GEMM algorithm that a captured call of that count will use.
   std::int64_t prepared_forward = -1;
   std::int64_t prepared_backward = -1;
+  bool reduced_once = false;  // reduce_gradients has run (its first call may allocate and wait)
 
   State(const MoEConfig& c, const Mesh& m, cudaStream_t s, std::shared_ptr<MoEScratch> owner,
         MoEScratch::Buffers& buffers)
@@ -125,10 +126,10 @@ struct MoEBlock::State {
     return *exchange;
   }
 
-  // Capacity mode with pad_to_capacity on one rank: every shape of a step is known on the host
+  // Capacity mode with pad_to_capacity on one EP rank: every shape of a step is known on the host
   // beforehand, so a step needs nothing from the device (docs/design.md, "Static shapes").
   bool static_shapes() const {
-    return config.capacity_mode() && config.pad_to_capacity && mesh.world_size() == 1;
+    return config.capacity_mode() && config.pad_to_capacity && mesh.ep() == 1;
   }
 
   // A call whose stream is capturing a CUDA graph is refused, before it queues anything, where it
@@ -139,8 +140,8 @@ struct MoEBlock::State {
       why =
           "a layer without capacity_factor and pad_to_capacity reads its row counts on the "
           "host every forward";
-    } else if (mesh.world_size() > 1) {
-      why = "on a mesh the forward agrees with its peers on the host (capture runs on one rank)";
+    } else if (mesh.ep() > 1) {
+      why = "under EP the exchange reads its row counts on the host (capture needs ep = 1)";
     } else if (check_finite) {
       why = "check mode (set_check_finite) reads every stage's output on the host";
     } else if (times.on) {
@@ -496,15 +497,26 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   on_mesh(s.mesh, s.times, "reduce_gradients", [&] {
-    if (s.mesh.world_size() > 1 && stream_is_capturing(s.stream))
-      fail(
-          "MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, which a block runs "
-          "on one rank only");
+    if (stream_is_capturing(s.stream)) {
+      if (!s.static_shapes() || s.check_finite || s.times.on)
+        fail(
+            "MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, but the block's "
+            "steps cannot be captured (forward says why)");
+      if (!s.reduced_once || !s.experts.gemm_algorithms_agreed(s.mesh))
+        fail(
+            "MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, but the block "
+            "has not run reduce_gradients eagerly yet, whose first call agrees on the GEMM "
+            "algorithms on the host");
+    }
+    const std::int64_t allocations = buffer_allocations();
     Range r("moe gradient reduction", s.times, s.stream);
     moe::reduce_gradients(s.config, s.grads, s.mesh, s.shared.grad_stage, s.stream);
     // After the first step's products were all timed: from here every rank runs the same
     // algorithms (one host wait, at the first call only).
     s.experts.agree_gemm_algorithms(s.mesh, s.stream);
+    if (stream_is_capturing(s.stream) && buffer_allocations() != allocations)
+      fail("MoEBlock::reduce_gradients: the gradient staging grew while capturing a CUDA graph");
+    s.reduced_once = true;
   });
 }
 

@@ -1,5 +1,6 @@
 #include "src/router_stage.h"
 
+#include "kernels/elementwise.cuh"
 #include "moe/error.h"
 #include "src/stage_support.h"
 
@@ -75,7 +76,6 @@ void RouterStage::set_totals(const RouterTotals& totals) {
         "to {} (a peer failed and aborted, or the ranks' calls differ)",
         mesh_.rank(), forwards_, -earliest_negated, latest);
   }
-  if (mesh_.world_size() > 1) saved_.global_tokens = totals.global_tokens;
   if (totals.first_invalid_given == RouterTotals::kAllGivenValid &&
       totals.mesh_first_invalid_given != RouterTotals::kAllGivenValid) {
     fail(
@@ -101,19 +101,15 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   auto* score_sum = score_sum_.as<float>();
   auto* z_sum = z_sum_.as<float>();
   ++forwards_;
-  // On one rank T_glob is T, known on the host, and there is no peer to agree with: nothing goes
-  // up, so a forward of static shapes reads no host memory and may be captured in a graph.
+  // On one rank T_glob is T, known on the host. On a mesh this rank's T and its count of forwards
+  // go up as kernel parameters, not copies from host memory: a captured graph then writes the
+  // values it was captured with, whatever the host holds when it is replayed.
   saved_.global_tokens = saved_.logits.dim(0);
   if (mesh_.world_size() > 1) {
-    host_tokens_.reserve(3 * sizeof(std::int64_t));
-    std::int64_t* host = host_tokens_.as<std::int64_t>();
-    host[0] = saved_.logits.dim(0);
-    host[1] = forwards_;
-    host[2] = -forwards_;
-    MOE_CHECK_CUDA(
-        cudaMemcpyAsync(global_tokens, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
-    MOE_CHECK_CUDA(cudaMemcpyAsync(totals->forward_agreement, host + 1, 2 * sizeof(std::int64_t),
-                                   cudaMemcpyHostToDevice, stream));
+    const std::int64_t tokens = saved_.logits.dim(0);
+    const std::int64_t agreement[2] = {forwards_, -forwards_};
+    write_values(global_tokens, std::span(&tokens, 1), stream);
+    write_values(totals->forward_agreement, agreement, stream);
   }
   MOE_CHECK_CUDA(cudaMemcpyAsync(global_load_.data(), counts_.data(), E * sizeof(std::int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
@@ -137,7 +133,8 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   ++load_steps_;
   if (mesh_.world_size() > 1) {
     router_losses(params_, config_.aux_loss_coeff, config_.z_loss_coeff, aux_counts, score_sum,
-                  z_sum, global_tokens, reinterpret_cast<float*>(&totals->losses), stream);
+                  z_sum, global_tokens, reinterpret_cast<float*>(&totals->losses),
+                  typed<float>(loss_factors_, 2), stream);
   }
 }
 
@@ -156,10 +153,15 @@ void RouterStage::backward(const float* dprob, const Tensor& dlogits, cudaStream
   a.topk_p = topk_p();
   a.dprob = dprob;
   a.aux_tokens_per_expert = params_.aux_loss ? aux_counts_.as<std::int32_t>() : nullptr;
-  a.aux_factor = params_.aux_loss
-                     ? aux_loss_factor(params_, config_.aux_loss_coeff, saved_.global_tokens)
-                     : 0.0f;
-  a.z_factor = params_.z_loss ? z_loss_factor(config_.z_loss_coeff, saved_.global_tokens) : 0.0f;
+  // One rank: T_glob is T, on the host. A mesh: the factors router_losses left on the device.
+  if (mesh_.world_size() > 1) {
+    a.loss_factors = loss_factors_.as<float>();
+  } else {
+    a.aux_factor = params_.aux_loss
+                       ? aux_loss_factor(params_, config_.aux_loss_coeff, saved_.global_tokens)
+                       : 0.0f;
+    a.z_factor = params_.z_loss ? z_loss_factor(config_.z_loss_coeff, saved_.global_tokens) : 0.0f;
+  }
   a.dlogits = dlogits.as<float>();
   router_backward(params_, a, stream);
 }

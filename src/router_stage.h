@@ -49,8 +49,8 @@ class RouterStage {
   // The statistics, the loads and the token count summed over the world (one NCCL group), then
   // the loss values from them (on a mesh), ready on the device before the dispatch copies them.
   void reduce_losses(cudaStream_t stream);
-  // T_glob, once the host has it: the backward's loss gradients are scaled by it (on one rank it
-  // is T, and a forward that does not wait for the host need not call this). Throws
+  // Checks what the host learnt in the forward's wait (a forward that does not wait for the host
+  // need not call it; the backward's loss factors never come from it). Throws
   // moe::Error naming the token, slot and expert when this rank's replayed routing held an
   // invalid one, and on the other ranks of the mesh an error saying that a peer's did.
   void set_totals(const RouterTotals& totals);
@@ -82,17 +82,15 @@ class RouterStage {
 
   DeviceBuffer topk_idx_, topk_p_, counts_, aux_counts_, score_sum_, z_sum_, global_load_, scalars_;
   DeviceBuffer load_total_;
+  // On a mesh: the backward's loss factors {α·E/(K·T_glob²), β/T_glob}, from router_losses.
+  DeviceBuffer loss_factors_;
   std::int64_t load_steps_ = 0;
   std::int64_t forwards_ = 0;  // every forward's, never reset: the mesh's agreement on the step
-  // T on its way to the device. Only the host writes it and only this stream's copies read it, so
-  // it needs no guard: a copy still queued by a forward that failed half-way would read the next
-  // forward's T, and that forward's own copy writes the same device word after it.
-  PinnedBuffer host_tokens_;
 
   // What the forward keeps for the backward, beside topk_idx, topk_p and the mesh-wide aux counts.
   struct Saved {
     Tensor logits;
-    std::int64_t global_tokens = 0;
+    std::int64_t global_tokens = 0;  // on one rank (T); a mesh's stays on the device
   } saved_;
 };
 

@@ -45,37 +45,6 @@ MoEConfig static_config(DType dtype, double factor, DropPolicy policy, int align
   return c;
 }
 
-bool same_bits(float a, float b) {
-  return std::memcmp(&a, &b, sizeof(float)) == 0;
-}
-
-void check_identical(const test::Results& got, const test::Results& want) {
-  CHECK(got.out.data == want.out.data);
-  CHECK(got.dx.data == want.dx.data);
-  CHECK(got.dgate.data == want.dgate.data);
-  CHECK(same_bits(got.aux, want.aux));
-  CHECK(same_bits(got.z, want.z));
-  REQUIRE(got.dw13.size() == want.dw13.size());
-  for (std::size_t e = 0; e < got.dw13.size(); ++e) {
-    INFO("expert " << e);
-    CHECK(got.dw13[e].data == want.dw13[e].data);
-    CHECK(got.dw2[e].data == want.dw2[e].data);
-  }
-  CHECK(got.shared_dw13.data == want.shared_dw13.data);
-  CHECK(got.shared_dw2.data == want.shared_dw2.data);
-  CHECK(got.shared_dgate.data == want.shared_dgate.data);
-}
-
-// NaN bytes over everything a step writes, so that a replay that skipped a write shows.
-void poison_step(const MoEBlock& block, const MoEForward& fwd, const Tensor& dx,
-                 cudaStream_t stream) {
-  const MoEGradients& g = block.gradients();
-  for (const Tensor* t : {&fwd.out, &fwd.losses, &dx, &g.gate_weight, &g.w13, &g.w2, &g.shared_w13,
-                          &g.shared_w2, &g.shared_gate_weight}) {
-    if (t->data != nullptr) MOE_CHECK_CUDA(cudaMemsetAsync(t->data, 0xff, t->bytes(), stream));
-  }
-}
-
 // Inputs drawn so that no routing or drop decision sits on a rounding boundary, and the
 // reference's results for them.
 struct Batch {
@@ -135,15 +104,15 @@ void run_graph_case(const MoEConfig& c, std::int64_t tokens, std::mt19937_64& rn
   CHECK(captured_dx.data == eager_dx.data);
 
   // Replayed over poisoned outputs: the eager step, bitwise.
-  poison_step(block, captured_fwd, captured_dx, stream.get());
+  test::poison_step(block, captured_fwd, captured_dx, stream.get());
   step.replay(stream.get());
-  check_identical(test::read_step(block, c, captured_fwd, captured_dx, tokens), eager);
+  test::check_identical(test::read_step(block, c, captured_fwd, captured_dx, tokens), eager);
 
   // New input in the same buffers: the replay computes it, equal to the reference, and an eager
   // step on it equals the replay bitwise. Replays never wait on the host.
   copy_to_device(x.data(), test::upload_as(second.x, c.dtype).data(), x_view.bytes());
   copy_to_device(dy.data(), test::upload_as(second.dy, c.dtype).data(), dy_view.bytes());
-  poison_step(block, captured_fwd, captured_dx, stream.get());
+  test::poison_step(block, captured_fwd, captured_dx, stream.get());
   const std::int64_t replay_waits = mesh.host_waits();
   step.replay(stream.get());
   step.replay(stream.get());  // twice: a replay leaves nothing the next one depends on
@@ -153,9 +122,9 @@ void run_graph_case(const MoEConfig& c, std::int64_t tokens, std::mt19937_64& rn
   const MoEForward again_fwd = block.forward(x_view);  // losses on the host this time
   const Tensor again_dx = block.backward(dy_view);
   test::Results again = test::read_step(block, c, again_fwd, again_dx, tokens);
-  CHECK(same_bits(again_fwd.aux_loss, again.aux));
-  CHECK(same_bits(again_fwd.z_loss, again.z));
-  check_identical(replayed, again);
+  CHECK(test::same_bits(again_fwd.aux_loss, again.aux));
+  CHECK(test::same_bits(again_fwd.z_loss, again.z));
+  test::check_identical(replayed, again);
 }
 
 }  // namespace
@@ -235,9 +204,9 @@ TEST_CASE("capture is refused, naming why, where a step would wait on the host o
     dx = block.backward(dy_view);
   });
   CHECK(step.nodes() > 0);
-  poison_step(block, fwd, dx, stream.get());
+  test::poison_step(block, fwd, dx, stream.get());
   step.replay(stream.get());
-  check_identical(test::read_step(block, padded, fwd, dx, tokens), eager);
+  test::check_identical(test::read_step(block, padded, fwd, dx, tokens), eager);
 
   CHECK_THROWS_WITH(CudaGraph(stream.get(), {}), test::contains_text("empty work"));
 }

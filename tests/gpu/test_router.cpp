@@ -196,15 +196,18 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const auto dprob_dev = test::upload(std::vector<float>(dprob.data.begin(), dprob.data.end()));
   const auto TK = static_cast<std::size_t>(T * K);
   DeviceBuffer idx(TK * 4 + 16), prob(TK * 4 + 16), counts(E * 4), aux_counts(E * 4),
-      score_sum(E * 4), z(16), losses(16), dlogits(static_cast<std::size_t>(T * E) * 4 + 16);
+      score_sum(E * 4), z(16), losses(16), factors(16),
+      dlogits(static_cast<std::size_t>(T * E) * 4 + 16);
   DeviceBuffer workspace(router_workspace_bytes(params, T));
   const auto tokens_dev = test::upload(std::vector<std::int64_t>{T});
   Stream stream;
   router_workspace_clear(params, workspace.data(), stream.get());
 
-  // fused_losses: the losses from the forward's last block (one GPU) instead of router_losses.
+  // fused_losses: the losses from the forward's last block (one GPU) instead of router_losses,
+  // and the backward's loss factors from the host instead of the device (router_losses' own).
   auto run = [&](bool fused_losses) {
-    for (const auto* b : {&idx, &prob, &counts, &aux_counts, &score_sum, &z, &losses, &dlogits})
+    for (const auto* b :
+         {&idx, &prob, &counts, &aux_counts, &score_sum, &z, &losses, &factors, &dlogits})
       test::poison(*b);
     RouterForwardArgs fwd;
     fwd.logits = logits_dev.data();
@@ -227,7 +230,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     if (!fused_losses) {
       router_losses(params, config.aux_loss_coeff, config.z_loss_coeff,
                     aux_counts.as<std::int32_t>(), score_sum.as<float>(), z.as<float>(),
-                    tokens_dev.as<std::int64_t>(), losses.as<float>(), stream.get());
+                    tokens_dev.as<std::int64_t>(), losses.as<float>(), factors.as<float>(),
+                    stream.get());
     }
 
     RouterBackwardArgs bwd;
@@ -240,6 +244,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     bwd.aux_tokens_per_expert = params.aux_loss ? aux_counts.as<std::int32_t>() : nullptr;
     bwd.aux_factor = params.aux_loss ? aux_loss_factor(params, config.aux_loss_coeff, T) : 0.0f;
     bwd.z_factor = params.z_loss ? z_loss_factor(config.z_loss_coeff, T) : 0.0f;
+    if (!fused_losses) bwd.loss_factors = factors.as<float>();
     bwd.dlogits = dlogits.as<float>();
     router_backward(params, bwd, stream.get());
     stream.synchronize();
@@ -306,8 +311,9 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   CHECK(test::relative_error(test::to_double(gpu.dlogits), want_dlogits.data) <= kTolerance);
 
   // The same run again: bitwise the same.
-  // The same run again, and once more with the losses fused into the forward: bitwise the same
-  // (the fused losses add the same terms in the same order as router_losses).
+  // The same run again, and once more with the losses fused into the forward and the factors from
+  // the host: bitwise the same (the fused losses add the same terms in the same order as
+  // router_losses, which computes the factors as the host does).
   for (const bool fused : {false, true}) {
     INFO((fused ? "losses fused into the forward" : "the same run again"));
     const Outputs again = run(fused);

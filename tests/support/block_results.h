@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -108,6 +109,37 @@ inline void check_against_reference(const MoEConfig& c, const Results& got,
   }
   if (c.shared_gate) {
     CHECK(relative_error(got.shared_dgate, want.shared_grads.dgate_weight) <= tol);
+  }
+}
+
+inline bool same_bits(float a, float b) {
+  return std::memcmp(&a, &b, sizeof(float)) == 0;
+}
+
+inline void check_identical(const Results& got, const Results& want) {
+  CHECK(got.out.data == want.out.data);
+  CHECK(got.dx.data == want.dx.data);
+  CHECK(got.dgate.data == want.dgate.data);
+  CHECK(same_bits(got.aux, want.aux));
+  CHECK(same_bits(got.z, want.z));
+  REQUIRE(got.dw13.size() == want.dw13.size());
+  for (std::size_t e = 0; e < got.dw13.size(); ++e) {
+    INFO("expert " << e);
+    CHECK(got.dw13[e].data == want.dw13[e].data);
+    CHECK(got.dw2[e].data == want.dw2[e].data);
+  }
+  CHECK(got.shared_dw13.data == want.shared_dw13.data);
+  CHECK(got.shared_dw2.data == want.shared_dw2.data);
+  CHECK(got.shared_dgate.data == want.shared_dgate.data);
+}
+
+// NaN bytes over everything a step writes, so that a replay that skipped a write shows.
+inline void poison_step(const MoEBlock& block, const MoEForward& fwd, const Tensor& dx,
+                        cudaStream_t stream) {
+  const MoEGradients& g = block.gradients();
+  for (const Tensor* t : {&fwd.out, &fwd.losses, &dx, &g.gate_weight, &g.w13, &g.w2, &g.shared_w13,
+                          &g.shared_w2, &g.shared_gate_weight}) {
+    if (t->data != nullptr) MOE_CHECK_CUDA(cudaMemsetAsync(t->data, 0xff, t->bytes(), stream));
   }
 }
 
