@@ -21,19 +21,6 @@ using reference::Matrix;
 
 namespace {
 
-MoEConfig capacity_config(DType dtype, double factor, DropPolicy policy, int align) {
-  MoEConfig c = test::small_config(64, 48, 8, 2);
-  c.dtype = dtype;
-  c.gemm_autotune = test::run_size() != test::RunSize::kQuick;
-  c.capacity_factor = factor;
-  c.drop_policy = policy;
-  c.align_size = align;
-  c.aux_loss_coeff = 0.05;
-  c.z_loss_coeff = 0.01;
-  c.validate();
-  return c;
-}
-
 // As test::draw_separated, with every input positive: a gate biased towards some experts in every
 // column then sends every token to them.
 void draw_positive_separated(const MoEConfig& c, const reference::Params& params, Matrix& x,
@@ -116,13 +103,13 @@ TEST_CASE("capacity mode on one GPU equals the fp64 reference", "[gpu][block][ca
       for (const double factor : {0.5, 1.0, 1.25}) {
         for (const int align : {0, 16}) {
           const int dropped =
-              run_capacity_case(capacity_config(dtype, factor, policy, align), 45, rng);
+              run_capacity_case(test::capacity_config(dtype, factor, policy, align), 45, rng);
           if (factor == 0.5 && align == 0) CHECK(dropped > 0);
         }
       }
       // X kept in its own buffer (Y and dY apart from it), the SwiGLU output in chunks, one
       // token, no tokens.
-      MoEConfig kept = capacity_config(dtype, 0.5, policy, 0);
+      MoEConfig kept = test::capacity_config(dtype, 0.5, policy, 0);
       kept.keep_expert_input = true;
       CHECK(run_capacity_case(kept, 45, rng) > 0);
       kept.keep_expert_input = false;
@@ -131,9 +118,9 @@ TEST_CASE("capacity mode on one GPU equals the fp64 reference", "[gpu][block][ca
       run_capacity_case(kept, 1, rng);
       run_capacity_case(kept, 0, rng);
       // Every token to experts 0 and 1: they keep C slots each, the others get none.
-      CHECK(run_capacity_case(capacity_config(dtype, 1.0, policy, 0), 64, rng, true) > 0);
+      CHECK(run_capacity_case(test::capacity_config(dtype, 1.0, policy, 0), 64, rng, true) > 0);
       // Sigmoid, groups and a shared expert beside the drops.
-      MoEConfig ds = test::deepseek_like(capacity_config(dtype, 0.5, policy, 0));
+      MoEConfig ds = test::deepseek_like(test::capacity_config(dtype, 0.5, policy, 0));
       ds.shared_ffn_hidden = 40;
       CHECK(run_capacity_case(ds, 45, rng) > 0);
     }
@@ -147,7 +134,7 @@ TEST_CASE("capacity mode that drops nothing equals the dropless layer bitwise",
   std::mt19937_64 rng(seed);
   for (const DType dtype : {DType::kFP32, DType::kBF16}) {
     // C ≥ T for every expert: nothing can drop.
-    MoEConfig ample = capacity_config(dtype, 4.0, DropPolicy::kProbs, 16);
+    MoEConfig ample = test::capacity_config(dtype, 4.0, DropPolicy::kProbs, 16);
     ample.gemm_autotune = false;  // two blocks: the same GEMM algorithms in both
     MoEConfig dropless = ample;
     dropless.capacity_factor = 0.0;
@@ -186,15 +173,16 @@ TEST_CASE("pad_to_capacity on one GPU equals the fp64 reference", "[gpu][block][
   };
   for (const DType dtype : {DType::kFP32, DType::kBF16}) {
     for (const DropPolicy policy : {DropPolicy::kProbs, DropPolicy::kPosition}) {
-      CHECK(run_capacity_case(padded(capacity_config(dtype, 0.5, policy, 0)), 45, rng) > 0);
-      run_capacity_case(padded(capacity_config(dtype, 1.25, policy, 16)), 45, rng);
-      run_capacity_case(padded(capacity_config(dtype, 2.0, policy, 0)), 45, rng);
-      MoEConfig kept = padded(capacity_config(dtype, 0.5, policy, 0));
+      CHECK(run_capacity_case(padded(test::capacity_config(dtype, 0.5, policy, 0)), 45, rng) > 0);
+      run_capacity_case(padded(test::capacity_config(dtype, 1.25, policy, 16)), 45, rng);
+      run_capacity_case(padded(test::capacity_config(dtype, 2.0, policy, 0)), 45, rng);
+      MoEConfig kept = padded(test::capacity_config(dtype, 0.5, policy, 0));
       kept.keep_expert_input = true;
       CHECK(run_capacity_case(kept, 45, rng) > 0);
       run_capacity_case(kept, 1, rng);
       run_capacity_case(kept, 0, rng);
-      CHECK(run_capacity_case(padded(capacity_config(dtype, 1.0, policy, 0)), 64, rng, true) > 0);
+      CHECK(run_capacity_case(padded(test::capacity_config(dtype, 1.0, policy, 0)), 64, rng, true) >
+            0);
     }
   }
 }

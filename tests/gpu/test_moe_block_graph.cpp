@@ -23,24 +23,11 @@ using reference::Matrix;
 
 namespace {
 
-// The losses stay on the device: what a captured forward must be told.
-ForwardOptions on_device() {
-  ForwardOptions options;
-  options.losses_on_host = false;
-  return options;
-}
-const ForwardOptions kOnDevice = on_device();
+const ForwardOptions kOnDevice = test::losses_on_device();
 
 MoEConfig static_config(DType dtype, double factor, DropPolicy policy, int align) {
-  MoEConfig c = test::small_config(64, 48, 8, 2);
-  c.dtype = dtype;
-  c.gemm_autotune = test::run_size() != test::RunSize::kQuick;
-  c.capacity_factor = factor;
-  c.drop_policy = policy;
+  MoEConfig c = test::capacity_config(dtype, factor, policy, align);
   c.pad_to_capacity = true;
-  c.align_size = align;
-  c.aux_loss_coeff = 0.05;
-  c.z_loss_coeff = 0.01;
   c.validate();
   return c;
 }

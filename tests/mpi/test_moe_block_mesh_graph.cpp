@@ -23,12 +23,6 @@ using reference::Matrix;
 
 namespace {
 
-ForwardOptions on_device() {
-  ForwardOptions options;
-  options.losses_on_host = false;
-  return options;
-}
-
 void run_dp_graph_case(MoEConfig c, std::uint64_t seed) {
   const int world = test::world_size();
   const int rank = test::world_rank();
@@ -62,7 +56,7 @@ void run_dp_graph_case(MoEConfig c, std::uint64_t seed) {
   const auto dy = test::upload_as(dys[rank], c.dtype);
   const Tensor x_view(x.data(), c.dtype, {T, c.hidden});
   const Tensor dy_view(dy.data(), c.dtype, {T, c.hidden});
-  const ForwardOptions options = on_device();
+  const ForwardOptions options = test::losses_on_device();
 
   // The first step grows the buffers, times the GEMMs and agrees on them over the mesh.
   (void)block.forward(x_view, options);

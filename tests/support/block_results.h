@@ -22,6 +22,14 @@ struct Results {
   float aux = 0, z = 0;
 };
 
+// The losses stay on the device: what a forward that waits for nothing, or is captured in a CUDA
+// graph, must be told.
+inline ForwardOptions losses_on_device() {
+  ForwardOptions options;
+  options.losses_on_host = false;
+  return options;
+}
+
 // A forward whose backward has not run yet: x must stay on the device until then.
 struct Pending {
   DeviceBuffer x_dev;

@@ -8,8 +8,23 @@
 
 #include "moe/config.h"
 #include "reference/reference.h"
+#include "support/test_util.h"
 
 namespace moe::test {
+
+// The capacity-mode block tests' layer: the small shape, both losses, the given capacity.
+inline MoEConfig capacity_config(DType dtype, double factor, DropPolicy policy, int align) {
+  MoEConfig c = small_config(64, 48, 8, 2);
+  c.dtype = dtype;
+  c.gemm_autotune = run_size() != RunSize::kQuick;
+  c.capacity_factor = factor;
+  c.drop_policy = policy;
+  c.align_size = align;
+  c.aux_loss_coeff = 0.05;
+  c.z_loss_coeff = 0.01;
+  c.validate();
+  return c;
+}
 
 // Whether, for each expert offered more than C slots, its C-th and (C+1)-th largest routed
 // probabilities are at least 1e-6 apart: far more than the GPU's fp32 error on them (about 1e-8),
