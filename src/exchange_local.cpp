@@ -69,31 +69,38 @@ class LocalExchange final : public TokenExchange {
   }
 
   void dispatch(const Tensor&, void* totals) override {
+    const std::int32_t* offsets = nullptr;  // on the host, with the counts
     if (to_host_) {
       mesh_.wait(copied_.get(), "the forward's row counts");  // the one host synchronisation
       std::memcpy(totals, host_.as<char>(), totals_bytes_);
+      offsets = reinterpret_cast<const std::int32_t*>(host_.as<char>() + totals_bytes_);
     }
     if (fixed_rows_ > 0) {
       // Known beforehand, whether or not the counts came: expert e's group is rows
-      // [e·C, (e + 1)·C), and the dropped group after them holds at most a row per token, padded.
-      // The same shapes every step, so the same buffers and GEMM plans, which a graph needs.
+      // [e·C, (e + 1)·C), the same shapes every step, so the same GEMM plans. The dropped group
+      // after them takes a row per dropped slot, rounded up to A (a token's several dropped slots
+      // share one of them, and the rest go unused): at most T·K rows. Its exact end comes with
+      // the counts; without them the whole bound is cleared. The buffers are sized for the bound
+      // either way, so that a step that waits and one that does not use the same memory, as a
+      // graph captured after either needs.
       saved_.expert_offsets.resize(static_cast<std::size_t>(E_) + 1);
       for (int e = 0; e <= E_; ++e) saved_.expert_offsets[e] = std::int64_t{e} * fixed_rows_;
       saved_.rows = saved_.expert_offsets.back();
       const std::int64_t align = std::max(config_.align_size, 1);
-      saved_.all_rows = saved_.rows + (groups_ > E_ ? (tokens_ + align - 1) / align * align : 0);
+      const std::int64_t slots = tokens_ * K_;
+      saved_.reserved_rows = saved_.rows + (groups_ > E_ ? (slots + align - 1) / align * align : 0);
+      saved_.all_rows = offsets != nullptr ? offsets[groups_] : saved_.reserved_rows;
       return;
     }
-    const auto* offsets = reinterpret_cast<const std::int32_t*>(host_.as<char>() + totals_bytes_);
     saved_.expert_offsets.assign(offsets, offsets + E_ + 1);
     saved_.rows = saved_.expert_offsets.back();
-    saved_.all_rows = offsets[groups_];
+    saved_.all_rows = saved_.reserved_rows = offsets[groups_];
   }
 
   ExpertRows expert_rows() override {
     // One row buffer: the down products write Y over X once the up products have read it. Y holds
     // the dropped group's rows too, which the unpermute reads.
-    if (!one_row_buffer()) view(Y_, dtype_, {saved_.all_rows, H_});
+    if (!one_row_buffer()) view(Y_, dtype_, {saved_.reserved_rows, H_});
     const Tensor Y = one_row_buffer() ? rows(X_) : rows(Y_);
     return {rows(X_), Y, row_prob(), saved_.expert_offsets};
   }
@@ -110,7 +117,7 @@ class LocalExchange final : public TokenExchange {
   // dY(t, k) = dy[t]: the probabilities are inside the experts, whose backward forms dprob.
   void unpermute_backward(const Tensor& dy, float*) override {
     // One row buffer: dY over the dead Y. Else the scratch's dY.
-    const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.all_rows, H_});
+    const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.reserved_rows, H_});
     permute_rows(dy, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, dY,
                  stream_);
   }
@@ -193,6 +200,8 @@ class LocalExchange final : public TokenExchange {
   struct Saved {
     std::int64_t rows = 0;      // the experts', padding included
     std::int64_t all_rows = 0;  // rows, then the dropped group's in capacity mode
+    // all_rows, or with fixed groups the most that all_rows can be: what Y and dY are sized for.
+    std::int64_t reserved_rows = 0;
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };

@@ -132,8 +132,9 @@ struct MoEBlock::State {
     return config.capacity_mode() && config.pad_to_capacity && mesh.ep() == 1;
   }
 
-  // A call whose stream is capturing a CUDA graph is refused, before it queues anything, where it
-  // would wait on the host or allocate; the error says why.
+  // A call whose stream is capturing a CUDA graph is refused where it would wait on the host or
+  // allocate; the error says why. The public calls ask before on_mesh, so that a refusal queues
+  // nothing and leaves a mesh as it was (an error inside on_mesh aborts the communicators).
   void check_capture(const char* call, std::int64_t T, std::int64_t prepared) const {
     const char* why = nullptr;
     if (!config.capacity_mode() || !config.pad_to_capacity) {
@@ -159,6 +160,23 @@ struct MoEBlock::State {
           "every GEMM algorithm is chosen before the capture",
           call, T, last);
     }
+  }
+
+  // A forward or infer of a capture, refused where it cannot be captured.
+  void refuse_capture_of_forward(const char* call, const Tensor& x,
+                                 const ForwardOptions& options) const {
+    if (!stream_is_capturing(stream)) return;
+    check_capture(call, x.rank() == 2 ? x.dim(0) : -1, prepared_forward);
+    if (options.losses_on_host)
+      fail(
+          "MoEBlock::{}: the stream is capturing a CUDA graph, but ForwardOptions::losses_on_host "
+          "asks for the losses on the host: pass false and read MoEForward::losses on the device",
+          call);
+    if (options.replay_topk_idx.data != nullptr)
+      fail(
+          "MoEBlock::{}: the stream is capturing a CUDA graph, but replay_topk_idx is checked on "
+          "the host",
+          call);
   }
 
   // Check mode: the stage's output must be finite (synchronises).
@@ -293,9 +311,11 @@ void MoEBlock::initialize(std::uint64_t seed) {
 }
 
 MoEForward MoEBlock::forward(const Tensor& x, const ForwardOptions& options) {
+  s_->refuse_capture_of_forward("forward", x, options);
   return on_mesh(s_->mesh, s_->times, "forward", [&] { return run_forward(x, options, true); });
 }
 MoEForward MoEBlock::infer(const Tensor& x, const ForwardOptions& options) {
+  s_->refuse_capture_of_forward("infer", x, options);
   return on_mesh(s_->mesh, s_->times, "infer", [&] { return run_forward(x, options, false); });
 }
 
@@ -314,19 +334,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     expect_tensor(replay, "MoEBlock::forward replay_topk_idx", DType::kInt32, {T, s.K});
     if (replay.data == nullptr && T > 0) fail("MoEBlock::forward: replay_topk_idx has no data");
   }
-  const bool capturing = stream_is_capturing(s.stream);
-  if (capturing) {
-    s.check_capture(save_context ? "forward" : "infer", T, s.prepared_forward);
-    if (options.losses_on_host)
-      fail(
-          "MoEBlock::forward: the stream is capturing a CUDA graph, but "
-          "ForwardOptions::losses_on_host asks for the losses on the host: pass false and read "
-          "MoEForward::losses on the device");
-    if (replay.data != nullptr)
-      fail(
-          "MoEBlock::forward: the stream is capturing a CUDA graph, but replay_topk_idx is "
-          "checked on the host");
-  }
+  const bool capturing = stream_is_capturing(s.stream);  // refuse_capture_of_forward() let it through
   // Whether the host learns the counts and losses: always but for static shapes that were not
   // asked to (a replayed routing is checked on the host too).
   const bool wait_for_host = !s.static_shapes() || options.losses_on_host || replay.data != nullptr;
@@ -419,6 +427,8 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
 }
 
 Tensor MoEBlock::backward(const Tensor& dy) {
+  if (stream_is_capturing(s_->stream))
+    s_->check_capture("backward", s_->context.T, s_->prepared_backward);
   return on_mesh(s_->mesh, s_->times, "backward", [&] { return run_backward(dy); });
 }
 
@@ -431,8 +441,7 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
         "forward)");
   const std::int64_t T = s.context.T;
   expect_tensor(dy, "MoEBlock::backward dy", s.dtype, {T, s.H});
-  const bool capturing = stream_is_capturing(s.stream);
-  if (capturing) s.check_capture("backward", T, s.prepared_backward);
+  const bool capturing = stream_is_capturing(s.stream);  // check_capture() let it through
   const std::int64_t allocations = buffer_allocations();
   s.context.valid = false;
   TokenExchange& exchange = *s.exchange;
@@ -496,18 +505,15 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
 
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
+  if (stream_is_capturing(s.stream)) {
+    s.check_capture("reduce_gradients", s.prepared_backward, s.prepared_backward);
+    if (!s.reduced_once || !s.experts.gemm_algorithms_agreed(s.mesh))
+      fail(
+          "MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, but the ranks have "
+          "not agreed on the GEMM algorithms yet, which an eager reduce_gradients after a step "
+          "does on the host");
+  }
   on_mesh(s.mesh, s.times, "reduce_gradients", [&] {
-    if (stream_is_capturing(s.stream)) {
-      if (!s.static_shapes() || s.check_finite || s.times.on)
-        fail(
-            "MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, but the block's "
-            "steps cannot be captured (forward says why)");
-      if (!s.reduced_once || !s.experts.gemm_algorithms_agreed(s.mesh))
-        fail(
-            "MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, but the block "
-            "has not run reduce_gradients eagerly yet, whose first call agrees on the GEMM "
-            "algorithms on the host");
-    }
     const std::int64_t allocations = buffer_allocations();
     Range r("moe gradient reduction", s.times, s.stream);
     moe::reduce_gradients(s.config, s.grads, s.mesh, s.shared.grad_stage, s.stream);
@@ -528,11 +534,11 @@ void MoEBlock::reduce_gradients() {
 // queues it, so the late rank times out on it, or reads counts that disagree.
 void MoEBlock::synchronize() {
   auto& s = *s_;
+  if (stream_is_capturing(s.stream))
+    fail(
+        "MoEBlock::synchronize: waits on the host, which a stream capturing a CUDA graph cannot "
+        "do: call it after the graph's replay");
   on_mesh(s.mesh, s.times, "synchronize", [&] {
-    if (stream_is_capturing(s.stream))
-      fail(
-          "MoEBlock::synchronize: waits on the host, which a stream capturing a CUDA graph "
-          "cannot do: call it after the graph's replay");
     s.times.current = "the end of the step";
     s.step_done.record(s.stream);
     s.mesh.wait(s.step_done.get(), "the block's queued work");

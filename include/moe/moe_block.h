@@ -15,16 +15,18 @@
 //   for (auto& config : layers) blocks.emplace_back(config, mesh, stream, scratch);
 //
 // Static shapes (capacity_factor with pad_to_capacity, ep = 1): no host synchronisation at
-// all with ForwardOptions::losses_on_host = false, and, once one eager forward and backward have
-// run at a token count, forward, infer, backward and reduce_gradients at that count may be
-// captured in a CUDA graph on the block's stream (moe::CudaGraph, or the trainer's own capture):
+// all with ForwardOptions::losses_on_host = false, and, once one eager step (forward, backward,
+// reduce_gradients) has run at a token count, forward, infer, backward and reduce_gradients at
+// that count may be captured in a CUDA graph on the block's stream (moe::CudaGraph, or the
+// trainer's own capture); a call that cannot be captured throws before it queues anything:
 //
 //   moe::ForwardOptions on_device;
 //   on_device.losses_on_host = false;
-//   block.forward(x, on_device); block.backward(dy);                    // prepares
+//   block.forward(x, on_device); block.backward(dy); block.reduce_gradients();   // prepares
 //   moe::CudaGraph step(stream, [&] {
 //     block.forward(x, on_device);
 //     block.backward(dy);
+//     block.reduce_gradients();
 //   });
 //   step.replay(stream);                          // equals the eager step, bitwise
 #pragma once
