@@ -334,7 +334,8 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     expect_tensor(replay, "MoEBlock::forward replay_topk_idx", DType::kInt32, {T, s.K});
     if (replay.data == nullptr && T > 0) fail("MoEBlock::forward: replay_topk_idx has no data");
   }
-  const bool capturing = stream_is_capturing(s.stream);  // refuse_capture_of_forward() let it through
+  // Capturing: refuse_capture_of_forward() let it through.
+  const bool capturing = stream_is_capturing(s.stream);
   // Whether the host learns the counts and losses: always but for static shapes that were not
   // asked to (a replayed routing is checked on the host too).
   const bool wait_for_host = !s.static_shapes() || options.losses_on_host || replay.data != nullptr;
@@ -441,7 +442,7 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
         "forward)");
   const std::int64_t T = s.context.T;
   expect_tensor(dy, "MoEBlock::backward dy", s.dtype, {T, s.H});
-  const bool capturing = stream_is_capturing(s.stream);  // check_capture() let it through
+  const bool capturing = stream_is_capturing(s.stream);  // check_capture() let it in
   const std::int64_t allocations = buffer_allocations();
   s.context.valid = false;
   TokenExchange& exchange = *s.exchange;
