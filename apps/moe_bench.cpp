@@ -28,6 +28,7 @@
 #include <map>
 #include <numeric>
 #include <thread>
+#include <tuple>
 
 #include "bench/bench_util.h"
 #include "bench/stage_floors.h"
@@ -152,9 +153,7 @@ int main(int argc, char** argv) {
     const int world = mpi.size();
     const bool root = mpi.rank() == 0;
     auto config = load_config(config_path);
-    if (ep == 0 && dp == 0) ep = world, dp = 1;
-    if (ep == 0) ep = world / dp;
-    if (dp == 0) dp = world / ep;
+    std::tie(ep, dp) = cli::mesh_shape(ep, dp, world);
     config.ep = ep;
     config.dp = dp;
     if (tokens > 0) config.bench_tokens = tokens;

@@ -41,8 +41,10 @@
 #include <new>
 #include <numeric>
 #include <optional>
+#include <tuple>
 #include <utility>
 
+#include "cli/checks.h"
 #include "comm/bootstrap.h"
 #include "io/expert_streams.h"
 #include "io/layer_files.h"
@@ -415,9 +417,7 @@ int main(int argc, char** argv) {
     const int file_ep = config.ep;
     comm::MpiSession mpi(&argc, &argv);
     if (cuda_device_count() == 0) fail("no CUDA GPU on this machine (--reference runs on the CPU)");
-    if (ep == 0 && dp == 0) ep = mpi.size(), dp = 1;
-    if (ep == 0) ep = mpi.size() / dp;
-    if (dp == 0) dp = mpi.size() / ep;
+    std::tie(ep, dp) = cli::mesh_shape(ep, dp, mpi.size());
     if (config.node_limited_routing() && file_ep != 1 && file_ep != ep)
       fail(
           "the config's ep = {} sets the nodes of max_nodes_per_token = {}, but the mesh has "

@@ -1,6 +1,6 @@
 // Checks of the apps' numeric options. CLI11's Range and PositiveNumber let NaN through (every
 // comparison with it is false) and print a double bound with its 300 digits; these name the
-// option's value and a readable range.
+// option's value and a readable range. And the mesh shape that --ep and --dp give.
 #pragma once
 
 #include <fmt/format.h>
@@ -10,6 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
+
+#include "moe/error.h"
 
 namespace moe::cli {
 
@@ -48,6 +51,23 @@ inline CLI::Validator unsigned_integer() {
 // An integer in [low, high], the bounds printed as integers.
 inline CLI::Range count_in(long long low, long long high) {
   return CLI::Range(low, high);
+}
+
+// The mesh's {ep, dp} over the `world` ranks mpirun started, from --ep and --dp (0: not given).
+// Neither given: EP over every rank; one given: the other fills the world. Their product must be
+// the world, which the error says in the options' terms (not as a config's dp = 0).
+inline std::pair<int, int> mesh_shape(int ep, int dp, int world) {
+  if (ep == 0 && dp == 0) return {world, 1};
+  const int given = ep != 0 ? ep : dp;
+  if (world % given != 0)
+    moe::fail("--{} {} does not divide the {} rank(s) started (mpirun -np)", ep != 0 ? "ep" : "dp",
+              given, world);
+  if (ep == 0) ep = world / dp;
+  if (dp == 0) dp = world / ep;
+  if (ep * dp != world)
+    moe::fail("--ep {} x --dp {} is {} ranks, but {} were started (mpirun -np)", ep, dp, ep * dp,
+              world);
+  return {ep, dp};
 }
 
 }  // namespace moe::cli
