@@ -135,20 +135,21 @@ struct MoEBlock::State {
   // A call whose stream is capturing a CUDA graph is refused where it would wait on the host or
   // allocate; the error says why. The public calls ask before on_mesh, so that a refusal queues
   // nothing and leaves a mesh as it was (an error inside on_mesh aborts the communicators).
+  // This says why the block's calls cannot be captured now, or null.
+  const char* capture_blocker() const {
+    if (!config.capacity_mode() || !config.pad_to_capacity)
+      return "a layer without capacity_factor and pad_to_capacity reads its row counts on the "
+             "host every forward";
+    if (mesh.ep() > 1)
+      return "under EP the exchange reads its row counts on the host (capture needs ep = 1)";
+    if (check_finite) return "check mode (set_check_finite) reads every stage's output on the host";
+    if (times.on) return "stage timing (set_stage_timing) reads its events on the host";
+    return nullptr;
+  }
+
+  // As capture_blocker, and a token count T other than the last eager call's (`prepared`).
   void check_capture(const char* call, std::int64_t T, std::int64_t prepared) const {
-    const char* why = nullptr;
-    if (!config.capacity_mode() || !config.pad_to_capacity) {
-      why =
-          "a layer without capacity_factor and pad_to_capacity reads its row counts on the "
-          "host every forward";
-    } else if (mesh.ep() > 1) {
-      why = "under EP the exchange reads its row counts on the host (capture needs ep = 1)";
-    } else if (check_finite) {
-      why = "check mode (set_check_finite) reads every stage's output on the host";
-    } else if (times.on) {
-      why = "stage timing (set_stage_timing) reads its events on the host";
-    }
-    if (why != nullptr)
+    if (const char* why = capture_blocker())
       fail("MoEBlock::{}: the stream is capturing a CUDA graph, but {}", call, why);
     if (T != prepared) {
       const std::string last = prepared < 0
@@ -507,7 +508,8 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
   if (stream_is_capturing(s.stream)) {
-    s.check_capture("reduce_gradients", s.prepared_backward, s.prepared_backward);
+    if (const char* why = s.capture_blocker())
+      fail("MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, but {}", why);
     if (!s.reduced_once || !s.experts.gemm_algorithms_agreed(s.mesh))
       fail(
           "MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, but the ranks have "
