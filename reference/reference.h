@@ -227,6 +227,27 @@ ExpertActivations experts_forward(const Matrix& X, std::span<const std::int64_t>
 ExpertGrads experts_backward(const Matrix& X, const ExpertActivations& act, const Matrix& dY,
                              std::span<const std::int64_t> offsets, const ExpertWeights& weights);
 
+// ---- FP8 block quantization (docs/design.md, "FP8") ---------------------------------------------
+
+// E4M3 as the GPU rounds to it: nearest, ties to even, saturated to ±448; NaN stays NaN.
+std::uint8_t to_e4m3(float value);
+double from_e4m3(std::uint8_t code);
+
+// A matrix quantized in blocks of 1 × 128 (rows) or 128 × 128 (tiles), as kernels/fp8_quantize
+// does it from the matrix's values (bf16 values, held as doubles): a block's scale is
+// float(amax) / 448 (1 for a block of zeros), and each value is to_e4m3(float(x) / scale).
+struct BlockQuantized {
+  std::int64_t rows = 0, cols = 0;
+  std::int64_t block_rows = 1;          // 1 (rows) or 128 (tiles)
+  std::int64_t scale_cols = 0;          // ceil(cols / 128)
+  std::vector<std::uint8_t> codes;      // [rows, cols]
+  std::vector<float> scales;            // [ceil(rows / block_rows), scale_cols]
+  double value(std::int64_t r, std::int64_t c) const;  // code · its block's scale
+  Matrix dequantized() const;
+};
+BlockQuantized quantize_row_blocks(const Matrix& x);
+BlockQuantized quantize_tiles(const Matrix& x);
+
 // ---- Shared experts (docs/design.md, "Shared experts") ----------------------------------------
 
 // One SwiGLU FFN of width Fs = config.shared_ffn_hidden that every token passes through, in the

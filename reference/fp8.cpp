@@ -1,0 +1,87 @@
+#include <algorithm>
+#include <cmath>
+
+#include "moe/error.h"
+#include "reference/reference.h"
+
+namespace moe::reference {
+namespace {
+
+constexpr double kE4M3Max = 448.0;
+constexpr std::int64_t kBlock = 128;
+
+BlockQuantized quantize(const Matrix& x, std::int64_t block_rows) {
+  BlockQuantized q;
+  q.rows = x.rows;
+  q.cols = x.cols;
+  q.block_rows = block_rows;
+  q.scale_cols = (x.cols + kBlock - 1) / kBlock;
+  const std::int64_t scale_rows = (x.rows + block_rows - 1) / block_rows;
+  q.codes.assign(static_cast<std::size_t>(x.rows * x.cols), 0);
+  q.scales.assign(static_cast<std::size_t>(scale_rows * q.scale_cols), 0.0f);
+  for (std::int64_t i = 0; i < scale_rows; ++i) {
+    for (std::int64_t j = 0; j < q.scale_cols; ++j) {
+      const std::int64_t r0 = i * block_rows, r1 = std::min(r0 + block_rows, x.rows);
+      const std::int64_t c0 = j * kBlock, c1 = std::min(c0 + kBlock, x.cols);
+      float amax = 0.0f;
+      for (std::int64_t r = r0; r < r1; ++r)
+        for (std::int64_t c = c0; c < c1; ++c)
+          amax = std::max(amax, std::fabs(static_cast<float>(x(r, c))));
+      const float scale = amax > 0.0f ? amax / static_cast<float>(kE4M3Max) : 1.0f;
+      q.scales[static_cast<std::size_t>(i * q.scale_cols + j)] = scale;
+      for (std::int64_t r = r0; r < r1; ++r)
+        for (std::int64_t c = c0; c < c1; ++c)
+          q.codes[static_cast<std::size_t>(r * x.cols + c)] =
+              to_e4m3(static_cast<float>(x(r, c)) / scale);
+    }
+  }
+  return q;
+}
+
+}  // namespace
+
+std::uint8_t to_e4m3(float value) {
+  if (std::isnan(value)) return 0x7F;
+  const std::uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  const double magnitude = std::fabs(static_cast<double>(value));
+  if (magnitude >= kE4M3Max) return sign | 0x7E;  // 448 = 1.75 · 2^8, the largest finite value
+  // E4M3 has 3 mantissa bits: values of exponent e lie 2^(e-3) apart; below the smallest normal
+  // exponent (-6) the subnormals keep that spacing, 2^-9.
+  const int exponent = magnitude > 0.0 ? std::max(std::ilogb(magnitude), -6) : -6;
+  const double spacing = std::ldexp(1.0, exponent - 3);
+  const double rounded = std::nearbyint(magnitude / spacing) * spacing;  // ties to even
+  if (rounded < std::ldexp(1.0, -6)) return sign | static_cast<std::uint8_t>(rounded / spacing);
+  const int e = std::ilogb(rounded);
+  const auto mantissa = static_cast<std::uint8_t>((std::ldexp(rounded, -e) - 1.0) * 8.0);
+  return sign | static_cast<std::uint8_t>((e + 7) << 3) | mantissa;
+}
+
+double from_e4m3(std::uint8_t code) {
+  const int exponent = (code >> 3) & 0xF, mantissa = code & 0x7;
+  if (exponent == 0xF && mantissa == 0x7) return std::nan("");
+  const double magnitude = exponent == 0 ? std::ldexp(mantissa, -9)
+                                         : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
+  return (code & 0x80) != 0 ? -magnitude : magnitude;
+}
+
+double BlockQuantized::value(std::int64_t r, std::int64_t c) const {
+  const float scale = scales[static_cast<std::size_t>((r / block_rows) * scale_cols + c / kBlock)];
+  return from_e4m3(codes[static_cast<std::size_t>(r * cols + c)]) * static_cast<double>(scale);
+}
+
+Matrix BlockQuantized::dequantized() const {
+  Matrix m(rows, cols);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) m(r, c) = value(r, c);
+  return m;
+}
+
+BlockQuantized quantize_row_blocks(const Matrix& x) {
+  return quantize(x, 1);
+}
+
+BlockQuantized quantize_tiles(const Matrix& x) {
+  return quantize(x, kBlock);
+}
+
+}  // namespace moe::reference

@@ -1,0 +1,85 @@
+// The fp64 reference's E4M3 rounding and block quantization (docs/design.md, "FP8"): every code
+// decodes and encodes back to itself, values between two codes round to the nearer (ties to the
+// even code), magnitudes past 448 saturate, and a block's values come back within half a code
+// step of the block's scale.
+#include <cmath>
+#include <random>
+
+#include "reference/reference.h"
+#include "support/catch.h"
+#include "support/test_util.h"
+
+using namespace moe;
+using namespace moe::reference;
+
+TEST_CASE("fp8 reference: every E4M3 code encodes back to itself", "[cpu][reference][fp8]") {
+  for (int code = 0; code < 256; ++code) {
+    INFO("code " << code);
+    const double value = from_e4m3(static_cast<std::uint8_t>(code));
+    if ((code & 0x7F) == 0x7F) {
+      CHECK(std::isnan(value));
+      continue;
+    }
+    CHECK(to_e4m3(static_cast<float>(value)) == code);
+  }
+  CHECK(from_e4m3(0x7E) == 448.0);
+  CHECK(from_e4m3(0x01) == std::ldexp(1.0, -9));  // the smallest subnormal
+  CHECK(from_e4m3(0x08) == std::ldexp(1.0, -6));  // the smallest normal
+}
+
+TEST_CASE("fp8 reference: rounding to nearest, ties to even, saturation", "[cpu][reference][fp8]") {
+  // Between 1 (0x38) and 1.125 (0x39): the midpoint goes to the even code, 1.
+  CHECK(to_e4m3(1.0625f) == 0x38);
+  CHECK(to_e4m3(1.0626f) == 0x39);
+  // Between 1.125 (0x39) and 1.25 (0x3A): the midpoint goes to 1.25.
+  CHECK(to_e4m3(1.1875f) == 0x3A);
+  // Subnormals: half the smallest rounds to zero (even), a little more to the smallest.
+  CHECK(to_e4m3(std::ldexp(1.0f, -10)) == 0x00);
+  CHECK(to_e4m3(std::ldexp(1.1f, -10)) == 0x01);
+  CHECK(to_e4m3(-std::ldexp(1.0f, -9)) == 0x81);
+  // Past the largest finite value: ±448, however large.
+  CHECK(to_e4m3(449.0f) == 0x7E);
+  CHECK(to_e4m3(1e30f) == 0x7E);
+  CHECK(to_e4m3(-INFINITY) == 0xFE);
+  CHECK(to_e4m3(NAN) == 0x7F);
+  // Every value within half a step of its code: spacing 2^(e-3) at exponent e.
+  std::mt19937_64 rng(test::fresh_seed());
+  std::uniform_real_distribution<double> log_magnitude(-12.0, 8.7);
+  for (int i = 0; i < 10000; ++i) {
+    const auto value = static_cast<float>(std::exp2(log_magnitude(rng)));
+    const double back = from_e4m3(to_e4m3(value));
+    const double spacing = std::ldexp(1.0, std::max(std::ilogb(static_cast<double>(value)), -6) - 3);
+    INFO("value " << value << " came back as " << back);
+    CHECK(std::fabs(back - std::min<double>(value, 448.0)) <= 0.5 * spacing);
+  }
+}
+
+TEST_CASE("fp8 reference: block scales and values", "[cpu][reference][fp8]") {
+  Matrix x(130, 200);
+  std::mt19937_64 rng(test::fresh_seed());
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (double& v : x.data) v = normal(rng);
+  x = round_to(x, DType::kBF16);
+  for (std::int64_t c = 128; c < 200; ++c) x(5, c) = 0.0;  // a row block of zeros: scale 1
+  x(7, 3) = 1000.0;                                          // an outlier owns its block's scale
+
+  const BlockQuantized rows = quantize_row_blocks(x);
+  REQUIRE(rows.scales.size() == 130 * 2);
+  CHECK(rows.scales[5 * 2 + 1] == 1.0f);
+  CHECK(rows.scales[7 * 2 + 0] == 1000.0f / 448.0f);
+  CHECK(rows.value(7, 3) == Approx(1000.0).epsilon(1e-6));
+  const BlockQuantized tiles = quantize_tiles(x);
+  REQUIRE(tiles.scales.size() == 2 * 2);
+  CHECK(tiles.scales[0] == 1000.0f / 448.0f);
+  // Each value within half a code step of the block's scale, relative to its magnitude: E4M3
+  // keeps 3 mantissa bits, so at most 2^-4 of the value above the subnormal range.
+  for (const BlockQuantized* q : {&rows, &tiles}) {
+    for (std::int64_t r = 0; r < x.rows; ++r) {
+      for (std::int64_t c = 0; c < x.cols; ++c) {
+        const double scale = q->scales[static_cast<std::size_t>((r / q->block_rows) * 2 + c / 128)];
+        const double bound = std::max(std::fabs(x(r, c)) / 16.0, scale * std::ldexp(1.0, -10));
+        if (std::fabs(q->value(r, c) - x(r, c)) > bound) FAIL("(" << r << ", " << c << ")");
+      }
+    }
+  }
+}
