@@ -10,102 +10,212 @@
 namespace moe {
 namespace {
 
+// A block's 128 columns are read by 16 lanes of 8 columns (16 bytes of bf16) each, so a warp
+// covers two row blocks, or two rows of a tile.
 constexpr int kWarp = 32;
-constexpr int kPerLane = kFP8Block / kWarp;  // 4 columns a lane in a 128-column block
+constexpr int kPerLane = 8;
+constexpr int kLanesPerBlock = kFP8Block / kPerLane;  // 16
 
-__device__ __forceinline__ float warp_max(float value) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+__device__ __forceinline__ float group_max(float value) {  // over the 16 lanes of a block
+  for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
     value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
   return value;
 }
 
-__device__ __forceinline__ float block_scale(float amax) { return amax > 0.0f ? amax / kE4M3Max : 1.0f; }
-
-__device__ __forceinline__ std::uint8_t to_e4m3(float value, float scale) {
-  // Division rounded to nearest, as the reference does it: x · (1/s) would round twice.
-  return __nv_cvt_float_to_fp8(__fdiv_rn(value, scale), __NV_SATFINITE, __NV_E4M3);
+// The block's scale 2^e, e the least with amax <= 448 · 2^e (so the block's largest value maps
+// into (224, 448]), in [-126, 127]: a power of two, so that x / 2^e is exact and costs one
+// multiplication. 448 = 0.875 · 2^9.
+__device__ __forceinline__ int scale_exponent(float amax) {
+  if (amax == 0.0f) return 0;
+  if (!(amax < INFINITY)) return 127;
+  int exponent = 0;
+  const float mantissa = frexpf(amax, &exponent);  // amax = mantissa · 2^exponent, [0.5, 1)
+  return min(max(mantissa <= 0.875f ? exponent - 9 : exponent - 8, -126), 127);
 }
 
-// Loads a lane's 4 columns starting at `col` (fewer at a row's end; the rest read as 0).
-__device__ __forceinline__ void load4(const __nv_bfloat16* row, std::int64_t col, std::int64_t cols,
+// E4M3 of value / 2^e, given 2^-e: exact scaling, then one rounding, to nearest even.
+__device__ __forceinline__ std::uint8_t to_e4m3(float value, float inverse_scale) {
+  return __nv_cvt_float_to_fp8(value * inverse_scale, __NV_SATFINITE, __NV_E4M3);
+}
+
+// A lane's 8 columns from `col` (fewer at a row's end: the rest read as 0). `vector`: cols is a
+// multiple of 8, so every lane's columns are 16-byte aligned and whole.
+__device__ __forceinline__ void load8(const __nv_bfloat16* row, std::int64_t col, std::int64_t cols,
                                       bool vector, float (&v)[kPerLane]) {
-  if (vector && col + kPerLane <= cols) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(row + col);
-    const auto* pair = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    const float2 lo = __bfloat1622float2(pair[0]), hi = __bfloat1622float2(pair[1]);
-    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  if (vector && col < cols) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + col);
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    for (int i = 0; i < kPerLane / 2; ++i) {
+      const float2 pair = __bfloat1622float2(pairs[i]);
+      v[2 * i] = pair.x;
+      v[2 * i + 1] = pair.y;
+    }
     return;
   }
   for (int i = 0; i < kPerLane; ++i) v[i] = col + i < cols ? __bfloat162float(row[col + i]) : 0.0f;
 }
 
-__device__ __forceinline__ void store4(std::uint8_t* row, std::int64_t col, std::int64_t cols,
-                                       bool vector, const float (&v)[kPerLane], float scale) {
-  std::uint8_t out[kPerLane];
-  for (int i = 0; i < kPerLane; ++i) out[i] = to_e4m3(v[i], scale);
+__device__ __forceinline__ void encode8(const float (&v)[kPerLane], float inverse_scale,
+                                        std::uint8_t (&out)[kPerLane]) {
+  for (int i = 0; i < kPerLane; ++i) out[i] = to_e4m3(v[i], inverse_scale);
+}
+
+// Stores 8 codes at row[col..col + 8), fewer at the row's end; whole 8 bytes when `vector`.
+__device__ __forceinline__ void put8(std::uint8_t* row, std::int64_t col, std::int64_t cols,
+                                     bool vector, const std::uint8_t (&out)[kPerLane]) {
   if (vector && col + kPerLane <= cols) {
-    *reinterpret_cast<std::uint32_t*>(row + col) =
-        out[0] | (out[1] << 8) | (out[2] << 16) | (static_cast<std::uint32_t>(out[3]) << 24);
+    uint2 packed;
+    packed.x = out[0] | (out[1] << 8) | (out[2] << 16) | (static_cast<std::uint32_t>(out[3]) << 24);
+    packed.y = out[4] | (out[5] << 8) | (out[6] << 16) | (static_cast<std::uint32_t>(out[7]) << 24);
+    *reinterpret_cast<uint2*>(row + col) = packed;
     return;
   }
   for (int i = 0; i < kPerLane; ++i)
     if (col + i < cols) row[col + i] = out[i];
 }
 
-// One warp a row block: the warp's amax, then its values.
+// Where row r's column block c keeps its scale.
+struct StridedScales {
+  ScaleLayout layout;
+  __device__ std::int64_t operator()(std::int64_t r, std::int64_t c, std::int64_t) const {
+    return r * layout.stride_a + c * layout.stride_b;
+  }
+};
+
+struct Segments {
+  int count = 0;
+  std::int32_t first[kMaxQuantizeSegments + 1];
+};
+
+struct SegmentedScales {
+  Segments segments;
+  __device__ std::int64_t operator()(std::int64_t r, std::int64_t c,
+                                     std::int64_t blocks_per_row) const {
+    int lo = 0, hi = segments.count - 1;  // the last segment whose first row is <= r
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (segments.first[mid] <= r) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const std::int64_t first = segments.first[lo], rows = segments.first[lo + 1] - first;
+    return first * blocks_per_row + c * rows + (r - first);
+  }
+};
+
+// Each group of 16 lanes quantizes one row block: its amax, then its values.
+template <typename ScaleIndex>
 __global__ void quantize_row_blocks_kernel(const __nv_bfloat16* __restrict__ x, std::int64_t rows,
                                            std::int64_t cols, std::uint8_t* __restrict__ q,
-                                           float* __restrict__ scales, ScaleLayout layout) {
+                                           float* __restrict__ scales, ScaleIndex scale_index) {
   const std::int64_t blocks_per_row = (cols + kFP8Block - 1) / kFP8Block;
-  const std::int64_t warp =
-      (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-  if (warp >= rows * blocks_per_row) return;  // whole warps leave together
-  const int lane = threadIdx.x % kWarp;
-  const std::int64_t r = warp / blocks_per_row, c = warp % blocks_per_row;
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // Whole warps leave together (blockDim is a multiple of 32); a warp whose second block lies
+  // past the end keeps its lanes in the shuffles and stores nothing there.
+  if (thread / kWarp * 2 >= rows * blocks_per_row) return;
+  const std::int64_t block = thread / kLanesPerBlock;
+  const bool valid = block < rows * blocks_per_row;
+  const int lane = threadIdx.x % kLanesPerBlock;
+  const std::int64_t r = valid ? block / blocks_per_row : 0, c = valid ? block % blocks_per_row : 0;
   const std::int64_t col = c * kFP8Block + lane * kPerLane;
-  const bool vector = cols % kPerLane == 0;  // then every lane's 4 columns are 8-byte aligned
+  const bool vector = cols % kPerLane == 0;
   float v[kPerLane];
-  load4(x + r * cols, col, cols, vector, v);
+  load8(x + r * cols, col, cols, vector, v);
   float amax = 0.0f;
   for (float value : v) amax = fmaxf(amax, fabsf(value));
-  const float scale = block_scale(warp_max(amax));
-  store4(q + r * cols, col, cols, vector, v, scale);
-  if (lane == 0) scales[r * layout.stride_a + c * layout.stride_b] = scale;
+  const int exponent = scale_exponent(group_max(amax));
+  if (!valid) return;
+  std::uint8_t codes[kPerLane];
+  encode8(v, ldexpf(1.0f, -exponent), codes);
+  put8(q + r * cols, col, cols, vector, codes);
+  if (lane == 0) scales[scale_index(r, c, blocks_per_row)] = ldexpf(1.0f, exponent);
 }
 
-// One thread block a tile: 8 warps, each lane 4 columns of every 8th row of the tile.
+// One thread block a tile: 16 rows a pass, 8 passes, the values kept in registers between the
+// amax and the stores, so the tile is read once. A transposed copy goes through shared memory, so
+// that its stores too are whole rows.
 constexpr int kTileThreads = 256;
-constexpr int kTileRowsPerPass = kTileThreads / kWarp;
+constexpr int kTileRowsPerPass = kTileThreads / kLanesPerBlock;  // 16
+constexpr int kTilePasses = kFP8Block / kTileRowsPerPass;        // 8
+// Row stride of the shared tile, in bytes: rows 4-byte aligned for the word stores, and an odd
+// number of words (33) so that the transposed reads, 8 rows apart from lane to lane, spread over
+// 4 banks' groups instead of all landing in one.
+constexpr int kSharedStride = kFP8Block + 4;
 
 __global__ void quantize_tiles_kernel(const __nv_bfloat16* __restrict__ x, std::int64_t rows,
-                                      std::int64_t cols, std::uint8_t* __restrict__ q,
-                                      float* __restrict__ scales, ScaleLayout layout) {
-  const std::int64_t tile_row = blockIdx.y, tile_col = blockIdx.x;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+                                      std::int64_t cols, TileOutput out, TileOutput transposed) {
+  const std::int64_t tile_row = blockIdx.y, tile_col = blockIdx.x, matrix = blockIdx.z;
+  x += matrix * rows * cols;
+  const int lane = threadIdx.x % kLanesPerBlock, row_in_pass = threadIdx.x / kLanesPerBlock;
   const std::int64_t col = tile_col * kFP8Block + lane * kPerLane;
   const std::int64_t first_row = tile_row * kFP8Block;
-  const std::int64_t end_row = min(first_row + kFP8Block, rows);
   const bool vector = cols % kPerLane == 0;
+  float v[kTilePasses][kPerLane];
   float amax = 0.0f;
-  for (std::int64_t r = first_row + warp; r < end_row; r += kTileRowsPerPass) {
-    float v[kPerLane];
-    load4(x + r * cols, col, cols, vector, v);
-    for (float value : v) amax = fmaxf(amax, fabsf(value));
+#pragma unroll
+  for (int pass = 0; pass < kTilePasses; ++pass) {
+    const std::int64_t r = first_row + pass * kTileRowsPerPass + row_in_pass;
+    if (r < rows) {
+      load8(x + r * cols, col, cols, vector, v[pass]);
+    } else {
+      for (float& value : v[pass]) value = 0.0f;
+    }
+    for (float value : v[pass]) amax = fmaxf(amax, fabsf(value));
   }
-  __shared__ float warp_amax[kTileRowsPerPass];
-  amax = warp_max(amax);
-  if (lane == 0) warp_amax[warp] = amax;
+  __shared__ float warp_amax[kTileThreads / kWarp];
+  __shared__ __align__(4) std::uint8_t codes[kFP8Block][kSharedStride];
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (threadIdx.x % kWarp == 0) warp_amax[threadIdx.x / kWarp] = amax;
   __syncthreads();
   amax = 0.0f;
   for (float value : warp_amax) amax = fmaxf(amax, value);
-  const float scale = block_scale(amax);
-  // The second pass reads the tile again: it is 32 KiB, and reads that recent come from L2.
-  for (std::int64_t r = first_row + warp; r < end_row; r += kTileRowsPerPass) {
-    float v[kPerLane];
-    load4(x + r * cols, col, cols, vector, v);
-    store4(q + r * cols, col, cols, vector, v, scale);
+  const int exponent = scale_exponent(amax);
+  const float inverse_scale = ldexpf(1.0f, -exponent);
+  const float scale = ldexpf(1.0f, exponent);
+#pragma unroll
+  for (int pass = 0; pass < kTilePasses; ++pass) {
+    const int local_row = pass * kTileRowsPerPass + row_in_pass;
+    const std::int64_t r = first_row + local_row;
+    std::uint8_t q[kPerLane];
+    encode8(v[pass], inverse_scale, q);
+    if (out.codes != nullptr && r < rows)
+      put8(out.codes + (matrix * rows + r) * cols, col, cols, vector, q);
+    if (transposed.codes != nullptr) {
+      auto* word = reinterpret_cast<std::uint32_t*>(&codes[local_row][lane * kPerLane]);
+      word[0] = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<std::uint32_t>(q[3]) << 24);
+      word[1] = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<std::uint32_t>(q[7]) << 24);
+    }
   }
-  if (threadIdx.x == 0) scales[tile_row * layout.stride_a + tile_col * layout.stride_b] = scale;
+  if (threadIdx.x == 0) {
+    if (out.codes != nullptr) {
+      const ScaleLayout& l = out.per_matrix.layout;
+      out.scales[matrix * out.per_matrix.count + tile_row * l.stride_a + tile_col * l.stride_b] =
+          scale;
+    }
+    if (transposed.codes != nullptr) {
+      const ScaleLayout& l = transposed.per_matrix.layout;
+      transposed.scales[matrix * transposed.per_matrix.count + tile_col * l.stride_a +
+                        tile_row * l.stride_b] = scale;
+    }
+  }
+  if (transposed.codes == nullptr) return;
+  __syncthreads();
+  // The transpose [cols, rows]: its row c (a column of x) takes the tile's column c_local over
+  // the tile's rows, 8 of them a lane.
+  const bool transposed_vector = rows % kPerLane == 0;
+  std::uint8_t* matrix_t = transposed.codes + matrix * rows * cols;
+#pragma unroll
+  for (int pass = 0; pass < kTilePasses; ++pass) {
+    const int local_col = pass * kTileRowsPerPass + row_in_pass;
+    const std::int64_t c = tile_col * kFP8Block + local_col;
+    if (c >= cols) continue;
+    std::uint8_t q[kPerLane];
+    for (int i = 0; i < kPerLane; ++i) q[i] = codes[lane * kPerLane + i][local_col];
+    put8(matrix_t + c * rows, first_row + lane * kPerLane, rows, transposed_vector, q);
+  }
 }
 
 std::string text(const void* pointer) {
@@ -117,8 +227,8 @@ std::string text(const void* pointer) {
 void check_arguments(const char* what, const void* x, std::int64_t rows, std::int64_t cols,
                      const void* q, const float* scales) {
   if (rows < 0 || cols < 0) {
-    fail(std::string(what) + ": rows = " + std::to_string(rows) + " and cols = " +
-         std::to_string(cols) + " must be >= 0");
+    fail(std::string(what) + ": rows = " + std::to_string(rows) +
+         " and cols = " + std::to_string(cols) + " must be >= 0");
   }
   if (rows > 0 && cols > 0 && (x == nullptr || q == nullptr || scales == nullptr)) {
     fail(std::string(what) + ": x, q and scales must be device pointers, got " + text(x) + ", " +
@@ -126,9 +236,23 @@ void check_arguments(const char* what, const void* x, std::int64_t rows, std::in
   }
 }
 
-void too_large(const char* what, std::int64_t rows, std::int64_t cols) {
+[[noreturn]] void too_large(const char* what, std::int64_t rows, std::int64_t cols) {
   fail(std::string(what) + ": " + std::to_string(rows) + " rows of " + std::to_string(cols) +
        " columns are too many for one launch");
+}
+
+template <typename ScaleIndex>
+void launch_row_blocks(const char* what, const void* x, std::int64_t rows, std::int64_t cols,
+                       std::uint8_t* q, float* scales, const ScaleIndex& scale_index,
+                       cudaStream_t stream) {
+  const std::int64_t row_blocks = rows * ((cols + kFP8Block - 1) / kFP8Block);
+  constexpr int kThreads = 256;
+  const std::int64_t threads = (row_blocks + 1) / 2 * kWarp;
+  const std::int64_t blocks = (threads + kThreads - 1) / kThreads;
+  if (blocks > 0x7fffffff) too_large(what, rows, cols);
+  quantize_row_blocks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), rows, cols, q, scales, scale_index);
+  MOE_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -137,27 +261,60 @@ void quantize_row_blocks(const void* x, std::int64_t rows, std::int64_t cols, st
                          float* scales, ScaleLayout layout, cudaStream_t stream) {
   check_arguments("quantize_row_blocks", x, rows, cols, q, scales);
   if (rows == 0 || cols == 0) return;
-  const std::int64_t warps = rows * ((cols + kFP8Block - 1) / kFP8Block);
-  constexpr int kThreads = 256;
-  const std::int64_t blocks = (warps * kWarp + kThreads - 1) / kThreads;
-  if (blocks > 0x7fffffff) too_large("quantize_row_blocks", rows, cols);
-  quantize_row_blocks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), rows, cols, q, scales, layout);
+  launch_row_blocks("quantize_row_blocks", x, rows, cols, q, scales, StridedScales{layout}, stream);
+}
+
+void quantize_row_blocks_segmented(const void* x, std::span<const std::int64_t> offsets,
+                                   std::int64_t cols, std::uint8_t* q, float* scales,
+                                   cudaStream_t stream) {
+  const char* what = "quantize_row_blocks_segmented";
+  if (offsets.size() < 2 || offsets.size() > kMaxQuantizeSegments + 1) {
+    fail(std::string(what) + ": " + std::to_string(offsets.size()) + " offsets; it takes 1 to " +
+         std::to_string(kMaxQuantizeSegments) + " segments, one offset more");
+  }
+  SegmentedScales index;
+  index.segments.count = static_cast<int>(offsets.size()) - 1;
+  for (std::size_t s = 0; s < offsets.size(); ++s) {
+    const bool ordered = s == 0 ? offsets[s] == 0 : offsets[s] >= offsets[s - 1];
+    if (!ordered || offsets[s] > 0x7fffffff) {
+      fail(std::string(what) + ": offsets[" + std::to_string(s) + "] = " +
+           std::to_string(offsets[s]) + " must start at 0, never decrease and stay below 2^31");
+    }
+    index.segments.first[s] = static_cast<std::int32_t>(offsets[s]);
+  }
+  const std::int64_t rows = offsets.back();
+  check_arguments(what, x, rows, cols, q, scales);
+  if (rows == 0 || cols == 0) return;
+  launch_row_blocks(what, x, rows, cols, q, scales, index, stream);
+}
+
+void quantize_tiles(const void* x, std::int64_t matrices, std::int64_t rows, std::int64_t cols,
+                    const TileOutput& out, const TileOutput& transposed, cudaStream_t stream) {
+  const char* what = "quantize_tiles";
+  if (matrices < 0 || matrices > 65535) {
+    fail(std::string(what) + ": matrices = " + std::to_string(matrices) + " must be in [0, 65535]");
+  }
+  check_arguments(what, x, rows, cols, out.codes != nullptr ? out.codes : transposed.codes,
+                  out.codes != nullptr ? out.scales : transposed.scales);
+  if ((out.codes != nullptr && out.scales == nullptr) ||
+      (transposed.codes != nullptr && transposed.scales == nullptr)) {
+    fail(std::string(what) + ": codes without scales");
+  }
+  if (rows == 0 || cols == 0 || matrices == 0) return;
+  const std::int64_t tile_rows = (rows + kFP8Block - 1) / kFP8Block;
+  const std::int64_t tile_cols = (cols + kFP8Block - 1) / kFP8Block;
+  if (tile_rows > 65535 || tile_cols > 0x7fffffff) too_large(what, rows, cols);
+  const dim3 grid(static_cast<unsigned>(tile_cols), static_cast<unsigned>(tile_rows),
+                  static_cast<unsigned>(matrices));
+  quantize_tiles_kernel<<<grid, kTileThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
+                                                           rows, cols, out, transposed);
   MOE_CHECK_LAUNCH();
 }
 
 void quantize_tiles(const void* x, std::int64_t rows, std::int64_t cols, std::uint8_t* q,
                     float* scales, ScaleLayout layout, cudaStream_t stream) {
   check_arguments("quantize_tiles", x, rows, cols, q, scales);
-  if (rows == 0 || cols == 0) return;
-  const std::int64_t tile_rows = (rows + kFP8Block - 1) / kFP8Block;
-  const std::int64_t tile_cols = (cols + kFP8Block - 1) / kFP8Block;
-  if (tile_rows > 65535 || tile_cols > 0x7fffffff)
-    too_large("quantize_tiles", rows, cols);
-  const dim3 grid(static_cast<unsigned>(tile_cols), static_cast<unsigned>(tile_rows));
-  quantize_tiles_kernel<<<grid, kTileThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                           rows, cols, q, scales, layout);
-  MOE_CHECK_LAUNCH();
+  quantize_tiles(x, 1, rows, cols, TileOutput{q, scales, {layout, 0}}, TileOutput{}, stream);
 }
 
 }  // namespace moe

@@ -10,6 +10,15 @@ namespace {
 constexpr double kE4M3Max = 448.0;
 constexpr std::int64_t kBlock = 128;
 
+// The least e with amax <= 448 · 2^e, in [-126, 127]; 0 for a block of zeros.
+int scale_exponent(float amax) {
+  if (amax == 0.0f) return 0;
+  if (!std::isfinite(amax)) return 127;
+  int e = -126;
+  while (e < 127 && static_cast<double>(amax) > kE4M3Max * std::ldexp(1.0, e)) ++e;
+  return e;
+}
+
 BlockQuantized quantize(const Matrix& x, std::int64_t block_rows) {
   BlockQuantized q;
   q.rows = x.rows;
@@ -27,12 +36,13 @@ BlockQuantized quantize(const Matrix& x, std::int64_t block_rows) {
       for (std::int64_t r = r0; r < r1; ++r)
         for (std::int64_t c = c0; c < c1; ++c)
           amax = std::max(amax, std::fabs(static_cast<float>(x(r, c))));
-      const float scale = amax > 0.0f ? amax / static_cast<float>(kE4M3Max) : 1.0f;
-      q.scales[static_cast<std::size_t>(i * q.scale_cols + j)] = scale;
+      const int exponent = scale_exponent(amax);
+      q.scales[static_cast<std::size_t>(i * q.scale_cols + j)] = std::ldexp(1.0f, exponent);
+      const float inverse_scale = std::ldexp(1.0f, -exponent);
       for (std::int64_t r = r0; r < r1; ++r)
         for (std::int64_t c = c0; c < c1; ++c)
           q.codes[static_cast<std::size_t>(r * x.cols + c)] =
-              to_e4m3(static_cast<float>(x(r, c)) / scale);
+              to_e4m3(static_cast<float>(x(r, c)) * inverse_scale);
     }
   }
   return q;
@@ -59,8 +69,8 @@ std::uint8_t to_e4m3(float value) {
 double from_e4m3(std::uint8_t code) {
   const int exponent = (code >> 3) & 0xF, mantissa = code & 0x7;
   if (exponent == 0xF && mantissa == 0x7) return std::nan("");
-  const double magnitude = exponent == 0 ? std::ldexp(mantissa, -9)
-                                         : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
+  const double magnitude =
+      exponent == 0 ? std::ldexp(mantissa, -9) : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
   return (code & 0x80) != 0 ? -magnitude : magnitude;
 }
 

@@ -234,14 +234,15 @@ std::uint8_t to_e4m3(float value);
 double from_e4m3(std::uint8_t code);
 
 // A matrix quantized in blocks of 1 × 128 (rows) or 128 × 128 (tiles), as kernels/fp8_quantize
-// does it from the matrix's values (bf16 values, held as doubles): a block's scale is
-// float(amax) / 448 (1 for a block of zeros), and each value is to_e4m3(float(x) / scale).
+// does it from the matrix's values (bf16 values, held as doubles): a block's scale is 2^e, e the
+// least in [-126, 127] with amax <= 448 · 2^e (1 for a block of zeros), and each value is
+// to_e4m3(x / scale), the division exact.
 struct BlockQuantized {
   std::int64_t rows = 0, cols = 0;
-  std::int64_t block_rows = 1;          // 1 (rows) or 128 (tiles)
-  std::int64_t scale_cols = 0;          // ceil(cols / 128)
-  std::vector<std::uint8_t> codes;      // [rows, cols]
-  std::vector<float> scales;            // [ceil(rows / block_rows), scale_cols]
+  std::int64_t block_rows = 1;                         // 1 (rows) or 128 (tiles)
+  std::int64_t scale_cols = 0;                         // ceil(cols / 128)
+  std::vector<std::uint8_t> codes;                     // [rows, cols]
+  std::vector<float> scales;                           // [ceil(rows / block_rows), scale_cols]
   double value(std::int64_t r, std::int64_t c) const;  // code · its block's scale
   Matrix dequantized() const;
 };

@@ -1,7 +1,7 @@
 // The fp64 reference's E4M3 rounding and block quantization (docs/design.md, "FP8"): every code
 // decodes and encodes back to itself, values between two codes round to the nearer (ties to the
-// even code), magnitudes past 448 saturate, and a block's values come back within half a code
-// step of the block's scale.
+// even code), magnitudes past 448 saturate, block scales are the powers of two that bring each
+// block's largest value into (224, 448], and a block's values come back within half a code step.
 #include <cmath>
 #include <random>
 
@@ -48,7 +48,8 @@ TEST_CASE("fp8 reference: rounding to nearest, ties to even, saturation", "[cpu]
   for (int i = 0; i < 10000; ++i) {
     const auto value = static_cast<float>(std::exp2(log_magnitude(rng)));
     const double back = from_e4m3(to_e4m3(value));
-    const double spacing = std::ldexp(1.0, std::max(std::ilogb(static_cast<double>(value)), -6) - 3);
+    const double spacing =
+        std::ldexp(1.0, std::max(std::ilogb(static_cast<double>(value)), -6) - 3);
     INFO("value " << value << " came back as " << back);
     CHECK(std::fabs(back - std::min<double>(value, 448.0)) <= 0.5 * spacing);
   }
@@ -61,16 +62,26 @@ TEST_CASE("fp8 reference: block scales and values", "[cpu][reference][fp8]") {
   for (double& v : x.data) v = normal(rng);
   x = round_to(x, DType::kBF16);
   for (std::int64_t c = 128; c < 200; ++c) x(5, c) = 0.0;  // a row block of zeros: scale 1
-  x(7, 3) = 1000.0;                                          // an outlier owns its block's scale
+  x(7, 3) = 1000.0;                                        // an outlier owns its block's scale
 
   const BlockQuantized rows = quantize_row_blocks(x);
   REQUIRE(rows.scales.size() == 130 * 2);
   CHECK(rows.scales[5 * 2 + 1] == 1.0f);
-  CHECK(rows.scales[7 * 2 + 0] == 1000.0f / 448.0f);
-  CHECK(rows.value(7, 3) == Approx(1000.0).epsilon(1e-6));
+  // 1000 <= 448 · 2^2 = 1792 but not <= 448 · 2: the scale is 4, and 1000 / 4 = 250 is stored
+  // as 256 (E4M3 spaces values 32 apart between 256 and 448, 16 between 128 and 256).
+  CHECK(rows.scales[7 * 2 + 0] == 4.0f);
+  CHECK(rows.codes[7 * 200 + 3] == to_e4m3(256.0f));
+  CHECK(rows.value(7, 3) == 1024.0);
   const BlockQuantized tiles = quantize_tiles(x);
   REQUIRE(tiles.scales.size() == 2 * 2);
-  CHECK(tiles.scales[0] == 1000.0f / 448.0f);
+  CHECK(tiles.scales[0] == 4.0f);
+  // Scales are powers of two that put each block's largest value in (224, 448].
+  for (const BlockQuantized* q : {&rows, &tiles}) {
+    for (const float scale : q->scales) {
+      int exponent = 0;
+      CHECK(std::frexp(scale, &exponent) == 0.5f);
+    }
+  }
   // Each value within half a code step of the block's scale, relative to its magnitude: E4M3
   // keeps 3 mantissa bits, so at most 2^-4 of the value above the subnormal range.
   for (const BlockQuantized* q : {&rows, &tiles}) {

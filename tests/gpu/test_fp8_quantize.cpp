@@ -2,6 +2,7 @@
 // (reference::quantize_row_blocks / quantize_tiles): every code and every scale bit for bit, at
 // shapes with partial blocks, with outliers, zero blocks and values in E4M3's subnormal range,
 // the scales written through both strides, outputs poisoned before each launch.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -68,8 +69,8 @@ void check(const reference::BlockQuantized& want, const std::vector<std::uint8_t
 TEST_CASE("fp8 quantize: row blocks and tiles equal the reference bit for bit",
           "[gpu][fp8][quantize]") {
   std::mt19937_64 rng(test::fresh_seed());
-  const std::vector<Shape> shapes = {{1, 128}, {3, 200}, {130, 256}, {257, 1000},
-                                     {128, 16}, {5, 7},  {300, 384}};
+  const std::vector<Shape> shapes = {{1, 128}, {3, 200},   {130, 256}, {257, 1000}, {128, 16},
+                                     {5, 7},   {300, 384}, {129, 136}, {64, 4100}};
   Stream stream;
   for (const Shape& s : shapes) {
     for (const bool tiles : {false, true}) {
@@ -81,15 +82,17 @@ TEST_CASE("fp8 quantize: row blocks and tiles equal the reference bit for bit",
         const Matrix x = draw(s.rows, s.cols, rng);
         const reference::BlockQuantized want =
             tiles ? reference::quantize_tiles(x) : reference::quantize_row_blocks(x);
-        const std::int64_t scale_rows = static_cast<std::int64_t>(want.scales.size()) / want.scale_cols;
+        const std::int64_t scale_rows =
+            static_cast<std::int64_t>(want.scales.size()) / want.scale_cols;
         // Row-major scales [a][b], or the first index contiguous: [b][a] with a padded to 4.
         const std::int64_t padded = (scale_rows + 3) / 4 * 4;
-        const ScaleLayout layout = outer_contiguous ? ScaleLayout{1, padded}
-                                                    : ScaleLayout{want.scale_cols, 1};
-        const std::size_t scale_count =
-            static_cast<std::size_t>(outer_contiguous ? padded * want.scale_cols : scale_rows * want.scale_cols);
+        const ScaleLayout layout =
+            outer_contiguous ? ScaleLayout{1, padded} : ScaleLayout{want.scale_cols, 1};
+        const std::size_t scale_count = static_cast<std::size_t>(
+            outer_contiguous ? padded * want.scale_cols : scale_rows * want.scale_cols);
         const DeviceBuffer x_dev = test::upload_as(x, DType::kBF16);
-        DeviceBuffer q(static_cast<std::size_t>(s.rows * s.cols) + 16), scales(scale_count * 4 + 16);
+        DeviceBuffer q(static_cast<std::size_t>(s.rows * s.cols) + 16),
+            scales(scale_count * 4 + 16);
         test::poison(q);
         test::poison(scales);
         if (tiles) {
@@ -107,6 +110,108 @@ TEST_CASE("fp8 quantize: row blocks and tiles equal the reference bit for bit",
   }
 }
 
+TEST_CASE(
+    "fp8 quantize: row blocks in segments put each segment's scales where its product reads them",
+    "[gpu][fp8][quantize]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  Stream stream;
+  for (const std::int64_t cols : {std::int64_t{128}, std::int64_t{200}, std::int64_t{640}}) {
+    for (const int segments : {1, 5, 40}) {
+      // Segment sizes 0 to 48 rows, some empty, as experts' row groups come.
+      std::uniform_int_distribution<int> size(0, 3);
+      std::vector<std::int64_t> offsets{0};
+      for (int s = 0; s < segments; ++s) offsets.push_back(offsets.back() + 16 * size(rng));
+      if (offsets.back() == 0) offsets.back() = 16;
+      const std::int64_t rows = offsets.back();
+      INFO(rows << "x" << cols << " in " << segments << " segments");
+      const Matrix x = draw(rows, cols, rng);
+      const reference::BlockQuantized want = reference::quantize_row_blocks(x);
+      const std::int64_t blocks = want.scale_cols;
+      const DeviceBuffer x_dev = test::upload_as(x, DType::kBF16);
+      DeviceBuffer q(static_cast<std::size_t>(rows * cols) + 16),
+          scales(static_cast<std::size_t>(rows * blocks) * 4 + 16);
+      test::poison(q);
+      test::poison(scales);
+      quantize_row_blocks_segmented(x_dev.data(), offsets, cols, q.as<std::uint8_t>(),
+                                    scales.as<float>(), stream.get());
+      stream.synchronize();
+      const auto codes = test::download<std::uint8_t>(q, static_cast<std::size_t>(rows * cols));
+      CHECK(codes == want.codes);
+      const auto got = test::download<float>(scales, static_cast<std::size_t>(rows * blocks));
+      std::int64_t wrong = 0;
+      for (int s = 0; s < segments; ++s) {
+        const std::int64_t first = offsets[s], n = offsets[s + 1] - first;
+        for (std::int64_t i = 0; i < n; ++i) {
+          for (std::int64_t c = 0; c < blocks; ++c) {
+            const float expected = want.scales[static_cast<std::size_t>((first + i) * blocks + c)];
+            const float value = got[static_cast<std::size_t>(first * blocks + c * n + i)];
+            if (std::memcmp(&value, &expected, sizeof(float)) != 0) ++wrong;
+          }
+        }
+      }
+      CHECK(wrong == 0);
+    }
+  }
+}
+
+TEST_CASE("fp8 quantize: stacked matrices and their transposes in tiles equal the reference",
+          "[gpu][fp8][quantize]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  Stream stream;
+  const std::vector<Shape> shapes = {{256, 128}, {96, 200}, {300, 264}, {16, 16}, {130, 7}};
+  for (const Shape& s : shapes) {
+    for (const std::int64_t matrices : {std::int64_t{1}, std::int64_t{3}}) {
+      INFO(matrices << " matrices of " << s.rows << "x" << s.cols);
+      std::vector<Matrix> parts;
+      for (std::int64_t m = 0; m < matrices; ++m) parts.push_back(draw(s.rows, s.cols, rng));
+      // Scales of each matrix row-major with padded rows, and of each transpose the other way
+      // round, so that both strides are exercised.
+      const std::int64_t tr = (s.rows + 127) / 128, tc = (s.cols + 127) / 128;
+      const ScaleBuffer direct{{tc + 1, 1}, tr * (tc + 1)}, flipped{{1, tc + 2}, tr * (tc + 2)};
+      const DeviceBuffer x_dev = test::upload_as(reference::concat_rows(parts), DType::kBF16);
+      const auto elements = static_cast<std::size_t>(matrices * s.rows * s.cols);
+      DeviceBuffer q(elements + 16), qt(elements + 16),
+          scales(static_cast<std::size_t>(matrices * direct.count) * 4 + 16),
+          scales_t(static_cast<std::size_t>(matrices * flipped.count) * 4 + 16);
+      for (const auto* b : {&q, &qt, &scales, &scales_t}) test::poison(*b);
+      quantize_tiles(x_dev.data(), matrices, s.rows, s.cols,
+                     TileOutput{q.as<std::uint8_t>(), scales.as<float>(), direct},
+                     TileOutput{qt.as<std::uint8_t>(), scales_t.as<float>(), flipped},
+                     stream.get());
+      stream.synchronize();
+      const auto codes = test::download<std::uint8_t>(q, elements);
+      const auto codes_t = test::download<std::uint8_t>(qt, elements);
+      const auto got =
+          test::download<float>(scales, static_cast<std::size_t>(matrices * direct.count));
+      const auto got_t =
+          test::download<float>(scales_t, static_cast<std::size_t>(matrices * flipped.count));
+      const auto per_matrix = static_cast<std::size_t>(s.rows * s.cols);
+      for (std::int64_t m = 0; m < matrices; ++m) {
+        const auto want = reference::quantize_tiles(parts[static_cast<std::size_t>(m)]);
+        const auto want_t =
+            reference::quantize_tiles(reference::transpose(parts[static_cast<std::size_t>(m)]));
+        const auto at = static_cast<std::size_t>(m) * per_matrix;
+        CHECK(std::equal(want.codes.begin(), want.codes.end(), codes.begin() + at));
+        CHECK(std::equal(want_t.codes.begin(), want_t.codes.end(), codes_t.begin() + at));
+        std::int64_t wrong = 0;
+        for (std::int64_t i = 0; i < tr; ++i) {
+          for (std::int64_t j = 0; j < tc; ++j) {
+            const float expected = want.scales[static_cast<std::size_t>(i * tc + j)];
+            const float a = got[static_cast<std::size_t>(m * direct.count + i * (tc + 1) + j)];
+            const float b = got_t[static_cast<std::size_t>(m * flipped.count + j + i * (tc + 2))];
+            // The transpose's tile (j, i) is this tile: its reference says the same.
+            const float expected_t = want_t.scales[static_cast<std::size_t>(j * tr + i)];
+            if (std::memcmp(&a, &expected, 4) != 0 || std::memcmp(&b, &expected, 4) != 0 ||
+                std::memcmp(&expected_t, &expected, 4) != 0)
+              ++wrong;
+          }
+        }
+        CHECK(wrong == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("fp8 quantize: bad arguments are named", "[gpu][fp8][quantize]") {
   Stream stream;
   DeviceBuffer buffer(1024);
@@ -116,6 +221,16 @@ TEST_CASE("fp8 quantize: bad arguments are named", "[gpu][fp8][quantize]") {
   CHECK_THROWS_WITH(quantize_tiles(nullptr, 4, 128, buffer.as<std::uint8_t>(), buffer.as<float>(),
                                    {1, 1}, stream.get()),
                     test::contains_text("must be device pointers"));
+  const std::vector<std::int64_t> decreasing{0, 32, 16};
+  CHECK_THROWS_WITH(
+      quantize_row_blocks_segmented(buffer.data(), decreasing, 128, buffer.as<std::uint8_t>(),
+                                    buffer.as<float>(), stream.get()),
+      test::contains_text("offsets[2] = 16"));
+  const std::vector<std::int64_t> too_many(kMaxQuantizeSegments + 2, 0);
+  CHECK_THROWS_WITH(
+      quantize_row_blocks_segmented(buffer.data(), too_many, 128, buffer.as<std::uint8_t>(),
+                                    buffer.as<float>(), stream.get()),
+      test::contains_text("514 offsets"));
   // Nothing to do is no error.
   quantize_tiles(nullptr, 0, 128, nullptr, nullptr, {1, 1}, stream.get());
 }
