@@ -24,11 +24,6 @@
 
 namespace moe {
 
-struct ScaleBuffer {
-  ScaleLayout layout;
-  std::int64_t count = 0;  // floats the layout spans, padding included
-};
-
 // The scales of A [rows, cols] in row blocks, as cuBLASLt reads them: block c of row r at
 // c · rows + r (each column block's scales contiguous over the rows).
 ScaleBuffer row_block_scales(std::int64_t rows, std::int64_t cols);
@@ -53,13 +48,24 @@ class BlockScaledGemm {
            const float* a_scales, const std::uint8_t* b, const float* b_scales, void* c,
            DType c_type, cudaStream_t stream, bool accumulate = false);
 
+  // `batch` products of one shape in one call, each operand's matrices back to back (A [batch,
+  // M, K], B [batch, N, K], C [batch, M, N]) and so their scales (batch × row_block_scales(M, K)
+  // and batch × tile_scales(N, K)): experts padded to one row count.
+  bool batched_available(std::int64_t m, std::int64_t n, std::int64_t k, int batch, DType c_type,
+                         std::string* why = nullptr);
+  void run_batched(std::int64_t m, std::int64_t n, std::int64_t k, int batch, const std::uint8_t* a,
+                   const float* a_scales, const std::uint8_t* b, const float* b_scales, void* c,
+                   DType c_type, cudaStream_t stream);
+
  private:
   struct Plan;
-  Plan* plan(std::int64_t m, std::int64_t n, std::int64_t k, DType c_type);
+  Plan* plan(std::int64_t m, std::int64_t n, std::int64_t k, DType c_type, int batch = 1);
+  void launch(Plan* p, const std::uint8_t* a, const float* a_scales, const std::uint8_t* b,
+              const float* b_scales, void* c, cudaStream_t stream, bool accumulate);
 
   CublasLtHandle handle_;
   DeviceBuffer workspace_;
-  std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t, DType>, std::unique_ptr<Plan>>
+  std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t, DType, int>, std::unique_ptr<Plan>>
       plans_;
 };
 
