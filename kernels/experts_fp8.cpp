@@ -1,0 +1,202 @@
+#include "experts_fp8.h"
+
+#include <algorithm>
+
+#include "fp8_quantize.cuh"
+#include "moe/error.h"
+#include "swiglu.cuh"
+
+namespace moe {
+namespace {
+
+std::int64_t column_blocks(std::int64_t cols) {
+  return (cols + kFP8Block - 1) / kFP8Block;
+}
+
+}  // namespace
+
+Fp8ExpertFFN::Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams,
+                           std::size_t workspace_bytes)
+    : hidden_(hidden), ffn_(ffn), experts_(local_experts) {
+  if (hidden <= 0 || hidden % 16 != 0 || ffn <= 0 || ffn % 16 != 0) {
+    fail("Fp8ExpertFFN: hidden = {} and ffn = {} must be positive multiples of 16", hidden, ffn);
+  }
+  if (local_experts <= 0 || local_experts > kMaxQuantizeSegments) {
+    fail("Fp8ExpertFFN: local_experts = {} must be in [1, {}]", local_experts,
+         kMaxQuantizeSegments);
+  }
+  if (streams < 1) fail("Fp8ExpertFFN: streams = {} must be >= 1", streams);
+  const std::int64_t H = hidden, F = ffn, E = local_experts;
+  auto allocate = [E](Weights& w, std::int64_t rows, std::int64_t cols) {
+    w.tiles = tile_scales(rows, cols);
+    w.codes.reserve(static_cast<std::size_t>(E * rows * cols));
+    w.scales.reserve(static_cast<std::size_t>(E * w.tiles.count) * sizeof(float));
+  };
+  allocate(w13_, 2 * F, H);
+  allocate(w2_, H, F);
+  allocate(w13_transposed_, H, 2 * F);
+  allocate(w2_transposed_, F, H);
+  for (int s = 0; s < streams; ++s) {
+    streams_.emplace_back();
+    gemms_.push_back(std::make_unique<BlockScaledGemm>(workspace_bytes));
+    bf16_.push_back(std::make_unique<GemmRunner>(workspace_bytes));
+    joins_.emplace_back();
+  }
+}
+
+void Fp8ExpertFFN::quantize_weights(const Tensor& w13, const Tensor& w2, cudaStream_t stream) {
+  const std::int64_t H = hidden_, F = ffn_, E = experts_;
+  expect_tensor(w13, "Fp8ExpertFFN w13", DType::kBF16, {E, 2 * F, H});
+  expect_tensor(w2, "Fp8ExpertFFN w2", DType::kBF16, {E, H, F});
+  auto output = [](Weights& w) {
+    return TileOutput{w.codes.as<std::uint8_t>(), w.scales.as<float>(), w.tiles};
+  };
+  quantize_tiles(w13.data, E, 2 * F, H, output(w13_), output(w13_transposed_), stream);
+  quantize_tiles(w2.data, E, H, F, output(w2_), output(w2_transposed_), stream);
+  has_weights_ = true;
+}
+
+void Fp8ExpertFFN::check_offsets(std::span<const std::int64_t> offsets, const char* call) const {
+  if (!has_weights_) fail("Fp8ExpertFFN::{}: quantize_weights was not called", call);
+  if (offsets.size() != static_cast<std::size_t>(experts_) + 1) {
+    fail("Fp8ExpertFFN::{}: {} offsets for {} experts (need experts + 1)", call, offsets.size(),
+         experts_);
+  }
+  for (int e = 0; e < experts_; ++e) {
+    const std::int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows < 0 || rows % 16 != 0) {
+      fail(
+          "Fp8ExpertFFN::{}: expert {} has {} rows; FP8 products take multiples of 16 "
+          "(align_size)",
+          call, e, rows);
+    }
+  }
+}
+
+void Fp8ExpertFFN::add_fp8_products(std::span<const std::int64_t> offsets,
+                                    const DeviceBuffer& codes, const DeviceBuffer& scales,
+                                    std::int64_t k, const Weights& weights, std::int64_t n,
+                                    const Tensor& out, std::vector<Product>& products) const {
+  for (int e = 0; e < experts_; ++e) {
+    const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
+    if (m == 0) continue;
+    products.push_back({m, n, k, codes.as<std::uint8_t>() + first * k,
+                        scales.as<float>() + first * column_blocks(k),
+                        weights.codes.as<std::uint8_t>() + e * n * k,
+                        weights.scales.as<float>() + e * weights.tiles.count,
+                        out.as<char>() + first * n * 2});
+  }
+}
+
+void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets,
+                           const ExpertActivations& act, const Tensor& y, cudaStream_t stream) {
+  check_offsets(offsets, "forward");
+  const std::int64_t H = hidden_, F = ffn_, rows = offsets.back();
+  expect_tensor(X, "Fp8ExpertFFN X", DType::kBF16, {rows, H});
+  expect_tensor(act.h, "Fp8ExpertFFN h", DType::kBF16, {rows, 2 * F});
+  expect_tensor(act.a, "Fp8ExpertFFN a", DType::kBF16, {rows, F});
+  expect_tensor(y, "Fp8ExpertFFN y", DType::kBF16, {rows, H});
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t width = i == 0 ? H : F;
+    codes_[i].reserve(static_cast<std::size_t>(rows * width));
+    scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
+  }
+  std::vector<Product> products;
+  quantize_row_blocks_segmented(X.data, offsets, H, codes_[0].as<std::uint8_t>(),
+                                scales_[0].as<float>(), stream);
+  add_fp8_products(offsets, codes_[0], scales_[0], H, w13_, 2 * F, act.h, products);
+  run(products, stream);  // h = X·w13ᵀ
+  swiglu_forward(act.h, act.a, stream, act.scale);
+  quantize_row_blocks_segmented(act.a.data, offsets, F, codes_[1].as<std::uint8_t>(),
+                                scales_[1].as<float>(), stream);
+  products.clear();
+  add_fp8_products(offsets, codes_[1], scales_[1], F, w2_, H, y, products);
+  run(products, stream);  // y = a·w2ᵀ
+}
+
+void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
+                            std::span<const std::int64_t> offsets, const ExpertActivations& act,
+                            const Tensor& dX, const Tensor& dw13, const Tensor& dw2,
+                            cudaStream_t stream) {
+  check_offsets(offsets, "backward");
+  const std::int64_t H = hidden_, F = ffn_, E = experts_, rows = offsets.back();
+  const DType d = DType::kBF16;
+  expect_tensor(dY, "Fp8ExpertFFN dY", d, {rows, H});
+  expect_tensor(X, "Fp8ExpertFFN X", d, {rows, H});
+  expect_tensor(act.h, "Fp8ExpertFFN h", d, {rows, 2 * F});
+  expect_tensor(act.a, "Fp8ExpertFFN a", d, {rows, F});
+  expect_tensor(act.dA, "Fp8ExpertFFN dA", d, {rows, F});
+  expect_tensor(act.dh, "Fp8ExpertFFN dh", d, {rows, 2 * F});
+  expect_tensor(dX, "Fp8ExpertFFN dX", d, {rows, H});
+  if (act.scale.shape.empty() != act.dscale.shape.empty()) {
+    fail("Fp8ExpertFFN::backward: scale is {} and dscale {}; give both or neither",
+         act.scale.describe(), act.dscale.describe());
+  }
+  // The weight gradients read dY and X while dX is written: they must not share memory.
+  if (dX.data == dY.data || dX.data == X.data)
+    fail("Fp8ExpertFFN::backward: dX must not be dY or X (the weight gradients read them)");
+  const DType grad = dw13.dtype;
+  if (grad != DType::kBF16 && grad != DType::kFP32)
+    fail("Fp8ExpertFFN: dw13 dtype {} must be bf16 or fp32", dtype_name(grad));
+  expect_tensor(dw13, "Fp8ExpertFFN dw13", grad, {E, 2 * F, H});
+  expect_tensor(dw2, "Fp8ExpertFFN dw2", grad, {E, H, F});
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t width = i == 0 ? H : 2 * F;
+    codes_[i].reserve(static_cast<std::size_t>(rows * width));
+    scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
+  }
+
+  std::vector<Product> products;
+  quantize_row_blocks_segmented(dY.data, offsets, H, codes_[0].as<std::uint8_t>(),
+                                scales_[0].as<float>(), stream);
+  add_fp8_products(offsets, codes_[0], scales_[0], H, w2_transposed_, F, act.dA, products);
+  run(products, stream);  // dA = dY·w2
+  swiglu_backward(act.h, act.dA, act.dh, act.a, stream, act.scale, act.dscale);
+  quantize_row_blocks_segmented(act.dh.data, offsets, 2 * F, codes_[1].as<std::uint8_t>(),
+                                scales_[1].as<float>(), stream);
+  // One fan-out: dX = dh·w13 in FP8, dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 (zero without rows).
+  products.clear();
+  add_fp8_products(offsets, codes_[1], scales_[1], 2 * F, w13_transposed_, H, dX, products);
+  const std::size_t g = dtype_size(grad);
+  for (int e = 0; e < experts_; ++e) {
+    const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
+    products.push_back({H, F, m, dY.as<char>() + first * H * 2, nullptr,
+                        act.a.as<char>() + first * F * 2, nullptr, dw2.as<char>() + e * H * F * g,
+                        GemmShape{H, F, m, true, false, d, d, grad}});
+    products.push_back({2 * F, H, m, act.dh.as<char>() + first * 2 * F * 2, nullptr,
+                        X.as<char>() + first * H * 2, nullptr, dw13.as<char>() + e * 2 * F * H * g,
+                        GemmShape{2 * F, H, m, true, false, d, d, grad}});
+  }
+  run(products, stream);
+}
+
+void Fp8ExpertFFN::run(std::vector<Product> products, cudaStream_t stream) {
+  if (products.empty()) return;
+  // Largest first, each to the least loaded stream, so that no stream is left with a long tail.
+  const auto work = [](const Product& p) { return p.m * p.n * std::max<std::int64_t>(p.k, 1); };
+  std::stable_sort(products.begin(), products.end(),
+                   [&](const Product& x, const Product& y) { return work(x) > work(y); });
+  const std::size_t lanes = std::min(streams_.size(), products.size());
+  std::vector<std::int64_t> load(lanes, 0);
+  fork_.record(stream);
+  for (std::size_t s = 0; s < lanes; ++s)
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s].get(), fork_.get(), 0));
+  for (const Product& p : products) {
+    const auto lane =
+        static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[lane] += work(p);
+    if (p.a_scales != nullptr) {
+      gemms_[lane]->run(p.m, p.n, p.k, static_cast<const std::uint8_t*>(p.a), p.a_scales,
+                        static_cast<const std::uint8_t*>(p.b), p.b_scales, p.c, DType::kBF16,
+                        streams_[lane].get());
+    } else {
+      bf16_[lane]->run(p.bf16_shape, p.a, p.b, p.c, streams_[lane].get());
+    }
+  }
+  for (std::size_t s = 0; s < lanes; ++s) {
+    joins_[s].record(streams_[s].get());
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, joins_[s].get(), 0));
+  }
+}
+
+}  // namespace moe

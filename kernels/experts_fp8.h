@@ -1,0 +1,90 @@
+// The experts in FP8 on Hopper (docs/design.md, "FP8"): E4M3 products with 1 × 128 activation
+// scales and 128 × 128 weight scales, fp32 accumulation, bf16 results.
+//   forward:  h = X·w13ᵀ, X quantized in row blocks per expert where its product reads the
+//             scales; a = SwiGLU(h), weighed by the row weights as ExpertFFN does, in bf16, then
+//             quantized; y = a·w2ᵀ.
+//   backward: dA = dY·w2 and dX = dh·w13 in FP8 (dY and dh quantized in row blocks, the weights'
+//             transposes in tiles); dh, a again and the row weights' gradient by SwiGLU's
+//             backward; the weight gradients dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 products with
+//             fp32 accumulation (their inner dimension is the tokens, which FP8 would need
+//             quantized a second time, along the columns).
+// Weights are quantized by quantize_weights, with their transposes, and that copy serves every
+// step until the next call: a trainer calls it once after each update of the weights, and
+// micro-batches in between share it. Each product runs per expert, spread over streams largest
+// first: cuBLASLt's block-scaled products take neither pointer arrays nor strided batches
+// (bench_fp8_gemm asks).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "experts.h"
+#include "gemm_fp8.h"
+#include "moe/device.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+class Fp8ExpertFFN {
+ public:
+  // hidden and ffn: multiples of 16 (FP8 rows are read 16 bytes at a time).
+  Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams = 4,
+               std::size_t workspace_bytes = kDefaultGemmWorkspaceBytes);
+
+  // w13 [E_loc, 2F, H], w2 [E_loc, H, F], bf16: quantized in tiles into this object's copy.
+  void quantize_weights(const Tensor& w13, const Tensor& w2, cudaStream_t stream);
+  bool has_weights() const { return has_weights_; }
+
+  // X [rows, H] bf16, offsets host [E_loc + 1] (each expert's rows a multiple of 16), act.h
+  // [rows, 2F] and act.a [rows, F] bf16 (a over every row: no chunks), act.scale optional fp32
+  // [rows]; y [rows, H] bf16.
+  void forward(const Tensor& X, std::span<const std::int64_t> offsets, const ExpertActivations& act,
+               const Tensor& y, cudaStream_t stream);
+
+  // From dY [rows, H] and what forward left in act (h), with X as forward read it: act.dA
+  // [rows, F] and act.dh [rows, 2F] as scratch (dh may be h, dA may be a: act.a is written again,
+  // weighed), act.dscale [rows] with act.scale; dX [rows, H] bf16; dw13 [E_loc, 2F, H] and dw2
+  // [E_loc, H, F], bf16 or fp32 (zero for an expert without rows).
+  void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
+                const ExpertActivations& act, const Tensor& dX, const Tensor& dw13,
+                const Tensor& dw2, cudaStream_t stream);
+
+ private:
+  struct Weights {
+    ScaleBuffer tiles;  // one expert's
+    DeviceBuffer codes, scales;
+  };
+  // One product C = A·Bᵀ: FP8 (a_scales set) or bf16 (GemmRunner, shape given).
+  struct Product {
+    std::int64_t m, n, k;
+    const void* a;
+    const float* a_scales;
+    const void* b;
+    const float* b_scales;
+    void* c;
+    GemmShape bf16_shape{};
+  };
+  void check_offsets(std::span<const std::int64_t> offsets, const char* call) const;
+  // Products of an FP8 pass: each expert's rows of `codes` against its weights.
+  void add_fp8_products(std::span<const std::int64_t> offsets, const DeviceBuffer& codes,
+                        const DeviceBuffer& scales, std::int64_t k, const Weights& weights,
+                        std::int64_t n, const Tensor& out, std::vector<Product>& products) const;
+  void run(std::vector<Product> products, cudaStream_t stream);
+
+  int hidden_, ffn_, experts_;
+  bool has_weights_ = false;
+  Weights w13_, w2_;                        // [E, 2F, H] and [E, H, F]
+  Weights w13_transposed_, w2_transposed_;  // [E, H, 2F] and [E, F, H]
+  DeviceBuffer codes_[2], scales_[2];       // the activations of the pass at hand, and the next
+  std::vector<std::unique_ptr<GemmRunner>> bf16_;  // one a stream
+  std::vector<Stream> streams_;
+  std::vector<std::unique_ptr<BlockScaledGemm>> gemms_;  // one a stream
+  Event fork_;
+  std::vector<Event> joins_;
+};
+
+}  // namespace moe
