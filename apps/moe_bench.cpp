@@ -96,6 +96,8 @@ int main(int argc, char** argv) {
   std::string drop_policy;
   bool pad_to_capacity = false;
   bool graph = false;
+  bool fp8 = false;
+  int align_size = -1;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(cli::count_in(1, 1 << 20));
@@ -131,6 +133,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"probs", "position"}));
   app.add_flag("--pad-to-capacity", pad_to_capacity,
                "capacity mode: every expert's block exactly C rows (fixed GEMM shapes)");
+  app.add_flag("--fp8", fp8, "FP8 expert products (the config's fp8: true)");
+  app.add_option("--align-size", align_size, "each expert's rows padded to a multiple of this")
+      ->check(cli::count_in(0, kMaxAlignSize));
   app.add_flag("--graph", graph,
                "static shapes (--pad-to-capacity, ep = 1): the eager steps leave the losses on "
                "the device, then the step is captured in a CUDA graph and its replay timed too");
@@ -165,6 +170,8 @@ int main(int argc, char** argv) {
     if (capacity_factor >= 0) config.capacity_factor = capacity_factor;
     if (!drop_policy.empty()) config.drop_policy = parse_drop_policy(drop_policy);
     if (pad_to_capacity) config.pad_to_capacity = true;
+    if (fp8) config.fp8 = true;
+    if (align_size >= 0) config.align_size = align_size;
     if (!drop_policy.empty() && !config.capacity_mode())
       fail("--drop-policy {} needs capacity mode (--capacity-factor, or the config's)",
            drop_policy);
@@ -426,6 +433,8 @@ int main(int argc, char** argv) {
             {"pad_to_capacity", config.pad_to_capacity},
             {"dropped_fraction", dropped_fraction},
             {"grad_dtype", dtype_name(config.grad_dtype)},
+            {"fp8", config.fp8},
+            {"align_size", config.align_size},
             {"TFLOPs_per_gpu", tflops},
             {"fraction_of_dense", tflops * 1e12 / gemm_rate},
             {"fraction_of_dense_burst", tflops * 1e12 / dense.burst},

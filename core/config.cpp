@@ -237,6 +237,15 @@ void MoEConfig::validate() const {
                      "dtype = {} must be bf16 or fp32", dtype_name(dtype));
   MOE_CONFIG_REQUIRE(grad_dtype == DType::kBF16 || grad_dtype == DType::kFP32,
                      "grad_dtype = {} must be bf16 or fp32", dtype_name(grad_dtype));
+  // FP8 products read 16 bytes of a row at a time: every expert's rows and both widths in
+  // multiples of 16.
+  MOE_CONFIG_REQUIRE(!fp8 || dtype == DType::kBF16, "fp8 = true needs dtype = bf16, got {}",
+                     dtype_name(dtype));
+  MOE_CONFIG_REQUIRE(!fp8 || (align_size > 0 && align_size % 16 == 0),
+                     "fp8 = true needs align_size a multiple of 16, got {}", align_size);
+  MOE_CONFIG_REQUIRE(!fp8 || (hidden % 16 == 0 && ffn_hidden % 16 == 0),
+                     "fp8 = true needs hidden and ffn_hidden multiples of 16, got {} and {}",
+                     hidden, ffn_hidden);
   MOE_CONFIG_REQUIRE(std::isfinite(activation_chunk_mib) && activation_chunk_mib >= 0 &&
                          activation_chunk_mib <= 1 << 20,
                      "activation_chunk_mib = {} must be in [0, 1048576] (0 = every row at once)",
@@ -301,6 +310,7 @@ std::string MoEConfig::describe() const {
   }
   if (shared_experts())
     features += fmt::format(" shared={}{}", shared_ffn_hidden, shared_gate ? "(gated)" : "");
+  if (fp8) features += " fp8";
   return fmt::format(
       "H={} F={} E={} K={} {} scale={} aux={} z={} align={}{} {} (grads {}){} EP={} DP={}{}",
       hidden, ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff,
@@ -450,6 +460,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"pad_to_capacity", flag(&MoEConfig::pad_to_capacity)},
       {"shared_ffn_hidden", integer(&MoEConfig::shared_ffn_hidden)},
       {"shared_gate", flag(&MoEConfig::shared_gate)},
+      {"fp8", flag(&MoEConfig::fp8)},
       {"dtype",
        [&](const YAML::Node& n, const std::string& k) {
          config.dtype = parse_named(n, k, source, [](const std::string& text) {

@@ -117,7 +117,7 @@ void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offset
 void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
                             std::span<const std::int64_t> offsets, const ExpertActivations& act,
                             const Tensor& dX, const Tensor& dw13, const Tensor& dw2,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const ExpertFFN::RefillInput& refill_input) {
   check_offsets(offsets, "backward");
   const std::int64_t H = hidden_, F = ffn_, E = experts_, rows = offsets.back();
   const DType d = DType::kBF16;
@@ -132,9 +132,6 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
     fail("Fp8ExpertFFN::backward: scale is {} and dscale {}; give both or neither",
          act.scale.describe(), act.dscale.describe());
   }
-  // The weight gradients read dY and X while dX is written: they must not share memory.
-  if (dX.data == dY.data || dX.data == X.data)
-    fail("Fp8ExpertFFN::backward: dX must not be dY or X (the weight gradients read them)");
   const DType grad = dw13.dtype;
   if (grad != DType::kBF16 && grad != DType::kFP32)
     fail("Fp8ExpertFFN: dw13 dtype {} must be bf16 or fp32", dtype_name(grad));
@@ -154,19 +151,32 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
   swiglu_backward(act.h, act.dA, act.dh, act.a, stream, act.scale, act.dscale);
   quantize_row_blocks_segmented(act.dh.data, offsets, 2 * F, codes_[1].as<std::uint8_t>(),
                                 scales_[1].as<float>(), stream);
-  // One fan-out: dX = dh·w13 in FP8, dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 (zero without rows).
-  products.clear();
-  add_fp8_products(offsets, codes_[1], scales_[1], 2 * F, w13_transposed_, H, dX, products);
+  // dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 (zero without rows), then dX = dh·w13 in FP8 from dh's
+  // codes: dX comes last, so that it may be written over dY or X, which the weight gradients
+  // read. With refill_input, X is written again (over dY) between the two weight gradients.
   const std::size_t g = dtype_size(grad);
+  std::vector<Product> dw13_products;
+  products.clear();
   for (int e = 0; e < experts_; ++e) {
     const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
     products.push_back({H, F, m, dY.as<char>() + first * H * 2, nullptr,
                         act.a.as<char>() + first * F * 2, nullptr, dw2.as<char>() + e * H * F * g,
                         GemmShape{H, F, m, true, false, d, d, grad}});
-    products.push_back({2 * F, H, m, act.dh.as<char>() + first * 2 * F * 2, nullptr,
-                        X.as<char>() + first * H * 2, nullptr, dw13.as<char>() + e * 2 * F * H * g,
-                        GemmShape{2 * F, H, m, true, false, d, d, grad}});
+    dw13_products.push_back({2 * F, H, m, act.dh.as<char>() + first * 2 * F * 2, nullptr,
+                             X.as<char>() + first * H * 2, nullptr,
+                             dw13.as<char>() + e * 2 * F * H * g,
+                             GemmShape{2 * F, H, m, true, false, d, d, grad}});
   }
+  if (refill_input) {
+    run(products, stream);
+    refill_input(stream);
+    run(dw13_products, stream);
+  } else {
+    products.insert(products.end(), dw13_products.begin(), dw13_products.end());
+    run(products, stream);
+  }
+  products.clear();
+  add_fp8_products(offsets, codes_[1], scales_[1], 2 * F, w13_transposed_, H, dX, products);
   run(products, stream);
 }
 

@@ -47,11 +47,14 @@ class Fp8ExpertFFN {
 
   // From dY [rows, H] and what forward left in act (h), with X as forward read it: act.dA
   // [rows, F] and act.dh [rows, 2F] as scratch (dh may be h, dA may be a: act.a is written again,
-  // weighed), act.dscale [rows] with act.scale; dX [rows, H] bf16; dw13 [E_loc, 2F, H] and dw2
-  // [E_loc, H, F], bf16 or fp32 (zero for an expert without rows).
+  // weighed), act.dscale [rows] with act.scale; dX [rows, H] bf16, written last, so it may be dY
+  // or X; dw13 [E_loc, 2F, H] and dw2 [E_loc, H, F], bf16 or fp32 (zero for an expert without
+  // rows). With refill_input, X is not valid on entry: it is written (over dY, say) once dY's
+  // last reader is done, as ExpertFFN does it.
   void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                 const ExpertActivations& act, const Tensor& dX, const Tensor& dw13,
-                const Tensor& dw2, cudaStream_t stream);
+                const Tensor& dw2, cudaStream_t stream,
+                const ExpertFFN::RefillInput& refill_input = {});
 
  private:
   struct Weights {

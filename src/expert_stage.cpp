@@ -36,26 +36,42 @@ std::vector<T> all_gather_to_host(const Mesh& mesh, std::span<const T> mine, cud
 }  // namespace
 
 ExpertStage::ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer& activations)
-    : F_(config.ffn_hidden),
-      dtype_(config.dtype),
-      ffn_(config.hidden, config.ffn_hidden, config.num_experts / mesh.ep(), config.dtype,
-           ExpertSchedule::kBatched, 4,
-           // Rounded up: a chunk smaller than a byte asked is the smallest, not "no chunks" (0).
-           static_cast<std::size_t>(std::ceil(config.activation_chunk_mib * (1 << 20))),
-           static_cast<std::size_t>(config.gemm_workspace_mib) << 20, config.gemm_autotune),
-      a_(activations) {
-  ffn_.set_host_wait([&mesh](cudaEvent_t event) {
+    : F_(config.ffn_hidden), dtype_(config.dtype), a_(activations) {
+  const int local_experts = config.num_experts / mesh.ep();
+  const auto workspace = static_cast<std::size_t>(config.gemm_workspace_mib) << 20;
+  if (config.fp8) {
+    fp8_.emplace(config.hidden, config.ffn_hidden, local_experts, 4, workspace);
+    return;
+  }
+  ffn_.emplace(
+      config.hidden, config.ffn_hidden, local_experts, config.dtype, ExpertSchedule::kBatched, 4,
+      // Rounded up: a chunk smaller than a byte asked is the smallest, not "no chunks" (0).
+      static_cast<std::size_t>(std::ceil(config.activation_chunk_mib * (1 << 20))), workspace,
+      config.gemm_autotune);
+  ffn_->set_host_wait([&mesh](cudaEvent_t event) {
     mesh.wait(event, "the work queued before the expert GEMMs' algorithm timing");
   });
 }
 
 void ExpertStage::forward(const ExpertRows& rows, const Tensor& w13, const Tensor& w2,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, bool weights_unchanged) {
   const std::int64_t n = rows.offsets.back();
+  if (fp8_) {
+    // The FP8 products take a over every row (no chunks).
+    if (!weights_unchanged || !fp8_->has_weights() || fp8_w13_ != w13.data || fp8_w2_ != w2.data) {
+      fp8_->quantize_weights(w13, w2, stream);
+      fp8_w13_ = w13.data;
+      fp8_w2_ = w2.data;
+    }
+    ExpertActivations act{.h = view(h_, dtype_, {n, 2 * F_}), .a = view(a_, dtype_, {n, F_})};
+    act.scale = rows.scale;
+    fp8_->forward(rows.input, rows.offsets, act, rows.output, stream);
+    return;
+  }
   ExpertActivations act{.h = view(h_, dtype_, {n, 2 * F_}),
-                        .a = view(a_, dtype_, {ffn_.activation_rows(rows.offsets), F_})};
+                        .a = view(a_, dtype_, {ffn_->activation_rows(rows.offsets), F_})};
   act.scale = rows.scale;
-  ffn_.forward(rows.input, rows.offsets, w13, w2, act, rows.output, stream);
+  ffn_->forward(rows.input, rows.offsets, w13, w2, act, rows.output, stream);
 }
 
 void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const Tensor& w2,
@@ -64,15 +80,20 @@ void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const 
   // In place: dh over h, dA over a (the SwiGLU backward reads each element before writing its
   // gradient, and writes a there again for dw2).
   const Tensor h(h_.data(), dtype_, {n, 2 * F_});
-  const Tensor a(a_.data(), dtype_, {ffn_.activation_rows(rows.offsets), F_});
+  const Tensor a(a_.data(), dtype_, {fp8_ ? n : ffn_->activation_rows(rows.offsets), F_});
   ExpertActivations act{.h = h, .a = a, .dA = a, .dh = h};
   act.scale = act.dscale = rows.scale;
-  ffn_.backward(rows.dY, rows.input, rows.offsets, w13, w2, act, false, rows.dX, w13_grad, w2_grad,
-                stream, rows.refill);
+  if (fp8_) {
+    fp8_->backward(rows.dY, rows.input, rows.offsets, act, rows.dX, w13_grad, w2_grad, stream,
+                   rows.refill);
+    return;
+  }
+  ffn_->backward(rows.dY, rows.input, rows.offsets, w13, w2, act, false, rows.dX, w13_grad, w2_grad,
+                 stream, rows.refill);
 }
 
 void ExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {
-  GemmTuning* tuning = ffn_.tuning();
+  GemmTuning* tuning = ffn_ ? ffn_->tuning() : nullptr;
   if (tuning == nullptr || tuning->frozen || mesh.world_size() == 1) return;
   const int world = mesh.world_size();
   const std::vector<std::byte> mine = tuning->serialize();

@@ -281,6 +281,7 @@ void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
   }
   s.params = p;
   s.grads = g;
+  s.experts.weights_changed();
 }
 
 void MoEBlock::initialize(std::uint64_t seed) {
@@ -309,6 +310,7 @@ void MoEBlock::initialize(std::uint64_t seed) {
   // writes, so that writes queued behind slow work would land last and replace the caller's.
   s.initialized.record(s.stream);
   s.mesh.wait(s.initialized.get(), "the parameters' initialisation");
+  s.experts.weights_changed();
 }
 
 MoEForward MoEBlock::forward(const Tensor& x, const ForwardOptions& options) {
@@ -398,7 +400,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   // Experts: h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ.
   {
     Range r("moe experts", s.times, stream);
-    s.experts.forward(rows, s.params.w13, s.params.w2, stream);
+    s.experts.forward(rows, s.params.w13, s.params.w2, stream, options.weights_unchanged);
     s.check("experts", rows.output);
   }
 

@@ -88,6 +88,12 @@ struct MoEConfig {
   int shared_ffn_hidden = 0;
   bool shared_gate = false;
 
+  // FP8 expert products (docs/design.md, "FP8"): the routed experts' four data products (forward
+  // h and y, backward dA and dX) in E4M3 with 1 × 128 activation and 128 × 128 weight scales on
+  // Hopper, their weight gradients in bf16 products; everything else as without. Needs bf16,
+  // align_size a multiple of 16, and hidden and ffn_hidden multiples of 16.
+  bool fp8 = false;
+
   DType dtype = DType::kBF16;  // activations and weights: bf16 or fp32
   // The expert weight gradients: fp32 (a trainer's fp32 main gradients) or bf16 (half the memory,
   // as autograd keeps them for bf16 weights); the GEMMs accumulate in fp32 either way, and the DP

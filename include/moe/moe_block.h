@@ -98,6 +98,11 @@ struct ForwardOptions {
   // device in MoEForward::losses; on a mesh the ranks' agreement on the forward is then left to
   // synchronize(). A forward captured in a CUDA graph must pass false.
   bool losses_on_host = true;
+  // With fp8: the expert weights are those of the previous forward, unchanged (a micro-batch
+  // after the first of an optimizer step), so their FP8 copy is reused instead of quantized
+  // again. The block quantizes anyway when its weights were bound or initialized since, or on the
+  // first forward. A trainer sets it only between optimizer updates: a stale copy is not detected.
+  bool weights_unchanged = false;
 };
 
 // Per-expert load over the steps since construction or reset_load_statistics(): the mesh-wide
