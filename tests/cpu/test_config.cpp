@@ -226,6 +226,14 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"shared_ffn_hidden", "-1"}}, "shared_ffn_hidden = -1 must be in [0, 1048576]"},
       {{{"shared_ffn_hidden", "1048577"}}, "shared_ffn_hidden = 1048577 must be in [0, 1048576]"},
       {{{"top_k", "2"}}, "unknown key 'top_k'"},
+      {{{"fp8", "true"}, {"align_size", "16"}, {"dtype", "fp32"}},
+       "fp8 = true needs dtype = bf16, got fp32"},
+      {{{"fp8", "true"}}, "fp8 = true needs align_size a multiple of 16, got 0"},
+      {{{"fp8", "true"}, {"align_size", "8"}},
+       "fp8 = true needs align_size a multiple of 16, got 8"},
+      {{{"fp8", "true"}, {"align_size", "16"}, {"hidden", "72"}},
+       "fp8 = true needs hidden and ffn_hidden multiples of 16, got 72 and 32"},
+      {{{"fp8", "yes please"}}, "fp8"},
   };
   // Every error names the file it came from, the enum settings' too.
   CHECK_THAT(

@@ -1,5 +1,6 @@
 // MoEBlock with FP8 expert products (config fp8) against the exact fp64 reference of the layer,
-// within FP8's bound; the reuse of the weights' FP8 copy across micro-batches; bad configs.
+// within FP8's bound, and the reuse of the weights' FP8 copy across micro-batches (the configs
+// refused are tests/cpu/test_config.cpp's).
 //
 // The bound, from E4M3's 3 mantissa bits: a quantized operand's values err by at most 2^-4 of
 // themselves, about 0.026 in root mean square over a block's spread of magnitudes (more for the
@@ -139,16 +140,4 @@ TEST_CASE("MoEBlock with fp8 reuses the weights' FP8 copy only while they are un
   MoEBlock fresh(c, mesh, other_stream.get());
   fresh.initialize(12);
   CHECK(test::start_block(fresh, c, x).results.out.data == second.data);
-}
-
-TEST_CASE("fp8 configs that cannot run are refused by name", "[gpu][block][fp8]") {
-  MoEConfig fp32 = fp8_config(128, 128, 8, 2);
-  fp32.dtype = DType::kFP32;
-  CHECK_THROWS_WITH(fp32.validate(), test::contains_text("fp8 = true needs dtype = bf16"));
-  MoEConfig unaligned = fp8_config(128, 128, 8, 2);
-  unaligned.align_size = 8;
-  CHECK_THROWS_WITH(unaligned.validate(),
-                    test::contains_text("align_size a multiple of 16, got 8"));
-  MoEConfig narrow = fp8_config(120, 128, 8, 2);
-  CHECK_THROWS_WITH(narrow.validate(), test::contains_text("got 120 and 128"));
 }
