@@ -7,11 +7,13 @@ namespace moe {
 namespace {
 
 // The routed experts' stage run as one local expert of width Fs: the same FFN, chunking,
-// schedules and GEMM tuning.
+// schedules and GEMM tuning. Its products stay in the layer's dtype under fp8: its one row group
+// is every token, which FP8's multiples of 16 rows would need padded.
 MoEConfig one_expert_config(const MoEConfig& config, const Mesh& mesh) {
   MoEConfig shared = config;
   shared.ffn_hidden = config.shared_ffn_hidden;
   shared.num_experts = mesh.ep();  // one per EP rank: E_loc = 1
+  shared.fp8 = false;
   return shared;
 }
 
