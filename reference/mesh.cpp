@@ -84,7 +84,10 @@ void add_shared_grads(SharedExpertGrads& total, const SharedExpertGrads& part) {
   }
   add_into(total.dw13, part.dw13);
   add_into(total.dw2, part.dw2);
-  if (!part.dgate_weight.data.empty()) add_into(total.dgate_weight, part.dgate_weight);
+  if (!part.dgate_weight.data.empty()) {
+    add_into(total.dgate_weight, part.dgate_weight);
+    add_into(total.dgate_weight_magnitude, part.dgate_weight_magnitude);
+  }
 }
 
 }  // namespace

@@ -63,9 +63,19 @@ SharedExpertGrads shared_backward(const MoEConfig& config, const SharedExpert& s
          dy.cols, dx.rows, dx.cols);
   // out = g ⊙ y: y sees g·dy, and the gate's logit sees g(1 − g)·<dy, y>.
   Matrix dY = dy;
-  Matrix dlogit(x.rows, 1);
+  Matrix dlogit(x.rows, 1), dlogit_magnitude(x.rows, 1);
+  const std::int64_t Fs = shared.w2.rows;
   for (std::int64_t t = 0; t < x.rows; ++t) {
     const double g = forward.gate[t];
+    if (config.shared_gate) {
+      double magnitude = 0.0;  // the dot product's terms as the GPU sums them, by magnitude
+      for (std::int64_t f = 0; f < Fs; ++f) {
+        double dA = 0.0;
+        for (std::int64_t i = 0; i < x.cols; ++i) dA += std::fabs(dy(t, i) * shared.w2(f, i));
+        magnitude += dA * std::fabs(silu(forward.act.h(t, f)) * forward.act.h(t, Fs + f));
+      }
+      dlogit_magnitude(t, 0) = std::fabs(g * (1.0 - g)) * magnitude;
+    }
     // At one token this is the whole gate gradient: a dot product whose terms may cancel, so the
     // reference rounds where the GPU's experts do.
     double dy_dot_y = 0.0;
@@ -87,6 +97,9 @@ SharedExpertGrads shared_backward(const MoEConfig& config, const SharedExpert& s
   if (config.shared_gate) {
     add_into(dx, matmul(dlogit, shared.gate_weight));  // dx += dlogit · g_w
     out.dgate_weight = matmul_tn(dlogit, x);           // dg_w = dlogitᵀ · x
+    Matrix x_magnitude = x;
+    for (double& v : x_magnitude.data) v = std::fabs(v);
+    out.dgate_weight_magnitude = matmul_tn(dlogit_magnitude, x_magnitude);
   }
   return out;
 }
