@@ -34,7 +34,7 @@ moe_find_cuda() {
     export PATH=/usr/local/cuda/bin:$PATH
   fi
   if ! command -v nvcc >/dev/null 2>&1; then
-    echo "error: the CUDA toolkit (nvcc) was not found; install CUDA 12.4 or newer" >&2
+    echo "error: the CUDA toolkit (nvcc) was not found; install CUDA 12.9 or newer" >&2
     return 1
   fi
 }
