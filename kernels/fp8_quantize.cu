@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
@@ -36,6 +37,14 @@ __device__ __forceinline__ int scale_exponent(float amax) {
 // E4M3 of value / 2^e, given 2^-e: exact scaling, then one rounding, to nearest even.
 __device__ __forceinline__ std::uint8_t to_e4m3(float value, float inverse_scale) {
   return __nv_cvt_float_to_fp8(value * inverse_scale, __NV_SATFINITE, __NV_E4M3);
+}
+
+// Whether whole 8-value accesses line up: 16-byte loads of bf16 need x 16-byte aligned, 8-byte
+// stores of codes need q 8-byte aligned, and every row then starts aligned when its length is a
+// multiple of 8.
+__device__ __forceinline__ bool whole_lanes(const void* x, const void* q, std::int64_t row_length) {
+  return row_length % kPerLane == 0 && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
+         reinterpret_cast<std::uintptr_t>(q) % 8 == 0;
 }
 
 // A lane's 8 columns from `col` (fewer at a row's end: the rest read as 0). `vector`: cols is a
@@ -120,7 +129,7 @@ __global__ void quantize_row_blocks_kernel(const __nv_bfloat16* __restrict__ x, 
   const int lane = threadIdx.x % kLanesPerBlock;
   const std::int64_t r = valid ? block / blocks_per_row : 0, c = valid ? block % blocks_per_row : 0;
   const std::int64_t col = c * kFP8Block + lane * kPerLane;
-  const bool vector = cols % kPerLane == 0;
+  const bool vector = whole_lanes(x, q, cols);
   float v[kPerLane];
   load8(x + r * cols, col, cols, vector, v);
   float amax = 0.0f;
@@ -151,7 +160,7 @@ __global__ void quantize_tiles_kernel(const __nv_bfloat16* __restrict__ x, std::
   const int lane = threadIdx.x % kLanesPerBlock, row_in_pass = threadIdx.x / kLanesPerBlock;
   const std::int64_t col = tile_col * kFP8Block + lane * kPerLane;
   const std::int64_t first_row = tile_row * kFP8Block;
-  const bool vector = cols % kPerLane == 0;
+  const bool vector = whole_lanes(x, out.codes, cols);
   float v[kTilePasses][kPerLane];
   float amax = 0.0f;
 #pragma unroll
@@ -205,7 +214,8 @@ __global__ void quantize_tiles_kernel(const __nv_bfloat16* __restrict__ x, std::
   __syncthreads();
   // The transpose [cols, rows]: its row c (a column of x) takes the tile's column c_local over
   // the tile's rows, 8 of them a lane.
-  const bool transposed_vector = rows % kPerLane == 0;
+  const bool transposed_vector =
+      rows % kPerLane == 0 && reinterpret_cast<std::uintptr_t>(transposed.codes) % 8 == 0;
   std::uint8_t* matrix_t = transposed.codes + matrix * rows * cols;
 #pragma unroll
   for (int pass = 0; pass < kTilePasses; ++pass) {
@@ -298,7 +308,9 @@ void quantize_tiles(const void* x, std::int64_t matrices, std::int64_t rows, std
                   out.codes != nullptr ? out.scales : transposed.scales);
   if ((out.codes != nullptr && out.scales == nullptr) ||
       (transposed.codes != nullptr && transposed.scales == nullptr)) {
-    fail(std::string(what) + ": codes without scales");
+    fail(std::string(what) + ": out.codes = " + text(out.codes) + " with out.scales = " +
+         text(out.scales) + ", transposed.codes = " + text(transposed.codes) +
+         " with transposed.scales = " + text(transposed.scales) + ": codes need scales");
   }
   if (rows == 0 || cols == 0 || matrices == 0) return;
   const std::int64_t tile_rows = (rows + kFP8Block - 1) / kFP8Block;
