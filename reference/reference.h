@@ -263,9 +263,10 @@ struct SharedExpertGrads {
   Matrix dw13;          // [H, 2Fs]
   Matrix dw2;           // [Fs, H]
   Matrix dgate_weight;  // [1, H] with config.shared_gate, else empty
-  // [1, H] with config.shared_gate: each element of dgate_weight with every term of its sums
-  // taken by magnitude, Σ_t |g(1 − g)| · Σ_f (Σ_h |dy·w2|) · |a| · |x|, which bounds what
-  // rounding those sums can do to it (a few tokens' gradient may cancel to far below its terms).
+  // [1, H] with config.shared_gate: what rounding can move each element of dgate_weight by, per
+  // unit of relative rounding (2^-24 in fp32) and of sum length: the terms of its sums by
+  // magnitude, Σ_t |g(1 − g)| · Σ_f (Σ_h |dy·w2|) · |a| · |x|, plus what the forward's sums (h
+  // and the gate's logit) carry into it. A few tokens' gradient may cancel to far below its terms.
   Matrix dgate_weight_magnitude;
 };
 
