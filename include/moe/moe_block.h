@@ -102,6 +102,8 @@ struct ForwardOptions {
   // after the first of an optimizer step), so their FP8 copy is reused instead of quantized
   // again. The block quantizes anyway when its weights were bound or initialized since, or on the
   // first forward. A trainer sets it only between optimizer updates: a stale copy is not detected.
+  // A CUDA graph replayed across optimizer steps must be captured with false, so that every
+  // replay quantizes; captured with true, it holds no quantization at all.
   bool weights_unchanged = false;
 };
 
