@@ -94,4 +94,46 @@ BlockQuantized quantize_tiles(const Matrix& x) {
   return quantize(x, kBlock);
 }
 
+namespace {
+
+// rows · tilesᵀ with both operands quantized and dequantized, rounded to bf16 as stored.
+Matrix fp8_product(const Matrix& rows, const Matrix& tiles) {
+  return round_to(
+      matmul_nt(quantize_row_blocks(rows).dequantized(), quantize_tiles(tiles).dequantized()),
+      DType::kBF16);
+}
+
+}  // namespace
+
+Fp8ExpertStep fp8_expert_step(const Matrix& X, const Matrix& w13, const Matrix& w2,
+                              const Matrix& dy) {
+  const std::int64_t F = w2.rows;
+  if (w13.rows != X.cols || w13.cols != 2 * F || w2.cols != X.cols || dy.rows != X.rows ||
+      dy.cols != X.cols) {
+    fail("fp8_expert_step: X [{},{}], w13 [{},{}], w2 [{},{}], dy [{},{}] do not fit", X.rows,
+         X.cols, w13.rows, w13.cols, w2.rows, w2.cols, dy.rows, dy.cols);
+  }
+  Fp8ExpertStep s;
+  s.h = fp8_product(X, transpose(w13));  // the weight as the layer holds it, [2F, H]
+  s.a = Matrix(X.rows, F);
+  for (std::int64_t r = 0; r < X.rows; ++r)
+    for (std::int64_t f = 0; f < F; ++f) s.a(r, f) = silu(s.h(r, f)) * s.h(r, F + f);
+  s.a = round_to(s.a, DType::kBF16);
+  s.y = fp8_product(s.a, transpose(w2));  // [H, F]
+  s.dA = fp8_product(dy, w2);             // dy · w2ᵀᵀ: the transpose [F, H] in tiles
+  s.dh = Matrix(X.rows, 2 * F);
+  for (std::int64_t r = 0; r < X.rows; ++r) {
+    for (std::int64_t f = 0; f < F; ++f) {
+      const double gate = s.h(r, f), up = s.h(r, F + f), sigma = 1.0 / (1.0 + std::exp(-gate));
+      s.dh(r, f) = s.dA(r, f) * up * sigma * (1.0 + gate * (1.0 - sigma));
+      s.dh(r, F + f) = s.dA(r, f) * gate * sigma;
+    }
+  }
+  s.dh = round_to(s.dh, DType::kBF16);
+  s.dX = fp8_product(s.dh, w13);  // dh · w13ᵀ with w13 [H, 2F] the transpose in tiles
+  s.dw13 = matmul_tn(X, s.dh);
+  s.dw2 = matmul_tn(s.a, dy);
+  return s;
+}
+
 }  // namespace moe::reference

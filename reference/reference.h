@@ -249,6 +249,20 @@ struct BlockQuantized {
 BlockQuantized quantize_row_blocks(const Matrix& x);
 BlockQuantized quantize_tiles(const Matrix& x);
 
+// One expert's step as fp8 forms it: each data product's activation operand quantized in row
+// blocks and its weight operand in tiles, both dequantized, the product in fp64, and h, a, y, dA,
+// dh and dX rounded to bf16 where the GPU stores them; the weight gradients from those bf16
+// values, unquantized. w13 [H, 2F] and w2 [F, H] in the reference's math layout (ExpertWeights).
+// What the GPU's FP8 experts compute up to their accumulation order, to measure what FP8 costs
+// against experts_forward / experts_backward at any shape.
+struct Fp8ExpertStep {
+  Matrix h, a, y;     // [T, 2F], [T, F], [T, H]
+  Matrix dA, dh, dX;  // [T, F], [T, 2F], [T, H]
+  Matrix dw13, dw2;   // [H, 2F], [F, H]
+};
+Fp8ExpertStep fp8_expert_step(const Matrix& X, const Matrix& w13, const Matrix& w2,
+                              const Matrix& dy);
+
 // ---- Shared experts (docs/design.md, "Shared experts") ----------------------------------------
 
 // One SwiGLU FFN of width Fs = config.shared_ffn_hidden that every token passes through, in the

@@ -2,8 +2,11 @@
 // decodes and encodes back to itself, values between two codes round to the nearer (ties to the
 // even code), magnitudes past 448 saturate, block scales are the powers of two that bring each
 // block's largest value into (224, 448], and a block's values come back within half a code step.
+#include <array>
 #include <cmath>
+#include <cstdio>
 #include <random>
+#include <vector>
 
 #include "reference/reference.h"
 #include "support/catch.h"
@@ -91,6 +94,70 @@ TEST_CASE("fp8 reference: block scales and values", "[cpu][reference][fp8]") {
         const double bound = std::max(std::fabs(x(r, c)) / 16.0, scale * std::ldexp(1.0, -10));
         if (std::fabs(q->value(r, c) - x(r, c)) > bound) FAIL("(" << r << ", " << c << ")");
       }
+    }
+  }
+}
+
+namespace {
+
+// Relative Frobenius error of the FP8 expert's results against the exact expert's.
+struct Fp8Errors {
+  double y, dX, dw13, dw2;
+};
+
+Fp8Errors fp8_expert_errors(std::int64_t H, std::int64_t F, std::int64_t T, bool outliers,
+                            std::mt19937_64& rng) {
+  Matrix X = test::random_matrix(T, H, rng);
+  if (outliers) {  // tokens 8 times larger or smaller, single values 30 times their row's
+    std::uniform_int_distribution<int> pick(0, 9);
+    std::uniform_int_distribution<std::int64_t> column(0, H - 1);
+    for (std::int64_t t = 0; t < T; ++t) {
+      const int kind = pick(rng);
+      for (double& v : X.row(t)) v *= kind == 0 ? 8.0 : kind == 1 ? 0.125 : 1.0;
+      if (kind == 2 || kind == 3) X(t, column(rng)) *= 30.0;
+    }
+  }
+  X = round_to(X, DType::kBF16);
+  ExpertWeights weights;
+  weights.w13.push_back(
+      round_to(test::random_matrix(H, 2 * F, rng, 1.0 / std::sqrt(H)), DType::kBF16));
+  weights.w2.push_back(round_to(test::random_matrix(F, H, rng, 1.0 / std::sqrt(F)), DType::kBF16));
+  const Matrix dy = round_to(test::random_matrix(T, H, rng), DType::kBF16);
+  const std::array<std::int64_t, 2> offsets{0, T};
+  const ExpertActivations exact = experts_forward(X, offsets, weights);
+  const ExpertGrads grads = experts_backward(X, exact, dy, offsets, weights);
+  const Fp8ExpertStep fp8 = fp8_expert_step(X, weights.w13[0], weights.w2[0], dy);
+  return {test::relative_error(fp8.y, exact.y), test::relative_error(fp8.dX, grads.dX),
+          test::relative_error(fp8.dw13, grads.dw13[0]),
+          test::relative_error(fp8.dw2, grads.dw2[0])};
+}
+
+}  // namespace
+
+// What FP8 costs at the model shapes (docs/design.md, "FP8", Accuracy): one expert's step with
+// the GPU's quantization (bit-exact to these quantizers) against the exact step, at the model's H
+// and F. mixtral-8x7b's expert (F = 14336) takes gigabytes in fp64 and runs with MOE_TEST_LONG=1.
+TEST_CASE("fp8 reference: one expert's step at the model shapes stays within FP8's bound",
+          "[cpu][reference][fp8]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  struct Shape {
+    const char* name;
+    std::int64_t H, F;
+  };
+  std::vector<Shape> shapes = {{"qwen3-30b-a3b", 2048, 768}, {"deepseek-v3", 7168, 2048}};
+  if (test::long_run()) shapes.push_back({"mixtral-8x7b", 4096, 14336});
+  const std::int64_t T = test::by_run_size(4, 16, 64);
+  for (const Shape& s : shapes) {
+    for (const bool outliers : {false, true}) {
+      const Fp8Errors e = fp8_expert_errors(s.H, s.F, T, outliers, rng);
+      std::printf("fp8 expert error: %s T=%lld%s: y %.4f dX %.4f dw13 %.4f dw2 %.4f\n", s.name,
+                  static_cast<long long>(T), outliers ? " outliers" : "", e.y, e.dX, e.dw13, e.dw2);
+      INFO(s.name << (outliers ? " with outliers" : ""));
+      const double bound = outliers ? 0.15 : 0.1;
+      CHECK(e.y <= bound);
+      CHECK(e.dX <= bound);
+      CHECK(e.dw13 <= bound);
+      CHECK(e.dw2 <= bound);
     }
   }
 }
