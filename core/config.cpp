@@ -246,6 +246,10 @@ void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(!fp8 || (hidden % 16 == 0 && ffn_hidden % 16 == 0),
                      "fp8 = true needs hidden and ffn_hidden multiples of 16, got {} and {}",
                      hidden, ffn_hidden);
+  // The per-expert quantization carries each rank's expert offsets in its launch parameters.
+  MOE_CONFIG_REQUIRE(!fp8 || ep < 1 || num_experts / ep <= 512,
+                     "fp8 = true takes at most 512 experts a rank, got num_experts / ep = {} / {}",
+                     num_experts, ep);
   MOE_CONFIG_REQUIRE(std::isfinite(activation_chunk_mib) && activation_chunk_mib >= 0 &&
                          activation_chunk_mib <= 1 << 20,
                      "activation_chunk_mib = {} must be in [0, 1048576] (0 = every row at once)",

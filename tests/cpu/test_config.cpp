@@ -234,6 +234,8 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"fp8", "true"}, {"align_size", "16"}, {"hidden", "72"}},
        "fp8 = true needs hidden and ffn_hidden multiples of 16, got 72 and 32"},
       {{{"fp8", "yes please"}}, "fp8"},
+      {{{"fp8", "true"}, {"align_size", "16"}, {"num_experts", "1024"}},
+       "fp8 = true takes at most 512 experts a rank, got num_experts / ep = 1024 / 1"},
   };
   // Every error names the file it came from, the enum settings' too.
   CHECK_THAT(
