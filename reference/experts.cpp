@@ -100,6 +100,29 @@ double expert_prob_grad(const Matrix& dy, std::int64_t token, const Matrix& h, s
   return dot;
 }
 
+double expert_prob_grad_magnitude(const Matrix& dy, std::int64_t token, const Matrix& X,
+                                  std::int64_t row, const Matrix& h, const Matrix& w13,
+                                  const Matrix& w2) {
+  const std::int64_t F = w2.rows, H = w2.cols;
+  double magnitude = 0.0;
+  for (std::int64_t f = 0; f < F; ++f) {
+    // dA = dy·w2ᵀ and y = a·w2 share their terms |dy·w2|; h's two sums reach a through silu's
+    // and the up half's derivatives.
+    double dA_terms = 0.0, gate_terms = 0.0, up_terms = 0.0;
+    for (std::int64_t i = 0; i < H; ++i) {
+      dA_terms += std::fabs(dy(token, i) * w2(f, i));
+      gate_terms += std::fabs(X(row, i) * w13(i, f));
+      up_terms += std::fabs(X(row, i) * w13(i, F + f));
+    }
+    const double gate = h(row, f), up = h(row, F + f);
+    const double s = sigmoid(gate);
+    const double dsilu = s * (1.0 + gate * (1.0 - s));
+    magnitude += dA_terms * (std::fabs(silu(gate) * up) + std::fabs(dsilu * up) * gate_terms +
+                             std::fabs(silu(gate)) * up_terms);
+  }
+  return magnitude;
+}
+
 std::vector<double> experts_prob_grads(const Matrix& dy, const ExpertActivations& act,
                                        const Layout& layout, const Routing& routing,
                                        const ExpertWeights& weights, Intermediates intermediates,

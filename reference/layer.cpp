@@ -141,12 +141,14 @@ ExpertActivations experts_forward_streamed(const MoEConfig& config, const Matrix
 
 // The experts' backward one at a time, each expert's weights loaded again: dX of every row, each
 // expert's weight gradients handed to `sink`, and, when `dprob` is given, its slots' dp as the
-// experts form it (ProbabilityGradient::kExperts).
+// experts form it (ProbabilityGradient::kExperts), and when `dprob_magnitude` is given, what
+// rounding can move each kept slot's dp by (expert_prob_grad_magnitude).
 Matrix experts_backward_streamed(const MoEConfig& config, const Matrix& X,
                                  const ExpertActivations& act, const Matrix& dY, const Matrix& dy,
                                  const Layout& layout, const Routing& routing,
                                  const ExpertSource& experts, ExpertGradSink& sink,
-                                 Intermediates intermediates, std::vector<double>* dprob) {
+                                 Intermediates intermediates, std::vector<double>* dprob,
+                                 std::vector<double>* dprob_magnitude) {
   const std::int64_t H = X.cols, F = config.ffn_hidden;
   std::vector<std::vector<std::int64_t>> slots_of(config.num_experts);  // t·K + k, kept slots
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
@@ -169,6 +171,13 @@ Matrix experts_backward_streamed(const MoEConfig& config, const Matrix& X,
         const std::int64_t t = slot / routing.topk;
         const std::int64_t row = layout.row[static_cast<std::size_t>(slot)];
         (*dprob)[slot] = expert_prob_grad(dy, t, act.h, row, w.w2[0], intermediates, config.dtype);
+      }
+    }
+    if (dprob_magnitude != nullptr) {
+      for (const std::int64_t slot : slots_of[e]) {
+        (*dprob_magnitude)[slot] = expert_prob_grad_magnitude(
+            dy, slot / routing.topk, X, layout.row[static_cast<std::size_t>(slot)], act.h, w.w13[0],
+            w.w2[0]);
       }
     }
     const ExpertActivations rows_act = {slice_rows(act.h, begin, end),
@@ -231,11 +240,19 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Exper
   std::vector<double> dprob = dprob_in_experts
                                   ? std::vector<double>(f.front.routing.expert.size(), 0.0)
                                   : combine_backward_prob(dy, f.act.y, f.layout, f.front.routing);
+  // fp32's checks may fall back to a rounding bound of the gate's gradient; bf16's never do.
+  const bool bound_gate_gradient = config.dtype == DType::kFP32;
+  std::vector<double> dprob_magnitude(bound_gate_gradient ? dprob.size() : 0, 0.0);
   result.expert_grads.dX = experts_backward_streamed(
       config, f.X, f.act, dY, dy, f.layout, f.front.routing, experts, expert_grads,
-      options.intermediates, dprob_in_experts ? &dprob : nullptr);
+      options.intermediates, dprob_in_experts ? &dprob : nullptr,
+      bound_gate_gradient ? &dprob_magnitude : nullptr);
   result.dx = permute_backward(result.expert_grads.dX, f.layout, f.front.routing);
   router_back(config, params, x, f.front, f.front.aux, dprob, result, options.intermediates);
+  if (bound_gate_gradient) {
+    result.d_gate_weight_magnitude =
+        gate_gradient_magnitude(config, params, x, f.front, dprob, dprob_magnitude);
+  }
   if (config.shared_experts())
     result.shared_grads = shared_backward(config, params.shared, x, f.shared, dy, result.dx);
   return result;

@@ -323,7 +323,11 @@ struct LayerResult {
   std::int64_t expert_rows = 0;            // rows this rank's experts ran on, padding included
   Matrix dlogits;
   Matrix dx;
-  Matrix d_gate_weight;            // summed over the world
+  Matrix d_gate_weight;  // summed over the world
+  // [E, H], fp32 runs of one rank (run_layer) only, else empty: what rounding can move each
+  // element of d_gate_weight by, per unit of relative rounding and of sum length. At a few tokens
+  // that gradient is a few dlogits, which may cancel to far below what formed them.
+  Matrix d_gate_weight_magnitude;
   ExpertGrads expert_grads;        // dw13 / dw2 of this rank's experts, summed over its DP group
   SharedExpertGrads shared_grads;  // with shared experts: summed over the world
 };

@@ -64,39 +64,8 @@ SharedExpertGrads shared_backward(const MoEConfig& config, const SharedExpert& s
   // out = g ⊙ y: y sees g·dy, and the gate's logit sees g(1 − g)·<dy, y>.
   Matrix dY = dy;
   Matrix dlogit(x.rows, 1), dlogit_magnitude(x.rows, 1);
-  const std::int64_t Fs = shared.w2.rows;
   for (std::int64_t t = 0; t < x.rows; ++t) {
     const double g = forward.gate[t];
-    if (config.shared_gate) {
-      // What rounding can move the logit's gradient by, per unit of relative rounding: the
-      // backward's sums (dA = dy·w2ᵀ over H, ⟨dA, a⟩ over Fs) by their terms' magnitudes, and
-      // the forward's, which reach it through a (h = x·w13 over H, each h by its terms'
-      // magnitudes, scaled by a's sensitivity to it) and through the gate (its logit over H).
-      double magnitude = 0.0, dot = 0.0;
-      for (std::int64_t f = 0; f < Fs; ++f) {
-        double dA = 0.0, dA_magnitude = 0.0, gate_terms = 0.0, up_terms = 0.0;
-        for (std::int64_t i = 0; i < x.cols; ++i) {
-          dA += dy(t, i) * shared.w2(f, i);
-          dA_magnitude += std::fabs(dy(t, i) * shared.w2(f, i));
-          gate_terms += std::fabs(x(t, i) * shared.w13(i, f));
-          up_terms += std::fabs(x(t, i) * shared.w13(i, Fs + f));
-        }
-        const double h_gate = forward.act.h(t, f), h_up = forward.act.h(t, Fs + f);
-        const double sigma = 1.0 / (1.0 + std::exp(-h_gate));
-        const double dsilu = sigma * (1.0 + h_gate * (1.0 - sigma));
-        const double a = silu(h_gate) * h_up;
-        dot += dA * a;
-        magnitude +=
-            dA_magnitude * std::fabs(a) + std::fabs(dA) * (std::fabs(dsilu * h_up) * gate_terms +
-                                                           std::fabs(silu(h_gate)) * up_terms);
-      }
-      double logit_terms = 0.0;
-      for (std::int64_t i = 0; i < x.cols; ++i)
-        logit_terms += std::fabs(x(t, i) * shared.gate_weight(0, i));
-      dlogit_magnitude(t, 0) =
-          std::fabs(g * (1.0 - g)) * magnitude +
-          std::fabs(g * (1.0 - g) * (1.0 - 2.0 * g)) * logit_terms * std::fabs(dot);
-    }
     // At one token this is the whole gate gradient: a dot product whose terms may cancel, so the
     // reference rounds where the GPU's experts do.
     double dy_dot_y = 0.0;
@@ -105,6 +74,17 @@ SharedExpertGrads shared_backward(const MoEConfig& config, const SharedExpert& s
           expert_prob_grad(dy, t, forward.act.h, t, shared.w2, forward.intermediates, config.dtype);
     } else {
       for (std::int64_t j = 0; j < x.cols; ++j) dy_dot_y += dy(t, j) * forward.act.y(t, j);
+    }
+    if (config.shared_gate) {
+      // What rounding can move the logit's gradient by, per unit of relative rounding: <dy, y>
+      // by its sums' terms, and the gate's logit (a sum over H) through the sigmoid's slope.
+      double logit_terms = 0.0;
+      for (std::int64_t i = 0; i < x.cols; ++i)
+        logit_terms += std::fabs(x(t, i) * shared.gate_weight(0, i));
+      dlogit_magnitude(t, 0) =
+          std::fabs(g * (1.0 - g)) *
+              expert_prob_grad_magnitude(dy, t, x, t, forward.act.h, shared.w13, shared.w2) +
+          std::fabs(g * (1.0 - g) * (1.0 - 2.0 * g)) * logit_terms * std::fabs(dy_dot_y);
     }
     dlogit(t, 0) = g * (1.0 - g) * dy_dot_y;
     for (auto& v : dY.row(t)) v *= g;

@@ -34,9 +34,26 @@ void router_back(const MoEConfig& config, const Params& params, const Matrix& x,
                  std::span<const double> dprob, LayerResult& result,
                  Intermediates intermediates = Intermediates::kExact);
 
+// The magnitude behind dWg = dlogitsᵀ·x (LayerResult::d_gate_weight_magnitude), from dprob and
+// each slot's dprob magnitude (expert_prob_grad_magnitude; 0 for dropped slots). A token's
+// dlogits move with its dprob through the router's linear map, whose columns are taken one slot
+// at a time, and with its logits (sums over H) through the router's and the losses' nonlinear map,
+// whose slopes are central differences; the router's own roundings add |dlogits|.
+Matrix gate_gradient_magnitude(const MoEConfig& config, const Params& params, const Matrix& x,
+                               const RouterFront& front, std::span<const double> dprob,
+                               std::span<const double> dprob_magnitude);
+
 // dprob of one slot as the experts form it: <dy[token]·w2ᵀ, a(row)>, a from h's row, with
 // dy·w2ᵀ rounded to `dtype` under kAsStored (experts_prob_grads, slot by slot).
 double expert_prob_grad(const Matrix& dy, std::int64_t token, const Matrix& h, std::int64_t row,
                         const Matrix& w2, Intermediates intermediates, DType dtype);
+
+// What rounding can move that slot's dprob by, per unit of relative rounding and of sum length:
+// the terms of its sums by magnitude. dprob is <dy·w2ᵀ, a> where the experts form it and dy·(a·w2)
+// where the combine does; both sums have the terms |dy·w2|·|a|, and the forward's sums over H
+// (h = X·w13) reach a through silu's and the up half's derivatives. X is the permuted rows.
+double expert_prob_grad_magnitude(const Matrix& dy, std::int64_t token, const Matrix& X,
+                                  std::int64_t row, const Matrix& h, const Matrix& w13,
+                                  const Matrix& w2);
 
 }  // namespace moe::reference

@@ -337,3 +337,72 @@ TEST_CASE("router backward at logits of ±1e4 is finite, and sqrtsoftplus keeps 
     CHECK(dlogits(0, 1) == 0.0);
   }
 }
+
+// The fp32 checks of the gates' gradients fall back to a rounding bound where a few tokens'
+// gradient cancels: |error| ≤ length · 2^-24 · magnitude. The magnitude claims to bound what a
+// relative error of one unit in every term of every sum does to each element, to first order. A
+// relative perturbation ε of every input is such an error: each term of those sums is a product in
+// which each input appears at most twice (x in the logits and in dWg), so the gradient moves by at
+// most 2ε · magnitude, whatever the cancellation.
+TEST_CASE("the gates' rounding magnitudes bound relative perturbations of every input",
+          "[cpu][reference]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> coin(0, 1);
+  constexpr double kEpsilon = 1e-7;  // first order; the double rounding it shows is ~1e-9 of it
+  auto perturb = [&](Matrix& m) {
+    for (double& v : m.data) v *= 1.0 + (coin(rng) != 0 ? kEpsilon : -kEpsilon);
+  };
+  auto cases = router_cases();
+  RouterCase gated = cases[0];
+  gated.name += " + gated shared expert + aux + z";
+  gated.config.shared_ffn_hidden = 4;
+  gated.config.shared_gate = true;
+  gated.config.aux_loss_coeff = 0.3;
+  gated.config.z_loss_coeff = 0.05;
+  cases.push_back(gated);
+  for (auto& [name, config] : cases) {
+    for (const std::int64_t tokens : {1, 5}) {
+      INFO(name << ", T = " << tokens);
+      Params params;
+      Matrix x;
+      do {  // no routing within reach of the perturbation
+        params = test::random_params(config, rng);
+        x = test::random_matrix(tokens, config.hidden, rng);
+      } while (!test::well_separated(config, matmul_nt(x, params.gate_weight), params.expert_bias,
+                                     1e-3));
+      Matrix dy = test::random_matrix(tokens, config.hidden, rng);
+      const LayerResult exact = run_layer(config, params, x, dy);
+      REQUIRE(exact.d_gate_weight_magnitude.data.size() == exact.d_gate_weight.data.size());
+      perturb(x);
+      perturb(dy);
+      perturb(params.gate_weight);
+      for (auto* experts : {&params.experts.w13, &params.experts.w2})
+        for (Matrix& w : *experts) perturb(w);
+      if (config.shared_experts()) {
+        perturb(params.shared.w13);
+        perturb(params.shared.w2);
+        perturb(params.shared.gate_weight);
+      }
+      const LayerResult moved = run_layer(config, params, x, dy);
+      auto outside = [&](const Matrix& a, const Matrix& b, const Matrix& magnitude) {
+        int count = 0;
+        for (std::size_t i = 0; i < a.data.size(); ++i)
+          count += std::fabs(a.data[i] - b.data[i]) > 2 * kEpsilon * magnitude.data[i];
+        return count;
+      };
+      CHECK(outside(moved.d_gate_weight, exact.d_gate_weight, exact.d_gate_weight_magnitude) == 0);
+      if (config.shared_gate) {
+        CHECK(outside(moved.shared_grads.dgate_weight, exact.shared_grads.dgate_weight,
+                      exact.shared_grads.dgate_weight_magnitude) == 0);
+      }
+    }
+  }
+  // bf16 runs never fall back to the bound, and the reference forms none.
+  MoEConfig bf16 = cases[0].config;
+  bf16.dtype = DType::kBF16;
+  const Params params = test::random_params(bf16, rng);
+  const Matrix x = test::random_matrix(3, bf16.hidden, rng);
+  CHECK(run_layer(bf16, params, x, x).d_gate_weight_magnitude.data.empty());
+}
