@@ -241,7 +241,7 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Exper
                                   ? std::vector<double>(f.front.routing.expert.size(), 0.0)
                                   : combine_backward_prob(dy, f.act.y, f.layout, f.front.routing);
   // fp32's checks may fall back to a rounding bound of the gate's gradient; bf16's never do.
-  const bool bound_gate_gradient = config.dtype == DType::kFP32;
+  const bool bound_gate_gradient = options.rounding_magnitudes && config.dtype == DType::kFP32;
   std::vector<double> dprob_magnitude(bound_gate_gradient ? dprob.size() : 0, 0.0);
   result.expert_grads.dX = experts_backward_streamed(
       config, f.X, f.act, dY, dy, f.layout, f.front.routing, experts, expert_grads,
@@ -275,6 +275,7 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Matri
   LayerOptions options;
   options.intermediates = intermediates;
   options.dprob_from = dprob_from;
+  options.rounding_magnitudes = intermediates == Intermediates::kAsStored;
   return run_layer(config, params, x, dy, options);
 }
 

@@ -324,7 +324,7 @@ struct LayerResult {
   Matrix dlogits;
   Matrix dx;
   Matrix d_gate_weight;  // summed over the world
-  // [E, H], fp32 runs of one rank (run_layer) only, else empty: what rounding can move each
+  // [E, H], fp32 runs of one rank (run_layer) asked for it, else empty: what rounding can move each
   // element of d_gate_weight by, per unit of relative rounding and of sum length. At a few tokens
   // that gradient is a few dlogits, which may cancel to far below what formed them.
   Matrix d_gate_weight_magnitude;
@@ -352,6 +352,9 @@ struct LayerOptions {
   // kAsStored rounds the intermediates to config.dtype where the GPU stores them.
   Intermediates intermediates = Intermediates::kExact;
   ProbabilityGradient dprob_from = ProbabilityGradient::kCombine;
+  // Forms LayerResult::d_gate_weight_magnitude (fp32 configs): about as costly again as the
+  // experts' backward, so only the checks that fall back to it ask.
+  bool rounding_magnitudes = false;
 };
 
 // One GPU: forward and backward of the batch x with output gradient dy.
@@ -410,6 +413,8 @@ class ExpertGradsInMemory final : public ExpertGradSink {
 LayerResult run_layer(const MoEConfig& config, const Params& params, const ExpertSource& experts,
                       const Matrix& x, const Matrix& dy, ExpertGradSink& expert_grads,
                       const LayerOptions& options = {});
+// As the GPU tests run it: with kAsStored, also the rounding magnitudes their fp32 checks fall
+// back to.
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
                       const Matrix& dy, Intermediates intermediates,
                       ProbabilityGradient dprob_from = ProbabilityGradient::kCombine);

@@ -354,6 +354,8 @@ TEST_CASE("the gates' rounding magnitudes bound relative perturbations of every 
   auto perturb = [&](Matrix& m) {
     for (double& v : m.data) v *= 1.0 + (coin(rng) != 0 ? kEpsilon : -kEpsilon);
   };
+  LayerOptions options;
+  options.rounding_magnitudes = true;
   auto cases = router_cases();
   RouterCase gated = cases[0];
   gated.name += " + gated shared expert + aux + z";
@@ -373,7 +375,7 @@ TEST_CASE("the gates' rounding magnitudes bound relative perturbations of every 
       } while (!test::well_separated(config, matmul_nt(x, params.gate_weight), params.expert_bias,
                                      1e-3));
       Matrix dy = test::random_matrix(tokens, config.hidden, rng);
-      const LayerResult exact = run_layer(config, params, x, dy);
+      const LayerResult exact = run_layer(config, params, x, dy, options);
       REQUIRE(exact.d_gate_weight_magnitude.data.size() == exact.d_gate_weight.data.size());
       perturb(x);
       perturb(dy);
@@ -385,7 +387,7 @@ TEST_CASE("the gates' rounding magnitudes bound relative perturbations of every 
         perturb(params.shared.w2);
         perturb(params.shared.gate_weight);
       }
-      const LayerResult moved = run_layer(config, params, x, dy);
+      const LayerResult moved = run_layer(config, params, x, dy, options);
       auto outside = [&](const Matrix& a, const Matrix& b, const Matrix& magnitude) {
         int count = 0;
         for (std::size_t i = 0; i < a.data.size(); ++i)
@@ -399,10 +401,12 @@ TEST_CASE("the gates' rounding magnitudes bound relative perturbations of every 
       }
     }
   }
-  // bf16 runs never fall back to the bound, and the reference forms none.
+  // bf16 runs never fall back to the bound, and the reference forms none; nor unasked.
   MoEConfig bf16 = cases[0].config;
   bf16.dtype = DType::kBF16;
   const Params params = test::random_params(bf16, rng);
   const Matrix x = test::random_matrix(3, bf16.hidden, rng);
-  CHECK(run_layer(bf16, params, x, x).d_gate_weight_magnitude.data.empty());
+  CHECK(run_layer(bf16, params, x, x, options).d_gate_weight_magnitude.data.empty());
+  const Params fp32_params = test::random_params(cases[0].config, rng);
+  CHECK(run_layer(cases[0].config, fp32_params, x, x).d_gate_weight_magnitude.data.empty());
 }

@@ -410,6 +410,7 @@ TEST_CASE("routing replay: a recorded step replays bitwise; other routings equal
       options.replay_experts = std::span<const int>(given);
       options.intermediates = test::kAsStored;
       options.dprob_from = test::kDprobInExperts;
+      options.rounding_magnitudes = true;
       const auto reference_run = reference::run_layer(c, params, x, dy, options);
       check_against_reference(c, replayed, reference_run);
       std::vector<std::int32_t> counts(c.num_experts);
