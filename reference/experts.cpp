@@ -106,10 +106,12 @@ double expert_prob_grad_magnitude(const Matrix& dy, std::int64_t token, const Ma
   const std::int64_t F = w2.rows, H = w2.cols;
   double magnitude = 0.0;
   for (std::int64_t f = 0; f < F; ++f) {
-    // dA = dy·w2ᵀ and y = a·w2 share their terms |dy·w2|; h's two sums reach a through silu's
-    // and the up half's derivatives.
-    double dA_terms = 0.0, gate_terms = 0.0, up_terms = 0.0;
+    // The sum over H: dA = dy·w2ᵀ and y = a·w2 share their terms |dy·w2|·|a|. An error δa of a
+    // (from h's two sums over H, through silu's and the up half's derivatives) moves dprob by
+    // δa·dA on either path, to first order.
+    double dA = 0.0, dA_terms = 0.0, gate_terms = 0.0, up_terms = 0.0;
     for (std::int64_t i = 0; i < H; ++i) {
+      dA += dy(token, i) * w2(f, i);
       dA_terms += std::fabs(dy(token, i) * w2(f, i));
       gate_terms += std::fabs(X(row, i) * w13(i, f));
       up_terms += std::fabs(X(row, i) * w13(i, F + f));
@@ -117,8 +119,9 @@ double expert_prob_grad_magnitude(const Matrix& dy, std::int64_t token, const Ma
     const double gate = h(row, f), up = h(row, F + f);
     const double s = sigmoid(gate);
     const double dsilu = s * (1.0 + gate * (1.0 - s));
-    magnitude += dA_terms * (std::fabs(silu(gate) * up) + std::fabs(dsilu * up) * gate_terms +
-                             std::fabs(silu(gate)) * up_terms);
+    magnitude +=
+        dA_terms * std::fabs(silu(gate) * up) +
+        std::fabs(dA) * (std::fabs(dsilu * up) * gate_terms + std::fabs(silu(gate)) * up_terms);
   }
   return magnitude;
 }

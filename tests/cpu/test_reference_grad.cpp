@@ -341,9 +341,11 @@ TEST_CASE("router backward at logits of ±1e4 is finite, and sqrtsoftplus keeps 
 // The fp32 checks of the gates' gradients fall back to a rounding bound where a few tokens'
 // gradient cancels: |error| ≤ length · 2^-24 · magnitude. The magnitude claims to bound what a
 // relative error of one unit in every term of every sum does to each element, to first order. A
-// relative perturbation ε of every input is such an error: each term of those sums is a product in
-// which each input appears at most twice (x in the logits and in dWg), so the gradient moves by at
-// most 2ε · magnitude, whatever the cancellation.
+// relative perturbation ε of every input is such an error: each term of the sums the magnitude
+// counts is a product of two inputs (x·Wg, dy·w2, x·w13), so it moves by at most 2ε of itself,
+// and the gradient by at most 2ε · magnitude, whatever the cancellation. This checks the model's
+// sensitivity to its inputs' sums; the roundings of the router's own intermediates (the scores
+// and their normalisation) are outside it, counted by the |dlogits| term and the length.
 TEST_CASE("the gates' rounding magnitudes bound relative perturbations of every input",
           "[cpu][reference]") {
   const auto seed = test::fresh_seed();
