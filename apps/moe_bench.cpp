@@ -4,6 +4,7 @@
 //                                      [--iters I] [--warmup W] [--grad-dtype bf16|fp32]
 //                                      [--keep-expert-input] [--stage-lead-ms L]
 //                                      [--capacity-factor C [--drop-policy P] [--pad-to-capacity]]
+//                                      [--shared-ffn-hidden Fs] [--shared-in-series]
 //                                      [--json FILE]
 //
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
@@ -98,6 +99,8 @@ int main(int argc, char** argv) {
   bool graph = false;
   bool fp8 = false;
   int align_size = -1;
+  int shared_ffn_hidden = -1;
+  bool shared_in_series = false;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(cli::count_in(1, 1 << 20));
@@ -134,6 +137,13 @@ int main(int argc, char** argv) {
   app.add_flag("--pad-to-capacity", pad_to_capacity,
                "capacity mode: every expert's block exactly C rows (fixed GEMM shapes)");
   app.add_flag("--fp8", fp8, "FP8 expert products (the config's fp8: true)");
+  app.add_option("--shared-ffn-hidden", shared_ffn_hidden,
+                 "shared experts of this width; 0 removes them and their gate (default: the "
+                 "config's)")
+      ->check(cli::count_in(0, 1 << 20));
+  app.add_flag("--shared-in-series", shared_in_series,
+               "the shared experts in series on the block's stream (shared_expert_overlap: "
+               "false), to measure what their overlap hides");
   app.add_option("--align-size", align_size, "each expert's rows padded to a multiple of this")
       ->check(cli::count_in(0, kMaxAlignSize));
   app.add_flag("--graph", graph,
@@ -172,6 +182,9 @@ int main(int argc, char** argv) {
     if (pad_to_capacity) config.pad_to_capacity = true;
     if (fp8) config.fp8 = true;
     if (align_size >= 0) config.align_size = align_size;
+    if (shared_ffn_hidden >= 0) config.shared_ffn_hidden = shared_ffn_hidden;
+    if (config.shared_ffn_hidden == 0) config.shared_gate = false;
+    if (shared_in_series) config.shared_expert_overlap = false;
     if (!drop_policy.empty() && !config.capacity_mode())
       fail("--drop-policy {} needs capacity mode (--capacity-factor, or the config's)",
            drop_policy);
@@ -435,6 +448,9 @@ int main(int argc, char** argv) {
             {"grad_dtype", dtype_name(config.grad_dtype)},
             {"fp8", config.fp8},
             {"align_size", config.align_size},
+            {"shared_ffn_hidden", config.shared_ffn_hidden},
+            {"shared_gate", config.shared_gate},
+            {"shared_expert_overlap", config.shared_expert_overlap},
             {"TFLOPs_per_gpu", tflops},
             {"fraction_of_dense", tflops * 1e12 / gemm_rate},
             {"fraction_of_dense_burst", tflops * 1e12 / dense.burst},

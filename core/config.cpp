@@ -313,7 +313,8 @@ std::string MoEConfig::describe() const {
                             pad_to_capacity ? ", padded" : "");
   }
   if (shared_experts())
-    features += fmt::format(" shared={}{}", shared_ffn_hidden, shared_gate ? "(gated)" : "");
+    features += fmt::format(" shared={}{}{}", shared_ffn_hidden, shared_gate ? "(gated)" : "",
+                            shared_expert_overlap ? "" : "(in series)");
   if (fp8) features += " fp8";
   return fmt::format(
       "H={} F={} E={} K={} {} scale={} aux={} z={} align={}{} {} (grads {}){} EP={} DP={}{}",
@@ -464,6 +465,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"pad_to_capacity", flag(&MoEConfig::pad_to_capacity)},
       {"shared_ffn_hidden", integer(&MoEConfig::shared_ffn_hidden)},
       {"shared_gate", flag(&MoEConfig::shared_gate)},
+      {"shared_expert_overlap", flag(&MoEConfig::shared_expert_overlap)},
       {"fp8", flag(&MoEConfig::fp8)},
       {"dtype",
        [&](const YAML::Node& n, const std::string& k) {

@@ -26,6 +26,7 @@ Tensor as_one_expert(const Tensor& t) {
 
 SharedExpertStage::SharedExpertStage(const MoEConfig& config, const Mesh& mesh)
     : gated_(config.shared_gate),
+      overlap_(config.shared_expert_overlap),
       H_(config.hidden),
       Fs_(config.shared_ffn_hidden),
       dtype_(config.dtype),
@@ -37,18 +38,18 @@ void SharedExpertStage::start_forward(const Tensor& x, const MoEParameters& para
   x_ = x;
   offsets_ = {0, T};
   forked_.record(stream);
-  MOE_CHECK_CUDA(cudaStreamWaitEvent(side_.get(), forked_.get()));
+  const cudaStream_t work = overlap_ ? side_.get() : stream;
+  MOE_CHECK_CUDA(cudaStreamWaitEvent(work, forked_.get()));
   Tensor scale;
   if (gated_) {
     scale = view(gate_, DType::kFP32, {T});
     shared_gate_forward(x, params.shared_gate_weight, typed<float>(logit_, T), scale.as<float>(),
-                        side_.get());
+                        work);
   }
   const ExpertRows rows{
       .input = x, .output = view(y_, dtype_, {T, H_}), .scale = scale, .offsets = offsets_};
-  ffn_.forward(rows, as_one_expert(params.shared_w13), as_one_expert(params.shared_w2),
-               side_.get());
-  joined_.record(side_.get());
+  ffn_.forward(rows, as_one_expert(params.shared_w13), as_one_expert(params.shared_w2), work);
+  joined_.record(work);
 }
 
 void SharedExpertStage::add_output(const Tensor& out, cudaStream_t stream) {
@@ -60,7 +61,8 @@ void SharedExpertStage::start_backward(const Tensor& dy, const MoEParameters& pa
                                        const MoEGradients& grads, cudaStream_t stream) {
   const std::int64_t T = x_.dim(0);
   forked_.record(stream);
-  MOE_CHECK_CUDA(cudaStreamWaitEvent(side_.get(), forked_.get()));
+  const cudaStream_t work = overlap_ ? side_.get() : stream;
+  MOE_CHECK_CUDA(cudaStreamWaitEvent(work, forked_.get()));
   // The gate's values become their gradients in place (the experts' backward writes each row
   // weight's gradient where the weight was); the logits keep what σ' needs.
   const Tensor scale = gated_ ? Tensor(gate_.data(), DType::kFP32, {T}) : Tensor{};
@@ -71,13 +73,13 @@ void SharedExpertStage::start_backward(const Tensor& dy, const MoEParameters& pa
                             .offsets = offsets_,
                             .refill = {}};
   ffn_.backward(rows, as_one_expert(params.shared_w13), as_one_expert(params.shared_w2),
-                as_one_expert(grads.shared_w13), as_one_expert(grads.shared_w2), side_.get());
+                as_one_expert(grads.shared_w13), as_one_expert(grads.shared_w2), work);
   if (gated_) {
     workspace_.reserve(std::max<std::size_t>(shared_gate_workspace_bytes(T, H_), 16));
     shared_gate_backward(x_, logit_.as<float>(), gate_.as<float>(),
-                         grads.shared_gate_weight.as<float>(), workspace_.data(), side_.get());
+                         grads.shared_gate_weight.as<float>(), workspace_.data(), work);
   }
-  joined_.record(side_.get());
+  joined_.record(work);
 }
 
 void SharedExpertStage::add_input_grad(const Tensor& dx, const MoEParameters& params,

@@ -1,7 +1,8 @@
 // The shared expert: one SwiGLU FFN of width Fs over every token, optionally scaled by a sigmoid
 // gate, added to the routed output (docs/design.md, "Shared experts"). It runs on a stream of its
 // own, forked from the block's stream where its input is ready and joined where its result is
-// added, so that it overlaps the router, the permute and the token exchange.
+// added, so that it overlaps the router, the permute and the token exchange; or, with
+// shared_expert_overlap off, at the same points on the block's stream, in series.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -38,6 +39,7 @@ class SharedExpertStage {
 
  private:
   bool gated_;
+  bool overlap_;  // on side_; else on the block's stream
   std::int64_t H_, Fs_;
   DType dtype_;
   Stream side_;

@@ -87,6 +87,10 @@ struct MoEConfig {
   // sigmoid(x · shared_gate_weightᵀ).
   int shared_ffn_hidden = 0;
   bool shared_gate = false;
+  // The shared experts on a stream of their own, overlapped with the routed path; false runs them
+  // in series on the block's stream (the same results bit for bit): what the overlap saves is
+  // measured against it.
+  bool shared_expert_overlap = true;
 
   // FP8 expert products (docs/design.md, "FP8"): the routed experts' four data products (forward
   // h and y, backward dA and dX) in E4M3 with 1 × 128 activation and 128 × 128 weight scales on

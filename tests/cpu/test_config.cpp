@@ -419,6 +419,7 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
   CHECK(plain.shared_ffn_hidden == 0);
   CHECK_FALSE(plain.shared_experts());
   CHECK_FALSE(plain.shared_gate);
+  CHECK(plain.shared_expert_overlap);
   CHECK_THAT(plain.describe(), !test::contains_text("capacity"));
   CHECK_THAT(plain.describe(), !test::contains_text("shared"));
   CHECK(plain.unsupported_by_gpu_layer().empty());
@@ -438,6 +439,9 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
   CHECK(probs.drop_policy == DropPolicy::kProbs);
   CHECK_THAT(probs.describe(), test::contains_text("capacity=2(probs)"));
   CHECK_THAT(probs.describe(), test::contains_text("shared=8 "));
+  const auto series = parse_config(kBase + "shared_ffn_hidden: 8\nshared_expert_overlap: false\n");
+  CHECK_FALSE(series.shared_expert_overlap);
+  CHECK_THAT(series.describe(), test::contains_text("shared=8(in series) "));
 
   // The GPU layer's refusal names the setting and its value; one EP rank runs every capacity
   // setting, pad_to_capacity included, and EP every one but fixed blocks and the peer exchange.

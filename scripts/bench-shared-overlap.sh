@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# What the shared experts' overlap hides: the layer's step with the config's shared experts on
+# their own stream, in series on the block's stream, and without them, on one GPU or, with
+# --ranks N, on N ranks under mpirun (EP = N). hidden = (in series − overlapped) / (in series −
+# without), the share of the shared experts' time that the routed path covers. Writes one
+# moe_bench JSON per run to OUTDIR and prints a table last.
+#   scripts/bench-shared-overlap.sh [--configs "a b"] [--tokens "1024 8192"] [--ranks N] OUTDIR
+set -uo pipefail
+source "$(dirname "$0")/common.sh"
+
+configs="deepseek-v3 qwen1.5-moe-a2.7b" tokens="8192" ranks=1 out=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --configs) configs=$2; shift 2 ;;
+    --tokens) tokens=$2; shift 2 ;;
+    --ranks) ranks=$2; shift 2 ;;
+    -*) echo "usage: $0 [--configs C] [--tokens T] [--ranks N] OUTDIR" >&2; exit 2 ;;
+    *) out=$1; shift ;;
+  esac
+done
+[ -n "$out" ] || { echo "usage: $0 [options] OUTDIR" >&2; exit 2; }
+[[ "$ranks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --ranks '$ranks' is not a rank count" >&2; exit 2; }
+mkdir -p "$out" || exit 2
+bench=$MOE_BUILD_DIR/apps/moe_bench
+[ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
+launcher=()
+if [ "$ranks" -gt 1 ]; then
+  export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared hosts
+  if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+  launcher=(mpirun -np "$ranks" --bind-to none -x NCCL_NVLS_ENABLE)
+fi
+status=0
+for config in $configs; do
+  file=$MOE_ROOT/configs/$config.yaml
+  [ -f "$file" ] || { echo "error: no config $file" >&2; status=1; continue; }
+  for t in $tokens; do
+    for mode in overlapped series without; do
+      name=$config-T$t-EP$ranks-$mode
+      flags=(--config "$file" --tokens "$t" --iters 10)
+      [ "$mode" = series ] && flags+=(--shared-in-series)
+      [ "$mode" = without ] && flags+=(--shared-ffn-hidden 0)
+      "${launcher[@]}" "$bench" "${flags[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1 ||
+        { status=1; echo "FAILED: $name"; tail -3 "$out/$name.txt"; }
+    done
+  done
+done
+python3 - "$out" <<'PY'
+import json, pathlib, sys
+runs = {}
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    r = json.loads(path.read_text())
+    mode = ("without" if r["shared_ffn_hidden"] == 0 else
+            "overlapped" if r["shared_expert_overlap"] else "series")
+    runs[(r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["ep"], mode)] = r
+print(f"{'config':<22} {'T':>5} {'EP':>3} {'overlapped':>10} {'series':>8} {'without':>8} "
+      f"{'shared ms':>9} {'hidden':>7}")
+for (config, t, ep, mode), r in sorted(runs.items()):
+    if mode != "overlapped":
+        continue
+    s, w = runs.get((config, t, ep, "series")), runs.get((config, t, ep, "without"))
+    if s is None or w is None:
+        continue
+    shared = s["total_ms"] - w["total_ms"]
+    hidden = (s["total_ms"] - r["total_ms"]) / shared if shared > 0 else float("nan")
+    print(f"{config:<22} {t:>5} {ep:>3} {r['total_ms']:>10.3f} {s['total_ms']:>8.3f} "
+          f"{w['total_ms']:>8.3f} {shared:>9.3f} {100 * hidden:>6.0f}%")
+PY
+exit $status
