@@ -31,7 +31,21 @@ std::string describe_devices() {
 
 namespace {
 std::atomic<std::int64_t> allocations{0};
+thread_local const BufferGrowthDrain* innermost_drain = nullptr;
 }  // namespace
+
+BufferGrowthDrain::BufferGrowthDrain(std::function<void()> drain)
+    : drain_(std::move(drain)), previous_(innermost_drain) {
+  innermost_drain = this;
+}
+
+BufferGrowthDrain::~BufferGrowthDrain() {
+  innermost_drain = previous_;
+}
+
+void BufferGrowthDrain::before_free() {
+  if (innermost_drain != nullptr && innermost_drain->drain_) innermost_drain->drain_();
+}
 
 std::int64_t buffer_allocations() noexcept {
   return allocations.load();
@@ -39,6 +53,7 @@ std::int64_t buffer_allocations() noexcept {
 
 void DeviceBuffer::reserve(std::size_t bytes) {
   if (bytes <= bytes_) return;
+  if (data_ != nullptr) BufferGrowthDrain::before_free();
   release();
   allocations.fetch_add(1);
   MOE_CHECK_CUDA(cudaMalloc(&data_, bytes));
@@ -53,6 +68,7 @@ void DeviceBuffer::release() noexcept {
 
 void PinnedBuffer::reserve(std::size_t bytes) {
   if (bytes <= bytes_) return;
+  if (data_ != nullptr) BufferGrowthDrain::before_free();
   release();
   allocations.fetch_add(1);
   MOE_CHECK_CUDA(cudaMallocHost(&data_, bytes));

@@ -38,10 +38,20 @@ struct OwnWeights {
 // waiting in a collective it will never join: it aborts the mesh's communicators, so that its
 // own later calls fail at once and its peers fail at their next wait, within the mesh's timeout,
 // instead of at a collective matched against the wrong one. The error then names the rank, the
-// call and the stage.
+// call and the stage. A buffer that grows during the call first waits for the block's stream
+// under the mesh's timeout: its free would otherwise wait for the device with no limit, behind a
+// collective a failed peer never joins (a previous step's gradient all-reduce, say). Not while
+// the stream is captured: a capture's buffers are already sized, and a growth there fails anyway.
 template <typename Call>
-auto on_mesh(const Mesh& mesh, const StageTimes& times, const char* call, Call&& run) {
+auto on_mesh(const Mesh& mesh, cudaStream_t stream, const StageTimes& times, const char* call,
+             Call&& run) {
   if (mesh.world_size() == 1) return run();
+  const BufferGrowthDrain drain([&] {
+    if (stream_is_capturing(stream)) return;
+    const Event drained;
+    drained.record(stream);
+    mesh.wait(drained.get(), "the work queued before a buffer grows");
+  });
   try {
     return run();
   } catch (const std::exception& error) {
@@ -315,11 +325,13 @@ void MoEBlock::initialize(std::uint64_t seed) {
 
 MoEForward MoEBlock::forward(const Tensor& x, const ForwardOptions& options) {
   s_->refuse_capture_of_forward("forward", x, options);
-  return on_mesh(s_->mesh, s_->times, "forward", [&] { return run_forward(x, options, true); });
+  return on_mesh(s_->mesh, s_->stream, s_->times, "forward",
+                 [&] { return run_forward(x, options, true); });
 }
 MoEForward MoEBlock::infer(const Tensor& x, const ForwardOptions& options) {
   s_->refuse_capture_of_forward("infer", x, options);
-  return on_mesh(s_->mesh, s_->times, "infer", [&] { return run_forward(x, options, false); });
+  return on_mesh(s_->mesh, s_->stream, s_->times, "infer",
+                 [&] { return run_forward(x, options, false); });
 }
 
 MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
@@ -433,7 +445,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
 Tensor MoEBlock::backward(const Tensor& dy) {
   if (stream_is_capturing(s_->stream))
     s_->check_capture("backward", s_->context.T, s_->prepared_backward);
-  return on_mesh(s_->mesh, s_->times, "backward", [&] { return run_backward(dy); });
+  return on_mesh(s_->mesh, s_->stream, s_->times, "backward", [&] { return run_backward(dy); });
 }
 
 Tensor MoEBlock::run_backward(const Tensor& dy) {
@@ -518,7 +530,7 @@ void MoEBlock::reduce_gradients() {
           "not agreed on the GEMM algorithms yet, which an eager reduce_gradients after a step "
           "does on the host");
   }
-  on_mesh(s.mesh, s.times, "reduce_gradients", [&] {
+  on_mesh(s.mesh, s.stream, s.times, "reduce_gradients", [&] {
     const std::int64_t allocations = buffer_allocations();
     Range r("moe gradient reduction", s.times, s.stream);
     moe::reduce_gradients(s.config, s.grads, s.mesh, s.shared.grad_stage, s.stream);
@@ -543,7 +555,7 @@ void MoEBlock::synchronize() {
     fail(
         "MoEBlock::synchronize: waits on the host, which a stream capturing a CUDA graph cannot "
         "do: call it after the graph's replay");
-  on_mesh(s.mesh, s.times, "synchronize", [&] {
+  on_mesh(s.mesh, s.stream, s.times, "synchronize", [&] {
     s.times.current = "the end of the step";
     s.step_done.record(s.stream);
     s.mesh.wait(s.step_done.get(), "the block's queued work");
@@ -660,7 +672,7 @@ void MoEBlock::update_expert_bias(float rate) {
   if (s.router.global_load() == nullptr)
     fail("MoEBlock::update_expert_bias: no forward has counted the loads yet");
   s.times.current = "the expert bias update";
-  on_mesh(s.mesh, s.times, "update_expert_bias", [&] {
+  on_mesh(s.mesh, s.stream, s.times, "update_expert_bias", [&] {
     moe::update_expert_bias(s.params.expert_bias.as<float>(), s.router.global_load(), s.E, rate,
                             s.stream);
   });

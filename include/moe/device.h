@@ -28,6 +28,26 @@ std::string describe_devices();
 // captured in a CUDA graph: tests read this around a step to show that it allocated nothing.
 std::int64_t buffer_allocations() noexcept;
 
+// While one is alive on this thread, a DeviceBuffer or PinnedBuffer that must give its memory back
+// to grow calls `drain` first. A free waits for the whole device, with no time limit: behind a
+// collective that a failed peer never joins, that is forever. A block on a mesh drains its own
+// stream there, under the mesh's timeout, so that the wait ends in an error instead. Guards nest;
+// the innermost drains.
+class BufferGrowthDrain {
+ public:
+  explicit BufferGrowthDrain(std::function<void()> drain);
+  ~BufferGrowthDrain();
+  BufferGrowthDrain(const BufferGrowthDrain&) = delete;
+  BufferGrowthDrain& operator=(const BufferGrowthDrain&) = delete;
+
+  // Runs the innermost guard's drain on this thread, if any (what a growth calls before a free).
+  static void before_free();
+
+ private:
+  std::function<void()> drain_;
+  const BufferGrowthDrain* previous_;
+};
+
 // Device memory. Grow-only reuse is the caller's choice: reserve() keeps the allocation when it is
 // already large enough.
 class DeviceBuffer {

@@ -2,6 +2,8 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "moe/device.h"
 #include "moe/error.h"
@@ -92,4 +94,25 @@ TEST_CASE("error messages show control characters escaped and stop at a bound", 
 
 TEST_CASE("device count is zero, not an exception, without a GPU", "[cpu][device]") {
   CHECK(cuda_device_count() >= 0);
+}
+
+TEST_CASE("a buffer growth's drain is the innermost guard's, on this thread only",
+          "[cpu][device]") {
+  std::vector<int> drained;
+  BufferGrowthDrain::before_free();  // no guard: nothing to run
+  {
+    const BufferGrowthDrain outer([&] { drained.push_back(1); });
+    BufferGrowthDrain::before_free();
+    {
+      const BufferGrowthDrain inner([&] { drained.push_back(2); });
+      BufferGrowthDrain::before_free();
+      std::thread([] { BufferGrowthDrain::before_free(); }).join();  // another thread: none
+    }
+    BufferGrowthDrain::before_free();
+    // A drain that throws (a mesh's timeout) reaches the growth's caller.
+    const BufferGrowthDrain failing([] { moe::fail("the stream did not drain"); });
+    CHECK_THROWS_WITH(BufferGrowthDrain::before_free(), "the stream did not drain");
+  }
+  BufferGrowthDrain::before_free();
+  CHECK(drained == std::vector<int>{1, 2, 1});
 }

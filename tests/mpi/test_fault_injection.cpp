@@ -96,6 +96,8 @@ class SteppedBlock {
     block_.synchronize();
   }
   Tensor x() const { return Tensor(x_.data(), config_.dtype, {kTokens, config_.hidden}); }
+  const MoEConfig& config() const { return config_; }
+  static constexpr std::int64_t tokens() { return kTokens; }
   MoEBlock& block() { return block_; }
   const Mesh& mesh() const { return mesh_; }
 
@@ -196,6 +198,54 @@ TEST_CASE("a rank that stalls past the timeout is an error on every rank, itself
     return;
   }
   check_fault_on_every_rank(Fault::kStalls);
+}
+
+// A buffer's growth frees the old one, and a free waits for the whole device with no time limit:
+// behind a gradient all-reduce that a stalled peer never joined, forever. Rank 1 stalls past the
+// timeout in reduce_gradients; rank 0 has queued its all-reduce and starts a step on four times
+// the tokens, which must grow the layer's buffers. Its first growth waits for its stream under
+// the mesh's timeout instead, and the step is an error on every rank.
+TEST_CASE("a buffer's growth behind a collective a peer never joined is an error in time",
+          "[mpi][fault]") {
+  if (test::world_size() < 2) {
+    WARN("needs two ranks; nothing to check with one");
+    return;
+  }
+  const int rank = test::world_rank();
+  SteppedBlock stepped(EpTransport::kNccl);
+  const MoEConfig& c = stepped.config();
+  const std::int64_t big = 4 * SteppedBlock::tokens();
+  std::mt19937_64 rng(11 + rank);
+  const DeviceBuffer x_big = test::upload_as(test::random_matrix(big, c.hidden, rng), c.dtype);
+  const DeviceBuffer dy =
+      test::upload_as(test::random_matrix(SteppedBlock::tokens(), c.hidden, rng), c.dtype);
+  HookGuard guard;
+  set_stage_hook([rank](const char* name) {
+    if (rank == 1 && std::strcmp(name, "moe gradient reduction") == 0)
+      std::this_thread::sleep_for(2 * kTimeout);
+  });
+  Outcome outcome;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)stepped.block().forward(stepped.x());
+    (void)stepped.block().backward(Tensor(dy.data(), c.dtype, {SteppedBlock::tokens(), c.hidden}));
+    stepped.block().reduce_gradients();
+    (void)stepped.block().forward(Tensor(x_big.data(), c.dtype, {big, c.hidden}));
+    stepped.block().synchronize();
+  } catch (const Error& error) {
+    outcome.threw = true;
+    outcome.message = error.what();
+  }
+  outcome.elapsed = std::chrono::steady_clock::now() - start;
+  INFO("rank " << rank << ": " << outcome.message);
+  CHECK(outcome.threw);
+  CHECK(outcome.elapsed < 4 * kTimeout + std::chrono::seconds(5));
+  CHECK(stepped.mesh().aborted());
+  if (rank == 0) {
+    CHECK_THAT(outcome.message, test::contains_text("MoEBlock::forward") &&
+                                    test::contains_text("before a buffer grows"));
+  }
+  MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
 }
 
 // Run by tests/support/rank_exit.sh, which checks that the job ends: rank 1 leaves the process as
