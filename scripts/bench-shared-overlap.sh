@@ -30,24 +30,33 @@ if [ "$ranks" -gt 1 ]; then
   launcher=(mpirun -np "$ranks" --bind-to none -x NCCL_NVLS_ENABLE)
 fi
 status=0
+written=()  # the table reads this run's files only
 for config in $configs; do
   file=$MOE_ROOT/configs/$config.yaml
   [ -f "$file" ] || { echo "error: no config $file" >&2; status=1; continue; }
+  grep -qE "^shared_ffn_hidden: *[1-9]" "$file" ||
+    { echo "error: $config has no shared experts (shared_ffn_hidden)" >&2; status=1; continue; }
   for t in $tokens; do
     for mode in overlapped series without; do
       name=$config-T$t-EP$ranks-$mode
-      flags=(--config "$file" --tokens "$t" --iters 10)
+      flags=(--config "$file" --tokens "$t" --iters 10 --stage-lead-ms 0)
       [ "$mode" = series ] && flags+=(--shared-in-series)
       [ "$mode" = without ] && flags+=(--shared-ffn-hidden 0)
-      "${launcher[@]}" "$bench" "${flags[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1 ||
-        { status=1; echo "FAILED: $name"; tail -3 "$out/$name.txt"; }
+      if "${launcher[@]}" "$bench" "${flags[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1; then
+        written+=("$out/$name.json")
+      else
+        status=1
+        echo "FAILED: $name"
+        tail -3 "$out/$name.txt"
+      fi
     done
   done
 done
-python3 - "$out" <<'PY'
+[ ${#written[@]} -gt 0 ] || exit 1
+python3 - "${written[@]}" <<'PY'
 import json, pathlib, sys
 runs = {}
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+for path in map(pathlib.Path, sys.argv[1:]):
     r = json.loads(path.read_text())
     mode = ("without" if r["shared_ffn_hidden"] == 0 else
             "overlapped" if r["shared_expert_overlap"] else "series")
