@@ -251,7 +251,7 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Exper
   router_back(config, params, x, f.front, f.front.aux, dprob, result, options.intermediates);
   if (bound_gate_gradient) {
     result.d_gate_weight_magnitude =
-        gate_gradient_magnitude(config, params, x, f.front, dprob, dprob_magnitude);
+        gate_gradient_magnitude(config, params, x, f.front, dprob, dprob_magnitude, result.dlogits);
   }
   if (config.shared_experts())
     result.shared_grads = shared_backward(config, params.shared, x, f.shared, dy, result.dx);

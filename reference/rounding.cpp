@@ -30,14 +30,17 @@ Matrix absolute(Matrix m) {
 
 Matrix gate_gradient_magnitude(const MoEConfig& config, const Params& params, const Matrix& x,
                                const RouterFront& front, std::span<const double> dprob,
-                               std::span<const double> dprob_magnitude) {
+                               std::span<const double> dprob_magnitude, const Matrix& dlogits) {
   const int E = config.num_experts;
   const int K = config.topk;
   const std::int64_t T = x.rows;
   const auto slots = static_cast<std::size_t>(T * K);
-  if (dprob.size() != slots || dprob_magnitude.size() != slots || front.logits.rows != T)
-    fail("gate_gradient_magnitude: {} dprob, {} magnitudes and {} logit rows for {} tokens",
-         dprob.size(), dprob_magnitude.size(), front.logits.rows, T);
+  if (dprob.size() != slots || dprob_magnitude.size() != slots || front.logits.rows != T ||
+      dlogits.rows != T || dlogits.cols != E)
+    fail(
+        "gate_gradient_magnitude: {} dprob, {} magnitudes, {} logit rows and dlogits [{},{}] for "
+        "{} tokens of {} experts",
+        dprob.size(), dprob_magnitude.size(), front.logits.rows, dlogits.rows, dlogits.cols, T, E);
   Matrix token_magnitude(T, E);  // of each dlogit
 
   // dprob's rounding, through the router's map from dprob: linear, one column per slot k.
@@ -78,8 +81,7 @@ Matrix gate_gradient_magnitude(const MoEConfig& config, const Params& params, co
   }
 
   // The router's own last roundings, of each dlogit.
-  add_into(token_magnitude,
-           absolute(router_dlogits(config, front.logits, front.routing, front.aux, dprob)));
+  add_into(token_magnitude, absolute(dlogits));
   return matmul_tn(token_magnitude, absolute(x));  // dWg = dlogitsᵀ · x
 }
 

@@ -38,10 +38,10 @@ void router_back(const MoEConfig& config, const Params& params, const Matrix& x,
 // each slot's dprob magnitude (expert_prob_grad_magnitude; 0 for dropped slots). A token's
 // dlogits move with its dprob through the router's linear map, whose columns are taken one slot
 // at a time, and with its logits (sums over H) through the router's and the losses' nonlinear map,
-// whose slopes are central differences; the router's own roundings add |dlogits|.
+// whose slopes are central differences; the router's own roundings add |dlogits| (router_back's).
 Matrix gate_gradient_magnitude(const MoEConfig& config, const Params& params, const Matrix& x,
                                const RouterFront& front, std::span<const double> dprob,
-                               std::span<const double> dprob_magnitude);
+                               std::span<const double> dprob_magnitude, const Matrix& dlogits);
 
 // dprob of one slot as the experts form it: <dy[token]·w2ᵀ, a(row)>, a from h's row, with
 // dy·w2ᵀ rounded to `dtype` under kAsStored (experts_prob_grads, slot by slot).
