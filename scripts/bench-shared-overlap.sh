@@ -4,22 +4,30 @@
 # --ranks N, on N ranks under mpirun (EP = N). hidden = (in series − overlapped) / (in series −
 # without), the share of the shared experts' time that the routed path covers. Writes one
 # moe_bench JSON per run to OUTDIR and prints a table last.
-#   scripts/bench-shared-overlap.sh [--configs "a b"] [--tokens "1024 8192"] [--ranks N] OUTDIR
+# --transport peer|nccl picks the EP exchange (moe_bench --ep-transport; default: the layer's own
+# choice).
+#   scripts/bench-shared-overlap.sh [--configs "a b"] [--tokens "1024 8192"] [--ranks N]
+#                                   [--transport T] OUTDIR
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-configs="deepseek-v3 qwen1.5-moe-a2.7b" tokens="8192" ranks=1 out=""
+configs="deepseek-v3 qwen1.5-moe-a2.7b" tokens="8192" ranks=1 transport="" out=""
 while [ $# -gt 0 ]; do
   case $1 in
     --configs) configs=$2; shift 2 ;;
     --tokens) tokens=$2; shift 2 ;;
     --ranks) ranks=$2; shift 2 ;;
-    -*) echo "usage: $0 [--configs C] [--tokens T] [--ranks N] OUTDIR" >&2; exit 2 ;;
+    --transport) transport=$2; shift 2 ;;
+    -*) echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--transport T] OUTDIR" >&2; exit 2 ;;
     *) out=$1; shift ;;
   esac
 done
 [ -n "$out" ] || { echo "usage: $0 [options] OUTDIR" >&2; exit 2; }
 [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --ranks '$ranks' is not a rank count" >&2; exit 2; }
+case $transport in
+  "" | peer | nccl) ;;
+  *) echo "error: --transport '$transport' is neither peer nor nccl" >&2; exit 2 ;;
+esac
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
@@ -38,8 +46,9 @@ for config in $configs; do
     { echo "error: $config has no shared experts (shared_ffn_hidden)" >&2; status=1; continue; }
   for t in $tokens; do
     for mode in overlapped series without; do
-      name=$config-T$t-EP$ranks-$mode
-      flags=(--config "$file" --tokens "$t" --iters 10 --stage-lead-ms 0)
+      name=$config-T$t-EP$ranks${transport:+-$transport}-$mode
+      flags=(--config "$file" --tokens "$t" --iters 20 --stage-lead-ms 0)
+      [ -n "$transport" ] && flags+=(--ep-transport "$transport")
       [ "$mode" = series ] && flags+=(--shared-in-series)
       [ "$mode" = without ] && flags+=(--shared-ffn-hidden 0)
       if "${launcher[@]}" "$bench" "${flags[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1; then
@@ -60,18 +69,20 @@ for path in map(pathlib.Path, sys.argv[1:]):
     r = json.loads(path.read_text())
     mode = ("without" if r["shared_ffn_hidden"] == 0 else
             "overlapped" if r["shared_expert_overlap"] else "series")
-    runs[(r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["ep"], mode)] = r
-print(f"{'config':<22} {'T':>5} {'EP':>3} {'overlapped':>10} {'series':>8} {'without':>8} "
-      f"{'shared ms':>9} {'hidden':>7}")
-for (config, t, ep, mode), r in sorted(runs.items()):
+    exchange = r["ep_transport"] if r["ep"] > 1 else "-"
+    runs[(r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["ep"], exchange, mode)] = r
+print(f"{'config':<22} {'T':>5} {'EP':>3} {'exchange':>8} {'overlapped':>10} {'series':>8} "
+      f"{'without':>8} {'shared ms':>9} {'hidden':>7}")
+for (config, t, ep, exchange, mode), r in sorted(runs.items()):
     if mode != "overlapped":
         continue
-    s, w = runs.get((config, t, ep, "series")), runs.get((config, t, ep, "without"))
+    s = runs.get((config, t, ep, exchange, "series"))
+    w = runs.get((config, t, ep, exchange, "without"))
     if s is None or w is None:
         continue
     shared = s["total_ms"] - w["total_ms"]
     hidden = (s["total_ms"] - r["total_ms"]) / shared if shared > 0 else float("nan")
-    print(f"{config:<22} {t:>5} {ep:>3} {r['total_ms']:>10.3f} {s['total_ms']:>8.3f} "
+    print(f"{config:<22} {t:>5} {ep:>3} {exchange:>8} {r['total_ms']:>10.3f} {s['total_ms']:>8.3f} "
           f"{w['total_ms']:>8.3f} {shared:>9.3f} {100 * hidden:>6.0f}%")
 PY
 exit $status
