@@ -251,7 +251,23 @@ MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t strea
   initialize(0);
 }
 
-MoEBlock::~MoEBlock() = default;
+// On a mesh of several ranks the frees below wait for the whole device with no time limit, behind
+// any collective a failed peer never joins (this block's last gradient all-reduce, say). So the
+// block first waits for its stream under the mesh's timeout, and where that fails the mesh is
+// aborted (the wait does so itself on a timeout): its collectives then end, the frees return, and
+// the peers fail at their next wait. A destructor cannot throw; the peers' errors and the mesh's
+// aborted() say what happened.
+MoEBlock::~MoEBlock() {
+  const Mesh& mesh = s_->mesh;
+  try {
+    if (mesh.world_size() == 1 || mesh.aborted() || stream_is_capturing(s_->stream)) return;
+    const Event drained;
+    drained.record(s_->stream);
+    mesh.wait(drained.get(), "the work queued before a block's buffers are freed");
+  } catch (...) {
+    mesh.abort();
+  }
+}
 
 const MoEConfig& MoEBlock::config() const {
   return s_->config;

@@ -163,6 +163,8 @@ class MoEBlock {
   // scratch: shared with the model's other blocks (see MoEScratch); null: a scratch of its own.
   MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream,
            std::shared_ptr<MoEScratch> scratch = nullptr);
+  // On a mesh of several ranks, first waits for the block's stream under the mesh's timeout, and
+  // aborts the mesh where that fails: its frees would otherwise wait for the device with no limit.
   ~MoEBlock();
   MoEBlock(const MoEBlock&) = delete;
   MoEBlock& operator=(const MoEBlock&) = delete;

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -80,7 +81,7 @@ class SteppedBlock {
   explicit SteppedBlock(EpTransport transport)
       : config_(make_config(transport)),
         mesh_(Mesh::from_mpi(MPI_COMM_WORLD, config_.ep, 1, config_.num_experts, kTimeout)),
-        block_(config_, mesh_, stream_.get()) {
+        block_(std::in_place, config_, mesh_, stream_.get()) {
     std::mt19937_64 rng(7 + test::world_rank());
     x_ = test::upload_as(test::random_matrix(kTokens, config_.hidden, rng), config_.dtype);
     dy_ = test::upload_as(test::random_matrix(kTokens, config_.hidden, rng), config_.dtype);
@@ -90,16 +91,18 @@ class SteppedBlock {
   }
   // forward, backward, reduce_gradients, synchronize.
   void step() {
-    (void)block_.forward(x());
-    (void)block_.backward(Tensor(dy_.data(), config_.dtype, {kTokens, config_.hidden}));
-    block_.reduce_gradients();
-    block_.synchronize();
+    (void)block_->forward(x());
+    (void)block_->backward(Tensor(dy_.data(), config_.dtype, {kTokens, config_.hidden}));
+    block_->reduce_gradients();
+    block_->synchronize();
   }
   Tensor x() const { return Tensor(x_.data(), config_.dtype, {kTokens, config_.hidden}); }
   const MoEConfig& config() const { return config_; }
   static constexpr std::int64_t tokens() { return kTokens; }
-  MoEBlock& block() { return block_; }
+  MoEBlock& block() { return *block_; }
   const Mesh& mesh() const { return mesh_; }
+  // Destroys the block alone, the mesh kept.
+  void destroy_block() { block_.reset(); }
 
  private:
   static constexpr std::int64_t kTokens = 24;
@@ -115,7 +118,7 @@ class SteppedBlock {
   MoEConfig config_;
   Mesh mesh_;
   Stream stream_;
-  MoEBlock block_;
+  std::optional<MoEBlock> block_;
   DeviceBuffer x_, dy_;
 };
 
@@ -247,6 +250,60 @@ TEST_CASE("a buffer's growth behind a collective a peer never joined is an error
     CHECK_THAT(outcome.message, test::contains_text("before a buffer grows") &&
                                     test::contains_text("did not complete within 2000 ms"));
   }
+  MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+}
+
+// A block's destructor frees its buffers, and a free waits for the whole device with no time
+// limit: behind the block's gradient all-reduce that a stalled peer has not joined, as long as the
+// peer stalls. Here rank 1 stalls three timeouts in reduce_gradients while rank 0, its all-reduce
+// queued, destroys its block (and mesh): that must return within the timeout and a little more,
+// the mesh aborted, and rank 1 must then fail in time. Without the destructor's wait rank 0
+// would return only once rank 1 woke and joined, three timeouts later.
+TEST_CASE("a block destroyed behind a collective a peer never joined returns in time",
+          "[mpi][fault]") {
+  if (test::world_size() < 2) {
+    WARN("needs two ranks; nothing to check with one");
+    return;
+  }
+  const int rank = test::world_rank();
+  std::optional<SteppedBlock> stepped(std::in_place, EpTransport::kNccl);
+  const MoEConfig& c = stepped->config();
+  std::mt19937_64 rng(13 + rank);
+  const DeviceBuffer dy =
+      test::upload_as(test::random_matrix(SteppedBlock::tokens(), c.hidden, rng), c.dtype);
+  HookGuard guard;
+  set_stage_hook([rank](const char* name) {
+    if (rank == 1 && std::strcmp(name, "moe gradient reduction") == 0)
+      std::this_thread::sleep_for(3 * kTimeout);
+  });
+  (void)stepped->block().forward(stepped->x());
+  (void)stepped->block().backward(Tensor(dy.data(), c.dtype, {SteppedBlock::tokens(), c.hidden}));
+  if (rank == 0) {
+    stepped->block().reduce_gradients();  // queued; rank 1 has not joined
+    const Mesh& mesh = stepped->mesh();
+    const auto start = std::chrono::steady_clock::now();
+    const bool aborted_before = mesh.aborted();
+    stepped->destroy_block();
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    CHECK_FALSE(aborted_before);
+    CHECK(mesh.aborted());
+    CHECK(elapsed < kTimeout + std::chrono::seconds(2));
+  } else {
+    Outcome outcome;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      stepped->block().reduce_gradients();
+      stepped->block().synchronize();
+    } catch (const Error& error) {
+      outcome.threw = true;
+      outcome.message = error.what();
+    }
+    outcome.elapsed = std::chrono::steady_clock::now() - start;
+    INFO("rank " << rank << ": " << outcome.message);
+    CHECK(outcome.threw);
+    CHECK(outcome.elapsed < 4 * kTimeout + std::chrono::seconds(5));
+  }
+  stepped.reset();
   MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
 }
 
