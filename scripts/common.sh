@@ -5,7 +5,7 @@ MOE_BUILD_DIR=${MOE_BUILD_DIR:-$MOE_ROOT/build}
 MOE_PACKAGES=(g++ libfmt-dev catch2 nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
               libopenmpi-dev openmpi-bin)
 # Tools that may come from elsewhere (pip, a toolchain): installed only when the command is absent.
-MOE_TOOL_PACKAGES=(cmake:cmake ninja:ninja-build)
+MOE_TOOL_PACKAGES=(cmake:cmake ninja:ninja-build python3:python3)
 
 # Installs the Debian/Ubuntu packages that are missing, when root and apt-get exist. A failed
 # install (no network, say) is reported and left to cmake to judge.

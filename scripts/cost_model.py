@@ -59,7 +59,7 @@ def predict(config, tokens, ep, args):
     # imbalance × that on the most loaded GPU, which the step waits for. A product's tiles each
     # walk its inner dimension k, paying a fixed prologue and epilogue: it runs at
     # rate · k / (k + half_rate_inner). That is what holds the weight gradients back (their k is
-    # an expert's rows) and the products of narrow layers (k = H or F).
+    # an expert's rows) and the products of narrow layers (k = H, F or 2F).
     rows = tokens * K * ep / E * args.imbalance
     local_experts = E // ep
     compute_s = sum(2 * m * n * k * local_experts / (args.gemm_tflops * 1e12 * k /

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Checks scripts/cost_model.py's arithmetic against the terms docs/design.md ("Cost model")
+states, each isolated by rates that make the other terms vanish."""
+import math
+import pathlib
+import subprocess
+import sys
+import tempfile
+import types
+import unittest
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import cost_model  # noqa: E402
+
+
+def rates(**overrides):
+    """The script's defaults, with some replaced."""
+    args = dict(imbalance=1.0, gpus_per_node=8, nvlink_gbs=330.0, ib_gbs=50.0, gemm_tflops=805.0,
+                half_rate_inner=590.0, copy_gbs=4190.0, grad_bytes=4, fixed_ms=0.3,
+                exchange_efficiency=1.0, chunks=4)
+    args.update(overrides)
+    return types.SimpleNamespace(**args)
+
+
+def layer(H, F, E, K, dtype="bf16"):
+    return {"hidden": str(H), "ffn_hidden": str(F), "num_experts": str(E), "topk": str(K),
+            "dtype": dtype}
+
+
+# Rates that take a term out: products at their full rate, copies and links that cost nothing.
+INSTANT = 1e12
+
+
+class CostModel(unittest.TestCase):
+    def test_products_at_full_rate_count_18_HFTK_plus_the_gate(self):
+        H, F, E, K, T = 1024, 512, 8, 2, 4096
+        args = rates(half_rate_inner=0, copy_gbs=INSTANT, nvlink_gbs=INSTANT, fixed_ms=0)
+        for ep in (1, 2, 8):
+            p = cost_model.predict(layer(H, F, E, K), T, ep, args)
+            want = (18 * H * F * T * K + 6 * T * E * H) / 805e12 * 1e3
+            self.assertAlmostEqual(p["gemm_ms"], want, delta=want * 1e-12)
+
+    def test_imbalance_scales_the_most_loaded_gpus_products(self):
+        H, F, E, K, T = 1024, 512, 8, 2, 4096
+        args = rates(half_rate_inner=0, copy_gbs=INSTANT, fixed_ms=0)
+        gate = 6 * T * E * H / 805e12 * 1e3
+        even = cost_model.predict(layer(H, F, E, K), T, 2, args)["gemm_ms"] - gate
+        args.imbalance = 1.5
+        skewed = cost_model.predict(layer(H, F, E, K), T, 2, args)["gemm_ms"] - gate
+        self.assertAlmostEqual(skewed / even, 1.5, places=12)
+
+    def test_each_product_runs_at_k_over_k_plus_the_half_rate_inner_dimension(self):
+        # H = F = rows per expert = 512: every product's inner dimension is 512 but dX's
+        # (dh [rows, 2F] · w13 [2F, H]: 1024). In units of 2·512³ FLOPs the products are
+        # h 2, Y 1, dA 1, dX 2, dw2 1, dw13 2; each runs at R · k / (k + 590).
+        H = F = 512
+        E, K, T = 8, 2, 2048  # T·K/E = 512 rows per expert
+        fast = cost_model.predict(layer(H, F, E, K), T, 1,
+                                  rates(half_rate_inner=0, copy_gbs=INSTANT, fixed_ms=0))
+        slow = cost_model.predict(layer(H, F, E, K), T, 1,
+                                  rates(copy_gbs=INSTANT, fixed_ms=0))
+        gate = 6 * T * E * H / 805e12 * 1e3
+        ratio = (slow["gemm_ms"] - gate) / (fast["gemm_ms"] - gate)
+        want = (7 * (512 + 590) / 512 + 2 * (1024 + 590) / 1024) / 9
+        self.assertAlmostEqual(ratio, want, places=12)
+
+    def test_few_rows_on_many_experts_are_bound_by_the_weights_bytes(self):
+        H, F, E, K, T = 4096, 2048, 256, 1, 1
+        args = rates(fixed_ms=0, gemm_tflops=1e9)  # products cost next to nothing
+        p = cost_model.predict(layer(H, F, E, K), T, 1, args)
+        want = E * 3 * H * F * (2 * 2 + 4) / 4190e9 * 1e3
+        self.assertAlmostEqual(p["gemm_ms"], want, delta=want * 1e-6)
+        bf16_grads = cost_model.predict(layer(H, F, E, K), T, 1, rates(
+            fixed_ms=0, gemm_tflops=1e9, grad_bytes=2))
+        self.assertAlmostEqual(bf16_grads["gemm_ms"] / p["gemm_ms"], 6 / 8, places=5)
+
+    def test_an_exchange_inside_a_node_moves_the_rows_that_leave_over_nvlink(self):
+        H, F, E, K, T = 2048, 512, 16, 4, 8192
+        for ep, efficiency in ((2, 1.0), (8, 0.6)):
+            args = rates(copy_gbs=INSTANT, exchange_efficiency=efficiency)
+            p = cost_model.predict(layer(H, F, E, K), T, ep, args)
+            leaving = T * K * (ep - 1) / ep * H * 2
+            want = 4 * leaving / (330e9 * efficiency) * 1e3
+            self.assertAlmostEqual(p["exchange_ms"], want, delta=want * 1e-12)
+            self.assertAlmostEqual(p["bytes_mb"], 4 * leaving / 1e6, places=6)
+
+    def test_across_nodes_the_infiniband_share_bounds_the_exchange(self):
+        H, F, E, K, T = 2048, 512, 64, 4, 8192
+        args = rates(copy_gbs=INSTANT)
+        p = cost_model.predict(layer(H, F, E, K), T, 32, args)  # 4 nodes of 8
+        self.assertEqual(p["nodes"], 4)
+        crossing = T * K * 24 / 32 * H * 2
+        self.assertAlmostEqual(p["exchange_ms"], 4 * crossing / 50e9 * 1e3,
+                               delta=p["exchange_ms"] * 1e-12)
+
+    def test_one_gpu_copies_the_rows_once_and_overlaps_nothing(self):
+        H, F, E, K, T = 2048, 512, 16, 4, 8192
+        p = cost_model.predict(layer(H, F, E, K, dtype="fp32"), T, 1, rates())
+        want = 4 * T * K * H * 4 * 2 / 4190e9 * 1e3
+        self.assertAlmostEqual(p["exchange_ms"], want, delta=want * 1e-12)
+        self.assertEqual(p["overlap_ms"], p["serial_ms"])
+        self.assertAlmostEqual(p["serial_ms"], p["gemm_ms"] + p["exchange_ms"] + 0.3, places=12)
+
+    def test_overlap_leaves_one_chunk_of_the_exchanges_exposed(self):
+        H, F, E, K, T = 7168, 2048, 256, 8, 8192
+        p = cost_model.predict(layer(H, F, E, K), T, 8, rates(chunks=4))
+        self.assertGreater(p["gemm_ms"], p["exchange_ms"])
+        self.assertAlmostEqual(p["overlap_ms"], p["gemm_ms"] + p["exchange_ms"] / 4 + 0.3,
+                               places=12)
+        # Where the exchanges dominate, chunks never make the step slower than in series.
+        slow_links = cost_model.predict(layer(H, F, E, K), T, 8, rates(nvlink_gbs=1.0))
+        self.assertLessEqual(slow_links["overlap_ms"], slow_links["serial_ms"])
+
+    def test_an_ep_that_does_not_divide_the_experts_has_no_prediction(self):
+        self.assertIsNone(cost_model.predict(layer(1024, 512, 60, 4), 1024, 8, rates()))
+
+    def test_the_command_line_names_what_is_wrong(self):
+        script = str(SCRIPTS / "cost_model.py")
+        with tempfile.TemporaryDirectory() as d:
+            config = pathlib.Path(d) / "c.yaml"
+            config.write_text("hidden: 1024\nffn_hidden: 512\nnum_experts: 8\n")
+            r = subprocess.run([sys.executable, script, str(config)], capture_output=True,
+                               text=True)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("'topk' is missing", r.stderr)
+            config.write_text("hidden: 1024\nffn_hidden: 512\nnum_experts: 8\ntopk: 2\n")
+            r = subprocess.run([sys.executable, script, str(config), "--copy-gbs", "0"],
+                               capture_output=True, text=True)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("--copy-gbs = 0.0 must be positive", r.stderr)
+            r = subprocess.run([sys.executable, script, str(config), "--ep", "1", "2"],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            rows = [line.split() for line in r.stdout.splitlines()[2:]]
+            self.assertEqual([row[0] for row in rows], ["1", "2"])
+            self.assertTrue(all(math.isfinite(float(v)) for row in rows for v in row[2:7]))
+
+
+if __name__ == "__main__":
+    unittest.main()
