@@ -1,0 +1,204 @@
+// MoEBlock's state: its config, mesh, stream, parameters, stages and the context a forward keeps
+// for its backward, with the checks its public calls share (capture, finite outputs), and
+// on_mesh, which turns a failure of one rank into an error on every rank. Included by
+// src/moe_block.cpp alone.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <memory>
+#include <string>
+
+#include "kernels/elementwise.cuh"
+#include "moe/device.h"
+#include "moe/error.h"
+#include "moe/moe_block.h"
+#include "src/capacity_stage.h"
+#include "src/expert_stage.h"
+#include "src/gate_stage.h"
+#include "src/router_stage.h"
+#include "src/scratch.h"
+#include "src/shared_expert_stage.h"
+#include "src/stage_support.h"
+#include "src/token_exchange.h"
+
+namespace moe {
+namespace block_detail {
+
+// The parameters and gradients the block allocates, used unless the trainer binds its own.
+struct OwnWeights {
+  DeviceBuffer gate, w13, w2, bias, dgate, dw13, dw2;
+  DeviceBuffer shared_w13, shared_w2, shared_gate, dshared_w13, dshared_w2, dshared_gate;
+};
+
+// Runs one public call of a block on a mesh of several ranks. A rank that fails leaves its peers
+// waiting in a collective it will never join: it aborts the mesh's communicators, so that its
+// own later calls fail at once and its peers fail at their next wait, within the mesh's timeout,
+// instead of at a collective matched against the wrong one. The error then names the rank, the
+// call and the stage. A buffer that grows during the call first waits for the block's stream
+// under the mesh's timeout: its free would otherwise wait for the device with no limit, behind a
+// collective a failed peer never joins (a previous step's gradient all-reduce, say). Not while
+// the stream is captured: a capture's buffers are already sized, and a growth there fails anyway.
+template <typename Call>
+auto on_mesh(const Mesh& mesh, cudaStream_t stream, const StageTimes& times, const char* call,
+             Call&& run) {
+  if (mesh.world_size() == 1) return run();
+  const BufferGrowthDrain drain([&] {
+    if (stream_is_capturing(stream)) return;
+    const Event drained;
+    drained.record(stream);
+    mesh.wait(drained.get(), "the work queued before a buffer grows");
+  });
+  try {
+    return run();
+  } catch (const std::exception& error) {
+    const bool first = !mesh.aborted();
+    mesh.abort();
+    if (!first) throw;
+    fail("rank {}: MoEBlock::{} failed in stage '{}'; the mesh's communicators are aborted: {}",
+         mesh.rank(), call, times.current, error.what());
+  }
+}
+
+}  // namespace block_detail
+
+struct MoEBlock::State {
+  MoEConfig config;
+  const Mesh& mesh;
+  cudaStream_t stream;
+  int E, E_loc, K;
+  std::int64_t H, F;
+  DType dtype;
+
+  block_detail::OwnWeights own;
+  MoEParameters params;
+  MoEGradients grads;
+
+  std::shared_ptr<MoEScratch> scratch;  // keeps the shared buffers alive
+  MoEScratch::Buffers& shared;
+  GateStage gate;
+  RouterStage router;
+  std::unique_ptr<CapacityStage> capacity;  // in capacity mode
+  ExpertStage experts;
+  std::unique_ptr<SharedExpertStage> shared_expert;  // with config.shared_ffn_hidden > 0
+  // Made at construction on one EP rank, at the first forward under EP (choosing is collective).
+  std::unique_ptr<TokenExchange> exchange;
+  DeviceBuffer out;   // the forward's output, the block's until the next forward
+  DeviceBuffer dx;    // the backward's output, the block's until the next backward
+  Event initialized;  // initialize() waits for its writes
+  Event step_done;    // synchronize() waits for it
+  // synchronize()'s agreement over the world: this rank's count of them, and {count, -count}
+  // reduced by max on the device and read back on the host.
+  std::int64_t steps_agreed = 0;
+  DeviceBuffer agreement{2 * sizeof(std::int64_t)};
+  PinnedBuffer agreement_host;
+
+  // What the forward keeps for the backward at the block's level; each stage keeps its own.
+  struct Context {
+    bool valid = false;  // a backward may run
+    Tensor x;            // by reference: the caller keeps it until the backward
+    std::int64_t T = 0;
+  } context;
+  bool check_finite = false;
+  StageTimes times;
+  // Static shapes: the token counts of the last eager forward and backward, which grew every
+  // buffer and chose every GEMM algorithm that a captured call of that count will use.
+  std::int64_t prepared_forward = -1;
+  std::int64_t prepared_backward = -1;
+  bool reduced_once = false;  // reduce_gradients has run (its first call may allocate and wait)
+
+  State(const MoEConfig& c, const Mesh& m, cudaStream_t s, std::shared_ptr<MoEScratch> owner,
+        MoEScratch::Buffers& buffers)
+      : config(c),
+        mesh(m),
+        stream(s),
+        E(c.num_experts),
+        E_loc(c.num_experts / m.ep()),
+        K(c.topk),
+        H(c.hidden),
+        F(c.ffn_hidden),
+        dtype(c.dtype),
+        scratch(std::move(owner)),
+        shared(buffers),
+        gate(c, buffers.dlogits_low),
+        router(c, m, buffers.router_ws),
+        capacity(c.capacity_mode() ? std::make_unique<CapacityStage>(c, buffers.layout_ws)
+                                   : nullptr),
+        experts(c, m, buffers.a),
+        shared_expert(c.shared_experts() ? std::make_unique<SharedExpertStage>(c, m) : nullptr) {}
+
+  ExchangeSetup exchange_setup() { return {config, mesh, stream, shared}; }
+  TokenExchange& token_exchange() {
+    if (exchange == nullptr) exchange = make_token_exchange(exchange_setup());
+    return *exchange;
+  }
+
+  // Capacity mode with pad_to_capacity on one EP rank: every shape of a step is known on the host
+  // beforehand, so a step needs nothing from the device (docs/design.md, "Static shapes").
+  bool static_shapes() const {
+    return config.capacity_mode() && config.pad_to_capacity && mesh.ep() == 1;
+  }
+
+  // A call whose stream is capturing a CUDA graph is refused where it would wait on the host or
+  // allocate; the error says why. The public calls ask before on_mesh, so that a refusal queues
+  // nothing and leaves a mesh as it was (an error inside on_mesh aborts the communicators).
+  // This says why the block's calls cannot be captured now, or null.
+  const char* capture_blocker() const {
+    if (!config.capacity_mode() || !config.pad_to_capacity)
+      return "a layer without capacity_factor and pad_to_capacity reads its row counts on the "
+             "host every forward";
+    if (mesh.ep() > 1)
+      return "under EP the exchange reads its row counts on the host (capture needs ep = 1)";
+    if (check_finite) return "check mode (set_check_finite) reads every stage's output on the host";
+    if (times.on) return "stage timing (set_stage_timing) reads its events on the host";
+    return nullptr;
+  }
+
+  // As capture_blocker, and a token count T other than the last eager call's (`prepared`).
+  void check_capture(const char* call, std::int64_t T, std::int64_t prepared) const {
+    if (const char* why = capture_blocker())
+      fail("MoEBlock::{}: the stream is capturing a CUDA graph, but {}", call, why);
+    if (T != prepared) {
+      const std::string last = prepared < 0
+                                   ? std::string("has not run one eagerly yet")
+                                   : fmt::format("last ran one eagerly at T = {}", prepared);
+      fail(
+          "MoEBlock::{}: the stream is capturing a CUDA graph at T = {} tokens, but the block {}: "
+          "run one forward and backward at this token count first, so that no buffer grows and "
+          "every GEMM algorithm is chosen before the capture",
+          call, T, last);
+    }
+  }
+
+  // A forward or infer of a capture, refused where it cannot be captured.
+  void refuse_capture_of_forward(const char* call, const Tensor& x,
+                                 const ForwardOptions& options) const {
+    if (!stream_is_capturing(stream)) return;
+    check_capture(call, x.rank() == 2 ? x.dim(0) : -1, prepared_forward);
+    if (options.losses_on_host)
+      fail(
+          "MoEBlock::{}: the stream is capturing a CUDA graph, but ForwardOptions::losses_on_host "
+          "asks for the losses on the host: pass false and read MoEForward::losses on the device",
+          call);
+    if (options.replay_topk_idx.data != nullptr)
+      fail(
+          "MoEBlock::{}: the stream is capturing a CUDA graph, but replay_topk_idx is checked on "
+          "the host",
+          call);
+  }
+
+  // Check mode: the stage's output must be finite (synchronises).
+  void check(const char* stage, const Tensor& t) {
+    if (!check_finite) return;
+    int* count = typed<int>(shared.nonfinite, 1);
+    count_nonfinite(t, count, stream);
+    int host = 0;
+    MOE_CHECK_CUDA(cudaMemcpyAsync(&host, count, sizeof(int), cudaMemcpyDeviceToHost, stream));
+    MOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+    if (host > 0)
+      fail("rank {}: stage '{}' produced {} NaN or Inf values in {}", mesh.rank(), stage, host,
+           t.describe());
+  }
+};
+
+}  // namespace moe
