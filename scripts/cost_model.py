@@ -104,7 +104,7 @@ def predict(config, tokens, ep, args):
     }
 
 
-def main():
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("--tokens", type=int, help="tokens per GPU (default: the config's)")
@@ -126,7 +126,11 @@ def main():
                         help="share of the link rate an exchange reaches (NCCL ~0.6, peer ~1)")
     parser.add_argument("--chunks", type=int, default=4, help="exchange chunks when overlapped")
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = build_parser().parse_args()
     for name in ("imbalance", "nvlink_gbs", "ib_gbs", "gemm_tflops", "exchange_efficiency",
                  "copy_gbs"):
         if getattr(args, name) <= 0:

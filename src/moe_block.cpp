@@ -5,6 +5,7 @@
 #include "moe/moe_block.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -81,8 +82,8 @@ MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t strea
 // any collective a failed peer never joins (this block's last gradient all-reduce, say). So the
 // block first waits for its stream under the mesh's timeout, and where that fails the mesh is
 // aborted (the wait does so itself on a timeout): its collectives then end, the frees return, and
-// the peers fail at their next wait. A destructor cannot throw; the peers' errors and the mesh's
-// aborted() say what happened.
+// the peers fail at their next wait. A destructor cannot throw: the reason goes to stderr, the
+// one place this rank's trainer can still learn it from (its later calls only say "aborted").
 MoEBlock::~MoEBlock() {
   const Mesh& mesh = s_->mesh;
   try {
@@ -90,6 +91,9 @@ MoEBlock::~MoEBlock() {
     const Event drained;
     drained.record(s_->stream);
     mesh.wait(drained.get(), "the work queued before a block's buffers are freed");
+  } catch (const std::exception& error) {
+    mesh.abort();
+    std::fprintf(stderr, "moe: ~MoEBlock aborted the mesh's communicators: %s\n", error.what());
   } catch (...) {
     mesh.abort();
   }

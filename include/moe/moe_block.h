@@ -164,7 +164,8 @@ class MoEBlock {
   MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t stream,
            std::shared_ptr<MoEScratch> scratch = nullptr);
   // On a mesh of several ranks, first waits for the block's stream under the mesh's timeout, and
-  // aborts the mesh where that fails: its frees would otherwise wait for the device with no limit.
+  // aborts the mesh where that fails (about two timeouts at most, the abort's included): its
+  // frees would otherwise wait for the device with no limit. The stream must outlive the block.
   ~MoEBlock();
   MoEBlock(const MoEBlock&) = delete;
   MoEBlock& operator=(const MoEBlock&) = delete;

@@ -14,13 +14,14 @@ sys.path.insert(0, str(SCRIPTS))
 import cost_model  # noqa: E402
 
 
+DEFAULTS = dict(imbalance=1.0, gpus_per_node=8, nvlink_gbs=330.0, ib_gbs=50.0,
+                gemm_tflops=805.0, half_rate_inner=590.0, copy_gbs=4190.0, grad_bytes=4,
+                fixed_ms=0.3, exchange_efficiency=1.0, chunks=4)
+
+
 def rates(**overrides):
-    """The script's defaults, with some replaced."""
-    args = dict(imbalance=1.0, gpus_per_node=8, nvlink_gbs=330.0, ib_gbs=50.0, gemm_tflops=805.0,
-                half_rate_inner=590.0, copy_gbs=4190.0, grad_bytes=4, fixed_ms=0.3,
-                exchange_efficiency=1.0, chunks=4)
-    args.update(overrides)
-    return types.SimpleNamespace(**args)
+    """The script's defaults (docs/design.md's rates), with some replaced."""
+    return types.SimpleNamespace(**{**DEFAULTS, **overrides})
 
 
 def layer(H, F, E, K, dtype="bf16"):
@@ -51,19 +52,21 @@ class CostModel(unittest.TestCase):
         self.assertAlmostEqual(skewed / even, 1.5, places=12)
 
     def test_each_product_runs_at_k_over_k_plus_the_half_rate_inner_dimension(self):
-        # H = F = rows per expert = 512: every product's inner dimension is 512 but dX's
-        # (dh [rows, 2F] · w13 [2F, H]: 1024). In units of 2·512³ FLOPs the products are
-        # h 2, Y 1, dA 1, dX 2, dw2 1, dw13 2; each runs at R · k / (k + 590).
-        H = F = 512
-        E, K, T = 8, 2, 2048  # T·K/E = 512 rows per expert
-        fast = cost_model.predict(layer(H, F, E, K), T, 1,
-                                  rates(half_rate_inner=0, copy_gbs=INSTANT, fixed_ms=0))
-        slow = cost_model.predict(layer(H, F, E, K), T, 1,
-                                  rates(copy_gbs=INSTANT, fixed_ms=0))
-        gate = 6 * T * E * H / 805e12 * 1e3
-        ratio = (slow["gemm_ms"] - gate) / (fast["gemm_ms"] - gate)
-        want = (7 * (512 + 590) / 512 + 2 * (1024 + 590) / 1024) / 9
-        self.assertAlmostEqual(ratio, want, places=12)
+        # H 1024, F 512 and 256 rows per expert: the inner dimensions are h = X·w13ᵀ: H,
+        # Y = a·w2ᵀ: F, dA = dY·w2: H, dX = dh·w13: 2F, dw2 = dYᵀ·a and dw13 = dhᵀ·X: the rows.
+        H, F, E, K, T = 1024, 512, 8, 2, 1024
+        rows = T * K // E
+        products = [(2 * rows * 2 * F * H, H), (2 * rows * H * F, F), (2 * rows * F * H, H),
+                    (2 * rows * H * 2 * F, 2 * F), (2 * H * F * rows, rows),
+                    (2 * 2 * F * H * rows, rows)]
+        want = sum(flops * E / (805e12 * k / (k + 590)) for flops, k in products)
+        want += 6 * T * E * H / 805e12
+        got = cost_model.predict(layer(H, F, E, K), T, 1, rates(copy_gbs=INSTANT, fixed_ms=0))
+        self.assertAlmostEqual(got["gemm_ms"], want * 1e3, delta=want * 1e-9)
+
+    def test_the_defaults_are_the_rates_the_design_states(self):
+        parsed = vars(cost_model.build_parser().parse_args(["config.yaml"]))
+        self.assertEqual({key: parsed[key] for key in DEFAULTS}, DEFAULTS)
 
     def test_few_rows_on_many_experts_are_bound_by_the_weights_bytes(self):
         H, F, E, K, T = 4096, 2048, 256, 1, 1
