@@ -74,6 +74,31 @@ struct Outcome {
   std::chrono::steady_clock::duration elapsed{};
 };
 
+// Runs `calls`: whether they threw moe::Error, its message, and how long they took.
+template <typename Calls>
+Outcome outcome_of(Calls&& calls) {
+  Outcome outcome;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    calls();
+  } catch (const Error& error) {
+    outcome.threw = true;
+    outcome.message = error.what();
+  }
+  outcome.elapsed = std::chrono::steady_clock::now() - start;
+  return outcome;
+}
+
+// Rank 1 sleeps `stall` as it enters the gradient reduction, before its all-reduce is queued
+// (a HookGuard removes the hook).
+void stall_rank_one_before_its_all_reduce(std::chrono::milliseconds stall) {
+  const int rank = test::world_rank();
+  set_stage_hook([rank, stall](const char* name) {
+    if (rank == 1 && std::strcmp(name, "moe gradient reduction") == 0)
+      std::this_thread::sleep_for(stall);
+  });
+}
+
 // A block over EP = every rank, with this rank's input and output gradient, after one clean
 // step: the transport is chosen and every connection made.
 class SteppedBlock {
@@ -89,10 +114,13 @@ class SteppedBlock {
     trace("the clean step ended");
     MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
   }
-  // forward, backward, reduce_gradients, synchronize.
-  void step() {
+  void forward_backward() {
     (void)block_->forward(x());
     (void)block_->backward(Tensor(dy_.data(), config_.dtype, {kTokens, config_.hidden}));
+  }
+  // forward, backward, reduce_gradients, synchronize.
+  void step() {
+    forward_backward();
     block_->reduce_gradients();
     block_->synchronize();
   }
@@ -137,15 +165,7 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
       std::this_thread::sleep_for(2 * kTimeout);
     });
   }
-  Outcome outcome;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    stepped.step();
-  } catch (const Error& error) {
-    outcome.threw = true;
-    outcome.message = error.what();
-  }
-  outcome.elapsed = std::chrono::steady_clock::now() - start;
+  const Outcome outcome = outcome_of([&] { stepped.step(); });
   trace((outcome.threw ? "threw after " : "returned after ") +
         std::to_string(
             std::chrono::duration_cast<std::chrono::milliseconds>(outcome.elapsed).count()) +
@@ -223,26 +243,14 @@ TEST_CASE("a buffer's growth behind a collective a peer never joined is an error
   const std::int64_t big = 4 * SteppedBlock::tokens();
   std::mt19937_64 rng(11 + rank);
   const DeviceBuffer x_big = test::upload_as(test::random_matrix(big, c.hidden, rng), c.dtype);
-  const DeviceBuffer dy =
-      test::upload_as(test::random_matrix(SteppedBlock::tokens(), c.hidden, rng), c.dtype);
   HookGuard guard;
-  set_stage_hook([rank](const char* name) {
-    if (rank == 1 && std::strcmp(name, "moe gradient reduction") == 0)
-      std::this_thread::sleep_for(2 * kTimeout);
-  });
-  Outcome outcome;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    (void)stepped.block().forward(stepped.x());
-    (void)stepped.block().backward(Tensor(dy.data(), c.dtype, {SteppedBlock::tokens(), c.hidden}));
+  stall_rank_one_before_its_all_reduce(2 * kTimeout);
+  const Outcome outcome = outcome_of([&] {
+    stepped.forward_backward();
     stepped.block().reduce_gradients();
     (void)stepped.block().forward(Tensor(x_big.data(), c.dtype, {big, c.hidden}));
     stepped.block().synchronize();
-  } catch (const Error& error) {
-    outcome.threw = true;
-    outcome.message = error.what();
-  }
-  outcome.elapsed = std::chrono::steady_clock::now() - start;
+  });
   INFO("rank " << rank << ": " << outcome.message);
   CHECK(outcome.threw);
   CHECK(outcome.elapsed < 4 * kTimeout + std::chrono::seconds(5));
@@ -268,17 +276,9 @@ TEST_CASE("a block destroyed behind a collective a peer never joined returns in 
   }
   const int rank = test::world_rank();
   std::optional<SteppedBlock> stepped(std::in_place, EpTransport::kNccl);
-  const MoEConfig& c = stepped->config();
-  std::mt19937_64 rng(13 + rank);
-  const DeviceBuffer dy =
-      test::upload_as(test::random_matrix(SteppedBlock::tokens(), c.hidden, rng), c.dtype);
   HookGuard guard;
-  set_stage_hook([rank](const char* name) {
-    if (rank == 1 && std::strcmp(name, "moe gradient reduction") == 0)
-      std::this_thread::sleep_for(3 * kTimeout);
-  });
-  (void)stepped->block().forward(stepped->x());
-  (void)stepped->block().backward(Tensor(dy.data(), c.dtype, {SteppedBlock::tokens(), c.hidden}));
+  stall_rank_one_before_its_all_reduce(3 * kTimeout);
+  stepped->forward_backward();
   if (rank == 0) {
     stepped->block().reduce_gradients();  // queued; rank 1 has not joined
     const Mesh& mesh = stepped->mesh();
@@ -291,16 +291,10 @@ TEST_CASE("a block destroyed behind a collective a peer never joined returns in 
     CHECK(elapsed >= kTimeout - std::chrono::milliseconds(100));  // it waited, then aborted
     CHECK(elapsed < kTimeout + std::chrono::seconds(2));
   } else {
-    Outcome outcome;
-    const auto start = std::chrono::steady_clock::now();
-    try {
+    const Outcome outcome = outcome_of([&] {
       stepped->block().reduce_gradients();
       stepped->block().synchronize();
-    } catch (const Error& error) {
-      outcome.threw = true;
-      outcome.message = error.what();
-    }
-    outcome.elapsed = std::chrono::steady_clock::now() - start;
+    });
     INFO("rank " << rank << ": " << outcome.message);
     CHECK(outcome.threw);
     CHECK(outcome.elapsed < 4 * kTimeout + std::chrono::seconds(5));
@@ -318,12 +312,7 @@ TEST_CASE("blocks destroyed with their all-reduce queued leave a healthy mesh", 
     return;
   }
   SteppedBlock stepped(EpTransport::kNccl);
-  const MoEConfig& c = stepped.config();
-  std::mt19937_64 rng(17 + test::world_rank());
-  const DeviceBuffer dy =
-      test::upload_as(test::random_matrix(SteppedBlock::tokens(), c.hidden, rng), c.dtype);
-  (void)stepped.block().forward(stepped.x());
-  (void)stepped.block().backward(Tensor(dy.data(), c.dtype, {SteppedBlock::tokens(), c.hidden}));
+  stepped.forward_backward();
   stepped.block().reduce_gradients();  // queued, not waited for
   const auto start = std::chrono::steady_clock::now();
   stepped.destroy_block();
