@@ -258,6 +258,30 @@ TEST_CASE("safetensors: repeated keys and unknown fields are rejected", "[cpu][s
              test::contains_text("not valid JSON"));
 }
 
+// Repeats are caught in a pass over the parser's events; a callback-filtered parse rescanned the
+// header's object at the end of each entry, and 80,000 tensors took minutes (ctest's time-out
+// would end this case).
+TEST_CASE("safetensors: a header of 100000 tensors is read in one pass, repeats still caught",
+          "[cpu][safetensors]") {
+  constexpr int kTensors = 100000;
+  std::string header = "{";
+  std::string data;
+  for (int i = 0; i < kTensors; ++i) {
+    if (i > 0) header += ",";
+    header += entry(fmt::format("t{}", i), "F32", "[1]", fmt::format("[{},{}]", 4 * i, 4 * i + 4));
+    const float value = static_cast<float>(i);
+    data.append(reinterpret_cast<const char*>(&value), 4);
+  }
+  const auto file = TensorFile::parse(hand_made(header + "}", data));
+  CHECK(file.tensors().size() == static_cast<std::size_t>(kTensors));
+  float last = 0.0f;
+  std::memcpy(&last, file.get(fmt::format("t{}", kTensors - 1)).data.data(), 4);
+  CHECK(last == static_cast<float>(kTensors - 1));
+  const std::string repeat = "," + entry("t0", "F32", "[1]", "[0,4]");
+  CHECK_THAT(error_of(hand_made(header + repeat + "}", data)),
+             test::contains_text("tensor 't0' appears twice in the header"));
+}
+
 TEST_CASE("safetensors: zero-size tensors round-trip without touching a null pointer",
           "[cpu][safetensors]") {
   const auto seed = test::fresh_seed();
