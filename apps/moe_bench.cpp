@@ -34,6 +34,7 @@
 #include "bench/bench_util.h"
 #include "bench/stage_floors.h"
 #include "cli/checks.h"
+#include "cli/output_file.h"
 #include "comm/bootstrap.h"
 #include "kernels/elementwise.cuh"
 #include "moe/config.h"
@@ -153,17 +154,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    std::error_code same_error;
-    if (!json_path.empty() && std::filesystem::equivalent(json_path, config_path, same_error))
-      fail("--json '{}' is the config file; name another file", json_path);
     // The results are written after every step has run: what would make that fail is found now.
-    if (!json_path.empty()) {
-      const auto directory = std::filesystem::path(json_path).parent_path();
-      if (!directory.empty() && !std::filesystem::is_directory(directory))
-        fail("--json '{}': the directory '{}' does not exist", json_path, directory.string());
-      if (std::filesystem::is_directory(json_path))
-        fail("--json '{}' is a directory; name a file", json_path);
-    }
+    if (app.count("--json") > 0)
+      cli::check_output_file("--json", json_path, {{"--config", config_path}});
     comm::MpiSession mpi(&argc, &argv);
     const int world = mpi.size();
     const bool root = mpi.rank() == 0;

@@ -45,6 +45,7 @@
 #include <utility>
 
 #include "cli/checks.h"
+#include "cli/output_file.h"
 #include "comm/bootstrap.h"
 #include "io/expert_streams.h"
 #include "io/layer_files.h"
@@ -58,24 +59,6 @@
 using namespace moe;
 
 namespace {
-
-// The results file must not be one of the inputs: opening it for writing would truncate that
-// input. Checked as paths (after resolving `.`, `..` and symbolic links) and as files
-// (std::filesystem::equivalent: also a hard link), before anything is read or written.
-void refuse_overwriting_inputs(const std::string& out,
-                               const std::vector<std::pair<std::string, std::string>>& inputs) {
-  namespace fs = std::filesystem;
-  std::error_code out_error;
-  const fs::path out_path = fs::weakly_canonical(out, out_error);
-  for (const auto& [option, path] : inputs) {
-    std::error_code same_error, path_error;
-    const bool same_file = fs::equivalent(out, path, same_error) && !same_error;
-    const fs::path in_path = fs::weakly_canonical(path, path_error);
-    const bool same_path = !out_error && !path_error && in_path == out_path;
-    if (same_file || same_path)
-      fail("--out '{}' is the {} file '{}': refusing to overwrite an input", out, option, path);
-  }
-}
 
 void upload(const Tensor& dst, std::span<const std::byte> bytes) {
   if (bytes.size() != dst.bytes()) fail("moe_run: {} bytes for {}", bytes.size(), dst.describe());
@@ -381,8 +364,8 @@ int main(int argc, char** argv) {
       "refuse weights, inputs and results holding NaN or Inf, naming the tensor (default: on)");
   CLI11_PARSE(app, argc, argv);
   try {
-    refuse_overwriting_inputs(
-        out_path,
+    cli::check_output_file(
+        "--out", out_path,
         {{"--config", config_path}, {"--weights", weights_path}, {"--inputs", inputs_path}});
     auto config = load_config(config_path);
     // Headers only: the data are read where they are needed, a rank's share or an expert at a time.

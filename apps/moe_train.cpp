@@ -26,6 +26,7 @@
 
 #include "apps/train_kernels.cuh"
 #include "cli/checks.h"
+#include "cli/output_file.h"
 #include "comm/bootstrap.h"
 #include "kernels/elementwise.cuh"
 #include "moe/config.h"
@@ -367,16 +368,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     // The checkpoint is written after every step has run: what would make it fail is found now.
-    if (!o.save_path.empty()) {
-      std::error_code same_error;
-      if (std::filesystem::equivalent(o.save_path, o.config_path, same_error))
-        fail("--save '{}' is the config file; name another file", o.save_path);
-      const auto directory = std::filesystem::path(o.save_path).parent_path();
-      if (!directory.empty() && !std::filesystem::is_directory(directory))
-        fail("--save '{}': the directory '{}' does not exist", o.save_path, directory.string());
-      if (std::filesystem::is_directory(o.save_path))
-        fail("--save '{}' is a directory; name a file", o.save_path);
-    }
+    // (--load may name it: the checkpoint is read at the start, and replaced whole at the end.)
+    if (app.count("--save") > 0)
+      cli::check_output_file("--save", o.save_path, {{"--config", o.config_path}});
     (void)load_config(o.config_path);  // the file's own errors, on any machine
     comm::MpiSession mpi(&argc, &argv);
     if (cuda_device_count() == 0) {

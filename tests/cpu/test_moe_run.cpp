@@ -1,5 +1,6 @@
 // moe_run's tensor files, end to end on the CPU: files written here, `moe_run --reference` run on
 // them, its results file equal to the fp64 reference computed directly; bad files rejected.
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -74,12 +75,14 @@ struct RunDir {
   std::string path(const std::string& name) const { return (dir / name).string(); }
 
   // moe_run --reference on these files (the inputs file and --out chosen by the caller, and any
-  // extra flags); its exit status, and what it wrote to stderr in `error`.
+  // extra flags; flags "--gpus" leave --reference out); its exit status, and what it wrote to
+  // stderr in `error`.
   int run(const std::string& inputs, const std::string& out, std::string* error,
           const std::string& flags = "") const {
-    const std::string command = std::string(MOE_RUN_PATH) + " --reference --config " +
+    const std::string mode = flags == "--gpus" ? "" : " --reference " + flags;
+    const std::string command = std::string(MOE_RUN_PATH) + mode + " --config " +
                                 path("config.yaml") + " --weights " + path("weights.safetensors") +
-                                " --inputs " + inputs + " --out " + out + " " + flags + " 2>" +
+                                " --inputs " + inputs + " --out '" + out + "' 2>" +
                                 path("stderr.txt");
     const int status = std::system(command.c_str());
     std::ifstream in(path("stderr.txt"));
@@ -220,6 +223,40 @@ TEST_CASE("moe_run refuses an --out that is one of its inputs, before writing an
   CHECK(file_bytes(d.dir / "config.yaml") == config);
   std::string error;
   CHECK(d.run(d.path("inputs.safetensors"), d.path("out.safetensors"), &error) == 0);
+}
+
+// Results are written after the whole run: an --out that writing would refuse is refused before
+// anything runs, on the GPUs' path as under --reference (on a machine without a GPU that path
+// would otherwise end in "no CUDA GPU"; with one, in an error after the run).
+TEST_CASE("moe_run refuses an --out it could not write before anything runs", "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const RunDir d(rng);
+  std::filesystem::create_directories(d.dir / "folder");
+  std::filesystem::create_symlink(d.dir / "missing" / "target", d.dir / "dangling");
+  REQUIRE(::mkfifo(d.path("fifo").c_str(), 0600) == 0);
+  const std::string long_name = std::string(300, 'a') + ".safetensors";
+  const std::vector<std::pair<std::string, std::string>> outs = {
+      {d.path("folder"), "is a directory; name a file"},
+      {d.path("dangling"), "is a symbolic link that leads nowhere"},
+      {d.path("fifo"), "is not a regular file"},
+      {"/dev/null", "is not a regular file"},
+      {d.path("missing/out.safetensors"),
+       "the directory '" + d.path("missing") + "' does not exist"},
+      {"", "--out is empty"},
+      {"--no-check-finite", "looks like an option, not a file name"},
+      {d.path(long_name), "has 312 bytes; file systems take at most 255"}};
+  for (const std::string flags : {"", "--gpus"}) {
+    for (const auto& [out, message] : outs) {
+      INFO("--out '" << out << "' " << flags);
+      std::string error;
+      CHECK(d.run(d.path("inputs.safetensors"), out, &error, flags) == 1);
+      CHECK_THAT(error, test::contains_text(message));
+    }
+  }
+  CHECK_FALSE(std::filesystem::exists(d.dir / "folder" / "out.safetensors"));
+  CHECK(std::filesystem::is_fifo(d.dir / "fifo"));
 }
 
 TEST_CASE("moe_run names the tensor holding NaN or Inf; --no-check-finite lets it through",
