@@ -3,7 +3,9 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <set>
@@ -295,7 +297,9 @@ void MoEConfig::validate() const {
                          ep_transport == EpTransport::kPeer,
                      "ep_transport = {} must be auto, nccl or peer",
                      static_cast<int>(ep_transport));
-  MOE_CONFIG_REQUIRE(bench_tokens >= 0, "tokens = {} must be >= 0", bench_tokens);
+  // The apps' --tokens bound: a file cannot ask for more than their command lines can.
+  MOE_CONFIG_REQUIRE(bench_tokens >= 0 && bench_tokens <= (1 << 30),
+                     "tokens = {} must be in [0, 2^30]", bench_tokens);
 }
 
 std::string MoEConfig::describe() const {
@@ -333,16 +337,50 @@ DType parse_activation_dtype(const std::string& text, const char* key) {
   return parse_dtype(text, key);
 }
 
+// A value from the file as a message shows it: a newline or tab written \n or \t, so that the
+// message stays on one line (errors escape the other control characters themselves).
+std::string printable(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 // Reads one scalar, turning yaml-cpp's conversion failure into an error that names the key.
 template <typename T>
 T read_scalar(const YAML::Node& node, const std::string& key, std::string_view source) {
   if (node.IsNull()) fail("{}: '{}' has no value", source, key);
   if (!node.IsScalar()) fail("{}: '{}' must be a scalar, not a list or map", source, key);
   // A number or a flag in quotes is a string to every other YAML reader: refused, not converted.
+  // So is a value with any other tag than its own type's (!!str 16, !!float 16, !custom 16):
+  // yaml-cpp would read each as the number.
+  const std::string& tag = node.Tag();
   if constexpr (!std::is_same_v<T, std::string>) {
-    if (node.Tag() == "!")
+    if (tag == "!")
       fail("{}: {} = '{}' is quoted, which makes it a string; write it without quotes", source, key,
            node.Scalar());
+  }
+  const char* own_tag = std::is_same_v<T, std::string> ? "tag:yaml.org,2002:str"
+                        : std::is_same_v<T, bool>      ? "tag:yaml.org,2002:bool"
+                        : std::is_same_v<T, int>       ? "tag:yaml.org,2002:int"
+                                                       : "tag:yaml.org,2002:float";
+  if (tag != "?" && tag != "!" && tag != own_tag)
+    fail("{}: {} = '{}' carries the tag '{}'; write the value alone", source, key,
+         printable(node.Scalar()), printable(tag));
+  // A text value is a name (a dtype, a score function, a policy): a control character in it (a
+  // block scalar's newline, say) would split every message that shows it.
+  if constexpr (std::is_same_v<T, std::string>) {
+    const std::string& text = node.Scalar();
+    if (std::any_of(text.begin(), text.end(),
+                    [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; }))
+      fail("{}: {} = '{}' holds a control character", source, key, printable(text));
   }
   if constexpr (std::is_same_v<T, int>) {
     // Decimal only: yaml-cpp reads a leading 0 as octal (hidden: 0100 would be 64) and 0x as hex.
@@ -362,10 +400,20 @@ T read_scalar(const YAML::Node& node, const std::string& key, std::string_view s
     if (text != "true" && text != "false")
       fail("{}: {} = '{}' is not true or false", source, key, text);
   }
+  if constexpr (std::is_same_v<T, double>) {
+    // yaml-cpp turns 1e-400 into 0 and 1e400 into a failure without a reason.
+    const std::string& text = node.Scalar();
+    errno = 0;
+    char* end = nullptr;
+    (void)std::strtod(text.c_str(), &end);
+    if (errno == ERANGE && end != text.c_str())
+      fail("{}: {} = '{}' is beyond the range of a double (magnitudes 2.2e-308 to 1.8e308)", source,
+           key, printable(text));
+  }
   try {
     return node.as<T>();
   } catch (const YAML::Exception&) {
-    fail("{}: {} = '{}' is not a valid value", source, key, node.Scalar());
+    fail("{}: {} = '{}' is not a valid value", source, key, printable(node.Scalar()));
   }
 }
 

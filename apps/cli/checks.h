@@ -9,6 +9,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -24,6 +25,9 @@ inline CLI::Validator finite_in(double low, double high) {
         std::size_t used = 0;
         try {
           value = std::stod(text, &used);
+        } catch (const std::out_of_range&) {  // 1e-320 or 1e400: a number, but not a double's
+          return fmt::format(
+              "'{}' is beyond the range of a double (magnitudes 2.2e-308 to 1.8e308)", text);
         } catch (const std::exception&) {
           used = 0;
         }

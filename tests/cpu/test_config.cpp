@@ -209,6 +209,17 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"hidden", "\"64\""}}, "hidden = '64' is quoted, which makes it a string"},
       {{{"aux_loss_coeff", "'0.1'"}}, "aux_loss_coeff = '0.1' is quoted"},
       {{{"keep_expert_input", "'true'"}}, "keep_expert_input = 'true' is quoted"},
+      // A tag other than the value's own type's: yaml-cpp would read each as the number.
+      {{{"hidden", "!!str 64"}}, "hidden = '64' carries the tag 'tag:yaml.org,2002:str'"},
+      {{{"hidden", "!!float 64"}}, "hidden = '64' carries the tag 'tag:yaml.org,2002:float'"},
+      {{{"aux_loss_coeff", "!mine 0.1"}}, "aux_loss_coeff = '0.1' carries the tag '!mine'"},
+      {{{"dtype", "!!int fp32"}}, "dtype = 'fp32' carries the tag 'tag:yaml.org,2002:int'"},
+      // Past a double's range: yaml-cpp makes 1e-400 a zero and 1e400 a failure without reason.
+      {{{"scaling_factor", "1e-400"}}, "scaling_factor = '1e-400' is beyond the range of a double"},
+      {{{"aux_loss_coeff", "1e400"}}, "aux_loss_coeff = '1e400' is beyond the range of a double"},
+      // A name with a newline (a block scalar keeps it) would split the message that shows it.
+      {{{"dtype", "|\n  fp32"}}, "dtype = 'fp32\\n' holds a control character"},
+      {{{"tokens", "2147483647"}}, "tokens = 2147483647 must be in [0, 2^30]"},
       {{{"capacity_factor", "0"}},
        "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
       {{{"capacity_factor", "-1.5"}}, "capacity_factor = -1.5 must be positive and finite"},
