@@ -6,11 +6,12 @@
 namespace moe {
 namespace {
 
-// One expert's [rows, cols] slice of a stacked tensor, as doubles.
+// One expert's [rows, cols] slice of a stacked tensor, as doubles, as a layer holding it in
+// `held` sees them.
 reference::Matrix expert_matrix(const TensorSource& weights, const std::string& name, int expert,
-                                std::int64_t rows, std::int64_t cols) {
+                                std::int64_t rows, std::int64_t cols, DType held) {
   reference::Matrix m(rows, cols);
-  m.data = file_values(weights.read_rows(name, expert, 1), name);
+  m.data = file_values(weights.read_rows(name, expert, 1), name, held);
   if (std::ssize(m.data) != rows * cols)
     fail("{}: expert {} of tensor '{}' has {} values; expected [{}, {}]", weights.source(), expert,
          name, m.data.size(), rows, cols);
@@ -30,8 +31,9 @@ FileExperts::FileExperts(const MoEConfig& config, const TensorSource& weights)
 reference::ExpertWeights FileExperts::load(int expert) const {
   const std::int64_t H = config_.hidden, F = config_.ffn_hidden;
   reference::ExpertWeights w;
-  w.w13.push_back(reference::transpose(expert_matrix(weights_, "w13", expert, 2 * F, H)));
-  w.w2.push_back(reference::transpose(expert_matrix(weights_, "w2", expert, H, F)));
+  w.w13.push_back(
+      reference::transpose(expert_matrix(weights_, "w13", expert, 2 * F, H, config_.dtype)));
+  w.w2.push_back(reference::transpose(expert_matrix(weights_, "w2", expert, H, F, config_.dtype)));
   return w;
 }
 

@@ -101,11 +101,12 @@ std::vector<std::int64_t> read_tokens_per_rank(const TensorSource& inputs, std::
   return counts;
 }
 
-// A whole tensor's values as a [rows, cols] matrix (the shape was checked).
+// A whole tensor's values as a [rows, cols] matrix (the shape was checked), as a layer holding
+// it in `held` sees them.
 reference::Matrix matrix(const TensorSource& file, const std::string& name, std::int64_t rows,
-                         std::int64_t cols) {
+                         std::int64_t cols, DType held) {
   reference::Matrix m(rows, cols);
-  m.data = file_values(file.read_tensor(name), name);
+  m.data = file_values(file.read_tensor(name), name, held);
   return m;
 }
 
@@ -124,11 +125,13 @@ LayerInputs read_layer_inputs(const MoEConfig& config, const TensorSource& weigh
   const std::int64_t Fs = config.shared_ffn_hidden;
   CheckedLayerFiles checked = check_layer_files(config, weights, inputs);
   const std::int64_t T = checked.tokens;
+  // The values the GPU layer computes with: rounded to bf16 in a bf16 layer (the bias stays fp32).
+  const DType held = config.dtype;
   LayerInputs in;
-  in.params.gate_weight = matrix(weights, "gate_weight", E, H);
+  in.params.gate_weight = matrix(weights, "gate_weight", E, H, held);
   if (with_experts) {  // each stack converted once
-    const std::vector<double> w13 = file_values(weights.read_tensor("w13"), "w13");
-    const std::vector<double> w2 = file_values(weights.read_tensor("w2"), "w2");
+    const std::vector<double> w13 = file_values(weights.read_tensor("w13"), "w13", held);
+    const std::vector<double> w2 = file_values(weights.read_tensor("w2"), "w2", held);
     for (std::int64_t e = 0; e < E; ++e) {
       in.params.experts.w13.push_back(transpose(matrix(w13, 2 * F, H, e * 2 * F)));
       in.params.experts.w2.push_back(transpose(matrix(w2, H, F, e * H)));
@@ -140,13 +143,13 @@ LayerInputs read_layer_inputs(const MoEConfig& config, const TensorSource& weigh
     in.params.expert_bias.assign(E, 0.0);
   }
   if (config.shared_experts()) {
-    in.params.shared.w13 = transpose(matrix(weights, "shared_w13", 2 * Fs, H));
-    in.params.shared.w2 = transpose(matrix(weights, "shared_w2", H, Fs));
+    in.params.shared.w13 = transpose(matrix(weights, "shared_w13", 2 * Fs, H, held));
+    in.params.shared.w2 = transpose(matrix(weights, "shared_w2", H, Fs, held));
   }
   if (config.shared_gate)
-    in.params.shared.gate_weight = matrix(weights, "shared_gate_weight", 1, H);
-  in.x = matrix(inputs, "x", T, H);
-  in.dy = matrix(inputs, "dy", T, H);
+    in.params.shared.gate_weight = matrix(weights, "shared_gate_weight", 1, H, held);
+  in.x = matrix(inputs, "x", T, H, held);
+  in.dy = matrix(inputs, "dy", T, H, held);
   in.tokens_per_rank = std::move(checked.tokens_per_rank);
   in.replay_experts = std::move(checked.replay_experts);
   return in;

@@ -84,7 +84,7 @@ void for_each_piece(const TensorSource& file, const std::string& name, std::int6
 
 }  // namespace
 
-std::vector<double> file_values(const FileTensor& t, std::string_view name) {
+std::vector<double> file_values(const FileTensor& t, std::string_view name, DType held) {
   if (!floating(t.dtype))
     fail("tensor '{}' is {}, not a floating-point type", name, file_dtype_name(t.dtype));
   // FileTensor's fields are public: the bytes are checked against the shape before being read.
@@ -94,7 +94,12 @@ std::vector<double> file_values(const FileTensor& t, std::string_view name) {
     fail("tensor '{}' holds {} bytes but {}[{}] needs {} elements of {} bytes", name, t.data.size(),
          file_dtype_name(t.dtype), fmt::join(t.shape, ", "), n, element);
   }
-  const std::vector<float> values = float_values(t);
+  std::vector<float> values = float_values(t);
+  if (held == DType::kBF16) {
+    for (float& v : values) v = from_bf16(to_bf16(v));
+  } else if (held != DType::kFP32) {
+    fail("file_values: tensor '{}' is held as bf16 or fp32, not as {}", name, dtype_name(held));
+  }
   return {values.begin(), values.end()};
 }
 

@@ -18,8 +18,10 @@ namespace moe {
 inline constexpr std::int64_t kPieceElements = std::int64_t{1} << 24;
 
 // Element values of a BF16 or F32 file tensor, as doubles; `name` names it in errors (another
-// dtype, or bytes that do not match the shape).
-std::vector<double> file_values(const FileTensor& tensor, std::string_view name = "?");
+// dtype, or bytes that do not match the shape). `held`: the dtype a layer holds the tensor in;
+// kBF16 rounds F32 values to bf16 first, as the GPU's upload does (read_as).
+std::vector<double> file_values(const FileTensor& tensor, std::string_view name = "?",
+                                DType held = DType::kFP32);
 
 // Throws moe::Error naming the file, the tensor, the first NaN or Inf (its index in every
 // dimension and its value) and how many there are, when a BF16 or F32 tensor of `file` is not

@@ -91,10 +91,11 @@ Layer random_layer(MoEConfig config, std::int64_t tokens, std::mt19937_64& rng) 
   config.validate();
   Layer l;
   l.config = config;
-  // Values an F32 file holds exactly, so the files and the direct computation see one number.
-  l.params = test::round_params(test::random_params(config, rng), DType::kFP32);
-  l.x = test::round_to(test::random_matrix(tokens, config.hidden, rng), DType::kFP32);
-  l.dy = test::round_to(test::random_matrix(tokens, config.hidden, rng), DType::kFP32);
+  // Values an F32 file holds exactly, and the layer too (rounded to its dtype, as the files'
+  // reader rounds them), so the files and the direct computation see one number.
+  l.params = test::round_params(test::random_params(config, rng), config.dtype);
+  l.x = test::round_to(test::random_matrix(tokens, config.hidden, rng), config.dtype);
+  l.dy = test::round_to(test::random_matrix(tokens, config.hidden, rng), config.dtype);
   return l;
 }
 
@@ -332,6 +333,47 @@ TEST_CASE("rank inputs: a NaN or Inf is the error of the rank that reads it, nam
     // The experts' slices are read by both DP replicas, the gate by every rank, a token by one.
     CHECK(failed == (name == "gate_weight" ? 4 : input ? 1 : 2));
   }
+}
+
+// The GPU layer uploads F32 file values in its own dtype; the reference reads them the same way,
+// so that moe_run --reference and the GPUs compute with the same numbers.
+TEST_CASE("a bf16 layer reads F32 files rounded to bf16, the expert bias kept in fp32",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const TempDir dir(seed);
+  MoEConfig c = test::small_config(6, 4, 4, 2);
+  c.score_function = ScoreFunction::kSigmoid;
+  c.expert_bias = true;
+  c.shared_ffn_hidden = 3;
+  c.shared_gate = true;
+  c.dtype = DType::kBF16;
+  c.validate();
+  const std::int64_t T = 5;
+  // fp32 values, most of them not bf16 values.
+  const reference::Params params = test::round_params(test::random_params(c, rng), DType::kFP32);
+  const reference::Matrix x = test::round_to(test::random_matrix(T, c.hidden, rng), DType::kFP32);
+  const reference::Matrix dy = test::round_to(test::random_matrix(T, c.hidden, rng), DType::kFP32);
+  layer_weights_file(c, params).write(dir.path / "weights.safetensors");
+  const TensorFileReader weights(dir.path / "weights.safetensors");
+  const LayerInputs in = read_layer_inputs(c, weights, layer_inputs_file(x, dy));
+  const reference::Params held = test::round_params(params, DType::kBF16);
+  CHECK(in.x.data == test::round_to(x, DType::kBF16).data);
+  CHECK(in.dy.data == test::round_to(dy, DType::kBF16).data);
+  CHECK(in.x.data != x.data);
+  CHECK(in.params.gate_weight.data == held.gate_weight.data);
+  for (int e = 0; e < c.num_experts; ++e) {
+    CHECK(in.params.experts.w13[e].data == held.experts.w13[e].data);
+    CHECK(in.params.experts.w2[e].data == held.experts.w2[e].data);
+    const reference::ExpertWeights streamed = FileExperts(c, weights).load(e);
+    CHECK(streamed.w13[0].data == held.experts.w13[e].data);
+    CHECK(streamed.w2[0].data == held.experts.w2[e].data);
+  }
+  CHECK(in.params.shared.w13.data == held.shared.w13.data);
+  CHECK(in.params.shared.w2.data == held.shared.w2.data);
+  CHECK(in.params.shared.gate_weight.data == held.shared.gate_weight.data);
+  CHECK(in.params.expert_bias == params.expert_bias);  // fp32 on the GPU too
 }
 
 TEST_CASE("streamed reference: experts read from the weights file, gradients written as they come",
