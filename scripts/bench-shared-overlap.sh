@@ -11,18 +11,33 @@
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
+usage() {
+  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--transport peer|nccl] OUTDIR" >&2
+  exit 2
+}
 configs="deepseek-v3 qwen1.5-moe-a2.7b" tokens="8192" ranks=1 transport="" out=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --configs) configs=$2; shift 2 ;;
-    --tokens) tokens=$2; shift 2 ;;
-    --ranks) ranks=$2; shift 2 ;;
-    --transport) transport=$2; shift 2 ;;
-    -*) echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--transport T] OUTDIR" >&2; exit 2 ;;
-    *) out=$1; shift ;;
+    --configs | --tokens | --ranks | --transport)
+      [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; usage; }
+      case $1 in
+        --configs) configs=$2 ;;
+        --tokens) tokens=$2 ;;
+        --ranks) ranks=$2 ;;
+        --transport) transport=$2 ;;
+      esac
+      shift 2 ;;
+    -*) usage ;;
+    *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
+       out=$1; shift ;;
   esac
 done
-[ -n "$out" ] || { echo "usage: $0 [options] OUTDIR" >&2; exit 2; }
+[ -n "$out" ] || usage
+[ -n "${configs// /}" ] || { echo "error: --configs names no config" >&2; exit 2; }
+for t in $tokens; do
+  [[ "$t" =~ ^[1-9][0-9]*$ ]] || { echo "error: --tokens '$t' is not a token count" >&2; exit 2; }
+done
+[ -n "${tokens// /}" ] || { echo "error: --tokens names no token count" >&2; exit 2; }
 [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --ranks '$ranks' is not a rank count" >&2; exit 2; }
 case $transport in
   "" | peer | nccl) ;;

@@ -17,24 +17,44 @@ qwen3-30b-a3b and qwen1.5-moe-a2.7b); InfiniBand at 50 GB/s per GPU.
 about 0.6 for the NCCL one (the same run).
 """
 import argparse
+import math
+import re
 import sys
 
 
 def read_config(path):
-    """The flat `key: value` YAML of configs/ (comments and blank lines skipped)."""
+    """The flat `key: value` YAML of configs/ (comments and blank lines skipped), with the
+    numbers the model reads checked as the layer's config loader checks them."""
     config = {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            key, sep, value = line.partition(":")
-            if not sep:
-                sys.exit(f"{path}:{number}: expected 'key: value', got '{line}'")
-            config[key.strip()] = value.strip()
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        sys.exit(f"{path}: cannot be read as a config: {error}")
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = line.partition(":")
+        if not sep:
+            sys.exit(f"{path}:{number}: expected 'key: value', got '{line}'")
+        key = key.strip()
+        if key in config:
+            sys.exit(f"{path}:{number}: '{key}' appears twice")
+        config[key] = value.strip()
     for key in ("hidden", "ffn_hidden", "num_experts", "topk"):
         if key not in config:
             sys.exit(f"{path}: '{key}' is missing")
+    for key, low in (("hidden", 1), ("ffn_hidden", 1), ("num_experts", 1), ("topk", 1),
+                     ("tokens", 0)):
+        if key in config:
+            text = config[key]
+            if not re.fullmatch(r"0|[1-9][0-9]*", text):
+                sys.exit(f"{path}: {key} = '{text}' is not a decimal integer")
+            if int(text) < low:
+                sys.exit(f"{path}: {key} = {text} must be >= {low}")
+    if int(config["topk"]) > int(config["num_experts"]):
+        sys.exit(f"{path}: topk = {config['topk']} exceeds num_experts = {config['num_experts']}")
     return config
 
 
@@ -132,9 +152,18 @@ def build_parser():
 def main():
     args = build_parser().parse_args()
     for name in ("imbalance", "nvlink_gbs", "ib_gbs", "gemm_tflops", "exchange_efficiency",
-                 "copy_gbs"):
-        if getattr(args, name) <= 0:
-            sys.exit(f"--{name.replace('_', '-')} = {getattr(args, name)} must be positive")
+                 "copy_gbs", "half_rate_inner", "fixed_ms"):
+        value = getattr(args, name)
+        positive = name not in ("half_rate_inner", "fixed_ms")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            sys.exit(f"--{name.replace('_', '-')} = {value} must be "
+                     f"{'positive' if positive else '>= 0'} and finite")
+    # Rates so small that the times overflow give no prediction either.
+    if min(args.nvlink_gbs, args.ib_gbs, args.copy_gbs, args.gemm_tflops) < 1e-6 or \
+            args.exchange_efficiency < 1e-6:
+        sys.exit("the rates must be at least 1e-6 (GB/s, TFLOP/s) and the efficiency 1e-6")
+    if args.tokens is not None and args.tokens < 1:
+        sys.exit(f"--tokens = {args.tokens} must be >= 1")
     if args.imbalance < 1:
         sys.exit(f"--imbalance = {args.imbalance} must be >= 1 (max over mean)")
     if args.half_rate_inner < 0 or args.fixed_ms < 0 or args.exchange_efficiency > 1:
@@ -142,7 +171,9 @@ def main():
     if args.gpus_per_node < 1 or args.chunks < 1 or min(args.ep) < 1:
         sys.exit("--gpus-per-node, --chunks and every --ep must be >= 1")
     config = read_config(args.config)
-    tokens = args.tokens or int(config.get("tokens", 8192))
+    tokens = args.tokens if args.tokens is not None else int(config.get("tokens", 8192))
+    if tokens < 1:
+        sys.exit(f"{args.config}: tokens = {tokens}; give --tokens T (at least 1)")
     print(f"{args.config}: T = {tokens} per GPU, imbalance {args.imbalance}, NVLink "
           f"{args.nvlink_gbs:g} GB/s, IB {args.ib_gbs:g} GB/s (exchanges at "
           f"{args.exchange_efficiency:.0%} of them), GEMM {args.gemm_tflops:g} TFLOP/s at "

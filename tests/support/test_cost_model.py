@@ -132,6 +132,26 @@ class CostModel(unittest.TestCase):
                                capture_output=True, text=True)
             self.assertNotEqual(r.returncode, 0)
             self.assertIn("--copy-gbs = 0.0 must be positive", r.stderr)
+            for extra, message in ((["--imbalance", "nan"], "--imbalance = nan must be positive"),
+                                   (["--fixed-ms", "-1"], "--fixed-ms = -1.0 must be >= 0"),
+                                   (["--tokens", "0"], "--tokens = 0 must be >= 1")):
+                r = subprocess.run([sys.executable, script, str(config), *extra],
+                                   capture_output=True, text=True)
+                self.assertNotEqual(r.returncode, 0, extra)
+                self.assertIn(message, r.stderr)
+            for text, message in (("hidden: 1024\nhidden: 512\n", "'hidden' appears twice"),
+                                  ("hidden: 16.5\n", "hidden = '16.5' is not a decimal integer"),
+                                  ("num_experts: 0\n", "num_experts = 0 must be >= 1"),
+                                  ("topk: 9\n", "topk = 9 exceeds num_experts = 8")):
+                bad = pathlib.Path(d) / "bad.yaml"
+                lines = {"hidden": "1024", "ffn_hidden": "512", "num_experts": "8", "topk": "2"}
+                body = "".join(f"{k}: {v}\n" for k, v in lines.items()
+                               if k != text.split(":")[0])
+                bad.write_text(text + body)
+                r = subprocess.run([sys.executable, script, str(bad)], capture_output=True,
+                                   text=True)
+                self.assertNotEqual(r.returncode, 0, text)
+                self.assertIn(message, r.stderr)
             r = subprocess.run([sys.executable, script, str(config), "--ep", "1", "2"],
                                capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr)
