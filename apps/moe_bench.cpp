@@ -170,19 +170,34 @@ int main(int argc, char** argv) {
     if (activation_chunk_mib >= 0) config.activation_chunk_mib = activation_chunk_mib;
     if (gemm_workspace_mib >= 0) config.gemm_workspace_mib = gemm_workspace_mib;
     if (!ep_transport.empty()) config.ep_transport = parse_ep_transport(ep_transport);
-    if (capacity_factor >= 0) config.capacity_factor = capacity_factor;
+    if (capacity_factor > 0) config.capacity_factor = capacity_factor;
+    if (capacity_factor == 0) {  // dropless: the config's capacity settings go with its factor
+      if (pad_to_capacity)
+        fail("--pad-to-capacity needs capacity mode, but --capacity-factor is 0");
+      config.capacity_factor = 0;
+      config.drop_policy = DropPolicy::kProbs;
+      config.pad_to_capacity = false;
+    }
     if (!drop_policy.empty()) config.drop_policy = parse_drop_policy(drop_policy);
     if (pad_to_capacity) config.pad_to_capacity = true;
     if (fp8) config.fp8 = true;
     if (align_size >= 0) config.align_size = align_size;
     if (shared_ffn_hidden >= 0) config.shared_ffn_hidden = shared_ffn_hidden;
     if (config.shared_ffn_hidden == 0) config.shared_gate = false;
-    if (shared_in_series) config.shared_expert_overlap = false;
+    if (shared_in_series) {
+      if (!config.shared_experts())
+        fail("--shared-in-series: the layer has no shared experts (shared_ffn_hidden = 0)");
+      config.shared_expert_overlap = false;
+    }
     if (!drop_policy.empty() && !config.capacity_mode())
       fail("--drop-policy {} needs capacity mode (--capacity-factor, or the config's)",
            drop_policy);
     if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
+    if (static_cast<std::int64_t>(config.bench_tokens) * config.topk > INT32_MAX)
+      fail("{} tokens × topk {} = {} slots a rank exceed the int32 row index", config.bench_tokens,
+           config.topk, static_cast<std::int64_t>(config.bench_tokens) * config.topk);
     config.validate();
+    if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
     if (graph && (!config.pad_to_capacity || config.ep > 1))
       fail(
           "--graph needs static shapes: pad_to_capacity (--pad-to-capacity) and ep = 1, got {} "

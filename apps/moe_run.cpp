@@ -399,7 +399,6 @@ int main(int argc, char** argv) {
     // size would route otherwise.
     const int file_ep = config.ep;
     comm::MpiSession mpi(&argc, &argv);
-    if (cuda_device_count() == 0) fail("no CUDA GPU on this machine (--reference runs on the CPU)");
     std::tie(ep, dp) = cli::mesh_shape(ep, dp, mpi.size());
     if (config.node_limited_routing() && file_ep != 1 && file_ep != ep)
       fail(
@@ -412,6 +411,8 @@ int main(int argc, char** argv) {
     // Again with the mesh's shape (capacity mode runs on one EP rank): the same on every rank, so
     // all stop alike before any collective.
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
+    // Every setting is checked first, on any machine.
+    if (cuda_device_count() == 0) fail("no CUDA GPU on this machine (--reference runs on the CPU)");
     return run_mesh(config, weights, inputs, checked, check_finite_values, out_path);
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr,

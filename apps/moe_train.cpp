@@ -200,14 +200,10 @@ class Checkpoint {
   MPI_Comm ep_group_ = MPI_COMM_NULL;
 };
 
-int run_training(const Options& o, comm::MpiSession& mpi) {
-  MoEConfig config = load_config(o.config_path);
+// `config` is checked against the mesh's shape already.
+int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mpi) {
   const int world = mpi.size();
-  const int ep = o.ep ? o.ep : (o.dp ? world / o.dp : world);
-  const int dp = o.dp ? o.dp : world / ep;
-  config.ep = ep;
-  config.dp = dp;
-  config.validate();
+  const int ep = config.ep, dp = config.dp;
   const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, config.num_experts);
   const bool root = mesh.rank() == 0;
   Stream stream;
@@ -371,13 +367,17 @@ int main(int argc, char** argv) {
     // (--load may name it: the checkpoint is read at the start, and replaced whole at the end.)
     if (app.count("--save") > 0)
       cli::check_output_file("--save", o.save_path, {{"--config", o.config_path}});
-    (void)load_config(o.config_path);  // the file's own errors, on any machine
+    MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
     comm::MpiSession mpi(&argc, &argv);
+    std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());
+    config.validate();
+    if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
+    // Every setting is checked first, on any machine.
     if (cuda_device_count() == 0) {
       if (mpi.rank() == 0) std::fprintf(stderr, "moe_train: no CUDA GPU on this machine.\n");
       return 2;
     }
-    return run_training(o, mpi);
+    return run_training(o, config, mpi);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_train: %s\n", e.what());
     return 1;

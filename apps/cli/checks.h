@@ -21,6 +21,10 @@ namespace moe::cli {
 inline CLI::Validator finite_in(double low, double high) {
   return CLI::Validator(
       [low, high](std::string& text) -> std::string {
+        // Decimal only, as the config loader reads numbers: std::stod would also take hex
+        // (0x10) and leading spaces.
+        if (text.empty() || text.find_first_of("xX \t\n\r\f\v") != std::string::npos)
+          return fmt::format("'{}' is not a decimal number", text);
         double value = 0.0;
         std::size_t used = 0;
         try {
