@@ -30,7 +30,9 @@ std::uint64_t draw_run_seed() {
     char* end = nullptr;
     errno = 0;
     const auto seed = std::strtoull(fixed, &end, 10);
-    if (end == fixed || *end != '\0' || errno == ERANGE || fixed[0] == '-')
+    // Digits only: strtoull skips leading spaces and takes a sign, so " -1" would wrap.
+    const bool digits = fixed[0] >= '0' && fixed[0] <= '9';
+    if (!digits || end == fixed || *end != '\0' || errno == ERANGE)
       throw moe::Error(std::string("MOE_TEST_SEED = '") + fixed +
                        "' is not an unsigned 64-bit integer");
     return seed;
