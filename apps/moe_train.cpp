@@ -200,6 +200,20 @@ class Checkpoint {
   MPI_Comm ep_group_ = MPI_COMM_NULL;
 };
 
+// What the header of a checkpoint to resume from must say, checked before anything starts (its
+// tensors' shapes are checked as they are read): a moe_train checkpoint of as many layers.
+void check_checkpoint_header(const std::string& path, int layers) {
+  const TensorFileReader file(path);
+  const auto& metadata = file.metadata();
+  for (const char* key : {"step", "layers", "config"}) {
+    if (metadata.find(key) == metadata.end())
+      fail("--load '{}' is not a moe_train checkpoint: its metadata has no '{}'", path, key);
+  }
+  if (metadata.at("layers") != std::to_string(layers))
+    fail("--load '{}' holds {} layers, the model has {} (--layers)", path, metadata.at("layers"),
+         layers);
+}
+
 // `config` is checked against the mesh's shape already.
 int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mpi) {
   const int world = mpi.size();
@@ -368,6 +382,7 @@ int main(int argc, char** argv) {
     if (app.count("--save") > 0)
       cli::check_output_file("--save", o.save_path, {{"--config", o.config_path}});
     MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
+    if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers);
     comm::MpiSession mpi(&argc, &argv);
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());
     config.validate();
