@@ -338,6 +338,30 @@ void write_at(int fd, std::uint64_t offset, const std::byte* data, std::size_t b
 
 }  // namespace
 
+void check_output_path(const std::filesystem::path& path, std::string_view what) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  // Replacing a link that leads nowhere would write somewhere else than it names.
+  if (fs::is_symlink(fs::symlink_status(path, error)) && !fs::exists(path, error)) {
+    fail(
+        "{} is a symbolic link that leads nowhere (a missing target or a loop); name the file "
+        "itself",
+        what);
+  }
+  const fs::file_status status = fs::status(path, error);
+  if (fs::is_directory(status)) fail("{} is a directory; name a file", what);
+  if (fs::exists(status) && !fs::is_regular_file(status))
+    fail("{} is not a regular file; results are written to regular files only", what);
+  const fs::path directory = path.parent_path();
+  if (!directory.empty() && !fs::is_directory(directory, error))
+    fail("{}: the directory '{}' does not exist", what, directory.string());
+  const std::string name = path.filename().string();
+  if (name.size() > kMaxFileNameBytes) {
+    fail("{}: the file name '{}...' has {} bytes; file systems take at most {}", what,
+         name.substr(0, 40), name.size(), kMaxFileNameBytes);
+  }
+}
+
 TensorFileWriter::TensorFileWriter(const std::filesystem::path& path,
                                    std::vector<TensorSpec> tensors,
                                    std::map<std::string, std::string> metadata)
@@ -366,27 +390,7 @@ TensorFileWriter::TensorFileWriter(const std::filesystem::path& path,
            t.name);
   }
   if (path.empty()) fail("TensorFileWriter: the path of the tensor file to write is empty");
-  // A link must lead to a file, existing or not, in a directory that exists: a dangling link or a
-  // loop of links is refused (replacing it would write somewhere else than it names).
-  std::error_code link_error;
-  if (std::filesystem::is_symlink(std::filesystem::symlink_status(path, link_error))) {
-    std::error_code exists_error;
-    const bool leads_somewhere = std::filesystem::exists(path, exists_error);
-    if (!leads_somewhere) {
-      fail(
-          "tensor file '{}' is a symbolic link that leads nowhere (a missing target or a loop); "
-          "name the file itself",
-          path.string());
-    }
-  }
-  // The target may be new or a regular file (through links); a FIFO, a device or a directory is
-  // refused before anything is created.
-  std::error_code status_error;
-  const auto target_status = std::filesystem::status(path, status_error);
-  if (std::filesystem::exists(target_status) && !std::filesystem::is_regular_file(target_status)) {
-    fail("tensor file '{}' is not a regular file; results are written to regular files only",
-         path.string());
-  }
+  check_output_path(path, fmt::format("tensor file '{}'", path.string()));
   std::error_code resolve_error;
   target_ = std::filesystem::weakly_canonical(path, resolve_error);
   if (resolve_error) target_ = path;

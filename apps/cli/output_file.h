@@ -11,18 +11,15 @@
 #include <vector>
 
 #include "moe/error.h"
+#include "moe/safetensors.h"
 
 namespace moe::cli {
 
-// The longest name of one file that the file systems in use take.
-inline constexpr std::size_t kMaxFileNameBytes = 255;
-
 // Refuses `path`, the value of `option`, where writing it at the end of a run would fail or harm:
 // empty; a value that looks like the next option (`--out --no-check-finite` gives --out that
-// text, and the flag is lost); a link that leads nowhere; anything but a regular file where it
-// exists (a directory, a FIFO, a device); a directory that does not exist; a file name longer than
-// the file system takes; or one of `inputs` ({option, path}), as a path after resolving `.`, `..`
-// and links, or as the same file (a hard link).
+// text, and the flag is lost); what check_output_path refuses; or one of `inputs`
+// ({option, path}), as a path after resolving `.`, `..` and links, or as the same file (a hard
+// link).
 inline void check_output_file(const std::string& option, const std::string& path,
                               const std::vector<std::pair<std::string, std::string>>& inputs) {
   namespace fs = std::filesystem;
@@ -34,25 +31,8 @@ inline void check_output_file(const std::string& option, const std::string& path
         option, path, option, path);
   }
   const fs::path file(path);
+  check_output_path(file, fmt::format("{} '{}'", option, path));
   std::error_code error;
-  if (fs::is_symlink(fs::symlink_status(file, error)) && !fs::exists(file, error)) {
-    fail(
-        "{} '{}' is a symbolic link that leads nowhere (a missing target or a loop); name the "
-        "file itself",
-        option, path);
-  }
-  const fs::file_status status = fs::status(file, error);
-  if (fs::is_directory(status)) fail("{} '{}' is a directory; name a file", option, path);
-  if (fs::exists(status) && !fs::is_regular_file(status))
-    fail("{} '{}' is not a regular file; results are written to regular files only", option, path);
-  const fs::path directory = file.parent_path();
-  if (!directory.empty() && !fs::is_directory(directory, error))
-    fail("{} '{}': the directory '{}' does not exist", option, path, directory.string());
-  const std::string name = file.filename().string();
-  if (name.size() > kMaxFileNameBytes) {
-    fail("{}: the file name '{}...' has {} bytes; file systems take at most {}", option,
-         name.substr(0, 40), name.size(), kMaxFileNameBytes);
-  }
   const fs::path resolved = fs::weakly_canonical(file, error);
   const bool resolved_ok = !error;
   for (const auto& [input_option, input] : inputs) {

@@ -203,6 +203,17 @@ class TensorFileReader final : public TensorSource {
 // succeeded, removes its file and leaves whatever the target held untouched; and until finish()
 // the file's length prefix is zero, which no reader accepts, so not even a process killed
 // mid-write leaves a file that reads as complete.
+// The longest name of one file that the file systems in use take.
+inline constexpr std::size_t kMaxFileNameBytes = 255;
+
+// Refuses a path that a results file could not be written to, naming it as `what` ("tensor file
+// 'r.safetensors'", "--out 'r.safetensors'"): a symbolic link that leads nowhere (a missing
+// target or a loop), an existing target that is a directory or anything but a regular file (a
+// FIFO, a device), a directory that does not exist, or a file name longer than file systems
+// take. Reads file status only; TensorFileWriter checks its path with it, and the apps check
+// their output options with it before they run.
+void check_output_path(const std::filesystem::path& path, std::string_view what);
+
 class TensorFileWriter {
  public:
   // Throws moe::Error naming the tensor for an invalid or repeated name or a shape whose byte

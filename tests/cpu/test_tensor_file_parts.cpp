@@ -339,8 +339,13 @@ TEST_CASE("safetensors: the writer refuses what would make a wrong file and leav
                TensorFileWriter w(path, {{"n", FileDType::kF32, {-2}}});
              }),
              test::contains_text("tensor 'n' of shape [-2] has a negative dimension"));
-  CHECK_THAT(error_from([&] { TensorFileWriter w(dir / "absent" / "x.safetensors", specs); }),
-             test::contains_text("cannot create tensor file"));
+  CHECK_THAT(
+      error_from([&] { TensorFileWriter w(dir / "absent" / "x.safetensors", specs); }),
+      test::contains_text("the directory '" + (dir / "absent").string() + "' does not exist"));
+  CHECK_THAT(error_from([&] { TensorFileWriter w(dir, specs); }),
+             test::contains_text("is a directory; name a file"));
+  CHECK_THAT(error_from([&] { TensorFileWriter w(dir / std::string(256, 'n'), specs); }),
+             test::contains_text("has 256 bytes; file systems take at most 255"));
   // An empty path, a link that leads nowhere and a loop of links are refused; nothing is made.
   CHECK_THAT(error_from([&] { TensorFileWriter w("", specs); }),
              test::contains_text("the path of the tensor file to write is empty"));
