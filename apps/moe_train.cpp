@@ -3,7 +3,7 @@
 //
 //   mpirun -np N build/apps/moe_train [--config configs/small.yaml] [--layers 2] [--steps 200]
 //                                     [--tokens 1024] [--lr 1e-3] [--ep E --dp D]
-//                                     [--save ckpt.safetensors] [--load ckpt.safetensors]
+//                                     [--fp8] [--save ckpt.safetensors] [--load ckpt.safetensors]
 //
 // The task can be learned: regression onto a fixed random teacher of the same shape. The model is
 // a residual stack h_{l+1} = h_l + MoE_l(h_l) over random tokens; the loss is the mean squared
@@ -45,6 +45,7 @@ struct Options {
   int layers = 2, steps = 200, tokens = 1024, ep = 0, dp = 0, log_every = 10;
   float lr = 1e-3f, weight_decay = 0.0f, bias_rate = 1e-3f;
   std::uint64_t seed = 1;
+  bool fp8 = false;
   std::string save_path, load_path;
 };
 
@@ -224,7 +225,10 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
   const std::int64_t T = o.tokens, H = config.hidden;
   const std::int64_t global_tokens = T * world;
 
-  // The student (trained) and the teacher (fixed, a different seed) stacks.
+  // The student (trained) and the teacher (fixed, a different seed) stacks. The teacher runs
+  // without FP8, so that a run with it and one without chase the same targets.
+  MoEConfig teacher_config = config;
+  teacher_config.fp8 = false;
   std::vector<std::unique_ptr<MoEBlock>> student, teacher;
   std::vector<std::unique_ptr<AdamW>> optimizers;
   // Every layer runs on one stream, one call after another: they share what lives inside a call.
@@ -232,7 +236,7 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
   for (int l = 0; l < o.layers; ++l) {
     student.push_back(std::make_unique<MoEBlock>(config, mesh, stream.get(), scratch));
     student.back()->initialize(o.seed * 1000 + l);
-    teacher.push_back(std::make_unique<MoEBlock>(config, mesh, stream.get(), scratch));
+    teacher.push_back(std::make_unique<MoEBlock>(teacher_config, mesh, stream.get(), scratch));
     teacher.back()->initialize(o.seed * 1000 + 500 + l);
     auto optimizer = std::make_unique<AdamW>();
     const auto& p = student.back()->parameters();
@@ -373,6 +377,9 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "seed of the weights and data")->check(cli::unsigned_integer());
   app.add_option("--log-every", o.log_every, "print the loss every N steps")
       ->check(cli::count_in(1, 1000000000));
+  app.add_flag("--fp8", o.fp8,
+               "FP8 expert products in the trained stack (the config's fp8: true); the teacher "
+               "runs without");
   app.add_option("--save", o.save_path, "write a checkpoint (safetensors) at the end");
   app.add_option("--load", o.load_path, "resume from a checkpoint")->check(CLI::ExistingFile);
   CLI11_PARSE(app, argc, argv);
@@ -382,6 +389,7 @@ int main(int argc, char** argv) {
     if (app.count("--save") > 0)
       cli::check_output_file("--save", o.save_path, {{"--config", o.config_path}});
     MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
+    if (o.fp8) config.fp8 = true;
     if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers);
     comm::MpiSession mpi(&argc, &argv);
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Draws the load imbalance that moe_train prints, step by step, for several runs: the expert bias
-at work against a run without it. One PNG.
+"""Draws what moe_train prints, step by step, for several runs side by side: the first layer's load
+imbalance (the expert bias at work against a run without it), or the loss (an FP8 run against a
+bf16 one, with the relative gap of each run to the first drawn below). One PNG.
 
-    python3 bench/plot_balance.py --out docs/expert_bias_balance.png \
+    python3 bench/plot_train.py --metric imbalance --out docs/expert_bias_balance.png \
         "bias rate 1e-3=train_bias.txt" "no bias update=train_still.txt"
+    python3 bench/plot_train.py --metric loss --out docs/fp8_loss.png \
+        "bf16=train_bf16.txt" "fp8=train_fp8.txt"
 """
 import argparse
 import re
@@ -13,41 +16,65 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-LINE = re.compile(r"^step\s+(\d+)\s.*load max/mean ([0-9.]+) per expert, ([0-9.]+) per EP rank")
+LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
+                  r"([0-9.]+) per EP rank")
 
 
-def read_log(path):
-    steps, expert, rank = [], [], []
+def read_log(path, metric):
+    steps, values = [], []
     with open(path) as f:
         for line in f:
             m = LINE.match(line)
             if m:
                 steps.append(int(m.group(1)))
-                expert.append(float(m.group(2)))
-                rank.append(float(m.group(3)))
+                values.append(float(m.group(2) if metric == "loss" else m.group(3)))
     if not steps:
-        raise SystemExit(f"{path}: no 'step ... load max/mean' lines (a moe_train log?)")
-    return steps, expert, rank
+        raise SystemExit(f"{path}: no 'step ... loss ... load max/mean' lines (a moe_train log?)")
+    return steps, values
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("runs", nargs="+", help="LABEL=LOG, a moe_train log each")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--title", default="moe_train: load imbalance of the first layer")
+    parser.add_argument("--metric", choices=["imbalance", "loss"], default="imbalance")
+    parser.add_argument("--title")
     args = parser.parse_args()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    runs = []
     for run in args.runs:
         label, sep, path = run.partition("=")
         if not sep:
             raise SystemExit(f"'{run}': expected LABEL=LOG")
-        steps, expert, _ = read_log(path)
-        ax.plot(steps, expert, label=label)
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xlabel("step")
-    ax.set_ylabel("tokens per expert, max / mean")
-    ax.set_title(args.title)
-    ax.legend()
+        runs.append((label, *read_log(path, args.metric)))
+
+    if args.metric == "imbalance":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, steps, values in runs:
+            ax.plot(steps, values, label=label)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_ylabel("tokens per expert, max / mean")
+        ax.set_title(args.title or "moe_train: load imbalance of the first layer")
+        ax.legend()
+        bottom = ax
+    else:
+        fig, (ax, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                         gridspec_kw={"height_ratios": [2, 1]})
+        for label, steps, values in runs:
+            ax.plot(steps, values, label=label)
+        ax.set_yscale("log")
+        ax.set_ylabel("loss")
+        ax.set_title(args.title or "moe_train: loss")
+        ax.legend()
+        base_label, base_steps, base_values = runs[0]
+        base = dict(zip(base_steps, base_values))
+        for label, steps, values in runs[1:]:
+            shared = [(s, v) for s, v in zip(steps, values) if s in base]
+            bottom.plot([s for s, _ in shared], [100 * (v / base[s] - 1) for s, v in shared],
+                        label=f"{label} against {base_label}")
+        bottom.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
+        bottom.set_ylabel("loss gap, %")
+        bottom.legend()
+    bottom.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
