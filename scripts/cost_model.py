@@ -5,16 +5,16 @@ step (dispatch, combine, and their backward mirrors) over NVLink inside a node a
 between nodes, with and without overlapping the exchange with the GEMMs.
 
     python3 scripts/cost_model.py configs/deepseek-v3.yaml [--tokens 8192] [--imbalance 1.2]
-        [--gpus-per-node 8] [--nvlink-gbs 330] [--ib-gbs 50] [--gemm-tflops 805]
-        [--half-rate-inner 590] [--copy-gbs 4190] [--grad-bytes 4] [--fixed-ms 0.3]
-        [--exchange-efficiency 1.0] [--ep 1 2 4 8 ... 256]
+        [--gpus-per-node 8] [--nvlink-gbs 330] [--ib-gbs 50] [--gemm-tflops 770]
+        [--dense-tflops 715] [--half-rate-inner 380] [--copy-gbs 4190] [--grad-bytes 4] [--fixed-ms 0.3]
+        [--transport peer|nccl] [--exchange-efficiency E] [--ep 1 2 4 8 ... 256]
 
 The rates default to what docs/performance.md measured on H200s of one host: NVLink p2p ~330 GB/s
-per GPU, HBM copies at 4190 GB/s, and expert products that reach 805 TFLOP/s × k / (k + 590) at
-inner dimension k (fitted to the expert stages of deepseek-v3 at EP 1 to 8, mixtral-8x7b,
-qwen3-30b-a3b and qwen1.5-moe-a2.7b); InfiniBand at 50 GB/s per GPU.
---exchange-efficiency is the share of the link rate an exchange reaches: 1 for the peer exchange,
-about 0.6 for the NCCL one (the same run).
+per GPU, HBM copies at 4190 GB/s, and expert products that reach min(770 TFLOP/s × k / (k + 380),
+715 TFLOP/s) at inner dimension k (fitted to the expert stages of deepseek-v3 at EP 1 to 8,
+mixtral-8x7b and qwen3-30b-a3b at EP 1 and 4; 715 is the sustained rate of a dense 8192³
+product); InfiniBand at 50 GB/s per GPU. --exchange-efficiency is the share of the link rate an
+exchange reaches: 1 for the peer exchange, about 0.6 for the NCCL one (the same run).
 """
 import argparse
 import math
@@ -65,6 +65,26 @@ def expert_products(H, F, rows):
             (2 * F, H, rows)]
 
 
+def product_rate(k, args):
+    """FLOP/s of a product with inner dimension k: each tile walks k and pays a fixed prologue
+    and epilogue, so the rate is R · k / (k + k½), and no product runs faster than a dense one of
+    the GPU (the sustained rate of an 8192³ product, held down by the power limit)."""
+    return min(args.gemm_tflops * k / (k + args.half_rate_inner), args.dense_tflops) * 1e12
+
+
+def products_seconds(H, F, rows, args):
+    """One FFN's six products over `rows` rows."""
+    return sum(2 * m * n * k / product_rate(k, args) for m, n, k in expert_products(H, F, rows))
+
+
+def exchange_efficiency(args):
+    """The share of the link rates an exchange reaches: as given, else the transport's measured
+    one (docs/performance.md, "Exchange")."""
+    if args.exchange_efficiency is not None:
+        return args.exchange_efficiency
+    return 1.0 if args.transport == "peer" else 0.6
+
+
 def predict(config, tokens, ep, args):
     """Per-GPU times (ms) of one forward + backward at `tokens` tokens per GPU."""
     H = int(config["hidden"])
@@ -82,16 +102,20 @@ def predict(config, tokens, ep, args):
     # an expert's rows) and the products of narrow layers (k = H, F or 2F).
     rows = tokens * K * ep / E * args.imbalance
     local_experts = E // ep
-    compute_s = sum(2 * m * n * k * local_experts / (args.gemm_tflops * 1e12 * k /
-                                                     (k + args.half_rate_inner))
-                    for m, n, k in expert_products(H, F, rows))
+    compute_s = local_experts * products_seconds(H, F, rows, args)
     # They also read the weights twice (forward and backward) and write their gradients: a floor
     # where few rows meet many experts.
     weight_values = local_experts * 3 * H * F
     bytes_s = weight_values * (2 * act_bytes + args.grad_bytes) / (args.copy_gbs * 1e9)
     gemm_ms = max(compute_s, bytes_s) * 1e3
-    # The gate (forward and both backward products, 6·T·E·H FLOPs), at the full rate.
-    gemm_ms += 6 * tokens * E * H / (args.gemm_tflops * 1e12) * 1e3
+    # The shared experts: a dense FFN of width Fs over the GPU's T tokens, in series with the
+    # routed path (the side stream hides under 10% of it where the routed products and the
+    # exchange hold every SM, docs/performance.md "Shared experts").
+    shared = int(config.get("shared_ffn_hidden", "0"))
+    if shared > 0:
+        gemm_ms += products_seconds(H, shared, tokens, args) * 1e3
+    # The gate (forward and both backward products, 6·T·E·H FLOPs), at the dense rate.
+    gemm_ms += 6 * tokens * E * H / product_rate(H, args) * 1e3
     # Each exchange moves every slot's row once; a slot stays on this GPU with probability 1/EP,
     # stays in the node with (gpn - 1)/EP more, and crosses nodes otherwise (uniform routing).
     # The rows that stay are still read and written once in HBM.
@@ -101,10 +125,15 @@ def predict(config, tokens, ep, args):
     intra = slots * (gpn - 1) / ep * row_bytes
     inter = slots * (ep - gpn) / ep * row_bytes
     # HBM, NVLink and InfiniBand run side by side: an exchange takes as long as its slowest share.
+    efficiency = exchange_efficiency(args)
     exchange_ms = max(local / (args.copy_gbs * 1e9),
-                      intra / (args.nvlink_gbs * 1e9 * args.exchange_efficiency),
-                      inter / (args.ib_gbs * 1e9 * args.exchange_efficiency)) * 1e3
-    exchanges_ms = 4 * exchange_ms
+                      intra / (args.nvlink_gbs * 1e9 * efficiency),
+                      inter / (args.ib_gbs * 1e9 * efficiency)) * 1e3
+    # Dispatch, combine and their mirrors; the peer exchange stores x into the experts' rows once
+    # more in the backward, unless the config keeps the experts' input from the forward.
+    keeps_input = config.get("keep_expert_input", "false") == "true"
+    count = 5 if args.transport == "peer" and not keeps_input else 4
+    exchanges_ms = count * exchange_ms
     serial = gemm_ms + exchanges_ms + args.fixed_ms
     # Overlap hides each exchange under the GEMMs of the other chunks, except the first dispatch
     # chunk and the last combine chunk of each direction (1/chunks of each exchange).
@@ -116,7 +145,7 @@ def predict(config, tokens, ep, args):
     return {
         "ep": ep,
         "nodes": (ep + args.gpus_per_node - 1) // args.gpus_per_node,
-        "bytes_mb": 4 * (intra + inter) / 1e6,
+        "bytes_mb": count * (intra + inter) / 1e6,
         "gemm_ms": gemm_ms,
         "exchange_ms": exchanges_ms,
         "serial_ms": serial,
@@ -133,17 +162,22 @@ def build_parser():
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--nvlink-gbs", type=float, default=330.0, help="NVLink GB/s per GPU")
     parser.add_argument("--ib-gbs", type=float, default=50.0, help="InfiniBand GB/s per GPU")
-    parser.add_argument("--gemm-tflops", type=float, default=805.0,
+    parser.add_argument("--gemm-tflops", type=float, default=770.0,
                         help="the expert products' rate with a long inner dimension")
-    parser.add_argument("--half-rate-inner", type=float, default=590.0,
+    parser.add_argument("--dense-tflops", type=float, default=715.0,
+                        help="the rate no product exceeds: a dense 8192^3 product's, sustained")
+    parser.add_argument("--half-rate-inner", type=float, default=380.0,
                         help="inner dimension at which a product reaches half that rate")
     parser.add_argument("--copy-gbs", type=float, default=4190.0, help="HBM copy rate, GB/s")
     parser.add_argument("--grad-bytes", type=int, default=4, choices=(2, 4),
                         help="bytes of a weight gradient (4: fp32, 2: bf16)")
     parser.add_argument("--fixed-ms", type=float, default=0.3,
                         help="the router, the losses and the gate's small kernels per step")
-    parser.add_argument("--exchange-efficiency", type=float, default=1.0,
-                        help="share of the link rate an exchange reaches (NCCL ~0.6, peer ~1)")
+    parser.add_argument("--transport", choices=("peer", "nccl"), default="peer",
+                        help="the EP exchange: peer memory (one NVLink domain) or NCCL")
+    parser.add_argument("--exchange-efficiency", type=float,
+                        help="share of the link rate an exchange reaches (default: the "
+                             "transport's, peer 1, NCCL 0.6)")
     parser.add_argument("--chunks", type=int, default=4, help="exchange chunks when overlapped")
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     return parser
@@ -151,7 +185,10 @@ def build_parser():
 
 def main():
     args = build_parser().parse_args()
-    for name in ("imbalance", "nvlink_gbs", "ib_gbs", "gemm_tflops", "exchange_efficiency",
+    if args.exchange_efficiency is None:
+        args.exchange_efficiency = exchange_efficiency(args)
+    for name in ("imbalance", "nvlink_gbs", "ib_gbs", "gemm_tflops", "dense_tflops",
+                 "exchange_efficiency",
                  "copy_gbs", "half_rate_inner", "fixed_ms"):
         value = getattr(args, name)
         positive = name not in ("half_rate_inner", "fixed_ms")
@@ -159,7 +196,8 @@ def main():
             sys.exit(f"--{name.replace('_', '-')} = {value} must be "
                      f"{'positive' if positive else '>= 0'} and finite")
     # Rates so small that the times overflow give no prediction either.
-    if min(args.nvlink_gbs, args.ib_gbs, args.copy_gbs, args.gemm_tflops) < 1e-6 or \
+    if min(args.nvlink_gbs, args.ib_gbs, args.copy_gbs, args.gemm_tflops,
+           args.dense_tflops) < 1e-6 or \
             args.exchange_efficiency < 1e-6:
         sys.exit("the rates must be at least 1e-6 (GB/s, TFLOP/s) and the efficiency 1e-6")
     if args.tokens is not None and args.tokens < 1:
@@ -175,9 +213,10 @@ def main():
     if tokens < 1:
         sys.exit(f"{args.config}: tokens = {tokens}; give --tokens T (at least 1)")
     print(f"{args.config}: T = {tokens} per GPU, imbalance {args.imbalance}, NVLink "
-          f"{args.nvlink_gbs:g} GB/s, IB {args.ib_gbs:g} GB/s (exchanges at "
+          f"{args.nvlink_gbs:g} GB/s, IB {args.ib_gbs:g} GB/s ({args.transport} exchanges at "
           f"{args.exchange_efficiency:.0%} of them), GEMM {args.gemm_tflops:g} TFLOP/s at "
-          f"k / (k + {args.half_rate_inner:g}), {args.gpus_per_node} GPUs a node")
+          f"k / (k + {args.half_rate_inner:g}) up to {args.dense_tflops:g}, "
+          f"{args.gpus_per_node} GPUs a node")
     print(f"{'EP':>5} {'nodes':>5} {'MB/GPU':>9} {'GEMM ms':>9} {'exch ms':>9} {'serial ms':>10} "
           f"{'overlap ms':>11} {'hidden':>7}")
     for ep in args.ep:

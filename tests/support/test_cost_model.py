@@ -15,8 +15,9 @@ import cost_model  # noqa: E402
 
 
 DEFAULTS = dict(imbalance=1.0, gpus_per_node=8, nvlink_gbs=330.0, ib_gbs=50.0,
-                gemm_tflops=805.0, half_rate_inner=590.0, copy_gbs=4190.0, grad_bytes=4,
-                fixed_ms=0.3, exchange_efficiency=1.0, chunks=4)
+                gemm_tflops=770.0, dense_tflops=715.0, half_rate_inner=380.0, copy_gbs=4190.0,
+                grad_bytes=4, fixed_ms=0.3, transport="peer", exchange_efficiency=None, chunks=4)
+R, DENSE, K_HALF = 770e12, 715e12, 380
 
 
 def rates(**overrides):
@@ -24,9 +25,9 @@ def rates(**overrides):
     return types.SimpleNamespace(**{**DEFAULTS, **overrides})
 
 
-def layer(H, F, E, K, dtype="bf16"):
+def layer(H, F, E, K, dtype="bf16", **more):
     return {"hidden": str(H), "ffn_hidden": str(F), "num_experts": str(E), "topk": str(K),
-            "dtype": dtype}
+            "dtype": dtype, **{key: str(value) for key, value in more.items()}}
 
 
 # Rates that take a term out: products at their full rate, copies and links that cost nothing.
@@ -39,13 +40,13 @@ class CostModel(unittest.TestCase):
         args = rates(half_rate_inner=0, copy_gbs=INSTANT, nvlink_gbs=INSTANT, fixed_ms=0)
         for ep in (1, 2, 8):
             p = cost_model.predict(layer(H, F, E, K), T, ep, args)
-            want = (18 * H * F * T * K + 6 * T * E * H) / 805e12 * 1e3
+            want = (18 * H * F * T * K + 6 * T * E * H) / DENSE * 1e3  # R above the dense rate
             self.assertAlmostEqual(p["gemm_ms"], want, delta=want * 1e-12)
 
     def test_imbalance_scales_the_most_loaded_gpus_products(self):
         H, F, E, K, T = 1024, 512, 8, 2, 4096
         args = rates(half_rate_inner=0, copy_gbs=INSTANT, fixed_ms=0)
-        gate = 6 * T * E * H / 805e12 * 1e3
+        gate = 6 * T * E * H / DENSE * 1e3
         even = cost_model.predict(layer(H, F, E, K), T, 2, args)["gemm_ms"] - gate
         args.imbalance = 1.5
         skewed = cost_model.predict(layer(H, F, E, K), T, 2, args)["gemm_ms"] - gate
@@ -59,8 +60,8 @@ class CostModel(unittest.TestCase):
         products = [(2 * rows * 2 * F * H, H), (2 * rows * H * F, F), (2 * rows * F * H, H),
                     (2 * rows * H * 2 * F, 2 * F), (2 * H * F * rows, rows),
                     (2 * 2 * F * H * rows, rows)]
-        want = sum(flops * E / (805e12 * k / (k + 590)) for flops, k in products)
-        want += 6 * T * E * H / 805e12
+        want = sum(flops * E / min(R * k / (k + K_HALF), DENSE) for flops, k in products)
+        want += 6 * T * E * H / min(R * H / (H + K_HALF), DENSE)
         got = cost_model.predict(layer(H, F, E, K), T, 1, rates(copy_gbs=INSTANT, fixed_ms=0))
         self.assertAlmostEqual(got["gemm_ms"], want * 1e3, delta=want * 1e-9)
 
@@ -81,7 +82,7 @@ class CostModel(unittest.TestCase):
     def test_an_exchange_inside_a_node_moves_the_rows_that_leave_over_nvlink(self):
         H, F, E, K, T = 2048, 512, 16, 4, 8192
         for ep, efficiency in ((2, 1.0), (8, 0.6)):
-            args = rates(copy_gbs=INSTANT, exchange_efficiency=efficiency)
+            args = rates(copy_gbs=INSTANT, transport="nccl", exchange_efficiency=efficiency)
             p = cost_model.predict(layer(H, F, E, K), T, ep, args)
             leaving = T * K * (ep - 1) / ep * H * 2
             want = 4 * leaving / (330e9 * efficiency) * 1e3
@@ -90,7 +91,7 @@ class CostModel(unittest.TestCase):
 
     def test_across_nodes_the_infiniband_share_bounds_the_exchange(self):
         H, F, E, K, T = 2048, 512, 64, 4, 8192
-        args = rates(copy_gbs=INSTANT)
+        args = rates(copy_gbs=INSTANT, transport="nccl", exchange_efficiency=1.0)
         p = cost_model.predict(layer(H, F, E, K), T, 32, args)  # 4 nodes of 8
         self.assertEqual(p["nodes"], 4)
         crossing = T * K * 24 / 32 * H * 2
@@ -99,7 +100,7 @@ class CostModel(unittest.TestCase):
 
     def test_one_gpu_copies_the_rows_once_and_overlaps_nothing(self):
         H, F, E, K, T = 2048, 512, 16, 4, 8192
-        p = cost_model.predict(layer(H, F, E, K, dtype="fp32"), T, 1, rates())
+        p = cost_model.predict(layer(H, F, E, K, dtype="fp32"), T, 1, rates(transport="nccl"))
         want = 4 * T * K * H * 4 * 2 / 4190e9 * 1e3
         self.assertAlmostEqual(p["exchange_ms"], want, delta=want * 1e-12)
         self.assertEqual(p["overlap_ms"], p["serial_ms"])
@@ -114,6 +115,33 @@ class CostModel(unittest.TestCase):
         # Where the exchanges dominate, chunks never make the step slower than in series.
         slow_links = cost_model.predict(layer(H, F, E, K), T, 8, rates(nvlink_gbs=1.0))
         self.assertLessEqual(slow_links["overlap_ms"], slow_links["serial_ms"])
+
+    def test_the_peer_exchange_stores_x_again_unless_the_input_is_kept(self):
+        H, F, E, K, T = 2048, 512, 16, 4, 8192
+        nccl = cost_model.predict(layer(H, F, E, K), T, 4, rates(transport="nccl",
+                                                                 exchange_efficiency=1.0))
+        peer = cost_model.predict(layer(H, F, E, K), T, 4, rates())
+        kept = cost_model.predict(layer(H, F, E, K, keep_expert_input="true"), T, 4, rates())
+        self.assertAlmostEqual(peer["exchange_ms"] / nccl["exchange_ms"], 5 / 4, places=12)
+        self.assertAlmostEqual(kept["exchange_ms"], nccl["exchange_ms"], places=12)
+        # Unless given, the efficiency is the transport's: NCCL's 0.6.
+        slower = cost_model.predict(layer(H, F, E, K), T, 4, rates(transport="nccl"))
+        self.assertAlmostEqual(slower["exchange_ms"] * 0.6, nccl["exchange_ms"], places=12)
+
+    def test_no_product_runs_faster_than_a_dense_one(self):
+        H, F, E, K, T = 8192, 8192, 1, 1, 8192  # every inner dimension 8192 or 16384
+        args = rates(copy_gbs=INSTANT, fixed_ms=0, gemm_tflops=1e6)
+        p = cost_model.predict(layer(H, F, E, K), T, 1, args)
+        want = (18 * H * F * T + 6 * T * E * H) / DENSE * 1e3
+        self.assertAlmostEqual(p["gemm_ms"], want, delta=want * 1e-12)
+
+    def test_shared_experts_add_an_ffn_over_every_token(self):
+        H, F, E, K, T, Fs = 1024, 512, 8, 2, 4096, 768
+        args = rates(half_rate_inner=0, copy_gbs=INSTANT, fixed_ms=0)
+        plain = cost_model.predict(layer(H, F, E, K), T, 2, args)
+        shared = cost_model.predict(layer(H, F, E, K, shared_ffn_hidden=Fs), T, 2, args)
+        self.assertAlmostEqual(shared["gemm_ms"] - plain["gemm_ms"], 18 * T * H * Fs / DENSE * 1e3,
+                               places=9)
 
     def test_an_ep_that_does_not_divide_the_experts_has_no_prediction(self):
         self.assertIsNone(cost_model.predict(layer(1024, 512, 60, 4), 1024, 8, rates()))
