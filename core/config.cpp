@@ -123,11 +123,6 @@ std::int64_t MoEConfig::expert_capacity(std::int64_t tokens) const {
 }
 
 std::string MoEConfig::unsupported_by_gpu_layer() const {
-  if (pad_to_capacity && ep > 1)
-    return fmt::format(
-        "pad_to_capacity with ep = {}: the GPU layer lays out fixed blocks on one EP rank only, "
-        "for now; moe_run --reference runs it on the CPU",
-        ep);
   if (capacity_mode() && ep > 1 && ep_transport == EpTransport::kPeer)
     return fmt::format(
         "capacity_factor={} with ep_transport = peer: capacity mode runs over the NCCL exchange "

@@ -71,11 +71,14 @@ void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row
 // The EP receiver: rows ordered by (source, local expert) with counts[s · E_loc + e], unpadded,
 // moved to or from the expert-major layout padded to `align` (padding rows zero when writing it).
 struct ChunkArgs {
-  const std::int32_t* counts = nullptr;  // [sources · local_experts], device
+  // [sources · local_experts], device; or null, every chunk then uniform_count rows (fixed blocks,
+  // whose sizes the host knows without reading them back)
+  const std::int32_t* counts = nullptr;
   int sources = 0;
   int local_experts = 0;
   int align = 0;
   void* workspace = nullptr;  // chunk_workspace_bytes()
+  int uniform_count = 0;
 };
 std::size_t chunk_workspace_bytes(int sources, int local_experts);
 void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tensor& expert_major,

@@ -33,16 +33,17 @@ ChunkTable chunk_table(void* workspace, int sources, int local_experts) {
 }
 
 __global__ void __launch_bounds__(kScanThreads)
-    chunk_table_kernel(const std::int32_t* __restrict__ counts, int sources, int local_experts,
-                       int align, ChunkTable table) {
+    chunk_table_kernel(const std::int32_t* __restrict__ counts, int uniform_count, int sources,
+                       int local_experts, int align, ChunkTable table) {
   extern __shared__ int scan[];  // [chunks] then [local_experts]
   __shared__ int totals[kScanThreads];
   const int chunks = sources * local_experts;
   int* padded = scan + chunks;
-  for (int c = threadIdx.x; c < chunks; c += kScanThreads) scan[c] = counts[c];
+  auto count = [&](int c) { return counts != nullptr ? counts[c] : uniform_count; };
+  for (int c = threadIdx.x; c < chunks; c += kScanThreads) scan[c] = count(c);
   for (int e = threadIdx.x; e < local_experts; e += kScanThreads) {
     int rows = 0;
-    for (int s = 0; s < sources; ++s) rows += counts[s * local_experts + e];
+    for (int s = 0; s < sources; ++s) rows += count(s * local_experts + e);
     table.group_counts[e] = rows;
     padded[e] = align > 1 ? (rows + align - 1) / align * align : rows;
   }
@@ -55,7 +56,7 @@ __global__ void __launch_bounds__(kScanThreads)
     int start = padded[e];
     for (int s = 0; s < sources; ++s) {
       table.expert_start[s * local_experts + e] = start;
-      start += counts[s * local_experts + e];
+      start += count(s * local_experts + e);
     }
   }
   if (threadIdx.x == 0) {
@@ -96,9 +97,10 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
 template <bool kToExpertMajor>
 void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
                  const Tensor& source_major, const Tensor& expert_major, cudaStream_t stream) {
-  if (c.sources < 1 || c.local_experts < 1 || c.counts == nullptr || c.workspace == nullptr) {
-    fail("chunk sort: sources = " + std::to_string(c.sources) + ", local_experts = " +
-         std::to_string(c.local_experts) + "; counts and workspace are required");
+  if (c.sources < 1 || c.local_experts < 1 || c.uniform_count < 0 || c.workspace == nullptr) {
+    fail("chunk sort: sources = " + std::to_string(c.sources) +
+         ", local_experts = " + std::to_string(c.local_experts) +
+         ", uniform_count = " + std::to_string(c.uniform_count) + "; a workspace is required");
   }
   check_activation(source_major, "chunk sort source-major rows");
   check_activation(expert_major, "chunk sort expert-major rows");
@@ -109,8 +111,8 @@ void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
   if (shared > 48 * 1024)
     fail("chunk sort: " + std::to_string(chunks) +
          " chunks exceed the table kernel's shared memory");
-  chunk_table_kernel<<<1, kScanThreads, shared, stream>>>(c.counts, c.sources, c.local_experts,
-                                                          c.align, table);
+  chunk_table_kernel<<<1, kScanThreads, shared, stream>>>(c.counts, c.uniform_count, c.sources,
+                                                          c.local_experts, c.align, table);
   MOE_CHECK_LAUNCH();
   const std::int64_t rows = source_major.dim(0);
   const int hidden = static_cast<int>(source_major.dim(1));

@@ -9,15 +9,26 @@
 // rows, so no peer's range holds them and they are never sent; the combine and the dispatch
 // backward set their rows to zero, so they add nothing to out, dx or dprob.
 //
+// Fixed blocks (pad_to_capacity): the sender's layout gives every expert exactly C rows (kept
+// rows, then zero rows), so each peer gets E_loc · C rows and every size of the step is known on
+// the host without a count crossing the mesh: no host synchronisation, and the step can be
+// captured in a CUDA graph. Each rank's T is gathered on the device every forward; a forward that
+// waits on the host checks that the EP group holds one T (C is each rank's own).
+//
 // Buffer roles, each taken only once the previous content is dead (docs/design.md, "Buffers"):
 //   send_rows [T·K, H]: x gathered to send → Y returned (kept for dprob) → received dY →
 //                       returned dX
 //   X [rows, H]:        the experts' input (kept)
 //   Y (scratch):        received rows → the experts' output → dY to send → dX
 //   dY (scratch):       staging of the combine's sends → dY → staging of dX
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "comm/exchange.h"
+#include "kernels/elementwise.cuh"
 #include "kernels/permute.cuh"
 #include "src/exchange_impl.h"
 #include "src/stage_support.h"
@@ -29,6 +40,7 @@ class NcclExchange final : public TokenExchange {
  public:
   explicit NcclExchange(const ExchangeSetup& setup)
       : config_(setup.config),
+        mesh_(setup.mesh),
         stream_(setup.stream),
         ranks_(setup.mesh.ep()),
         E_(setup.config.num_experts),
@@ -47,17 +59,23 @@ class NcclExchange final : public TokenExchange {
   bool probabilities_in_experts() const override { return false; }
 
   void permute(const Tensor& x, const SlotRouting& routing) override {
-    // MoEBlock refuses fixed blocks under EP before any forward; this names the cause if not.
-    if (routing.expert_group_rows > 0) fail("pad_to_capacity runs on one EP rank only, for now");
     saved_.tokens = x.dim(0);
     saved_.routing = routing;
     groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
-    layout_.build(routing.topk_idx, saved_.tokens, K_, groups_, /*align=*/1, stream_);
+    fixed_rows_ = routing.expert_group_rows;
+    if (fixed_rows_ == 0 && !routing.to_host)
+      fail("the NCCL exchange: the row counts stay on the device only with fixed blocks");
+    layout_.build(routing.topk_idx, saved_.tokens, K_, groups_, /*align=*/1, stream_,
+                  static_cast<int>(fixed_rows_), fixed_rows_ > 0 ? E_ : 0);
     permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, slots(),
                  stream_);
   }
 
   void dispatch(const Tensor&, void* totals) override {
+    if (fixed_rows_ > 0) {
+      dispatch_fixed(totals);
+      return;
+    }
     auto* recv_counts = typed<std::int32_t>(recv_counts_, E_);
     const ExchangeCounts& c =
         exchange_.exchange_counts(layout_.counts(), recv_counts, saved_.routing.totals, totals,
@@ -65,6 +83,7 @@ class NcclExchange final : public TokenExchange {
     // The rows sent: every expert's; the dropped group's after them stay here.
     saved_.sent_rows = 0;
     for (const std::int64_t rows : c.send_rows) saved_.sent_rows += rows;
+    saved_.slot_rows_end = saved_.tokens * K_;
     const Tensor recv = view(Y_, dtype_, {c.total_received(), H_});  // Y is not written yet
     exchange_.exchange_rows(send_rows_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_,
                             stream_);
@@ -85,7 +104,7 @@ class NcclExchange final : public TokenExchange {
   }
 
   void combine() override {
-    const ExchangeCounts& c = exchange_.counts();
+    const ExchangeCounts& c = counts();
     const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // the backward's, free now
     unsort_chunks(chunks(), rows(Y_), recv, stream_);
     exchange_.exchange_rows(recv.data, c.recv_rows, send_rows_.data(), c.send_rows, row_bytes_,
@@ -104,13 +123,13 @@ class NcclExchange final : public TokenExchange {
     // the old buffer, which waits for the device, and so would wait for the peers too.
     view(dY_, dtype_, {saved_.rows, H_});
     // dY to send goes over Y, dead since the combine (which kept the rows it got back).
-    const Tensor dY_sent = view(Y_, dtype_, {saved_.tokens * K_, H_});
+    const Tensor dY_sent = view(Y_, dtype_, {slot_rows(), H_});
     moe::combine_backward(dy, slots(), layout_.row_map(), saved_.routing.topk_p, K_,
                           layout_.offsets(), layout_.counts(), groups_, dY_sent, dprob, stream_);
   }
 
   void combine_backward() override {
-    const ExchangeCounts& c = exchange_.counts();
+    const ExchangeCounts& c = counts();
     // The returned Y in send_rows is dead once the unpermute backward has read it.
     const Tensor recv = view(send_rows_, dtype_, {c.total_received(), H_});
     exchange_.exchange_rows(Y_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_, stream_);
@@ -123,7 +142,7 @@ class NcclExchange final : public TokenExchange {
   }
 
   void dispatch_backward() override {
-    const ExchangeCounts& c = exchange_.counts();
+    const ExchangeCounts& c = counts();
     const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // dead after the experts
     unsort_chunks(chunks(), rows(Y_), recv, stream_);
     exchange_.exchange_rows(recv.data, c.recv_rows, slots().data, c.send_rows, row_bytes_, stream_);
@@ -136,23 +155,97 @@ class NcclExchange final : public TokenExchange {
   }
 
  private:
-  // This rank's slots' rows in the sender's layout [T·K, H] (grows send_rows where needed).
-  Tensor slots() { return view(send_rows_, dtype_, {saved_.tokens * K_, H_}); }
+  // The rows of the sender's layout: T·K, unpadded; with fixed blocks E · C, then the dropped
+  // group's bound (a row per dropped slot at most).
+  std::int64_t slot_rows() const {
+    return saved_.tokens * K_ + (fixed_rows_ > 0 ? E_ * fixed_rows_ : 0);
+  }
+  // This rank's slots' rows in the sender's layout (grows send_rows where needed).
+  Tensor slots() { return view(send_rows_, dtype_, {slot_rows(), H_}); }
   Tensor rows(const DeviceBuffer& buffer) const {
     return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
   }
-  // The dropped group's rows of slots(), which no exchange wrote, become zero.
+  const ExchangeCounts& counts() const { return fixed_rows_ > 0 ? fixed_ : exchange_.counts(); }
+
+  // Fixed blocks: the sizes are the host's; the losses (and the EP group's token counts, checked
+  // here) come to the host only where the forward waits for them.
+  void dispatch_fixed(void* totals) {
+    const std::int64_t C = fixed_rows_, T = saved_.tokens;
+    // Every buffer of the step grows here, before this forward queues a collective (a growth
+    // frees the old buffer, which waits for the device): the same sizes every step at this T.
+    const std::int64_t received = std::int64_t{ranks_} * E_loc_ * C;
+    view(Y_, dtype_, {std::max(received, slot_rows()), H_});
+    view(X_, dtype_, {received, H_});
+    view(dY_, dtype_, {received, H_});
+    chunk_ws_.reserve(chunk_workspace_bytes(ranks_, E_loc_));
+    // Every rank's T, gathered every forward (so that the collectives line up whether or not a
+    // rank waits), read where this one waits.
+    auto* tokens = typed<std::int64_t>(tokens_, 1 + static_cast<std::size_t>(ranks_));
+    write_values(tokens, std::span(&T, 1), stream_);
+    mesh_.all_gather(tokens, tokens + 1, sizeof(std::int64_t), MeshGroup::kExpertParallel, stream_);
+    saved_.sent_rows = E_ * C;
+    saved_.slot_rows_end = slot_rows();  // the dropped group's bound, unless counted below
+    if (saved_.routing.to_host) {
+      const std::size_t totals_bytes = saved_.routing.totals_bytes;
+      const std::size_t tokens_bytes = ranks_ * sizeof(std::int64_t);
+      host_.reserve(totals_bytes + tokens_bytes + sizeof(std::int32_t));
+      auto* host = host_.as<char>();
+      MOE_CHECK_CUDA(cudaMemcpyAsync(host, saved_.routing.totals, totals_bytes,
+                                     cudaMemcpyDeviceToHost, stream_));
+      MOE_CHECK_CUDA(cudaMemcpyAsync(host + totals_bytes, tokens + 1, tokens_bytes,
+                                     cudaMemcpyDeviceToHost, stream_));
+      MOE_CHECK_CUDA(cudaMemcpyAsync(host + totals_bytes + tokens_bytes,
+                                     layout_.offsets() + groups_, sizeof(std::int32_t),
+                                     cudaMemcpyDeviceToHost, stream_));
+      copied_.record(stream_);
+      mesh_.wait(copied_.get(), "the forward's losses and the EP group's token counts");
+      std::memcpy(totals, host, totals_bytes);
+      std::vector<std::int64_t> all(ranks_);
+      std::memcpy(all.data(), host + totals_bytes, tokens_bytes);
+      if (std::any_of(all.begin(), all.end(), [T](std::int64_t t) { return t != T; }))
+        fail(
+            "pad_to_capacity under EP needs the same T on every rank of an EP group (each rank's "
+            "C comes from its own T); the EP group's ranks hold {} tokens",
+            fmt::join(all, ", "));
+      std::int32_t end = 0;
+      std::memcpy(&end, host + totals_bytes + tokens_bytes, sizeof(end));
+      saved_.slot_rows_end = end;
+    }
+    fixed_.send_rows.assign(ranks_, E_loc_ * C);
+    fixed_.recv_rows.assign(ranks_, E_loc_ * C);
+    const Tensor recv = view(Y_, dtype_, {fixed_.total_received(), H_});  // Y is not written yet
+    exchange_.exchange_rows(send_rows_.data(), fixed_.send_rows, recv.data, fixed_.recv_rows,
+                            row_bytes_, stream_);
+    // Expert e's group: the EP sources' blocks of C rows in source order, EP · C rows.
+    saved_.expert_offsets.resize(static_cast<std::size_t>(E_loc_) + 1);
+    for (int e = 0; e <= E_loc_; ++e) saved_.expert_offsets[e] = std::int64_t{e} * ranks_ * C;
+    saved_.rows = saved_.expert_offsets.back();
+    sort_chunks(chunks(), recv, view(X_, dtype_, {saved_.rows, H_}), stream_);
+  }
+
+  // The dropped group's rows of slots(), which no exchange wrote, become zero: its exact extent
+  // where the counts came to the host, else its bound.
   void clear_dropped_rows() {
-    const std::int64_t dropped = saved_.tokens * K_ - saved_.sent_rows;
-    if (!saved_.routing.has_dropped_group || dropped == 0) return;
+    const std::int64_t dropped = saved_.slot_rows_end - saved_.sent_rows;
+    if (!saved_.routing.has_dropped_group || dropped <= 0) return;
     MOE_CHECK_CUDA(cudaMemsetAsync(send_rows_.as<char>() + saved_.sent_rows * row_bytes_, 0,
                                    static_cast<std::size_t>(dropped) * row_bytes_, stream_));
   }
   ChunkArgs chunks() const {
-    return {recv_counts_.as<std::int32_t>(), ranks_, E_loc_, config_.align_size, chunk_ws_.data()};
+    ChunkArgs args{.counts = recv_counts_.as<std::int32_t>(),
+                   .sources = ranks_,
+                   .local_experts = E_loc_,
+                   .align = config_.align_size,
+                   .workspace = chunk_ws_.data()};
+    if (fixed_rows_ > 0) {  // every (source, expert) block C rows: no counts on the device
+      args.counts = nullptr;
+      args.uniform_count = static_cast<int>(fixed_rows_);
+    }
+    return args;
   }
 
   MoEConfig config_;
+  const Mesh& mesh_;
   cudaStream_t stream_;
   int ranks_, E_, E_loc_, K_;
   int groups_ = 0;  // E, or E + 1 with capacity mode's dropped group
@@ -164,13 +257,21 @@ class NcclExchange final : public TokenExchange {
   DeviceBuffer send_rows_, X_;
   DeviceBuffer recv_counts_;           // [EP · E_loc]: rows from source s for local expert e
   DeviceBuffer &Y_, &dY_, &chunk_ws_;  // the scratch's
+  // Fixed blocks: C (0 without), the sizes of every exchange, this rank's T then the EP group's,
+  // and the host's copy of the losses, the group's T and the dropped group's end.
+  std::int64_t fixed_rows_ = 0;
+  ExchangeCounts fixed_;
+  DeviceBuffer tokens_;
+  PinnedBuffer host_;
+  Event copied_;
 
   // What the forward keeps for the backward, beside the layout, the counts, send_rows and X.
   struct Saved {
     SlotRouting routing;
     std::int64_t tokens = 0;
-    std::int64_t rows = 0;       // padding included
-    std::int64_t sent_rows = 0;  // this rank's rows sent to the experts (dropped ones stay)
+    std::int64_t rows = 0;           // padding included
+    std::int64_t sent_rows = 0;      // this rank's rows sent to the experts (dropped ones stay)
+    std::int64_t slot_rows_end = 0;  // the end of the dropped group's rows (or their bound)
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };

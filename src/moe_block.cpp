@@ -198,8 +198,11 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   // Capturing: refuse_capture_of_forward() let it through.
   const bool capturing = stream_is_capturing(s.stream);
   // Whether the host learns the counts and losses: always but for static shapes that were not
-  // asked to (a replayed routing is checked on the host too).
-  const bool wait_for_host = !s.static_shapes() || options.losses_on_host || replay.data != nullptr;
+  // asked to (a replayed routing is checked on the host too). Under EP a forward at a new T waits
+  // too: the exchange checks there that the EP group holds one T (its fixed blocks' sizes).
+  const bool new_tokens_under_ep = s.mesh.ep() > 1 && T != s.prepared_forward;
+  const bool wait_for_host =
+      !s.static_shapes() || options.losses_on_host || replay.data != nullptr || new_tokens_under_ep;
   const std::int64_t allocations = buffer_allocations();
   s.context.valid = false;  // a failure below leaves no half-built context
   s.times.used = 0;         // stage times restart with each forward; backward appends

@@ -133,11 +133,10 @@ struct MoEBlock::State {
     return *exchange;
   }
 
-  // Capacity mode with pad_to_capacity on one EP rank: every shape of a step is known on the host
-  // beforehand, so a step needs nothing from the device (docs/design.md, "Static shapes").
-  bool static_shapes() const {
-    return config.capacity_mode() && config.pad_to_capacity && mesh.ep() == 1;
-  }
+  // Capacity mode with pad_to_capacity: every shape of a step is known on the host beforehand (on
+  // one EP rank and, with fixed blocks in the exchange, under EP), so a step needs nothing from
+  // the device (docs/design.md, "Static shapes").
+  bool static_shapes() const { return config.capacity_mode() && config.pad_to_capacity; }
 
   // A call whose stream is capturing a CUDA graph is refused where it would wait on the host or
   // allocate; the error says why. The public calls ask before on_mesh, so that a refusal queues
@@ -147,8 +146,6 @@ struct MoEBlock::State {
     if (!config.capacity_mode() || !config.pad_to_capacity)
       return "a layer without capacity_factor and pad_to_capacity reads its row counts on the "
              "host every forward";
-    if (mesh.ep() > 1)
-      return "under EP the exchange reads its row counts on the host (capture needs ep = 1)";
     if (check_finite) return "check mode (set_check_finite) reads every stage's output on the host";
     if (times.on) return "stage timing (set_stage_timing) reads its events on the host";
     return nullptr;

@@ -454,14 +454,12 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
   CHECK_FALSE(series.shared_expert_overlap);
   CHECK_THAT(series.describe(), test::contains_text("shared=8(in series) "));
 
-  // The GPU layer's refusal names the setting and its value; one EP rank runs every capacity
-  // setting, pad_to_capacity included, and EP every one but fixed blocks and the peer exchange.
+  // The GPU layer's refusal names the setting and its value; it runs every capacity setting,
+  // pad_to_capacity under EP included, but over the peer exchange.
   CHECK(full.unsupported_by_gpu_layer().empty());
   MoEConfig under_ep = full;
   under_ep.ep = 2;
-  CHECK(under_ep.unsupported_by_gpu_layer() ==
-        "pad_to_capacity with ep = 2: the GPU layer lays out fixed blocks on one EP rank only, "
-        "for now; moe_run --reference runs it on the CPU");
+  CHECK(under_ep.unsupported_by_gpu_layer().empty());
   CHECK(parse_config(kBase + "capacity_factor: 1.25\n").unsupported_by_gpu_layer().empty());
   MoEConfig widest = parse_config(kBase + "capacity_factor: 1.25\n");
   widest.num_experts = kMaxExperts;

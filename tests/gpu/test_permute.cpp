@@ -228,16 +228,20 @@ TEST_CASE("EP chunk sort to and from the padded expert-major layout", "[gpu][per
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  for (const auto& [sources, local_experts, align, dtype] :
-       {std::tuple{1, 1, 0, DType::kFP32}, std::tuple{2, 4, 16, DType::kBF16},
-        std::tuple{8, 32, 128, DType::kBF16}, std::tuple{4, 128, 8, DType::kFP32},
-        std::tuple{2, 8, 1, DType::kBF16}}) {
-    INFO("sources " << sources << " local experts " << local_experts << " align " << align);
+  // The last two: fixed blocks, every chunk the same count, given as uniform_count (no counts on
+  // the device).
+  for (const auto& [sources, local_experts, align, dtype, uniform] :
+       {std::tuple{1, 1, 0, DType::kFP32, 0}, std::tuple{2, 4, 16, DType::kBF16, 0},
+        std::tuple{8, 32, 128, DType::kBF16, 0}, std::tuple{4, 128, 8, DType::kFP32, 0},
+        std::tuple{2, 8, 1, DType::kBF16, 0}, std::tuple{3, 5, 16, DType::kBF16, 32},
+        std::tuple{2, 3, 0, DType::kFP32, 7}}) {
+    INFO("sources " << sources << " local experts " << local_experts << " align " << align
+                    << " uniform count " << uniform);
     const int H = 256;
     std::uniform_int_distribution<int> count(0, 40);
     reference::ChunkLayout chunks{sources, local_experts, {}};
     for (int i = 0; i < sources * local_experts; ++i)
-      chunks.counts.push_back(i % 7 == 3 ? 0 : count(rng));
+      chunks.counts.push_back(uniform > 0 ? uniform : i % 7 == 3 ? 0 : count(rng));
     std::int64_t rows = 0;
     for (const auto c : chunks.counts) rows += c;
     const Matrix source_major = test::round_to(test::random_matrix(rows, H, rng), dtype);
@@ -252,8 +256,12 @@ TEST_CASE("EP chunk sort to and from the padded expert-major layout", "[gpu][per
         back(static_cast<std::size_t>(rows * H) * elem + 16);
     test::poison(expert_major);
     test::poison(back);
-    const ChunkArgs args{counts_dev.as<std::int32_t>(), sources, local_experts, align,
-                         workspace.data()};
+    const ChunkArgs args{uniform > 0 ? nullptr : counts_dev.as<std::int32_t>(),
+                         sources,
+                         local_experts,
+                         align,
+                         workspace.data(),
+                         uniform};
     const Tensor src_t(src_dev.data(), dtype, {rows, H}),
         em_t(expert_major.data(), dtype, {want.rows, H}), back_t(back.data(), dtype, {rows, H});
     sort_chunks(args, src_t, em_t, nullptr);

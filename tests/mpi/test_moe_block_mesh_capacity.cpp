@@ -1,16 +1,18 @@
 // Capacity mode on EP × DP meshes against the fp64 mesh reference (reference::run_mesh), where
 // each rank drops from its own tokens: every rank's output, dx, losses, kept mask and counts, the
 // gate's gradient summed over the mesh and its local experts' gradients. The dropped slots stay on
-// their sender over the NCCL exchange.
+// their sender over the NCCL exchange; with pad_to_capacity its blocks are fixed.
 #include <mpi.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "moe/mesh.h"
 #include "moe/moe_block.h"
+#include "support/block_results.h"
 #include "support/block_util.h"
 #include "support/capacity_check.h"
 #include "support/catch.h"
@@ -25,9 +27,10 @@ namespace {
 // One step of every rank against the mesh reference; returns the slots dropped over the mesh.
 // Every rank draws the same batches and computes the same reference, so every rank takes the
 // same retries.
-// A rank's tokens are drawn from [min_tokens, 40].
+// A rank's tokens are drawn from [min_tokens, 40]; with same_tokens one T for every rank (what
+// pad_to_capacity's fixed blocks need under EP).
 int run_capacity_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t seed,
-                           int min_tokens = 1) {
+                           int min_tokens = 1, bool same_tokens = false) {
   const int world = test::world_size();
   const int rank = test::world_rank();
   c.ep = ep;
@@ -40,9 +43,11 @@ int run_capacity_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::ui
   std::vector<reference::LayerResult> want;
   for (int attempt = 0;; ++attempt) {
     REQUIRE(attempt < 50);
+    const std::int64_t shared_tokens = std::uniform_int_distribution<int>(min_tokens, 40)(rng);
     for (int r = 0; r < world; ++r) {
-      const std::int64_t tokens = empty_rank && r == world - 1
-                                      ? 0
+      const std::int64_t tokens = empty_rank && r == world - 1 ? 0
+                                  : same_tokens
+                                      ? shared_tokens
                                       : std::uniform_int_distribution<int>(min_tokens, 40)(rng);
       test::draw_separated(c, params, xs[r], tokens, rng);
       dys[r] = test::round_to(test::random_matrix(tokens, c.hidden, rng), c.dtype);
@@ -133,6 +138,51 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
     ds.gemm_autotune = false;
     ++index;
     run_capacity_mesh_case(ds, ep, world / ep, false, seed + index);
+    // pad_to_capacity: fixed blocks in the exchange under EP (every rank the same T), each expert
+    // a fixed group on one EP rank.
+    for (const double factor : {0.5, 1.25}) {
+      MoEConfig c = test::small_config(64, 48, 8, 2);
+      c.dtype = factor == 0.5 ? DType::kFP32 : DType::kBF16;
+      c.gemm_autotune = false;
+      c.capacity_factor = factor;
+      c.pad_to_capacity = true;
+      c.aux_loss_coeff = 0.05;
+      c.align_size = factor == 0.5 ? 0 : 16;
+      ++index;
+      const int dropped = run_capacity_mesh_case(c, ep, world / ep, false, seed + index, 8,
+                                                 /*same_tokens=*/true);
+      if (factor == 0.5) dropped_at_half += dropped;
+    }
   }
   CHECK(dropped_at_half > 0);
+}
+
+TEST_CASE("pad_to_capacity under EP with another T on one rank fails every rank by name",
+          "[mpi][block][capacity]") {
+  const int world = test::world_size();
+  if (world < 2) return;  // one rank: no EP group
+  MoEConfig c = test::small_config(64, 48, 8, 2);
+  c.dtype = DType::kFP32;
+  c.capacity_factor = 1.0;
+  c.pad_to_capacity = true;
+  c.ep = world;
+  c.dp = 1;
+  c.validate();
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts);
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  block.initialize(5);
+  // Rank 1 holds one token more: its C, and so its blocks, would differ.
+  const std::int64_t T = 16 + (test::world_rank() == 1 ? 1 : 0);
+  std::mt19937_64 rng(7);
+  const auto x = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
+  std::string message;
+  try {
+    (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}), test::losses_on_device());
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, test::contains_text("pad_to_capacity under EP needs the same T on every "
+                                          "rank of an EP group") &&
+                          test::contains_text("16, 17"));
 }

@@ -1,7 +1,9 @@
-// Static shapes on a DP mesh (ep = 1, every rank all the experts, capacity_factor with
-// pad_to_capacity): forward + backward + reduce_gradients captured in a CUDA graph. On every rank
-// the eager step waits on the host for nothing and equals the fp64 mesh reference, and the replay
-// over poisoned outputs equals the eager step bitwise, the gradient all-reduce included.
+// Static shapes on a mesh (capacity_factor with pad_to_capacity): forward + backward +
+// reduce_gradients captured in a CUDA graph, on a DP mesh (ep = 1, every rank all the experts) and
+// under EP (fixed blocks in the NCCL exchange, every rank the same T). On every rank the eager
+// step waits on the host for nothing and equals the fp64 mesh reference, and the replay over
+// poisoned outputs equals the eager step bitwise, the exchanges and the gradient all-reduce
+// included.
 #include <mpi.h>
 
 #include <cstdint>
@@ -23,22 +25,23 @@ using reference::Matrix;
 
 namespace {
 
-void run_dp_graph_case(MoEConfig c, std::uint64_t seed) {
+void run_graph_case(MoEConfig c, int ep, std::uint64_t seed) {
   const int world = test::world_size();
   const int rank = test::world_rank();
-  c.ep = 1;
-  c.dp = world;
+  c.ep = ep;
+  c.dp = world / ep;
   c.validate();
   INFO(c.describe() << " rank " << rank);
   std::mt19937_64 rng(seed);
   const auto params = test::round_params(test::random_params(c, rng), c.dtype);
-  // Every rank draws every rank's batch (a different T each) and the same reference.
+  // Every rank draws every rank's batch (a different T each on a DP mesh; under EP the fixed blocks
+  // need one T) and the same reference.
   std::vector<Matrix> xs(world), dys(world);
   std::vector<reference::LayerResult> want;
   for (int attempt = 0;; ++attempt) {
     REQUIRE(attempt < 50);
     for (int r = 0; r < world; ++r) {
-      test::draw_separated(c, params, xs[r], 24 + 5 * r, rng);
+      test::draw_separated(c, params, xs[r], ep == 1 ? 24 + 5 * r : 29, rng);
       dys[r] = test::round_to(test::random_matrix(xs[r].rows, c.hidden, rng), c.dtype);
     }
     want = reference::run_mesh(c, params, xs, dys);
@@ -47,10 +50,11 @@ void run_dp_graph_case(MoEConfig c, std::uint64_t seed) {
       clear = clear && test::capacity_boundary_clear(c, xs[r].rows, want[r]);
     if (clear) break;
   }
-  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, 1, world, c.num_experts);
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, world / ep, c.num_experts);
   Stream stream;
   MoEBlock block(c, mesh, stream.get());
-  test::load_params(block, params, 0, c.num_experts);
+  const int E_loc = c.num_experts / ep;
+  test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
   const std::int64_t T = xs[rank].rows;
   const auto x = test::upload_as(xs[rank], c.dtype);
   const auto dy = test::upload_as(dys[rank], c.dtype);
@@ -77,7 +81,7 @@ void run_dp_graph_case(MoEConfig c, std::uint64_t seed) {
   CHECK(test::relative_error(eager.dx, mine.dx) <= tol);
   CHECK(eager.aux == Approx(mine.aux_loss).epsilon(1e-5).margin(1e-9));
   CHECK(eager.z == Approx(mine.z_loss).epsilon(1e-5).margin(1e-9));
-  test::check_rank_gradients(c, block.gradients(), mine, 0, c.num_experts, tol);
+  test::check_rank_gradients(c, block.gradients(), mine, 0, E_loc, tol);  // its own experts
 
   MoEForward fwd;
   Tensor dx;
@@ -97,24 +101,30 @@ void run_dp_graph_case(MoEConfig c, std::uint64_t seed) {
 
 }  // namespace
 
-TEST_CASE("a DP mesh step of static shapes in a CUDA graph replays the eager step bitwise",
+TEST_CASE("a mesh step of static shapes in a CUDA graph replays the eager step bitwise",
           "[mpi][graph]") {
+  const int world = test::world_size();
   const auto seed = test::shared_seed();
   INFO("seed " << seed);
-  MoEConfig c = test::small_config(64, 48, 8, 2);
-  c.capacity_factor = 1.25;
-  c.pad_to_capacity = true;
-  c.align_size = 16;
-  c.aux_loss_coeff = 0.05;
-  c.z_loss_coeff = 0.01;
-  c.dtype = DType::kFP32;
-  run_dp_graph_case(c, seed);
-  // bf16, dropping by position, a gated shared expert beside the routed path.
-  c.dtype = DType::kBF16;
-  c.capacity_factor = 0.75;
-  c.drop_policy = DropPolicy::kPosition;
-  c.align_size = 0;
-  c.shared_ffn_hidden = 40;
-  c.shared_gate = true;
-  run_dp_graph_case(c, seed + 1);
+  int index = 0;
+  for (const int ep : {1, world}) {
+    if (ep == world && world == 1) continue;
+    INFO("ep " << ep);
+    MoEConfig c = test::small_config(64, 48, 8, 2);
+    c.capacity_factor = 1.25;
+    c.pad_to_capacity = true;
+    c.align_size = 16;
+    c.aux_loss_coeff = 0.05;
+    c.z_loss_coeff = 0.01;
+    c.dtype = DType::kFP32;
+    run_graph_case(c, ep, seed + index++);
+    // bf16, dropping by position, a gated shared expert beside the routed path.
+    c.dtype = DType::kBF16;
+    c.capacity_factor = 0.75;
+    c.drop_policy = DropPolicy::kPosition;
+    c.align_size = 0;
+    c.shared_ffn_hidden = 40;
+    c.shared_gate = true;
+    run_graph_case(c, ep, seed + index++);
+  }
 }
