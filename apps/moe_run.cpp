@@ -30,6 +30,7 @@
 #include <mpi.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -41,6 +42,7 @@
 #include <new>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <tuple>
 #include <utility>
 
@@ -301,7 +303,21 @@ int run_mesh(const MoEConfig& config, const TensorSource& weights, const TensorS
   if (world != config.ep * config.dp)  // the same on every rank: all fail alike
     fail("EP {} × DP {} is {} ranks, but MPI started {}", config.ep, config.dp,
          config.ep * config.dp, world);
-  checked.split(world);  // tokens_per_rank against the world, alike on every rank
+  const std::vector<std::int64_t> split = checked.split(world);  // alike on every rank
+  // Fixed blocks under EP take C from each rank's T: an EP group (ranks d·EP … d·EP + EP − 1)
+  // must hold one T. Known from the files on every rank, so all stop alike here.
+  if (config.pad_to_capacity && config.ep > 1) {
+    for (int first = 0; first < world; first += config.ep) {
+      const auto group = std::span(split).subspan(static_cast<std::size_t>(first),
+                                                  static_cast<std::size_t>(config.ep));
+      if (std::adjacent_find(group.begin(), group.end(), std::not_equal_to<>()) != group.end())
+        fail(
+            "pad_to_capacity under EP needs the same tokens on every rank of an EP group, but "
+            "the tokens split gives ranks {}..{} {} tokens (tokens_per_rank, or the batch split "
+            "evenly)",
+            first, first + config.ep - 1, fmt::join(group, ", "));
+    }
+  }
 
   std::string error;
   RankInputs in;

@@ -104,6 +104,9 @@ void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
   }
   check_activation(source_major, "chunk sort source-major rows");
   check_activation(expert_major, "chunk sort expert-major rows");
+  if (c.counts == nullptr && c.uniform_count == 0 && source_major.dim(0) > 0)
+    fail("chunk sort: no counts and uniform_count 0, but " + std::to_string(source_major.dim(0)) +
+         " source-major rows");
   check_same_width(source_major, expert_major, "chunk sort");
   const int chunks = c.sources * c.local_experts;
   const ChunkTable table = chunk_table(c.workspace, c.sources, c.local_experts);

@@ -37,8 +37,9 @@ class LocalExchange final : public TokenExchange {
     // expert GEMMs run on fixed shapes whatever the routing.
     const auto fixed_rows = static_cast<int>(routing.expert_group_rows);
     layout_.build(routing.topk_idx, T, K_, groups_, align, stream_, fixed_rows,
-                  fixed_rows > 0 ? E_ : 0);
+                  fixed_rows > 0 ? E_ : 0);  // C = 0 (T = 0): no rows, as without fixed groups
     tokens_ = T;
+    fixed_ = routing.fixed_groups;
     fixed_rows_ = fixed_rows;
     to_host_ = routing.to_host;
     if (to_host_) {
@@ -56,7 +57,7 @@ class LocalExchange final : public TokenExchange {
                                      (groups_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
                                      count_stream));
       copied_.record(count_stream);
-    } else if (fixed_rows == 0) {
+    } else if (!fixed_) {
       fail("the local exchange: the row counts stay on the device only with fixed groups");
     }
     const std::int64_t max_rows = T * K_ + std::int64_t{groups_} * std::max(align - 1, 0) +
@@ -75,7 +76,7 @@ class LocalExchange final : public TokenExchange {
       std::memcpy(totals, host_.as<char>(), totals_bytes_);
       offsets = reinterpret_cast<const std::int32_t*>(host_.as<char>() + totals_bytes_);
     }
-    if (fixed_rows_ > 0) {
+    if (fixed_) {
       // Known beforehand, whether or not the counts came: expert e's group is rows
       // [e·C, (e + 1)·C), the same shapes every step, so the same GEMM plans. The dropped group
       // after them takes a row per dropped slot, rounded up to A (a token's several dropped slots
@@ -193,7 +194,8 @@ class LocalExchange final : public TokenExchange {
 
   std::size_t totals_bytes_ = 0;  // where the offsets start in host_
   std::int64_t tokens_ = 0;       // the forward's T
-  int fixed_rows_ = 0;            // pad_to_capacity's C; 0 without fixed groups
+  bool fixed_ = false;            // pad_to_capacity's fixed groups
+  int fixed_rows_ = 0;            // their C (0 at T = 0)
   bool to_host_ = true;           // routing.to_host
 
   // What the forward keeps for the backward, beside the layout, X (unless refilled) and row_prob.

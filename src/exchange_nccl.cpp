@@ -16,7 +16,8 @@
 // waits on the host checks that the EP group holds one T (C is each rank's own).
 //
 // Buffer roles, each taken only once the previous content is dead (docs/design.md, "Buffers"):
-//   send_rows [T·K, H]: x gathered to send → Y returned (kept for dprob) → received dY →
+//   send_rows [T·K, H]: (with fixed blocks T·K + E·C rows) x gathered to send → Y returned (kept
+//   for dprob) → received dY →
 //                       returned dX
 //   X [rows, H]:        the experts' input (kept)
 //   Y (scratch):        received rows → the experts' output → dY to send → dX
@@ -62,17 +63,18 @@ class NcclExchange final : public TokenExchange {
     saved_.tokens = x.dim(0);
     saved_.routing = routing;
     groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
+    fixed_ = routing.fixed_groups;
     fixed_rows_ = routing.expert_group_rows;
-    if (fixed_rows_ == 0 && !routing.to_host)
+    if (!fixed_ && !routing.to_host)
       fail("the NCCL exchange: the row counts stay on the device only with fixed blocks");
     layout_.build(routing.topk_idx, saved_.tokens, K_, groups_, /*align=*/1, stream_,
-                  static_cast<int>(fixed_rows_), fixed_rows_ > 0 ? E_ : 0);
+                  static_cast<int>(fixed_rows_), fixed_rows_ > 0 ? E_ : 0);  // C = 0 at T = 0
     permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, slots(),
                  stream_);
   }
 
   void dispatch(const Tensor&, void* totals) override {
-    if (fixed_rows_ > 0) {
+    if (fixed_) {
       dispatch_fixed(totals);
       return;
     }
@@ -157,21 +159,19 @@ class NcclExchange final : public TokenExchange {
  private:
   // The rows of the sender's layout: T·K, unpadded; with fixed blocks E · C, then the dropped
   // group's bound (a row per dropped slot at most).
-  std::int64_t slot_rows() const {
-    return saved_.tokens * K_ + (fixed_rows_ > 0 ? E_ * fixed_rows_ : 0);
-  }
+  std::int64_t slot_rows() const { return saved_.tokens * K_ + (fixed_ ? E_ * fixed_rows_ : 0); }
   // This rank's slots' rows in the sender's layout (grows send_rows where needed).
   Tensor slots() { return view(send_rows_, dtype_, {slot_rows(), H_}); }
   Tensor rows(const DeviceBuffer& buffer) const {
     return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
   }
-  const ExchangeCounts& counts() const { return fixed_rows_ > 0 ? fixed_ : exchange_.counts(); }
+  const ExchangeCounts& counts() const { return fixed_ ? fixed_counts_ : exchange_.counts(); }
 
   // Fixed blocks: the sizes are the host's; the losses (and the EP group's token counts, checked
   // here) come to the host only where the forward waits for them.
   void dispatch_fixed(void* totals) {
     const std::int64_t C = fixed_rows_, T = saved_.tokens;
-    // Every buffer of the step grows here, before this forward queues a collective (a growth
+    // Every buffer of the step grows here, before the exchange queues its collectives (a growth
     // frees the old buffer, which waits for the device): the same sizes every step at this T.
     const std::int64_t received = std::int64_t{ranks_} * E_loc_ * C;
     view(Y_, dtype_, {std::max(received, slot_rows()), H_});
@@ -211,11 +211,12 @@ class NcclExchange final : public TokenExchange {
       std::memcpy(&end, host + totals_bytes + tokens_bytes, sizeof(end));
       saved_.slot_rows_end = end;
     }
-    fixed_.send_rows.assign(ranks_, E_loc_ * C);
-    fixed_.recv_rows.assign(ranks_, E_loc_ * C);
-    const Tensor recv = view(Y_, dtype_, {fixed_.total_received(), H_});  // Y is not written yet
-    exchange_.exchange_rows(send_rows_.data(), fixed_.send_rows, recv.data, fixed_.recv_rows,
-                            row_bytes_, stream_);
+    fixed_counts_.send_rows.assign(ranks_, E_loc_ * C);
+    fixed_counts_.recv_rows.assign(ranks_, E_loc_ * C);
+    const Tensor recv =
+        view(Y_, dtype_, {fixed_counts_.total_received(), H_});  // Y is not written yet
+    exchange_.exchange_rows(send_rows_.data(), fixed_counts_.send_rows, recv.data,
+                            fixed_counts_.recv_rows, row_bytes_, stream_);
     // Expert e's group: the EP sources' blocks of C rows in source order, EP · C rows.
     saved_.expert_offsets.resize(static_cast<std::size_t>(E_loc_) + 1);
     for (int e = 0; e <= E_loc_; ++e) saved_.expert_offsets[e] = std::int64_t{e} * ranks_ * C;
@@ -237,7 +238,7 @@ class NcclExchange final : public TokenExchange {
                    .local_experts = E_loc_,
                    .align = config_.align_size,
                    .workspace = chunk_ws_.data()};
-    if (fixed_rows_ > 0) {  // every (source, expert) block C rows: no counts on the device
+    if (fixed_) {  // every (source, expert) block C rows: no counts on the device
       args.counts = nullptr;
       args.uniform_count = static_cast<int>(fixed_rows_);
     }
@@ -259,8 +260,9 @@ class NcclExchange final : public TokenExchange {
   DeviceBuffer &Y_, &dY_, &chunk_ws_;  // the scratch's
   // Fixed blocks: C (0 without), the sizes of every exchange, this rank's T then the EP group's,
   // and the host's copy of the losses, the group's T and the dropped group's end.
+  bool fixed_ = false;
   std::int64_t fixed_rows_ = 0;
-  ExchangeCounts fixed_;
+  ExchangeCounts fixed_counts_;
   DeviceBuffer tokens_;
   PinnedBuffer host_;
   Event copied_;

@@ -238,7 +238,8 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     routing.topk_idx = s.capacity->kept_idx();
     routing.topk_p = s.capacity->kept_p();
     routing.has_dropped_group = true;
-    if (s.config.pad_to_capacity) routing.expert_group_rows = s.config.expert_capacity(T);
+    routing.fixed_groups = s.config.pad_to_capacity;
+    if (routing.fixed_groups) routing.expert_group_rows = s.config.expert_capacity(T);
   }
   {
     Range r("moe losses", s.times, stream);

@@ -11,7 +11,8 @@
 //
 // Each owns its row buffers (the call-only ones through MoEScratch) and what the forward keeps for
 // the backward. Every verb queues its work on the block's stream; only dispatch blocks the host,
-// once per forward, for the row counts. The forward runs permute, dispatch, expert_rows, combine,
+// once per forward, for the row counts (with fixed groups only where asked to). The forward runs
+// permute, dispatch, expert_rows, combine,
 // unpermute in this order; the backward unpermute_backward, combine_backward, expert_grad_rows,
 // dispatch_backward, permute_backward, once per forward.
 #pragma once
@@ -43,11 +44,13 @@ struct SlotRouting {
   // Capacity mode: the dropped slots are sent to group E (topk_idx = E, topk_p = 0), which the
   // layout places after every expert's; no GEMM reads those rows and no exchange sends them.
   bool has_dropped_group = false;
-  // pad_to_capacity: every expert's group takes exactly this many rows (its kept rows, then zero
-  // rows); 0 = each group padded to align_size alone.
+  // pad_to_capacity: every expert's group takes exactly expert_group_rows rows (its kept rows,
+  // then zero rows; C, which is 0 at T = 0); without fixed groups each group is padded to
+  // align_size alone.
+  bool fixed_groups = false;
   std::int64_t expert_group_rows = 0;
-  // Whether dispatch copies `totals` and the row counts to the host and waits for them. False only
-  // with fixed groups on one EP rank (the local exchange), whose layout the host knows beforehand.
+  // Whether dispatch copies `totals` (and the row counts) to the host and waits for them. False
+  // only with fixed groups, whose layout the host knows beforehand.
   bool to_host = true;
 };
 

@@ -1,9 +1,9 @@
 // Static shapes on a mesh (capacity_factor with pad_to_capacity): forward + backward +
-// reduce_gradients captured in a CUDA graph, on a DP mesh (ep = 1, every rank all the experts) and
-// under EP (fixed blocks in the NCCL exchange, every rank the same T). On every rank the eager
-// step waits on the host for nothing and equals the fp64 mesh reference, and the replay over
-// poisoned outputs equals the eager step bitwise, the exchanges and the gradient all-reduce
-// included.
+// reduce_gradients captured in a CUDA graph, on every mesh shape: DP (ep = 1, every rank all the
+// experts) and under EP (fixed blocks in the NCCL exchange, every rank of an EP group the same T).
+// On every rank the eager step waits on the host for nothing and equals the fp64 mesh reference,
+// and the replay over poisoned outputs equals the eager step bitwise, the exchanges and the
+// gradient all-reduce included.
 #include <mpi.h>
 
 #include <cstdint>
@@ -107,8 +107,8 @@ TEST_CASE("a mesh step of static shapes in a CUDA graph replays the eager step b
   const auto seed = test::shared_seed();
   INFO("seed " << seed);
   int index = 0;
-  for (const int ep : {1, world}) {
-    if (ep == world && world == 1) continue;
+  for (int ep = 1; ep <= world; ++ep) {  // every mesh shape: DP, EP × DP, EP
+    if (world % ep != 0) continue;
     INFO("ep " << ep);
     MoEConfig c = test::small_config(64, 48, 8, 2);
     c.capacity_factor = 1.25;
