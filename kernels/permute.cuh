@@ -101,12 +101,23 @@ struct PeerRows {
   const std::int32_t* rows = nullptr;      // [T, K]
 };
 
+// Capacity mode's dropped slots (group `experts` of the kept routing) keep their rows on the
+// sender: destination[i] is slot i's global expert, or own_expert (one of the sender's own
+// experts, so that its rank is the sender's) for a dropped slot. Null destination: no dropped
+// group.
+struct PeerDroppedSlots {
+  std::int32_t* destination = nullptr;  // [T, K] out, or null
+  int experts = 0;                      // E: topk_idx >= E is dropped
+  int own_expert = 0;
+};
+
 // rows[i] = row_map[i] + shift[topk_idx[i]] for i < slots: a slot's row on its expert's rank from
 // its row in the sender's layout (shift[g]: where this sender's rows of global expert g start on
-// g's rank, minus where they start in the sender's layout).
+// g's rank, minus where they start in the sender's layout; shift[E], with a dropped group: where
+// the sender keeps the dropped rows in its own buffer).
 void peer_row_map(const std::int32_t* row_map, const std::int32_t* topk_idx,
                   const std::int32_t* shift, std::int64_t slots, std::int32_t* rows,
-                  cudaStream_t stream);
+                  cudaStream_t stream, const PeerDroppedSlots& dropped = {});
 
 // Dispatch: x[t] stored at every slot's row on its rank; this rank's own padding rows (groups
 // own_offsets / own_counts of `own`, its buffer) zeroed in the same launch. With prob [T, K] and

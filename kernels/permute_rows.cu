@@ -262,14 +262,19 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   }
 }
 
-// rows[i] = row_map[i] + shift[topk_idx[i]]: a slot's row on its expert's rank.
+// rows[i] = row_map[i] + shift[topk_idx[i]]: a slot's row on its expert's rank; with dropped,
+// each slot's group there, the dropped group (topk_idx >= experts) named as the sender's own.
 __global__ void peer_row_map_kernel(const std::int32_t* __restrict__ row_map,
                                     const std::int32_t* __restrict__ topk_idx,
                                     const std::int32_t* __restrict__ shift, std::int64_t slots,
-                                    std::int32_t* __restrict__ rows) {
+                                    std::int32_t* __restrict__ rows, PeerDroppedSlots dropped) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < slots;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    rows[i] = row_map[i] + shift[topk_idx[i]];
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int32_t group = topk_idx[i];
+    rows[i] = row_map[i] + shift[group];
+    if (dropped.destination != nullptr)
+      dropped.destination[i] = group < dropped.experts ? group : dropped.own_expert;
+  }
 }
 
 // ---- Launch -------------------------------------------------------------------------------------
@@ -402,12 +407,17 @@ PeerRowsOnDevice on_device(const PeerRows& rows, std::int64_t row_bytes, bool wi
 
 void peer_row_map(const std::int32_t* row_map, const std::int32_t* topk_idx,
                   const std::int32_t* shift, std::int64_t slots, std::int32_t* rows,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const PeerDroppedSlots& dropped) {
   if (slots <= 0) return;
+  if (dropped.destination != nullptr &&
+      (dropped.experts < 1 || dropped.own_expert < 0 || dropped.own_expert >= dropped.experts))
+    fail("peer_row_map: experts = " + std::to_string(dropped.experts) +
+         ", own_expert = " + std::to_string(dropped.own_expert));
   const int threads = 256;
   const auto blocks =
       static_cast<unsigned>(std::min<std::int64_t>((slots + threads - 1) / threads, 4096));
-  peer_row_map_kernel<<<blocks, threads, 0, stream>>>(row_map, topk_idx, shift, slots, rows);
+  peer_row_map_kernel<<<blocks, threads, 0, stream>>>(row_map, topk_idx, shift, slots, rows,
+                                                      dropped);
   MOE_CHECK_LAUNCH();
 }
 

@@ -27,9 +27,8 @@ std::unique_ptr<TokenExchange> make_token_exchange(const ExchangeSetup& setup) {
   const MoEConfig& config = setup.config;
   const Mesh& mesh = setup.mesh;
   if (mesh.ep() == 1) return make_local_exchange(setup);
-  // Capacity mode's dropped slots stay on their sender over NCCL; the peer exchange, which
-  // stores every slot into its expert's rank, does not run it yet (the config refuses peer).
-  if (config.capacity_mode()) return make_nccl_exchange(setup);
+  // Fixed blocks (pad_to_capacity) run over NCCL alone (the config refuses peer with them).
+  if (config.capacity_mode() && config.pad_to_capacity) return make_nccl_exchange(setup);
   bool use_peer = false;
   if (config.ep_transport != EpTransport::kNccl) {
     use_peer = ep_group_has_peer_access(mesh, setup.stream);

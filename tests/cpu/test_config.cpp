@@ -455,7 +455,7 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
   CHECK_THAT(series.describe(), test::contains_text("shared=8(in series) "));
 
   // The GPU layer's refusal names the setting and its value; it runs every capacity setting,
-  // pad_to_capacity under EP included, but over the peer exchange.
+  // pad_to_capacity under EP included, but fixed blocks over the peer exchange.
   CHECK(full.unsupported_by_gpu_layer().empty());
   MoEConfig under_ep = full;
   under_ep.ep = 2;
@@ -468,9 +468,14 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
                                  "group beside the experts', at most 2047 experts"));
   CHECK(parse_config(kBase + "capacity_factor: 1.25\nep: 2\n").unsupported_by_gpu_layer().empty());
   CHECK(parse_config(kBase + "capacity_factor: 1.25\nep: 2\nep_transport: peer\n")
-            .unsupported_by_gpu_layer() ==
-        "capacity_factor=1.25 with ep_transport = peer: capacity mode runs over the NCCL exchange "
-        "(auto or nccl), for now");
+            .unsupported_by_gpu_layer()
+            .empty());
+  CHECK(
+      parse_config(kBase + "capacity_factor: 1.25\npad_to_capacity: true\nep: 2\n"
+                           "ep_transport: peer\n")
+          .unsupported_by_gpu_layer() ==
+      "pad_to_capacity with ep_transport = peer: fixed blocks run over the NCCL exchange (auto or "
+      "nccl), for now");
   CHECK(parse_config(kBase + "shared_ffn_hidden: 8\nshared_gate: true\n")
             .unsupported_by_gpu_layer()
             .empty());

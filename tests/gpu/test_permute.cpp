@@ -457,3 +457,44 @@ TEST_CASE("permute kernels reject bad arguments", "[gpu][permute]") {
   args.tokens = (std::int64_t{INT32_MAX} - 2048 * 4095) / 8 + 1;
   CHECK_THROWS_WITH(build_layout(args, nullptr), test::contains_text("exceed the int32 row index"));
 }
+
+// Capacity mode over the peer exchange: a dropped slot (group E of the kept routing) keeps its row
+// on the sender, so the row map takes shift[E] for it and names one of the sender's experts.
+TEST_CASE("peer row map of a kept routing: dropped slots stay with their sender",
+          "[gpu][permute]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int E = 8, own_expert = 4, slots = 1000;
+  std::uniform_int_distribution<int> group(0, E);  // E: dropped
+  std::uniform_int_distribution<int> row(0, 5000), offset(-3000, 3000);
+  std::vector<std::int32_t> idx(slots), row_map(slots), shift(E + 1);
+  for (auto& g : idx) g = group(rng);
+  for (auto& r : row_map) r = row(rng);
+  for (auto& s : shift) s = offset(rng);
+  const auto idx_dev = test::upload(idx), row_map_dev = test::upload(row_map),
+             shift_dev = test::upload(shift);
+  DeviceBuffer rows(slots * 4), destination(slots * 4);
+  test::poison(rows);
+  test::poison(destination);
+  Stream stream;
+  peer_row_map(row_map_dev.as<std::int32_t>(), idx_dev.as<std::int32_t>(),
+               shift_dev.as<std::int32_t>(), slots, rows.as<std::int32_t>(), stream.get(),
+               {destination.as<std::int32_t>(), E, own_expert});
+  stream.synchronize();
+  const auto got_rows = test::download<std::int32_t>(rows, slots);
+  const auto got_destination = test::download<std::int32_t>(destination, slots);
+  int dropped = 0;
+  for (int i = 0; i < slots; ++i) {
+    INFO("slot " << i << " group " << idx[i]);
+    REQUIRE(got_rows[i] == row_map[i] + shift[idx[i]]);
+    REQUIRE(got_destination[i] == (idx[i] < E ? idx[i] : own_expert));
+    dropped += idx[i] == E;
+  }
+  CHECK(dropped > 0);
+  // An own expert outside the experts is refused by name.
+  CHECK_THROWS_WITH(peer_row_map(row_map_dev.as<std::int32_t>(), idx_dev.as<std::int32_t>(),
+                                 shift_dev.as<std::int32_t>(), slots, rows.as<std::int32_t>(),
+                                 stream.get(), {destination.as<std::int32_t>(), E, E}),
+                    test::contains_text("own_expert = 8"));
+}

@@ -68,7 +68,10 @@ int run_capacity_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::ui
   const auto dy = test::upload_as(dys[rank], c.dtype);
   const auto fwd = block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}));
   INFO("transport " << ep_transport_name(block.ep_transport()));
-  if (ep > 1) CHECK(block.ep_transport() == EpTransport::kNccl);
+  // Fixed blocks over NCCL alone; otherwise NCCL where asked, auto's choice (peer memory where the
+  // EP group has it) else.
+  if (ep > 1 && (c.pad_to_capacity || c.ep_transport == EpTransport::kNccl))
+    CHECK(block.ep_transport() == EpTransport::kNccl);
   const Tensor dx = block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   block.synchronize();
@@ -114,6 +117,11 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
   int dropped_at_half = 0;
   for (int ep = 1; ep <= world; ++ep) {
     if (world % ep != 0) continue;
+    // Under EP over both exchanges: NCCL, where the dropped slots are never sent, and auto (the
+    // peer exchange where the EP group has peer access), where they keep rows on their sender.
+    const std::vector<EpTransport> transports =
+        ep == 1 ? std::vector{EpTransport::kAuto}
+                : std::vector{EpTransport::kNccl, EpTransport::kAuto};
     for (const DropPolicy policy : {DropPolicy::kProbs, DropPolicy::kPosition}) {
       for (const double factor : {0.5, 1.25}) {
         MoEConfig c = test::small_config(64, 48, 8, 2);
@@ -121,6 +129,7 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
         c.gemm_autotune = false;
         c.capacity_factor = factor;
         c.drop_policy = policy;
+        c.ep_transport = transports[index % transports.size()];
         c.aux_loss_coeff = 0.05;
         c.z_loss_coeff = 0.01;
         // Unaligned where the factor is meant to drop (align 16 gives C = 16, above most loads).
@@ -136,8 +145,12 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
     ds.capacity_factor = 0.75;
     ds.shared_ffn_hidden = 40;
     ds.gemm_autotune = false;
-    ++index;
-    run_capacity_mesh_case(ds, ep, world / ep, false, seed + index);
+    for (const EpTransport transport : transports) {
+      ds.ep_transport = transport;
+      ds.keep_expert_input = transport == EpTransport::kNccl;  // else X stored again backward
+      ++index;
+      run_capacity_mesh_case(ds, ep, world / ep, false, seed + index);
+    }
     // pad_to_capacity: fixed blocks in the exchange under EP (every rank the same T), each expert
     // a fixed group on one EP rank.
     for (const double factor : {0.5, 1.25}) {
@@ -168,21 +181,25 @@ TEST_CASE("pad_to_capacity under EP with another T on one rank fails every rank 
   c.ep = world;
   c.dp = 1;
   c.validate();
-  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts);
-  Stream stream;
-  MoEBlock block(c, mesh, stream.get());
-  block.initialize(5);
-  // Rank 1 holds one token more: its C, and so its blocks, would differ.
-  const std::int64_t T = 16 + (test::world_rank() == 1 ? 1 : 0);
-  std::mt19937_64 rng(7);
-  const auto x = test::upload_as(test::random_matrix(T, c.hidden, rng), c.dtype);
-  std::string message;
-  try {
-    (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}), test::losses_on_device());
-  } catch (const Error& e) {
-    message = e.what();
+  // Rank 1 holds one token more, or none (C = 0): its blocks would differ from the others'.
+  for (const std::int64_t other : {17, 0}) {
+    INFO("rank 1 holds " << other << " tokens");
+    const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts);
+    Stream stream;
+    MoEBlock block(c, mesh, stream.get());
+    block.initialize(5);
+    const std::int64_t T = test::world_rank() == 1 ? other : 16;
+    std::mt19937_64 rng(7);
+    const auto x =
+        test::upload_as(test::random_matrix(std::max<std::int64_t>(T, 1), c.hidden, rng), c.dtype);
+    std::string message;
+    try {
+      (void)block.forward(Tensor(x.data(), c.dtype, {T, c.hidden}), test::losses_on_device());
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    CHECK_THAT(message, test::contains_text("pad_to_capacity under EP needs the same T on every "
+                                            "rank of an EP group") &&
+                            test::contains_text("16, " + std::to_string(other)));
   }
-  CHECK_THAT(message, test::contains_text("pad_to_capacity under EP needs the same T on every "
-                                          "rank of an EP group") &&
-                          test::contains_text("16, 17"));
 }
