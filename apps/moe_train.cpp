@@ -201,9 +201,10 @@ class Checkpoint {
   MPI_Comm ep_group_ = MPI_COMM_NULL;
 };
 
-// What the header of a checkpoint to resume from must say, checked before anything starts (its
-// tensors' shapes are checked as they are read): a moe_train checkpoint of as many layers.
-void check_checkpoint_header(const std::string& path, int layers) {
+// What the header of a checkpoint to resume from must say, checked before anything starts: a
+// moe_train checkpoint of as many layers, each with every tensor the model's layer holds, F32 in
+// the layer's shapes (all experts: the checkpoint is the whole model, whatever the mesh).
+void check_checkpoint_header(const std::string& path, int layers, const MoEConfig& config) {
   const TensorFileReader file(path);
   const auto& metadata = file.metadata();
   for (const char* key : {"step", "layers", "config"}) {
@@ -213,6 +214,25 @@ void check_checkpoint_header(const std::string& path, int layers) {
   if (metadata.at("layers") != std::to_string(layers))
     fail("--load '{}' holds {} layers, the model has {} (--layers)", path, metadata.at("layers"),
          layers);
+  const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
+  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors = {
+      {"gate_weight", {E, H}}, {"w13", {E, 2 * F, H}}, {"w2", {E, H, F}}};
+  for (int l = 0; l < layers; ++l) {
+    auto expect = [&](const std::string& name, const std::vector<std::int64_t>& shape) {
+      if (!file.contains(name))
+        fail("--load '{}' has no tensor {} (a checkpoint of another model?)", path, name);
+      const TensorInfo info = file.info(name);
+      if (info.dtype != FileDType::kF32 || info.shape != shape)
+        fail("--load '{}': {} is {}[{}], the model's layer needs F32[{}] ({})", path, name,
+             file_dtype_name(info.dtype), fmt::join(info.shape, ", "), fmt::join(shape, ", "),
+             config.describe());
+    };
+    for (const auto& [name, shape] : tensors) {
+      const std::string base = fmt::format("layers.{}.{}", l, name);
+      for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq"}) expect(base + suffix, shape);
+    }
+    expect(fmt::format("layers.{}.expert_bias", l), {E});
+  }
 }
 
 // `config` is checked against the mesh's shape already.
@@ -390,7 +410,7 @@ int main(int argc, char** argv) {
       cli::check_output_file("--save", o.save_path, {{"--config", o.config_path}});
     MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
     if (o.fp8) config.fp8 = true;
-    if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers);
+    if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers, config);
     comm::MpiSession mpi(&argc, &argv);
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());
     config.validate();

@@ -1,0 +1,103 @@
+// moe_train --load: a checkpoint whose header does not hold the model's layers (a missing tensor,
+// a wrong shape or dtype, another layer count) is refused by name before MPI or a GPU is touched,
+// so the error is the same on any machine.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "moe/safetensors.h"
+#include "support/catch.h"
+#include "support/test_util.h"
+
+using namespace moe;
+
+namespace {
+
+constexpr std::int64_t kE = 4, kH = 8, kF = 6;
+
+// A checkpoint of `layers` layers of the small layer below, as moe_train writes it.
+TensorFile checkpoint(int layers) {
+  TensorFile file;
+  file.metadata = {{"step", "3"}, {"layers", std::to_string(layers)}, {"config", "small"}};
+  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors = {
+      {"gate_weight", {kE, kH}}, {"w13", {kE, 2 * kF, kH}}, {"w2", {kE, kH, kF}}};
+  for (int l = 0; l < layers; ++l) {
+    for (const auto& [name, shape] : tensors) {
+      std::int64_t n = 1;
+      for (const auto d : shape) n *= d;
+      const std::vector<float> zeros(static_cast<std::size_t>(n), 0.0f);
+      for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq"})
+        file.add("layers." + std::to_string(l) + "." + name + suffix, FileDType::kF32, shape,
+                 zeros.data());
+    }
+    const std::vector<float> bias(kE, 0.0f);
+    file.add("layers." + std::to_string(l) + ".expert_bias", FileDType::kF32, {kE}, bias.data());
+  }
+  return file;
+}
+
+struct TrainDir {
+  std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("moe_train_" + std::to_string(::getpid()));
+  TrainDir() {
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir / "config.yaml")
+        << "hidden: " << kH << "\nffn_hidden: " << kF << "\nnum_experts: " << kE << "\ntopk: 2\n";
+  }
+  ~TrainDir() { std::filesystem::remove_all(dir); }
+  // moe_train --load FILE --layers 2: its exit status and stderr.
+  int load(const TensorFile& file, std::string& error) const {
+    file.write(dir / "ckpt.safetensors");
+    const std::string command = std::string(MOE_TRAIN_PATH) + " --layers 2 --steps 1 --config " +
+                                (dir / "config.yaml").string() + " --load " +
+                                (dir / "ckpt.safetensors").string() + " 2>" +
+                                (dir / "err.txt").string();
+    const int status = std::system(command.c_str());
+    std::ifstream in(dir / "err.txt");
+    error.assign(std::istreambuf_iterator<char>(in), {});
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("moe_train --load refuses a checkpoint of another model by name", "[cpu][train]") {
+  const TrainDir d;
+  std::string error;
+  // A whole checkpoint passes the header: moe_train then stops at the missing GPU, or runs.
+  const int good = d.load(checkpoint(2), error);
+  INFO(error);
+  CHECK((good == 0 || error.find("no CUDA GPU") != std::string::npos));
+
+  CHECK(d.load(checkpoint(3), error) == 1);
+  CHECK_THAT(error, test::contains_text("holds 3 layers, the model has 2 (--layers)"));
+
+  TensorFile missing = checkpoint(2);
+  TensorFile without;
+  without.metadata = missing.metadata;
+  for (const auto& [name, tensor] : missing.tensors()) {
+    if (name != "layers.1.w2.exp_avg_sq")
+      without.add(name, tensor.dtype, tensor.shape, tensor.data.data());
+  }
+  CHECK(d.load(without, error) == 1);
+  CHECK_THAT(error, test::contains_text("has no tensor layers.1.w2.exp_avg_sq"));
+
+  TensorFile wrong = checkpoint(2);
+  TensorFile reshaped;
+  reshaped.metadata = wrong.metadata;
+  for (const auto& [name, tensor] : wrong.tensors()) {
+    if (name == "layers.0.w13") {
+      reshaped.add(name, tensor.dtype, {kE, kF, 2 * kH}, tensor.data.data());
+    } else {
+      reshaped.add(name, tensor.dtype, tensor.shape, tensor.data.data());
+    }
+  }
+  CHECK(d.load(reshaped, error) == 1);
+  CHECK_THAT(error, test::contains_text("layers.0.w13 is F32[4, 6, 16], the model's layer needs "
+                                        "F32[4, 12, 8]"));
+}
