@@ -30,16 +30,6 @@ using test::Results;
 
 namespace {
 
-MoEConfig fp8_config(int hidden, int ffn, int experts, int topk) {
-  MoEConfig c = test::small_config(hidden, ffn, experts, topk);
-  c.dtype = DType::kBF16;
-  c.align_size = 16;
-  c.fp8 = true;
-  c.aux_loss_coeff = 0.01;
-  c.gemm_autotune = false;
-  return c;
-}
-
 // Tokens 8 times larger or smaller, and single values 30 times their row's, where the routing
 // stays clear of ties.
 void add_outliers(const MoEConfig& c, const reference::Params& params, Matrix& x,
@@ -109,9 +99,9 @@ TEST_CASE("MoEBlock with fp8 stays within FP8's bound of the exact fp64 referenc
           "[gpu][block][fp8]") {
   std::mt19937_64 rng(test::fresh_seed());
   for (const bool outliers : {false, true}) {
-    run_case(fp8_config(128, 128, 8, 2), 45, outliers, rng);
-    run_case(test::deepseek_like(fp8_config(256, 144, 8, 2)), 200, outliers, rng);
-    MoEConfig shared = fp8_config(128, 256, 8, 2);
+    run_case(test::fp8_config(128, 128, 8, 2), 45, outliers, rng);
+    run_case(test::deepseek_like(test::fp8_config(256, 144, 8, 2)), 200, outliers, rng);
+    MoEConfig shared = test::fp8_config(128, 256, 8, 2);
     shared.shared_ffn_hidden = 64;
     shared.keep_expert_input = true;
     run_case(shared, 100, outliers, rng);
@@ -121,7 +111,7 @@ TEST_CASE("MoEBlock with fp8 stays within FP8's bound of the exact fp64 referenc
 TEST_CASE("MoEBlock with fp8 reuses the weights' FP8 copy only while they are unchanged",
           "[gpu][block][fp8]") {
   std::mt19937_64 rng(test::fresh_seed());
-  const MoEConfig c = fp8_config(128, 128, 8, 2);
+  const MoEConfig c = test::fp8_config(128, 128, 8, 2);
   Stream stream;
   const Mesh mesh = Mesh::single();
   MoEBlock block(c, mesh, stream.get());

@@ -38,16 +38,6 @@ namespace {
 constexpr double kFp8Bound = 0.1;       // against the exact fp64 run
 constexpr double kSameOperands = 5e-3;  // against the one-GPU FP8 block, the same E4M3 operands
 
-MoEConfig fp8_config(int hidden, int ffn, int experts, int topk) {
-  MoEConfig c = test::small_config(hidden, ffn, experts, topk);
-  c.dtype = DType::kBF16;
-  c.align_size = 16;
-  c.fp8 = true;
-  c.aux_loss_coeff = 0.01;
-  c.gemm_autotune = false;
-  return c;
-}
-
 // A rank's rows [first, first + T) of a whole-batch matrix.
 Matrix rank_rows(const Matrix& m, std::int64_t first, std::int64_t T) {
   return reference::slice_rows(m, first, first + T);
@@ -132,8 +122,8 @@ TEST_CASE("MoEBlock with fp8 on every mesh shape equals the one-GPU FP8 run on t
         ep == 1 ? std::vector{EpTransport::kAuto}
                 : std::vector{EpTransport::kNccl, EpTransport::kAuto};
     for (const EpTransport transport : transports) {
-      MoEConfig plain = fp8_config(128, 128, 8, 2);
-      MoEConfig deepseek = test::deepseek_like(fp8_config(256, 144, 8, 2));
+      MoEConfig plain = test::fp8_config(128, 128, 8, 2);
+      MoEConfig deepseek = test::deepseek_like(test::fp8_config(256, 144, 8, 2));
       for (MoEConfig* c : {&plain, &deepseek}) {
         c->ep_transport = transport;
         c->z_loss_coeff = 0.001;

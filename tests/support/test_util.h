@@ -152,6 +152,18 @@ inline MoEConfig small_config(int hidden, int ffn, int experts, int topk) {
   return config;
 }
 
+// A small config with FP8 experts: bf16, rows aligned to 16 (as fp8 needs), an aux loss, the
+// GEMM heuristic's choices (the FP8 products are not timed).
+inline MoEConfig fp8_config(int hidden, int ffn, int experts, int topk) {
+  MoEConfig c = small_config(hidden, ffn, experts, topk);
+  c.dtype = DType::kBF16;
+  c.align_size = 16;
+  c.fp8 = true;
+  c.aux_loss_coeff = 0.01;
+  c.gemm_autotune = false;
+  return c;
+}
+
 // deepseek-v3's router, scaled down, on `base`'s other settings: 16 experts, sigmoid + bias, 4
 // groups keeping 2, top-4, scale 2.5.
 inline MoEConfig deepseek_like(MoEConfig base) {
