@@ -151,7 +151,7 @@ int main(int argc, char** argv) {
                "static shapes (--pad-to-capacity): the eager steps leave the losses on "
                "the device, then the step is captured in a CUDA graph and its replay timed too");
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
 
   try {
     // The results are written after every step has run: what would make that fail is found now.

@@ -378,7 +378,7 @@ int main(int argc, char** argv) {
   app.add_flag(
       "--check-finite,!--no-check-finite", check_finite_values,
       "refuse weights, inputs and results holding NaN or Inf, naming the tensor (default: on)");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
   try {
     cli::check_output_file(
         "--out", out_path,

@@ -402,7 +402,7 @@ int main(int argc, char** argv) {
                "runs without");
   app.add_option("--save", o.save_path, "write a checkpoint (safetensors) at the end");
   app.add_option("--load", o.load_path, "resume from a checkpoint")->check(CLI::ExistingFile);
-  CLI11_PARSE(app, argc, argv);
+  if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
   try {
     // The checkpoint is written after every step has run: what would make it fail is found now.
     // (--load may name it: the checkpoint is read at the start, and replaced whole at the end.)

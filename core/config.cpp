@@ -1,5 +1,6 @@
 #include "moe/config.h"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -458,6 +459,11 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
   YAML::Node root;
   try {
     root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::DeepRecursion& e) {  // yaml-cpp says only "bad file"
+    fail(
+        "{}: collections nested {} deep at line {}, column {}: a config is one flat map of "
+        "`key: value` pairs",
+        source, e.depth(), e.mark.line + 1, e.mark.column + 1);
   } catch (const YAML::Exception& e) {
     fail("{}: not valid YAML: {}", source, e.what());
   }

@@ -9,13 +9,44 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "moe/error.h"
 
 namespace moe::cli {
+
+// Whether the command line asks for the help (-h or --help before any "--"): then the help is
+// printed whatever else the line holds, where CLI11 would first report a bad value given before
+// it.
+inline bool asks_for_help(int argc, const char* const* argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--") return false;
+    if (arg == "-h" || arg == "--help") return true;
+  }
+  return false;
+}
+
+// CLI11_PARSE, with the help first where asks_for_help: the exit code where the program should
+// stop now (the help printed, or CLI11's error), nothing where the options were parsed.
+inline std::optional<int> parse_or_help(CLI::App& app, int argc, char** argv) {
+  if (asks_for_help(argc, argv)) {
+    if (app.get_name().empty() && argc > 0) app.name(argv[0]);  // as parse() would name it
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return std::nullopt;
+}
 
 // A finite number in [low, high].
 inline CLI::Validator finite_in(double low, double high) {

@@ -266,6 +266,11 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
              test::contains_text("line 6 starts another YAML document"));
   CHECK_THAT(error_of(body + "%YAML 1.2\n"),
              test::contains_text("line 5 starts another YAML document"));
+  // Collections nested past yaml-cpp's depth limit: named, where yaml-cpp says only "bad file".
+  CHECK_THAT(error_of(body + "extra: " + std::string(2000, '[') + std::string(2000, ']') + "\n"),
+             test::contains_text("test.yaml: collections nested") &&
+                 test::contains_text("deep at line 5, column") &&
+                 test::contains_text("a config is one flat map"));
   for (const auto& [overrides, expected] : cases) {
     Overrides fields = {
         {"hidden", "64"}, {"ffn_hidden", "32"}, {"num_experts", "8"}, {"topk", "2"}};

@@ -1,12 +1,13 @@
 // moe_train --load: a checkpoint whose header does not hold the model's layers (a missing tensor,
 // a wrong shape or dtype, another layer count) is refused by name before MPI or a GPU is touched,
-// so the error is the same on any machine.
+// so the error is the same on any machine. And --help beside a bad value prints the help.
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -100,4 +101,16 @@ TEST_CASE("moe_train --load refuses a checkpoint of another model by name", "[cp
   CHECK(d.load(reshaped, error) == 1);
   CHECK_THAT(error, test::contains_text("layers.0.w13 is F32[4, 6, 16], the model's layer needs "
                                         "F32[4, 12, 8]"));
+}
+
+TEST_CASE("--help prints the help even beside a bad value", "[cpu][train]") {
+  const TrainDir d;
+  const std::string out = (d.dir / "help.txt").string();
+  const std::string command = std::string(MOE_TRAIN_PATH) + " --lr nan --help >" + out + " 2>&1";
+  const int status = std::system(command.c_str());
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  std::ifstream in(out);
+  const std::string text(std::istreambuf_iterator<char>(in), {});
+  CHECK_THAT(text, test::contains_text("Usage:") && test::contains_text("--lr"));
+  CHECK(text.find("nan") == std::string::npos);
 }
