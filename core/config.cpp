@@ -126,8 +126,7 @@ std::int64_t MoEConfig::expert_capacity(std::int64_t tokens) const {
 std::string MoEConfig::unsupported_by_gpu_layer() const {
   if (pad_to_capacity && ep > 1 && ep_transport == EpTransport::kPeer)
     return "pad_to_capacity with ep_transport = peer: fixed blocks run over the NCCL exchange "
-           "(auto "
-           "or nccl), for now";
+           "(auto or nccl), for now";
   // The dropped slots take a layout group of their own after the E experts'.
   if (capacity_mode() && num_experts >= kMaxExperts)
     return fmt::format(
