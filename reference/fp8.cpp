@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "moe/error.h"
 #include "reference/reference.h"
@@ -103,37 +104,86 @@ Matrix fp8_product(const Matrix& rows, const Matrix& tiles) {
       DType::kBF16);
 }
 
+void check_expert_shapes(const char* call, const Matrix& X, const Matrix& w13, const Matrix& w2,
+                         std::span<const double> row_weights) {
+  const std::int64_t F = w2.rows;
+  if (w13.rows != X.cols || w13.cols != 2 * F || w2.cols != X.cols) {
+    fail("{}: X [{},{}], w13 [{},{}], w2 [{},{}] do not fit", call, X.rows, X.cols, w13.rows,
+         w13.cols, w2.rows, w2.cols);
+  }
+  if (!row_weights.empty() && std::ssize(row_weights) != X.rows)
+    fail("{}: {} row weights for {} rows", call, row_weights.size(), X.rows);
+}
+
+// a = silu(h_gate) ⊙ h_up, weighed by its row's weight where there are weights (before the
+// rounding, as the GPU's SwiGLU weighs it), in bf16 as stored.
+Matrix stored_swiglu(const Matrix& h, std::span<const double> row_weights) {
+  const std::int64_t F = h.cols / 2;
+  Matrix a(h.rows, F);
+  for (std::int64_t r = 0; r < h.rows; ++r) {
+    for (std::int64_t f = 0; f < F; ++f) {
+      a(r, f) = silu(h(r, f)) * h(r, F + f);
+      if (!row_weights.empty()) a(r, f) *= row_weights[static_cast<std::size_t>(r)];
+    }
+  }
+  return round_to(a, DType::kBF16);
+}
+
 }  // namespace
+
+ExpertActivations fp8_expert_forward(const Matrix& X, const Matrix& w13, const Matrix& w2,
+                                     std::span<const double> row_weights) {
+  check_expert_shapes("fp8_expert_forward", X, w13, w2, row_weights);
+  ExpertActivations act;
+  act.h = fp8_product(X, transpose(w13));  // the weight as the layer holds it, [2F, H]
+  act.a = stored_swiglu(act.h, row_weights);
+  act.y = fp8_product(act.a, transpose(w2));  // [H, F]
+  return act;
+}
+
+Fp8ExpertBackward fp8_expert_backward(const Matrix& X, const Matrix& h, const Matrix& w13,
+                                      const Matrix& w2, const Matrix& dY,
+                                      std::span<const double> row_weights) {
+  check_expert_shapes("fp8_expert_backward", X, w13, w2, row_weights);
+  const std::int64_t F = w2.rows;
+  if (h.rows != X.rows || h.cols != 2 * F || dY.rows != X.rows || dY.cols != X.cols) {
+    fail("fp8_expert_backward: X [{},{}], h [{},{}], dY [{},{}] do not fit", X.rows, X.cols, h.rows,
+         h.cols, dY.rows, dY.cols);
+  }
+  const bool weighed = !row_weights.empty();
+  Fp8ExpertBackward b;
+  b.dA = fp8_product(dY, w2);  // dY · w2ᵀᵀ: the transpose [F, H] in tiles
+  b.dh = Matrix(X.rows, 2 * F);
+  if (weighed) b.row_weight_grads.assign(static_cast<std::size_t>(X.rows), 0.0);
+  for (std::int64_t r = 0; r < X.rows; ++r) {
+    const double weight = weighed ? row_weights[static_cast<std::size_t>(r)] : 1.0;
+    for (std::int64_t f = 0; f < F; ++f) {
+      const double gate = h(r, f), up = h(r, F + f), sigma = 1.0 / (1.0 + std::exp(-gate));
+      // The weighed a's gradient is the weight times dA, and the weight's own is <dA, silu ⊙ up>.
+      const double grad = weight * b.dA(r, f);
+      b.dh(r, f) = grad * up * sigma * (1.0 + gate * (1.0 - sigma));
+      b.dh(r, F + f) = grad * gate * sigma;
+      if (weighed) b.row_weight_grads[static_cast<std::size_t>(r)] += b.dA(r, f) * silu(gate) * up;
+    }
+  }
+  b.dh = round_to(b.dh, DType::kBF16);
+  b.dX = fp8_product(b.dh, w13);  // dh · w13ᵀ with w13 [H, 2F] the transpose in tiles
+  // The weight gradients from the bf16 values the GPU's products read: a formed again from h, as
+  // the GPU's SwiGLU backward forms it.
+  b.dw13 = matmul_tn(X, b.dh);
+  b.dw2 = matmul_tn(stored_swiglu(h, row_weights), dY);
+  return b;
+}
 
 Fp8ExpertStep fp8_expert_step(const Matrix& X, const Matrix& w13, const Matrix& w2,
                               const Matrix& dy) {
-  const std::int64_t F = w2.rows;
-  if (w13.rows != X.cols || w13.cols != 2 * F || w2.cols != X.cols || dy.rows != X.rows ||
-      dy.cols != X.cols) {
-    fail("fp8_expert_step: X [{},{}], w13 [{},{}], w2 [{},{}], dy [{},{}] do not fit", X.rows,
-         X.cols, w13.rows, w13.cols, w2.rows, w2.cols, dy.rows, dy.cols);
-  }
-  Fp8ExpertStep s;
-  s.h = fp8_product(X, transpose(w13));  // the weight as the layer holds it, [2F, H]
-  s.a = Matrix(X.rows, F);
-  for (std::int64_t r = 0; r < X.rows; ++r)
-    for (std::int64_t f = 0; f < F; ++f) s.a(r, f) = silu(s.h(r, f)) * s.h(r, F + f);
-  s.a = round_to(s.a, DType::kBF16);
-  s.y = fp8_product(s.a, transpose(w2));  // [H, F]
-  s.dA = fp8_product(dy, w2);             // dy · w2ᵀᵀ: the transpose [F, H] in tiles
-  s.dh = Matrix(X.rows, 2 * F);
-  for (std::int64_t r = 0; r < X.rows; ++r) {
-    for (std::int64_t f = 0; f < F; ++f) {
-      const double gate = s.h(r, f), up = s.h(r, F + f), sigma = 1.0 / (1.0 + std::exp(-gate));
-      s.dh(r, f) = s.dA(r, f) * up * sigma * (1.0 + gate * (1.0 - sigma));
-      s.dh(r, F + f) = s.dA(r, f) * gate * sigma;
-    }
-  }
-  s.dh = round_to(s.dh, DType::kBF16);
-  s.dX = fp8_product(s.dh, w13);  // dh · w13ᵀ with w13 [H, 2F] the transpose in tiles
-  s.dw13 = matmul_tn(X, s.dh);
-  s.dw2 = matmul_tn(s.a, dy);
-  return s;
+  if (dy.rows != X.rows || dy.cols != X.cols)
+    fail("fp8_expert_step: X [{},{}] and dy [{},{}] do not fit", X.rows, X.cols, dy.rows, dy.cols);
+  ExpertActivations forward = fp8_expert_forward(X, w13, w2);
+  Fp8ExpertBackward backward = fp8_expert_backward(X, forward.h, w13, w2, dy);
+  return {std::move(forward.h),     std::move(forward.a),   std::move(forward.y),
+          std::move(backward.dA),   std::move(backward.dh), std::move(backward.dX),
+          std::move(backward.dw13), std::move(backward.dw2)};
 }
 
 }  // namespace moe::reference

@@ -1,6 +1,8 @@
 // The whole layer on one GPU in fp64: the six forward steps of docs/design.md, then the backward as
-// their mirror; capacity mode, shared experts and routing replay where the config or the options
-// ask for them. The routed experts are taken one at a time (ExpertSource), in memory or streamed.
+// their mirror; capacity mode, shared experts, routing replay and FP8 experts where the config or
+// the options ask for them. The routed experts are taken one at a time (ExpertSource), in memory
+// or streamed.
+#include <algorithm>
 #include <array>
 
 #include "moe/error.h"
@@ -113,12 +115,46 @@ ExpertWeights load_expert(const ExpertSource& experts, int e, std::int64_t H, st
   return w;
 }
 
+// Under fp8, whether the experts weigh their rows by the probabilities themselves, as the GPU's
+// do where they form dprob: the weighing then comes before a is quantized, and dY reaches them
+// unweighed. Elsewhere the combine weighs the rows; without fp8 where it happens changes nothing
+// but roundings, which the reference leaves to the combine.
+bool fp8_experts_weigh_rows(const MoEConfig& config, const LayerOptions& options) {
+  return config.fp8 && options.dprob_from == ProbabilityGradient::kExperts;
+}
+
+// Each row's probability, for experts that weigh their rows (padding rows 0).
+std::vector<double> row_probabilities(const Layout& layout, const Routing& routing) {
+  std::vector<double> weights(static_cast<std::size_t>(layout.rows()), 0.0);
+  for (std::size_t slot = 0; slot < layout.row.size(); ++slot) {
+    if (layout.row[slot] != Layout::kDroppedRow)
+      weights[static_cast<std::size_t>(layout.row[slot])] = routing.prob[slot];
+  }
+  return weights;
+}
+
+// The routing with every probability 1: the combine a plain sum and its backward a copy of dy,
+// for rows the experts weighed.
+Routing unweighed(Routing routing) {
+  std::fill(routing.prob.begin(), routing.prob.end(), 1.0);
+  return routing;
+}
+
+// Rows [begin, end) of per-row weights, or none.
+std::span<const double> rows_of(std::span<const double> row_weights, std::int64_t begin,
+                                std::int64_t end) {
+  if (row_weights.empty()) return {};
+  return row_weights.subspan(static_cast<std::size_t>(begin),
+                             static_cast<std::size_t>(end - begin));
+}
+
 // Step 5 one expert at a time. Each expert's rows are computed from its own rows and weights
-// alone, so running experts_forward on one expert's rows gives what it gives on all rows at once.
+// alone, so running experts_forward on one expert's rows gives what it gives on all rows at once
+// (so does the FP8 step: activations are quantized row by row, weights expert by expert).
 ExpertActivations experts_forward_streamed(const MoEConfig& config, const Matrix& X,
                                            std::span<const std::int64_t> offsets,
-                                           const ExpertSource& experts,
-                                           Intermediates intermediates) {
+                                           const ExpertSource& experts, Intermediates intermediates,
+                                           std::span<const double> row_weights) {
   const std::int64_t H = X.cols, F = config.ffn_hidden;
   std::vector<Matrix> hs, as, ys;
   for (int e = 0; e < config.num_experts; ++e) {
@@ -130,8 +166,11 @@ ExpertActivations experts_forward_streamed(const MoEConfig& config, const Matrix
       continue;
     }
     const std::array<std::int64_t, 2> rows = {0, Xe.rows};
+    const ExpertWeights w = load_expert(experts, e, H, F);
     ExpertActivations act =
-        experts_forward(Xe, rows, load_expert(experts, e, H, F), intermediates, config.dtype);
+        config.fp8 ? fp8_expert_forward(Xe, w.w13[0], w.w2[0],
+                                        rows_of(row_weights, offsets[e], offsets[e + 1]))
+                   : experts_forward(Xe, rows, w, intermediates, config.dtype);
     hs.push_back(std::move(act.h));
     as.push_back(std::move(act.a));
     ys.push_back(std::move(act.y));
@@ -142,13 +181,15 @@ ExpertActivations experts_forward_streamed(const MoEConfig& config, const Matrix
 // The experts' backward one at a time, each expert's weights loaded again: dX of every row, each
 // expert's weight gradients handed to `sink`, and, when `dprob` is given, its slots' dp as the
 // experts form it (ProbabilityGradient::kExperts), and when `dprob_magnitude` is given, what
-// rounding can move each kept slot's dp by (expert_prob_grad_magnitude).
+// rounding can move each kept slot's dp by (expert_prob_grad_magnitude). Under fp8, the FP8 step's
+// backward, with the rows weighed by `row_weights` where there are any (dp is then their
+// gradient).
 Matrix experts_backward_streamed(const MoEConfig& config, const Matrix& X,
                                  const ExpertActivations& act, const Matrix& dY, const Matrix& dy,
                                  const Layout& layout, const Routing& routing,
                                  const ExpertSource& experts, ExpertGradSink& sink,
-                                 Intermediates intermediates, std::vector<double>* dprob,
-                                 std::vector<double>* dprob_magnitude) {
+                                 Intermediates intermediates, std::span<const double> row_weights,
+                                 std::vector<double>* dprob, std::vector<double>* dprob_magnitude) {
   const std::int64_t H = X.cols, F = config.ffn_hidden;
   std::vector<std::vector<std::int64_t>> slots_of(config.num_experts);  // t·K + k, kept slots
   for (std::int64_t t = 0; t < routing.tokens; ++t) {
@@ -166,18 +207,34 @@ Matrix experts_backward_streamed(const MoEConfig& config, const Matrix& X,
       continue;
     }
     const ExpertWeights w = load_expert(experts, e, H, F);
-    if (dprob != nullptr) {
-      for (const std::int64_t slot : slots_of[e]) {
-        const std::int64_t t = slot / routing.topk;
-        const std::int64_t row = layout.row[static_cast<std::size_t>(slot)];
-        (*dprob)[slot] = expert_prob_grad(dy, t, act.h, row, w.w2[0], intermediates, config.dtype);
-      }
-    }
     if (dprob_magnitude != nullptr) {
       for (const std::int64_t slot : slots_of[e]) {
         (*dprob_magnitude)[slot] = expert_prob_grad_magnitude(
             dy, slot / routing.topk, X, layout.row[static_cast<std::size_t>(slot)], act.h, w.w13[0],
             w.w2[0]);
+      }
+    }
+    if (config.fp8) {
+      Fp8ExpertBackward grads = fp8_expert_backward(
+          slice_rows(X, begin, end), slice_rows(act.h, begin, end), w.w13[0], w.w2[0],
+          slice_rows(dY, begin, end), rows_of(row_weights, begin, end));
+      if (dprob != nullptr) {
+        if (grads.row_weight_grads.empty())
+          fail("reference: fp8 experts form dprob only where they weigh their rows");
+        for (const std::int64_t slot : slots_of[e]) {
+          const std::int64_t row = layout.row[static_cast<std::size_t>(slot)];
+          (*dprob)[slot] = grads.row_weight_grads[static_cast<std::size_t>(row - begin)];
+        }
+      }
+      dXs.push_back(std::move(grads.dX));
+      sink.take(e, std::move(grads.dw13), std::move(grads.dw2));
+      continue;
+    }
+    if (dprob != nullptr) {
+      for (const std::int64_t slot : slots_of[e]) {
+        const std::int64_t t = slot / routing.topk;
+        const std::int64_t row = layout.row[static_cast<std::size_t>(slot)];
+        (*dprob)[slot] = expert_prob_grad(dy, t, act.h, row, w.w2[0], intermediates, config.dtype);
       }
     }
     const ExpertActivations rows_act = {slice_rows(act.h, begin, end),
@@ -195,6 +252,8 @@ struct Forward {
   RouterFront front;
   Layout layout;
   Matrix X;
+  std::vector<double> row_weights;  // FP8 experts that weigh their rows: each row's p; else empty
+  Routing combine_routing;          // the routing the combine weighs by (all 1 where they did)
   ExpertActivations act;
   SharedForward shared;  // with shared experts
   Matrix out;
@@ -210,9 +269,12 @@ Forward forward(const MoEConfig& config, const Params& params, const ExpertSourc
   f.layout = make_layout(f.front.routing, f.front.kept, config.num_experts, config.align_size,
                          capacity_block_rows(config, x.rows));  // step 4
   f.X = permute(x, f.layout, f.front.routing);
-  f.act = experts_forward_streamed(config, f.X, f.layout.offsets, experts,
-                                   options.intermediates);        // step 5
-  f.out = unpermute_combine(f.act.y, f.layout, f.front.routing);  // step 6
+  const bool experts_weigh_rows = fp8_experts_weigh_rows(config, options);
+  if (experts_weigh_rows) f.row_weights = row_probabilities(f.layout, f.front.routing);
+  f.combine_routing = experts_weigh_rows ? unweighed(f.front.routing) : f.front.routing;
+  f.act = experts_forward_streamed(config, f.X, f.layout.offsets, experts, options.intermediates,
+                                   f.row_weights);                  // step 5
+  f.out = unpermute_combine(f.act.y, f.layout, f.combine_routing);  // step 6
   if (config.shared_experts()) {
     f.shared = shared_forward(config, params.shared, x, options.intermediates);
     add_into(f.out, f.shared.out);
@@ -235,7 +297,8 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Exper
   result.expert_rows = f.layout.rows();
 
   // Backward, the mirror: combine, experts, permute, router, gate; then the shared expert.
-  const Matrix dY = combine_backward_rows(dy, f.layout, f.front.routing);
+  Matrix dY = combine_backward_rows(dy, f.layout, f.combine_routing);
+  if (config.fp8) dY = round_to(dY, DType::kBF16);  // FP8 quantizes the bf16 rows the GPU stores
   const bool dprob_in_experts = options.dprob_from == ProbabilityGradient::kExperts;
   std::vector<double> dprob = dprob_in_experts
                                   ? std::vector<double>(f.front.routing.expert.size(), 0.0)
@@ -245,7 +308,7 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Exper
   std::vector<double> dprob_magnitude(bound_gate_gradient ? dprob.size() : 0, 0.0);
   result.expert_grads.dX = experts_backward_streamed(
       config, f.X, f.act, dY, dy, f.layout, f.front.routing, experts, expert_grads,
-      options.intermediates, dprob_in_experts ? &dprob : nullptr,
+      options.intermediates, f.row_weights, dprob_in_experts ? &dprob : nullptr,
       bound_gate_gradient ? &dprob_magnitude : nullptr);
   result.dx = permute_backward(result.expert_grads.dX, f.layout, f.front.routing);
   router_back(config, params, x, f.front, f.front.aux, dprob, result, options.intermediates);

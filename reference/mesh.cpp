@@ -108,6 +108,9 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
   if (!replay_experts.empty() && std::ssize(replay_experts) != world) {
     fail("run_mesh: {} replayed routings for a mesh of {} ranks", replay_experts.size(), world);
   }
+  // The experts here run exact; under fp8 that would pass the exact layer off as the FP8 one.
+  if (config.fp8)
+    fail("run_mesh: fp8 is emulated on one rank only (run_layer on the concatenated batch)");
   const std::int64_t H = params.gate_weight.cols;
   for (int r = 0; r < world; ++r) check_params(config, params, x[r].cols);
   if (config.pad_to_capacity) check_equal_tokens_per_ep_group(config, x);

@@ -263,6 +263,26 @@ struct Fp8ExpertStep {
 Fp8ExpertStep fp8_expert_step(const Matrix& X, const Matrix& w13, const Matrix& w2,
                               const Matrix& dy);
 
+// The two halves of that step, which the layer runs apart (run_layer under config.fp8): h, a and y
+// from the rows X; then dA, dh, dX and the weight gradients from dY and the forward's h (a is
+// formed again from h, as the GPU's SwiGLU backward forms it). fp8_expert_step is the one after
+// the other, unweighed.
+//
+// row_weights (one per row, or empty) are the routing probabilities of rows that the experts
+// weigh themselves, as the GPU's do where they form dprob (ProbabilityGradient::kExperts): a is
+// weighed before its rounding and quantization, so y comes weighed; dY is the unweighed output
+// gradient, dh takes weight · dA, and the weights' gradients are <dA, silu(h_gate) ⊙ h_up>.
+ExpertActivations fp8_expert_forward(const Matrix& X, const Matrix& w13, const Matrix& w2,
+                                     std::span<const double> row_weights = {});
+struct Fp8ExpertBackward {
+  Matrix dA, dh, dX;                     // [T, F], [T, 2F], [T, H]
+  Matrix dw13, dw2;                      // [H, 2F], [F, H]
+  std::vector<double> row_weight_grads;  // [T] with row_weights, else empty
+};
+Fp8ExpertBackward fp8_expert_backward(const Matrix& X, const Matrix& h, const Matrix& w13,
+                                      const Matrix& w2, const Matrix& dY,
+                                      std::span<const double> row_weights = {});
+
 // ---- Shared experts (docs/design.md, "Shared experts") ----------------------------------------
 
 // One SwiGLU FFN of width Fs = config.shared_ffn_hidden that every token passes through, in the
@@ -335,7 +355,10 @@ struct LayerResult {
 // Where dprob is formed, which decides what kAsStored rounds on its way there: in the combine
 // backward, dy·y with y stored (the combine as docs/design.md states it; MoEBlock over NCCL), or in
 // the experts that weighed their own rows, <dy·w2ᵀ, a> with dy·w2ᵀ stored and a from the stored h
-// (MoEBlock on one GPU and over the peer exchange). The same number in exact arithmetic.
+// (MoEBlock on one GPU and over the peer exchange). The same number in exact arithmetic. Under
+// fp8 it also decides what the FP8 experts quantize, as on the GPU: the experts that form dprob
+// weigh their own rows (a by p before its quantization, dY unweighed); elsewhere a is unweighed
+// and dY = p·dy, in bf16.
 enum class ProbabilityGradient { kCombine, kExperts };
 
 // dprob[t·K + k] = <dy[t]·w2_eᵀ, a(row(t, k))>, e the slot's expert, as the experts form it.
@@ -357,7 +380,12 @@ struct LayerOptions {
   bool rounding_magnitudes = false;
 };
 
-// One GPU: forward and backward of the batch x with output gradient dy.
+// One GPU: forward and backward of the batch x with output gradient dy. With config.fp8 the routed
+// experts run as FP8 forms them (fp8_expert_forward, fp8_expert_backward: bf16 where the GPU
+// stores, whatever options.intermediates says, since the quantization reads those bf16 values) and
+// the gate, the router and the shared expert as without it, as on the GPU; the exact layer is the
+// same config with fp8 off. What the GPU adds is its accumulation order and the bf16 roundings it
+// moves.
 LayerResult run_layer(const MoEConfig& config, const Params& params, const Matrix& x,
                       const Matrix& dy, const LayerOptions& options = {});
 
@@ -424,6 +452,8 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Matri
 // what rank r must hold, its expert gradients those of experts [ep_index·E_loc,
 // (ep_index+1)·E_loc). replay_experts is empty (every rank selects) or holds each rank's given
 // routing, as LayerOptions::replay_experts. In capacity mode each rank drops on its own tokens.
+// fp8 is refused, since the experts here run exact: an FP8 mesh is checked against run_layer on
+// the concatenated batch.
 std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
                                   std::span<const Matrix> x, std::span<const Matrix> dy,
                                   std::span<const std::vector<int>> replay_experts = {});

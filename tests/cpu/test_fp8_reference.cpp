@@ -2,6 +2,8 @@
 // decodes and encodes back to itself, values between two codes round to the nearer (ties to the
 // even code), magnitudes past 448 saturate, block scales are the powers of two that bring each
 // block's largest value into (224, 448], and a block's values come back within half a code step.
+// Then one expert's FP8 step against the exact one at the model shapes, its rows weighed inside
+// the experts, and the layer with the FP8 experts (run_layer under fp8) against the exact layer.
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -160,4 +162,172 @@ TEST_CASE("fp8 reference: one expert's step at the model shapes stays within FP8
       CHECK(e.dw2 <= bound);
     }
   }
+}
+
+// The halves of the FP8 step that the layer runs apart, with rows weighed inside the experts.
+// Weights that are powers of two commute with every rounding on the way (bf16's, and E4M3's,
+// whose block scale takes the power), so the weighed step is the unweighed one scaled, bit for
+// bit: what shows that the weight enters where the GPU applies it, before a is quantized, and
+// multiplies dh. The weights' gradients are <dA, silu(h_gate) ⊙ h_up>, whatever the weights.
+TEST_CASE("fp8 reference: rows weighed inside the FP8 experts", "[cpu][reference][fp8]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  const std::int64_t H = 256, F = 144, T = 24;
+  const Matrix X = round_to(test::random_matrix(T, H, rng), DType::kBF16);
+  const Matrix w13 = round_to(test::random_matrix(H, 2 * F, rng, 1.0 / 16), DType::kBF16);
+  const Matrix w2 = round_to(test::random_matrix(F, H, rng, 1.0 / 12), DType::kBF16);
+  const Matrix dY = round_to(test::random_matrix(T, H, rng), DType::kBF16);
+  std::vector<double> weights(T);
+  for (std::int64_t r = 0; r < T; ++r) weights[r] = std::ldexp(1.0, static_cast<int>(r % 5) - 3);
+  const Fp8ExpertStep plain = fp8_expert_step(X, w13, w2, dY);
+  const ExpertActivations forward = fp8_expert_forward(X, w13, w2, weights);
+  const Fp8ExpertBackward backward = fp8_expert_backward(X, forward.h, w13, w2, dY, weights);
+  CHECK(forward.h.data == plain.h.data);
+  CHECK(backward.dA.data == plain.dA.data);  // dY reaches the experts unweighed
+  const auto scaled_rows = [&](const Matrix& m) {
+    Matrix s = m;
+    for (std::int64_t r = 0; r < m.rows; ++r)
+      for (double& v : s.row(r)) v *= weights[r];
+    return s;
+  };
+  CHECK(forward.a.data == scaled_rows(plain.a).data);
+  CHECK(forward.y.data == scaled_rows(plain.y).data);
+  CHECK(backward.dh.data == scaled_rows(plain.dh).data);
+  CHECK(backward.dX.data == scaled_rows(plain.dX).data);
+  // dw13 = Xᵀ·dh and dw2 = aᵀ·dY over rows weighed alike: the unweighed ones with dh (or a) scaled.
+  CHECK(backward.dw13.data == matmul_tn(X, scaled_rows(plain.dh)).data);
+  CHECK(backward.dw2.data == matmul_tn(scaled_rows(plain.a), dY).data);
+  REQUIRE(backward.row_weight_grads.size() == static_cast<std::size_t>(T));
+  for (std::int64_t r = 0; r < T; ++r) {
+    double dot = 0.0;
+    for (std::int64_t f = 0; f < F; ++f) dot += plain.dA(r, f) * plain.a(r, f);
+    // plain.a is rounded to bf16, the weight's gradient reads silu·up unrounded: 2^-9 of each term.
+    double terms = 0.0;
+    for (std::int64_t f = 0; f < F; ++f) terms += std::fabs(plain.dA(r, f) * plain.a(r, f));
+    INFO("row " << r);
+    CHECK(std::fabs(backward.row_weight_grads[r] - dot) <= std::ldexp(terms, -8));
+  }
+  CHECK(fp8_expert_backward(X, forward.h, w13, w2, dY).row_weight_grads.empty());
+  CHECK_THROWS_WITH(fp8_expert_forward(X, w13, w2, std::span(weights).first(3)),
+                    test::contains_text("3 row weights for 24 rows"));
+}
+
+namespace {
+
+// The fp64 layer with fp8 off as the stages compose it, all experts at once (experts_forward and
+// experts_backward, not the streamed path run_layer takes): out, dx, dlogits and the expert
+// gradients, where dprob comes from the combine. Nothing rounded.
+LayerResult composed_exact_layer(const MoEConfig& c, const Params& params, const Matrix& x,
+                                 const Matrix& dy) {
+  LayerResult r;
+  r.logits = matmul_nt(x, params.gate_weight);
+  r.routing = route(c, r.logits, params.expert_bias);
+  const Layout layout = make_layout(r.routing, c.num_experts, c.align_size);
+  const Matrix X = permute(x, layout, r.routing);
+  const ExpertActivations act = experts_forward(X, layout.offsets, params.experts);
+  r.out = unpermute_combine(act.y, layout, r.routing);
+  const Matrix dY = combine_backward_rows(dy, layout, r.routing);
+  r.expert_grads = experts_backward(X, act, dY, layout.offsets, params.experts);
+  const std::vector<double> dprob = combine_backward_prob(dy, act.y, layout, r.routing);
+  r.dlogits = route_backward(c, r.logits, r.routing, dprob);
+  if (c.aux_loss_coeff > 0) aux_loss_backward(c, r.logits, aux_stats(c, r.logits), r.dlogits);
+  if (c.z_loss_coeff > 0) z_loss_backward(c, r.logits, x.rows, r.dlogits);
+  r.dx = permute_backward(r.expert_grads.dX, layout, r.routing);
+  add_into(r.dx, matmul(r.dlogits, params.gate_weight));
+  return r;
+}
+
+}  // namespace
+
+// The layer under config.fp8 (run_layer with the routed experts as FP8 forms them) against the
+// same layer with fp8 off: the router and the shared expert are untouched (bit for bit), the
+// routed experts' results within FP8's bound (as tests/gpu/test_moe_block_fp8.cpp derives it),
+// and the FP8 layer where the combine weighs the rows is fp8_expert_step expert by expert. With
+// fp8 off the layer is what it was: the stages' exact composition, bit for bit.
+TEST_CASE("fp8 reference: the layer with FP8 experts and with fp8 off", "[cpu][reference][fp8]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  MoEConfig shared = test::fp8_config(128, 256, 8, 2);
+  shared.shared_ffn_hidden = 64;
+  for (const MoEConfig& c : {test::fp8_config(128, 128, 8, 2),
+                             test::deepseek_like(test::fp8_config(256, 144, 8, 2)), shared}) {
+    INFO(c.describe());
+    c.validate();
+    const Params params = test::round_params(test::random_params(c, rng), c.dtype);
+    const std::int64_t T = 48;
+    const Matrix x = round_to(test::random_matrix(T, c.hidden, rng), c.dtype);
+    const Matrix dy = round_to(test::random_matrix(T, c.hidden, rng), c.dtype);
+    MoEConfig exact_config = c;
+    exact_config.fp8 = false;
+
+    if (!c.shared_experts()) {
+      const LayerResult exact = run_layer(exact_config, params, x, dy);
+      const LayerResult composed = composed_exact_layer(exact_config, params, x, dy);
+      CHECK(exact.out.data == composed.out.data);
+      CHECK(exact.dx.data == composed.dx.data);
+      CHECK(exact.dlogits.data == composed.dlogits.data);
+      for (int e = 0; e < c.num_experts; ++e) {
+        CHECK(exact.expert_grads.dw13[e].data == composed.expert_grads.dw13[e].data);
+        CHECK(exact.expert_grads.dw2[e].data == composed.expert_grads.dw2[e].data);
+      }
+    }
+
+    for (const auto dprob_from : {ProbabilityGradient::kCombine, ProbabilityGradient::kExperts}) {
+      const bool in_experts = dprob_from == ProbabilityGradient::kExperts;
+      INFO((in_experts ? "experts weigh their rows" : "the combine weighs the rows"));
+      const LayerResult exact =
+          run_layer(exact_config, params, x, dy, Intermediates::kAsStored, dprob_from);
+      const LayerResult fp8 = run_layer(c, params, x, dy, Intermediates::kAsStored, dprob_from);
+      CHECK(fp8.logits.data == exact.logits.data);
+      CHECK(fp8.routing.expert == exact.routing.expert);
+      CHECK(fp8.aux_loss == exact.aux_loss);
+      if (c.shared_experts()) {
+        CHECK(fp8.shared_grads.dw13.data == exact.shared_grads.dw13.data);
+        CHECK(fp8.shared_grads.dw2.data == exact.shared_grads.dw2.data);
+      }
+      double dw13 = 0, dw2 = 0;
+      for (int e = 0; e < c.num_experts; ++e) {
+        dw13 = std::max(dw13,
+                        test::relative_error(fp8.expert_grads.dw13[e], exact.expert_grads.dw13[e]));
+        dw2 =
+            std::max(dw2, test::relative_error(fp8.expert_grads.dw2[e], exact.expert_grads.dw2[e]));
+      }
+      const double out = test::relative_error(fp8.out, exact.out);
+      const double dx = test::relative_error(fp8.dx, exact.dx);
+      const double dgate = test::relative_error(fp8.d_gate_weight, exact.d_gate_weight);
+      std::printf(
+          "fp8 reference layer error: %s T=%lld%s: out %.4f dx %.4f dgate %.4f dw13 %.4f "
+          "dw2 %.4f\n",
+          c.describe().c_str(), static_cast<long long>(T), in_experts ? " (experts weigh)" : "",
+          out, dx, dgate, dw13, dw2);
+      CHECK(out <= 0.1);
+      CHECK(dx <= 0.1);
+      CHECK(dw13 <= 0.1);
+      CHECK(dw2 <= 0.1);
+
+      if (in_experts || c.shared_experts()) continue;
+      // Where the combine weighs the rows, each expert runs fp8_expert_step on its rows with
+      // dY = p·dy in bf16, and the combine weighs y.
+      const Layout layout = make_layout(fp8.routing, c.num_experts, c.align_size);
+      const Matrix X = permute(x, layout, fp8.routing);
+      const Matrix dY = round_to(combine_backward_rows(dy, layout, fp8.routing), DType::kBF16);
+      std::vector<Matrix> ys;
+      for (int e = 0; e < c.num_experts; ++e) {
+        const std::int64_t begin = layout.offsets[e], end = layout.offsets[e + 1];
+        Fp8ExpertStep step = fp8_expert_step(slice_rows(X, begin, end), params.experts.w13[e],
+                                             params.experts.w2[e], slice_rows(dY, begin, end));
+        INFO("expert " << e);
+        if (begin < end) {
+          CHECK(fp8.expert_grads.dw13[e].data == step.dw13.data);
+          CHECK(fp8.expert_grads.dw2[e].data == step.dw2.data);
+        }
+        ys.push_back(std::move(step.y));
+      }
+      CHECK(fp8.out.data == unpermute_combine(concat_rows(ys), layout, fp8.routing).data);
+    }
+  }
+  // The mesh reference runs its experts exact: it refuses fp8 rather than pass that off as FP8.
+  MoEConfig mesh = test::fp8_config(128, 128, 8, 2);
+  mesh.ep = 2;
+  const Params params = test::round_params(test::random_params(mesh, rng), mesh.dtype);
+  const std::vector<Matrix> xs(2, round_to(test::random_matrix(8, 128, rng), DType::kBF16));
+  CHECK_THROWS_WITH(run_mesh(mesh, params, xs, xs), test::contains_text("fp8"));
 }

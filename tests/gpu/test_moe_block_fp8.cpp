@@ -1,17 +1,40 @@
-// MoEBlock with FP8 expert products (config fp8) against the exact fp64 reference of the layer,
-// within FP8's bound, and the reuse of the weights' FP8 copy across micro-batches (the configs
-// refused are tests/cpu/test_config.cpp's).
+// MoEBlock with FP8 expert products (config fp8) against two fp64 references of the layer, and the
+// reuse of the weights' FP8 copy across micro-batches (the configs refused are
+// tests/cpu/test_config.cpp's).
 //
-// The bound, from E4M3's 3 mantissa bits: a quantized operand's values err by at most 2^-4 of
-// themselves, about 0.026 in root mean square over a block's spread of magnitudes (more for the
-// values far below their block's largest, which fall among the subnormals). Errors of different
-// operands are independent, so they add in squares: the output passes four quantized operands
-// (X, w13; a, w2), dx eight (its own dY, w2ᵀ, dh, w13ᵀ and the forward's four, through dh), the
-// weight gradients the forward's four and dY's or dh's: about √8 · 0.026 ≈ 0.074 in relative
-// Frobenius norm at the most (measured 0.06-0.08 on H200). The tests allow 0.1 with inputs of one
-// scale, and 0.15 with outliers (tokens 8 times larger or smaller, single values 30 times their
-// row's), whose blocks push their other values toward the subnormals. The exact kernels behind it
-// are checked to the last bit of their arithmetic in test_experts_fp8 and test_fp8_quantize.
+// The reference with the FP8 experts (reference::run_layer under fp8, rounding where the block
+// stores and weighing each row inside its expert as the block does on one GPU) quantizes what the
+// block quantizes, bit for bit wherever the bf16 values quantized agree, and forms each product in
+// fp64. What is left between them is arithmetic: the block's fp32 sums and its tensor cores'
+// ~14-bit ones (test_experts_fp8 bounds each product), so a bf16 value it stores may lie one step
+// (2^-8) from the reference's, as in the bf16 block's test; where such a value is quantized next (a
+// in the forward, dh in the backward) and the two lie either side of an E4M3 rounding boundary
+// (every 16th bf16 value is one), that value's code moves one E4M3 step, 2^-4 to 2^-3 of it. That
+// costs 0.002-0.005 of a result typically. But out and dx (which pass those codes) and the gate's
+// gradient (whose dlogits p₁p₂(dprob₁ − dprob₂) may cancel, magnifying dprob's roundings) are held
+// by a few tokens at T = 45, more so with outliers (SwiGLU squares a token's scale; outlier tokens
+// are 8 times larger), and then a few tokens' flips and cancellations show. Measured in 172 runs on
+// H100: at most 0.016 with inputs of one scale and 0.028 with outliers, both at T = 45, and 0.01 at
+// T = 100 and 200; they are held to 0.03 and 0.05. The experts' weight gradients pass neither (bf16
+// products of stored values over an expert's rows): at most 0.006 measured, held to 0.02. The other
+// valid FP8 form, the rows weighed after the experts rather than inside them (the NCCL exchange's),
+// differs from this one by 0.02-0.05 in out, dx and the gate's gradient and by 0.04-0.05 in dw13;
+// wrong scales or layouts cost 2^-4 to 2^-2 of a product's Σ|a·b| (test_experts_fp8).
+//
+// Against the exact reference (fp8 off), FP8's cost, from E4M3's 3 mantissa bits: a quantized
+// operand's values err by at most 2^-4 of themselves, about 0.026 in root mean square over a
+// block's spread of magnitudes. Errors of different operands add in squares where many tokens
+// hold a result: the output passes four quantized operands (X, w13; a, w2), dx eight, the weight
+// gradients five, about √8 · 0.026 ≈ 0.074 in relative Frobenius norm at the most (measured
+// 0.04-0.09 on H100 and H200), checked within 0.1 for inputs of one scale. With outliers (tokens 8
+// times larger or smaller, single values 30 times their row's) a few tokens hold dx and an
+// expert's dw13 (about 11 rows an expert at T = 45), so their errors are a few values' rather than
+// many adding in squares: measured up to 0.19, printed, not checked. So is the gate's gradient,
+// always: dWg = Σ_t dlogits_tᵀ · x_t is held by few tokens (an effective count of 1.5-16 with
+// outliers), and a token's dlogit under softmax post, p₁p₂(dprob₁ − dprob₂), errs with |dprob|
+// rather than with the difference (measured up to 0.41 with outliers, 0.103 without). The
+// reference with the FP8 experts holds all of them tightly instead, and the exact kernels behind
+// it are checked to the last bit of their arithmetic in test_experts_fp8 and test_fp8_quantize.
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -29,6 +52,14 @@ using test::relative_error;
 using test::Results;
 
 namespace {
+
+// Against the reference with the FP8 experts: out, dx and the gate's gradient, with inputs of one
+// scale and with outliers; the experts' weight gradients, both.
+constexpr double kSameArithmetic = 0.03;
+constexpr double kSameArithmeticOutliers = 0.05;
+constexpr double kSameWeightGradients = 0.02;
+// Against the exact reference: FP8's cost, with inputs of one scale.
+constexpr double kFp8Bound = 0.1;
 
 // Tokens 8 times larger or smaller, and single values 30 times their row's, where the routing
 // stays clear of ties.
@@ -67,35 +98,57 @@ void run_case(const MoEConfig& c, std::int64_t tokens, bool outliers, std::mt199
   const Matrix dy = test::round_to(test::random_matrix(tokens, c.hidden, rng), c.dtype);
   test::load_params(block, params, 0, c.num_experts);
   const Results got = test::run_block(block, c, x, dy);
-  MoEConfig exact = c;
-  exact.fp8 = false;
-  const auto want = reference::run_layer(exact, params, x, dy);
-  const double bound = outliers ? 0.15 : 0.1;
-  double worst_dw13 = 0, worst_dw2 = 0;
-  for (std::size_t e = 0; e < got.dw13.size(); ++e) {
-    worst_dw13 =
-        std::max(worst_dw13, relative_error(got.dw13[e], transpose(want.expert_grads.dw13[e])));
-    worst_dw2 =
-        std::max(worst_dw2, relative_error(got.dw2[e], transpose(want.expert_grads.dw2[e])));
-  }
-  const double out = relative_error(got.out, want.out), dx = relative_error(got.dx, want.dx),
-               dgate = relative_error(got.dgate, want.d_gate_weight);
+  // The reference with the FP8 experts (c has fp8), rounding and weighing where the block does;
+  // and the exact one.
+  const auto emulated =
+      reference::run_layer(c, params, x, dy, test::kAsStored, test::dprob_path(block));
+  MoEConfig exact_config = c;
+  exact_config.fp8 = false;
+  const auto exact = reference::run_layer(exact_config, params, x, dy);
+
+  // Relative errors of out, dx, dgate, and the worst expert's dw13 and dw2, against `want`.
+  struct Errors {
+    double out, dx, dgate, dw13 = 0, dw2 = 0;
+  };
+  const auto errors_against = [&](const reference::LayerResult& want) {
+    Errors e{relative_error(got.out, want.out), relative_error(got.dx, want.dx),
+             relative_error(got.dgate, want.d_gate_weight)};
+    for (std::size_t i = 0; i < got.dw13.size(); ++i) {
+      e.dw13 = std::max(e.dw13, relative_error(got.dw13[i], transpose(want.expert_grads.dw13[i])));
+      e.dw2 = std::max(e.dw2, relative_error(got.dw2[i], transpose(want.expert_grads.dw2[i])));
+    }
+    return e;
+  };
+  const Errors same = errors_against(emulated), fp8 = errors_against(exact);
   // The measured errors, for docs/performance.md's accuracy table.
-  std::printf("fp8 layer error: %s T=%lld%s: out %.4f dx %.4f dgate %.4f dw13 %.4f dw2 %.4f\n",
-              c.describe().c_str(), static_cast<long long>(tokens), outliers ? " outliers" : "",
-              out, dx, dgate, worst_dw13, worst_dw2);
-  CHECK(out <= bound);
-  CHECK(dx <= bound);
-  CHECK(dgate <= bound);
-  CHECK(worst_dw13 <= bound);
-  CHECK(worst_dw2 <= bound);
+  std::printf(
+      "fp8 layer error: %s T=%lld%s: out %.4f dx %.4f dgate %.4f dw13 %.4f dw2 %.4f; against the "
+      "FP8 reference: out %.4f dx %.4f dgate %.4f dw13 %.4f dw2 %.4f\n",
+      c.describe().c_str(), static_cast<long long>(tokens), outliers ? " outliers" : "", fp8.out,
+      fp8.dx, fp8.dgate, fp8.dw13, fp8.dw2, same.out, same.dx, same.dgate, same.dw13, same.dw2);
+  {
+    INFO("against the reference with the FP8 experts");
+    const double bound = outliers ? kSameArithmeticOutliers : kSameArithmetic;
+    CHECK(same.out <= bound);
+    CHECK(same.dx <= bound);
+    CHECK(same.dgate <= bound);
+    CHECK(same.dw13 <= kSameWeightGradients);
+    CHECK(same.dw2 <= kSameWeightGradients);
+  }
+  if (!outliers) {
+    INFO("against the exact reference");
+    CHECK(fp8.out <= kFp8Bound);
+    CHECK(fp8.dx <= kFp8Bound);
+    CHECK(fp8.dw13 <= kFp8Bound);
+    CHECK(fp8.dw2 <= kFp8Bound);
+  }
   // The router runs in bf16 as without fp8: the losses are the exact ones within bf16.
-  CHECK(got.aux == Approx(want.aux_loss).epsilon(1e-2).margin(1e-6));
+  CHECK(got.aux == Approx(exact.aux_loss).epsilon(1e-2).margin(1e-6));
 }
 
 }  // namespace
 
-TEST_CASE("MoEBlock with fp8 stays within FP8's bound of the exact fp64 reference",
+TEST_CASE("MoEBlock with fp8 matches the FP8 reference and stays near the exact one",
           "[gpu][block][fp8]") {
   std::mt19937_64 rng(test::fresh_seed());
   for (const bool outliers : {false, true}) {
