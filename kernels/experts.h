@@ -32,9 +32,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "gemm.h"
@@ -44,6 +46,16 @@
 namespace moe {
 
 enum class ExpertSchedule { kStreams, kBatched, kGrouped };
+
+// The local experts [first, end) whose products a call runs; the others' rows, outputs and weight
+// gradients are left alone, so that a caller can run the experts in turn as their rows arrive
+// (the pipelined exchange). Each product is launched as the call over every expert launches it
+// (the same batches' size classes and alignments, hence the same algorithms), so that running
+// the spans in turn gives the bits of one call over all (batched and stream schedules).
+struct ExpertSpan {
+  int first = 0;
+  int end = std::numeric_limits<int>::max();  // clamped to the local experts
+};
 std::string_view expert_schedule_name(ExpertSchedule schedule);
 
 // Per-row buffers [rows, ...] that the caller owns (rows = offsets.back()).
@@ -78,8 +90,8 @@ class ExpertFFN {
   // offsets: host [E_loc + 1], expert e owns rows [offsets[e], offsets[e + 1]) of X (padding
   // incl.). y may be X itself: every product reading X completes before the first writes y.
   void forward(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
-               const Tensor& w2, const ExpertActivations& act, const Tensor& y,
-               cudaStream_t stream);
+               const Tensor& w2, const ExpertActivations& act, const Tensor& y, cudaStream_t stream,
+               ExpertSpan span = {});
 
   // Writes X again, queued on the stream it is given, when X was not kept (memory against one
   // more pass over the rows). With it, dY, X and dX may share one buffer: every dA and dw2
@@ -96,7 +108,7 @@ class ExpertFFN {
   void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                 const Tensor& w13, const Tensor& w2, const ExpertActivations& act, bool recompute_h,
                 const Tensor& dX, const Tensor& dw13, const Tensor& dw2, cudaStream_t stream,
-                const RefillInput& refill_input = {});
+                const RefillInput& refill_input = {}, ExpertSpan span = {});
 
   ExpertSchedule schedule() const { return schedule_; }
 
@@ -119,6 +131,7 @@ class ExpertFFN {
     const void* b;
     void* c;
     float beta = 0.0f;  // 1: add to C (a piece of an expert's dw2 after its first)
+    int expert = -1;    // whose product it is (the span filter)
   };
   // Rows [first_row, first_row + rows) of the padded buffer, all of one expert.
   struct Piece {
@@ -135,16 +148,19 @@ class ExpertFFN {
     std::vector<Piece> pieces;
   };
   std::vector<Chunk> plan_chunks(std::span<const std::int64_t> offsets) const;
+  // The rows {first, count} of a chunk that the span's experts own ({0, 0}: none).
+  static std::pair<std::int64_t, std::int64_t> span_rows(const Chunk& chunk, ExpertSpan span);
   void check_shapes(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
                     const Tensor& w2, const ExpertActivations& act) const;
   void up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
                    const Tensor& h, std::vector<Product>& out) const;
   // followers[i] (may be empty, m·n = 0) runs after products[i], on the same stream (grouped: after
   // the whole call): it may read what products[i] wrote or overwrite what it read.
+  // Only the products of the span's experts run, each launched as in a call over all of them.
   void run(const std::vector<Product>& products, cudaStream_t stream,
-           const std::vector<Product>* followers = nullptr);
+           const std::vector<Product>* followers = nullptr, ExpertSpan span = {});
   void run_on_streams(const std::vector<Product>& products, bool batch_equal_shapes,
-                      cudaStream_t stream, const std::vector<Product>* followers = nullptr);
+                      cudaStream_t stream, const std::vector<Product>* followers, ExpertSpan span);
   void run_grouped(const std::vector<Product>& products, cudaStream_t stream);
   void run_grouped_call(const std::vector<std::vector<const Product*>>& groups, DType type,
                         cudaStream_t stream);

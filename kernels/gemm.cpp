@@ -284,8 +284,11 @@ void GemmRunner::tune(Plan& p, const PlanKey& key, const void* a, const void* b,
   tuning_->winners.emplace(tune_class(key), p.algo);
 }
 
-bool GemmRunner::tuned(const GemmShape& shape, int batch, std::uint32_t alignment) {
+bool GemmRunner::tuned(const GemmShape& shape, int batch, std::uint32_t alignment,
+                       int class_count) {
+  if (class_count > 0) batch = std::max(batch, class_count);
   if (!tuning_ || shape.m <= 0 || shape.n <= 0 || shape.k <= 0) return true;
+  tuning_->ran_products = true;
   if (batch == 0 && !tuning_->plain_products) return true;
   const PlanKey key =
       batch > 0
@@ -330,7 +333,7 @@ void GemmRunner::run(const GemmShape& shape, const void* a, const void* b, void*
 
 void GemmRunner::run_batched(const GemmShape& shape, int batch, const void* const* a,
                              const void* const* b, void* const* c, std::uint32_t alignment,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, int class_count) {
   if (shape.m <= 0 || shape.n <= 0 || shape.k <= 0 || batch < 1) {
     fail("GemmRunner: a batched product needs M, N, K, batch > 0 (got M={} N={} K={} batch={})",
          shape.m, shape.n, shape.k, batch);
@@ -338,7 +341,10 @@ void GemmRunner::run_batched(const GemmShape& shape, int batch, const void* cons
   if (!std::has_single_bit(alignment)) {
     fail("GemmRunner: alignment = {} must be a power of two", alignment);
   }
-  const PlanKey key{shape, static_cast<int>(std::bit_ceil(static_cast<unsigned>(batch))),
+  if (class_count < 0 || (class_count > 0 && class_count < batch))
+    fail("GemmRunner: a batch of {} takes the size class of {}", batch, class_count);
+  const int class_of = class_count > 0 ? class_count : batch;
+  const PlanKey key{shape, static_cast<int>(std::bit_ceil(static_cast<unsigned>(class_of))),
                     alignment};
   Plan& p = plan(key);
   for (LayoutOwner* layout : {&p.first, &p.second, &p.out}) layout->set_batch(batch);

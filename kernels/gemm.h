@@ -61,6 +61,9 @@ struct GemmTuning {
   // rank adopts the union of all ranks' winners (adopt_agreed), and from then on, frozen, a size
   // class nobody timed runs the heuristic's first proposal untimed, which is the same everywhere.
   bool frozen = false;
+  // Whether a product with rows has asked for its algorithm (timed or not): a mesh that ran
+  // products but timed none (every one plain, say) agrees on that and freezes all the same.
+  bool ran_products = false;
   // Bumped when adopt_agreed replaces winners: plans re-read their algorithm.
   std::uint64_t generation = 0;
 
@@ -93,12 +96,16 @@ class GemmRunner {
   // the operands' addresses from the device arrays a[batch], b[batch] and c[batch].
   // `alignment` (a power of two) divides every one of those addresses: cuBLASLt cannot see them
   // when it picks the algorithm, so it is told.
+  // class_count: the count whose size class picks the algorithm (0: batch itself), so that part
+  // of a batch runs as the whole batch would.
   void run_batched(const GemmShape& shape, int batch, const void* const* a, const void* const* b,
-                   void* const* c, std::uint32_t alignment, cudaStream_t stream);
+                   void* const* c, std::uint32_t alignment, cudaStream_t stream,
+                   int class_count = 0);
 
   // Whether the product (batch 0: a plain run; else run_batched with that count and alignment)
   // would launch without timing proposals first: no tuning, or its size class is tuned already.
-  bool tuned(const GemmShape& shape, int batch = 0, std::uint32_t alignment = 0);
+  bool tuned(const GemmShape& shape, int batch = 0, std::uint32_t alignment = 0,
+             int class_count = 0);
 
  private:
   struct Plan;

@@ -53,10 +53,20 @@ ExpertStage::ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer
   });
 }
 
+namespace {
+// The FP8 experts quantize every local expert's rows in one pass: the config gives them one chunk.
+void refuse_fp8_span(ExpertSpan span, std::span<const std::int64_t> offsets) {
+  if (span.first != 0 || span.end < static_cast<int>(offsets.size()) - 1)
+    fail("ExpertStage: the FP8 experts run every local expert at once, not experts [{}, {})",
+         span.first, span.end);
+}
+}  // namespace
+
 void ExpertStage::forward(const ExpertRows& rows, const Tensor& w13, const Tensor& w2,
-                          cudaStream_t stream, bool weights_unchanged) {
+                          cudaStream_t stream, bool weights_unchanged, ExpertSpan span) {
   const std::int64_t n = rows.offsets.back();
   if (fp8_) {
+    refuse_fp8_span(span, rows.offsets);
     // The FP8 products take a over every row (no chunks).
     if (!weights_unchanged || !fp8_->has_weights() || fp8_w13_ != w13.data || fp8_w2_ != w2.data) {
       fp8_->quantize_weights(w13, w2, stream);
@@ -71,11 +81,12 @@ void ExpertStage::forward(const ExpertRows& rows, const Tensor& w13, const Tenso
   ExpertActivations act{.h = view(h_, dtype_, {n, 2 * F_}),
                         .a = view(a_, dtype_, {ffn_->activation_rows(rows.offsets), F_})};
   act.scale = rows.scale;
-  ffn_->forward(rows.input, rows.offsets, w13, w2, act, rows.output, stream);
+  ffn_->forward(rows.input, rows.offsets, w13, w2, act, rows.output, stream, span);
 }
 
 void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const Tensor& w2,
-                           const Tensor& w13_grad, const Tensor& w2_grad, cudaStream_t stream) {
+                           const Tensor& w13_grad, const Tensor& w2_grad, cudaStream_t stream,
+                           ExpertSpan span) {
   const std::int64_t n = rows.offsets.back();
   // In place: dh over h, dA over a (the SwiGLU backward reads each element before writing its
   // gradient, and writes a there again for dw2).
@@ -84,12 +95,13 @@ void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const 
   ExpertActivations act{.h = h, .a = a, .dA = a, .dh = h};
   act.scale = act.dscale = rows.scale;
   if (fp8_) {
+    refuse_fp8_span(span, rows.offsets);
     fp8_->backward(rows.dY, rows.input, rows.offsets, act, rows.dX, w13_grad, w2_grad, stream,
                    rows.refill);
     return;
   }
   ffn_->backward(rows.dY, rows.input, rows.offsets, w13, w2, act, false, rows.dX, w13_grad, w2_grad,
-                 stream, rows.refill);
+                 stream, rows.refill, span);
 }
 
 void ExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {
@@ -97,13 +109,18 @@ void ExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {
   if (tuning == nullptr || tuning->frozen || mesh.world_size() == 1) return;
   const int world = mesh.world_size();
   const std::vector<std::byte> mine = tuning->serialize();
-  // Sizes first, then every rank's records padded to the largest.
-  const std::uint64_t mine_size = mine.size();
-  const auto sizes = all_gather_to_host<std::uint64_t>(mesh, std::span(&mine_size, 1), stream);
-  const std::uint64_t widest = *std::max_element(sizes.begin(), sizes.end());
-  // Nothing timed anywhere yet (no rank had rows): agree at a later step instead of freezing the
-  // heuristic's choices for good. The sizes are the same on every rank, and so is this return.
-  if (widest == 0) return;
+  // Sizes (and whether any product ran) first, then every rank's records padded to the largest.
+  const std::uint64_t mine_size[2] = {mine.size(), tuning->ran_products ? 1u : 0u};
+  const auto sizes = all_gather_to_host<std::uint64_t>(mesh, std::span(mine_size), stream);
+  std::uint64_t widest = 0, ran = 0;
+  for (int r = 0; r < world; ++r) {
+    widest = std::max(widest, sizes[2 * r]);
+    ran = std::max(ran, sizes[2 * r + 1]);
+  }
+  // No product ran anywhere yet (no rank had rows): agree at a later step instead of freezing
+  // the heuristic's choices for good. Products that ran with nothing to time (plain products, one
+  // expert a batch) agree on no records. The sizes are the same on every rank, and so is this.
+  if (widest == 0 && ran == 0) return;
   std::vector<std::byte> padded(widest);
   std::copy(mine.begin(), mine.end(), padded.begin());
   const auto gathered =
@@ -111,7 +128,7 @@ void ExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {
   std::vector<std::vector<std::byte>> ranks(world);
   for (int r = 0; r < world; ++r) {
     const auto first = gathered.begin() + static_cast<std::ptrdiff_t>(r * widest);
-    ranks[r].assign(first, first + static_cast<std::ptrdiff_t>(sizes[r]));
+    ranks[r].assign(first, first + static_cast<std::ptrdiff_t>(sizes[2 * r]));
   }
   tuning->adopt_agreed(ranks);
 }

@@ -23,12 +23,14 @@ class ExpertStage {
   // Y = (p ⊙ silu(X·w13_gateᵀ) ⊙ X·w13_upᵀ)·w2ᵀ per expert, p where rows.scale is given. Keeps h.
   // With fp8, the weights are quantized first, unless weights_unchanged and the FP8 copy is of
   // these very tensors.
+  // span: the experts of one chunk of a pipelined exchange (all where it does not pipeline).
   void forward(const ExpertRows& rows, const Tensor& w13, const Tensor& w2, cudaStream_t stream,
-               bool weights_unchanged = false);
+               bool weights_unchanged = false, ExpertSpan span = {});
   // dX and the weight gradients (overwritten) from dY, with the forward's h; the probabilities'
   // gradients into rows.scale where it is given.
   void backward(const ExpertGradRows& rows, const Tensor& w13, const Tensor& w2,
-                const Tensor& w13_grad, const Tensor& w2_grad, cudaStream_t stream);
+                const Tensor& w13_grad, const Tensor& w2_grad, cudaStream_t stream,
+                ExpertSpan span = {});
   // The weights were written (bound or initialized): the next forward quantizes them for the
   // FP8 products whatever ForwardOptions::weights_unchanged says.
   void weights_changed() { fp8_w13_ = fp8_w2_ = nullptr; }

@@ -1,6 +1,7 @@
 // Expert FFN (cuBLASLt / grouped GEMMs + SwiGLU) against the fp64 reference: forward and every
 // gradient, fp32 and bf16, every schedule, h kept or recomputed, X kept or refilled, uniform /
-// skewed / empty experts.
+// skewed / empty experts; and the experts run span by span (the pipelined exchange's chunks)
+// giving one call's bits.
 #include <optional>
 #include <random>
 #include <sstream>
@@ -52,6 +53,7 @@ struct Case {
   std::int64_t chunk_rows = 0;  // a in chunks of this many rows (0: every row at once)
   bool weighed =
       false;  // rows weighed by probabilities inside the experts, their gradient in place
+  int expert_chunks = 0;  // forward, then backward, over this many spans of experts in turn
   std::string describe() const {
     std::ostringstream s;
     s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert
@@ -64,14 +66,28 @@ struct Case {
       << (in_place ? " in place" : "") << (one_buffer ? " one row buffer" : "")
       << (dX_over_dY ? " dX over dY" : "")
       << (chunk_rows > 0 ? " a in chunks of " + std::to_string(chunk_rows) + " rows" : "")
-      << (weighed ? " rows weighed" : "");
+      << (weighed ? " rows weighed" : "")
+      << (expert_chunks > 0 ? " in " + std::to_string(expert_chunks) + " spans" : "");
     return s.str();
   }
 };
 
+// What a case computed, as the GPU left it.
+struct Outputs {
+  Matrix y, dX, dw13, dw2, dp;
+};
+
+// Consecutive near-equal spans of E experts (one span of all for 0).
+std::vector<ExpertSpan> expert_spans(int E, int chunks) {
+  if (chunks <= 0) return {ExpertSpan{}};
+  std::vector<ExpertSpan> spans;
+  for (int i = 0; i < chunks; ++i) spans.push_back({i * E / chunks, (i + 1) * E / chunks});
+  return spans;
+}
+
 // `shared`: run on this ExpertFFN (built for c's shape and schedule) instead of a fresh one, so
 // that plans cached by earlier calls with other row counts are reused.
-void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) {
+Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) {
   INFO(c.describe());
   const int H = c.hidden, F = c.ffn, E = c.experts;
   std::vector<std::int64_t> counts(E);
@@ -200,38 +216,47 @@ void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) 
     test::poison(shared_rows);
     const Tensor rows_t(shared_rows.data(), d, {rows, H});
     const Tensor X_t(X_dev.data(), d, {rows, H});
-    ffn.forward(X_t, offsets, w13_t_, w2_t_, act, rows_t, stream.get());
+    for (const ExpertSpan span : expert_spans(E, c.expert_chunks))
+      ffn.forward(X_t, offsets, w13_t_, w2_t_, act, rows_t, stream.get(), span);
     MOE_CHECK_CUDA(cudaMemcpyAsync(y.data(), shared_rows.data(), row_bytes,
                                    cudaMemcpyDeviceToDevice, stream.get()));
     MOE_CHECK_CUDA(cudaMemcpyAsync(shared_rows.data(), dY_dev.data(), row_bytes,
                                    cudaMemcpyDeviceToDevice, stream.get()));
-    ffn.backward(rows_t, X_t, offsets, w13_t_, w2_t_, act, false, rows_t, dw13_t, dw2_t,
-                 stream.get());
+    for (const ExpertSpan span : expert_spans(E, c.expert_chunks)) {
+      ffn.backward(rows_t, X_t, offsets, w13_t_, w2_t_, act, false, rows_t, dw13_t, dw2_t,
+                   stream.get(), {}, span);
+    }
     MOE_CHECK_CUDA(cudaMemcpyAsync(dX.data(), shared_rows.data(), row_bytes,
                                    cudaMemcpyDeviceToDevice, stream.get()));
     stream.synchronize();
   } else {
     const Tensor X_t(X_dev.data(), d, {rows, H});
-    ffn.forward(X_t, offsets, w13_t_, w2_t_, act, Tensor(y.data(), d, {rows, H}), stream.get());
+    for (const ExpertSpan span : expert_spans(E, c.expert_chunks)) {
+      ffn.forward(X_t, offsets, w13_t_, w2_t_, act, Tensor(y.data(), d, {rows, H}), stream.get(),
+                  span);
+    }
     if (c.recompute) {
       stream.synchronize();
       test::poison(h);  // backward must rebuild h itself
     }
-    ffn.backward(Tensor(dY_dev.data(), d, {rows, H}), X_t, offsets, w13_t_, w2_t_, act, c.recompute,
-                 Tensor(dX.data(), d, {rows, H}), dw13_t, dw2_t, stream.get());
+    for (const ExpertSpan span : expert_spans(E, c.expert_chunks)) {
+      ffn.backward(Tensor(dY_dev.data(), d, {rows, H}), X_t, offsets, w13_t_, w2_t_, act,
+                   c.recompute, Tensor(dX.data(), d, {rows, H}), dw13_t, dw2_t, stream.get(), {},
+                   span);
+    }
     stream.synchronize();
   }
 
   const double tolerance = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
-  CHECK(test::relative_error(download_matrix(y, rows, H, d), want.y) <= tolerance);
-  if (c.weighed) {
-    CHECK(test::relative_error(download_matrix(scale_dev, rows, 1, DType::kFP32), want_dp) <=
-          tolerance);
-  }
-  CHECK(test::relative_error(download_matrix(dX, rows, H, d), grads.dX) <= tolerance);
-  const Matrix got_dw13 =
-      download_matrix(dw13, static_cast<std::int64_t>(E) * 2 * F, H, c.grad_dtype);
-  const Matrix got_dw2 = download_matrix(dw2, static_cast<std::int64_t>(E) * H, F, c.grad_dtype);
+  Outputs got{download_matrix(y, rows, H, d), download_matrix(dX, rows, H, d),
+              download_matrix(dw13, static_cast<std::int64_t>(E) * 2 * F, H, c.grad_dtype),
+              download_matrix(dw2, static_cast<std::int64_t>(E) * H, F, c.grad_dtype),
+              download_matrix(scale_dev, rows, 1, DType::kFP32)};
+  CHECK(test::relative_error(got.y, want.y) <= tolerance);
+  if (c.weighed) CHECK(test::relative_error(got.dp, want_dp) <= tolerance);
+  CHECK(test::relative_error(got.dX, grads.dX) <= tolerance);
+  const Matrix& got_dw13 = got.dw13;
+  const Matrix& got_dw2 = got.dw2;
   for (int e = 0; e < E; ++e) {
     INFO("expert " << e << " with " << counts[e] << " rows");
     const Matrix got13 = reference::slice_rows(got_dw13, e * 2 * F, (e + 1) * 2 * F);
@@ -244,6 +269,7 @@ void run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullptr) 
     CHECK(test::relative_error(got13, transpose(grads.dw13[e])) <= tolerance);
     CHECK(test::relative_error(got2, transpose(grads.dw2[e])) <= tolerance);
   }
+  return got;
 }
 
 }  // namespace
@@ -354,6 +380,45 @@ TEST_CASE("batched expert calls reuse their plans as row counts change", "[gpu][
       run_case({H, F, E, 8 + 4 * step, rows, dtype, dtype, ExpertSchedule::kBatched, step % 2 == 1},
                rng, &ffn);
     }
+  }
+}
+
+TEST_CASE("expert FFN run span by span of experts gives one call's bits", "[gpu][experts]") {
+  // The pipelined exchange runs the experts chunk by chunk as their rows arrive: every product is
+  // launched as the call over all experts launches it (the same batches' size classes, hence the
+  // same algorithms on one ExpertFFN), so the spans' results are one call's, bit for bit, with
+  // a cut into chunks and pieces, empty experts, weighed rows and dX over dY.
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const std::vector<Case> cases = {
+      {96, 72, 8, 24, Rows::kUniform, DType::kBF16, DType::kFP32, ExpertSchedule::kBatched, false},
+      {96, 72, 8, 24, Rows::kSomeEmpty, DType::kFP32, DType::kFP32, ExpertSchedule::kBatched, false,
+       true, false, false, 40},
+      {448, 128, 16, 16, Rows::kSomeEmpty, DType::kBF16, DType::kFP32, ExpertSchedule::kBatched,
+       false, true, false, true, 64, true},
+      {512, 1792, 8, 64, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kBatched,
+       false, true, false, true, 64},
+      {64, 40, 64, 6, Rows::kUniform, DType::kBF16, DType::kBF16, ExpertSchedule::kStreams, true},
+  };
+  for (Case c : cases) {
+    ExpertFFN ffn(c.hidden, c.ffn, c.experts, c.dtype, c.schedule, 3,
+                  static_cast<std::size_t>(c.chunk_rows) * static_cast<std::size_t>(c.ffn) *
+                      dtype_size(c.dtype));
+    std::mt19937_64 same_inputs = rng;
+    const Outputs one = run_case(c, same_inputs, &ffn);
+    for (const int chunks : {2, 3, c.experts}) {
+      c.expert_chunks = chunks;
+      INFO(c.describe());
+      same_inputs = rng;
+      const Outputs spans = run_case(c, same_inputs, &ffn);
+      CHECK(spans.y.data == one.y.data);
+      CHECK(spans.dX.data == one.dX.data);
+      CHECK(spans.dw13.data == one.dw13.data);
+      CHECK(spans.dw2.data == one.dw2.data);
+      if (c.weighed) CHECK(spans.dp.data == one.dp.data);
+    }
+    rng = same_inputs;
   }
 }
 
