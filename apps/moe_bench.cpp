@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
   std::string json_path, grad_dtype, ep_transport;
   bool keep_expert_input = false;
   double activation_chunk_mib = -1;
+  int exchange_chunks = -1;
   int gemm_workspace_mib = -1;
   double stage_lead_ms = 1.0;
   double capacity_factor = -1;
@@ -126,6 +127,10 @@ int main(int argc, char** argv) {
   app.add_option("--ep-transport", ep_transport,
                  "rows across the EP group: auto, nccl or peer (default: the config's)")
       ->check(CLI::IsMember({"auto", "nccl", "peer"}));
+  app.add_option("--exchange-chunks", exchange_chunks,
+                 "the NCCL exchange's pipeline in this many chunks of experts, 0: automatic, "
+                 "1: off (default: the config's)")
+      ->check(cli::count_in(0, 1024));
   app.add_option("--stage-lead-ms", stage_lead_ms,
                  "time the stages with the host this many ms ahead of the GPU (0: behind it, as "
                  "in the timed steps)")
@@ -170,6 +175,7 @@ int main(int argc, char** argv) {
     if (activation_chunk_mib >= 0) config.activation_chunk_mib = activation_chunk_mib;
     if (gemm_workspace_mib >= 0) config.gemm_workspace_mib = gemm_workspace_mib;
     if (!ep_transport.empty()) config.ep_transport = parse_ep_transport(ep_transport);
+    if (exchange_chunks >= 0) config.exchange_chunks = exchange_chunks;
     if (capacity_factor > 0) config.capacity_factor = capacity_factor;
     if (capacity_factor == 0) {  // dropless: the config's capacity settings go with its factor
       if (pad_to_capacity)
@@ -428,6 +434,8 @@ int main(int argc, char** argv) {
             {"ep", ep},
             {"dp", dp},
             {"ep_transport", ep_transport_name(block.ep_transport())},
+            {"exchange_chunks",
+             block.ep_transport() == EpTransport::kNccl ? config.effective_exchange_chunks() : 1},
             {"activation_chunk_mib", config.activation_chunk_mib},
             {"gemm_workspace_mib", config.gemm_workspace_mib},
             {"tokens_per_gpu", T},

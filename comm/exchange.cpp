@@ -73,24 +73,41 @@ const ExchangeCounts& ExpertExchange::exchange_counts(const std::int32_t* counts
 void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int64_t>& send_rows,
                                    void* recv, const std::vector<std::int64_t>& recv_rows,
                                    std::size_t row_bytes, cudaStream_t stream) const {
+  std::vector<std::int64_t> send_offsets(send_rows.size(), 0), recv_offsets(recv_rows.size(), 0);
+  for (std::size_t p = 1; p < send_rows.size(); ++p)
+    send_offsets[p] = send_offsets[p - 1] + send_rows[p - 1];
+  for (std::size_t p = 1; p < recv_rows.size(); ++p)
+    recv_offsets[p] = recv_offsets[p - 1] + recv_rows[p - 1];
+  exchange_row_ranges(send, send_offsets, send_rows, recv, recv_offsets, recv_rows, row_bytes,
+                      stream);
+}
+
+void ExpertExchange::exchange_row_ranges(const void* send,
+                                         std::span<const std::int64_t> send_offsets,
+                                         std::span<const std::int64_t> send_rows, void* recv,
+                                         std::span<const std::int64_t> recv_offsets,
+                                         std::span<const std::int64_t> recv_rows,
+                                         std::size_t row_bytes, cudaStream_t stream) const {
   const int EP = mesh_.ep();
-  if (std::ssize(send_rows) != EP || std::ssize(recv_rows) != EP) {
-    fail("exchange_rows: {} send and {} receive counts for {} EP peers", send_rows.size(),
-         recv_rows.size(), EP);
+  if (std::ssize(send_rows) != EP || std::ssize(recv_rows) != EP ||
+      std::ssize(send_offsets) != EP || std::ssize(recv_offsets) != EP) {
+    fail("exchange_rows: {} send and {} receive counts, {} and {} offsets, for {} EP peers",
+         send_rows.size(), recv_rows.size(), send_offsets.size(), recv_offsets.size(), EP);
   }
   const int me = mesh_.ep_index();
-  std::vector<std::size_t> send_offset(EP + 1, 0), recv_offset(EP + 1, 0);
-  for (int p = 0; p < EP; ++p) {
-    send_offset[p + 1] = send_offset[p] + static_cast<std::size_t>(send_rows[p]) * row_bytes;
-    recv_offset[p + 1] = recv_offset[p] + static_cast<std::size_t>(recv_rows[p]) * row_bytes;
-  }
   if (send_rows[me] != recv_rows[me])
     fail("exchange_rows: {} rows to self but {} from self", send_rows[me], recv_rows[me]);
+  const auto bytes = [row_bytes](std::int64_t rows) {
+    return static_cast<std::size_t>(rows) * row_bytes;
+  };
   const auto* src = static_cast<const char*>(send);
   auto* dst = static_cast<char*>(recv);
   ncclComm_t ep = mesh_.comm(MeshGroup::kExpertParallel);
   if (ep == nullptr) {  // one EP rank: its own rows are a device copy
-    MOE_CHECK_CUDA(cudaMemcpyAsync(dst, src, send_offset[1], cudaMemcpyDeviceToDevice, stream));
+    if (send_rows[0] > 0) {
+      MOE_CHECK_CUDA(cudaMemcpyAsync(dst + bytes(recv_offsets[0]), src + bytes(send_offsets[0]),
+                                     bytes(send_rows[0]), cudaMemcpyDeviceToDevice, stream));
+    }
     return;
   }
   // Own rows go through NCCL too: its kernel copies them while the links carry the rest, which
@@ -98,12 +115,12 @@ void ExpertExchange::exchange_rows(const void* send, const std::vector<std::int6
   mesh_.group_start();
   for (int peer = 0; peer < EP; ++peer) {
     if (send_rows[peer] > 0) {
-      MOE_CHECK_NCCL(ncclSend(src + send_offset[peer], send_offset[peer + 1] - send_offset[peer],
-                              ncclInt8, peer, ep, stream));
+      MOE_CHECK_NCCL(ncclSend(src + bytes(send_offsets[peer]), bytes(send_rows[peer]), ncclInt8,
+                              peer, ep, stream));
     }
     if (recv_rows[peer] > 0) {
-      MOE_CHECK_NCCL(ncclRecv(dst + recv_offset[peer], recv_offset[peer + 1] - recv_offset[peer],
-                              ncclInt8, peer, ep, stream));
+      MOE_CHECK_NCCL(ncclRecv(dst + bytes(recv_offsets[peer]), bytes(recv_rows[peer]), ncclInt8,
+                              peer, ep, stream));
     }
   }
   mesh_.group_end("the rows all-to-allv");

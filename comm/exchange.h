@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "moe/device.h"
@@ -37,6 +38,14 @@ class ExpertExchange {
   void exchange_rows(const void* send, const std::vector<std::int64_t>& send_rows, void* recv,
                      const std::vector<std::int64_t>& recv_rows, std::size_t row_bytes,
                      cudaStream_t stream) const;
+
+  // The same with each peer's rows at given offsets (rows, not bytes) instead of one after the
+  // other: the pipelined exchange sends a chunk of each peer's range.
+  void exchange_row_ranges(const void* send, std::span<const std::int64_t> send_offsets,
+                           std::span<const std::int64_t> send_rows, void* recv,
+                           std::span<const std::int64_t> recv_offsets,
+                           std::span<const std::int64_t> recv_rows, std::size_t row_bytes,
+                           cudaStream_t stream) const;
 
   const ExchangeCounts& counts() const { return counts_; }
 

@@ -287,6 +287,13 @@ void MoEConfig::validate() const {
                          topk / max_nodes_per_token, num_experts / nodes);
     }
   }
+  MOE_CONFIG_REQUIRE(exchange_chunks >= 0 && exchange_chunks <= 1024,
+                     "exchange_chunks = {} must be in [0, 1024] (0 = automatic, 1 = off)",
+                     exchange_chunks);
+  MOE_CONFIG_REQUIRE(!fp8 || exchange_chunks <= 1,
+                     "exchange_chunks = {} with fp8 = true: the FP8 experts run every local "
+                     "expert in one pass, so the exchange cannot pipeline with them (use 0 or 1)",
+                     exchange_chunks);
   MOE_CONFIG_REQUIRE(ep_transport == EpTransport::kAuto || ep_transport == EpTransport::kNccl ||
                          ep_transport == EpTransport::kPeer,
                      "ep_transport = {} must be auto, nccl or peer",
@@ -294,6 +301,15 @@ void MoEConfig::validate() const {
   // The apps' --tokens bound: a file cannot ask for more than their command lines can.
   MOE_CONFIG_REQUIRE(bench_tokens >= 0 && bench_tokens <= (1 << 30),
                      "tokens = {} must be in [0, 2^30]", bench_tokens);
+}
+
+int MoEConfig::effective_exchange_chunks() const {
+  const int local_experts = ep >= 1 ? num_experts / ep : num_experts;
+  if (ep <= 1 || fp8 || local_experts <= 1) return 1;
+  // Automatic: four chunks hide all but about a quarter of each exchange's time (the first
+  // dispatch chunk and the last combine chunk stay exposed) at four times the launches.
+  const int wanted = exchange_chunks == 0 ? 4 : exchange_chunks;
+  return std::min(wanted, local_experts);
 }
 
 std::string MoEConfig::describe() const {
@@ -536,6 +552,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
        [&](const YAML::Node& n, const std::string& k) {
          config.ep_transport = parse_named(n, k, source, parse_ep_transport);
        }},
+      {"exchange_chunks", integer(&MoEConfig::exchange_chunks)},
       {"tokens", integer(&MoEConfig::bench_tokens)},
   };
 

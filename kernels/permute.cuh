@@ -79,6 +79,12 @@ struct ChunkArgs {
   int align = 0;
   void* workspace = nullptr;  // chunk_workspace_bytes()
   int uniform_count = 0;
+  // Only the chunks of local experts [first_expert, end_expert) move (end 0: every expert), the
+  // pipelined exchange's chunk of experts; widest_source is then the most rows one source holds
+  // for them (the host knows it from the counts), and only those experts' padding is zeroed.
+  int first_expert = 0;
+  int end_expert = 0;
+  std::int64_t widest_source = 0;
 };
 std::size_t chunk_workspace_bytes(int sources, int local_experts);
 void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tensor& expert_major,

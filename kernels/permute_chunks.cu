@@ -65,19 +65,35 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
+// The source-major rows a copy moves: every row, or (several grid rows) those of local experts
+// [first, end) from source blockIdx.y.
+struct RowSpan {
+  std::int64_t rows = 0;
+  int local_experts = 0, first = 0, end = 0;
+};
+
 // One warp per source-major row: finds its chunk by binary search and copies the row to or from
 // its expert-major place.
 template <typename T, int kElems, bool kToExpertMajor>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
-    chunk_copy_kernel(const T* __restrict__ from, T* __restrict__ to, std::int64_t rows, int hidden,
+    chunk_copy_kernel(const T* __restrict__ from, T* __restrict__ to, RowSpan span, int hidden,
                       int chunks, const std::int32_t* __restrict__ source_start,
                       const std::int32_t* __restrict__ expert_start, Padding pad) {
+  // The padding blocks (after the rows' blocks) zero it once, in the grid's first row.
+  const bool padding_block =
+      static_cast<int>(blockIdx.x) >= static_cast<int>(gridDim.x) - pad.groups;
+  if (kToExpertMajor && padding_block && blockIdx.y > 0) return;
   if (kToExpertMajor && zero_padding_block<T, kElems>(pad, hidden, to)) return;
   using P = Pack<T, kElems>;
   const int lane = threadIdx.x % kWarpSize;
-  const std::int64_t row =
-      static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
-  if (row >= rows) return;
+  std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  std::int64_t end = span.rows;
+  if (gridDim.y > 1 || span.end > 0) {  // source blockIdx.y's rows of the span's experts
+    const int first_chunk = static_cast<int>(blockIdx.y) * span.local_experts;
+    row += source_start[first_chunk + span.first];
+    end = source_start[first_chunk + span.end];
+  }
+  if (row >= end) return;
   int lo = 0, hi = chunks;  // last chunk with source_start <= row (empty chunks share starts)
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -114,20 +130,31 @@ void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
   if (shared > 48 * 1024)
     fail("chunk sort: " + std::to_string(chunks) +
          " chunks exceed the table kernel's shared memory");
+  const bool part = c.end_expert > 0;
+  if (part && (c.first_expert < 0 || c.first_expert >= c.end_expert ||
+               c.end_expert > c.local_experts || c.widest_source < 0)) {
+    fail("chunk sort: experts [" + std::to_string(c.first_expert) + ", " +
+         std::to_string(c.end_expert) + ") of " + std::to_string(c.local_experts) +
+         ", widest source " + std::to_string(c.widest_source));
+  }
   chunk_table_kernel<<<1, kScanThreads, shared, stream>>>(c.counts, c.uniform_count, c.sources,
                                                           c.local_experts, c.align, table);
   MOE_CHECK_LAUNCH();
-  const std::int64_t rows = source_major.dim(0);
+  const RowSpan span{source_major.dim(0), c.local_experts, part ? c.first_expert : 0,
+                     part ? c.end_expert : 0};
   const int hidden = static_cast<int>(source_major.dim(1));
-  // Sorting into the expert-major layout also zeroes its padding; the way back has none to write.
-  const Padding pad = kToExpertMajor
-                          ? Padding{table.group_offsets, table.group_counts, c.local_experts}
-                          : Padding{};
-  const unsigned grid = row_grid(rows, pad);
+  // Sorting into the expert-major layout also zeroes its padding (of the span's experts); the
+  // way back has none to write.
+  const int first = span.first, experts = part ? c.end_expert - c.first_expert : c.local_experts;
+  const Padding pad =
+      kToExpertMajor ? Padding{table.group_offsets + first, table.group_counts + first, experts}
+                     : Padding{};
+  const unsigned grid = row_grid(part ? c.widest_source : span.rows, pad);
   if (grid == 0) return;
+  const dim3 blocks(grid, part ? static_cast<unsigned>(c.sources) : 1u);
   dispatch_rows(source_major, {from.data, to.data}, [&]<typename T, int kElems>() {
-    chunk_copy_kernel<T, kElems, kToExpertMajor><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
-        from.as<const T>(), to.as<T>(), rows, hidden, chunks, table.source_start,
+    chunk_copy_kernel<T, kElems, kToExpertMajor><<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
+        from.as<const T>(), to.as<T>(), span, hidden, chunks, table.source_start,
         table.expert_start, pad);
     MOE_CHECK_LAUNCH();
   });

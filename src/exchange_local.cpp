@@ -108,7 +108,7 @@ class LocalExchange final : public TokenExchange {
 
   // The experts' output is already where the unpermute reads it; the dropped slots' rows, which
   // no expert wrote, become zero.
-  void combine() override { clear_dropped_rows(one_row_buffer() ? X_ : Y_); }
+  void combine(int /*the only chunk*/) override { clear_dropped_rows(one_row_buffer() ? X_ : Y_); }
 
   void unpermute(const Tensor& out) override {
     const Tensor Y = one_row_buffer() ? rows(X_) : rows(Y_);
@@ -144,7 +144,9 @@ class LocalExchange final : public TokenExchange {
   }
 
   // dX's rows of dropped slots, which no expert wrote, become zero.
-  void dispatch_backward() override { clear_dropped_rows(one_row_buffer() ? X_ : Y_); }
+  void dispatch_backward(int /*the only chunk*/) override {
+    clear_dropped_rows(one_row_buffer() ? X_ : Y_);
+  }
 
   void permute_backward(const Tensor& dx, float* dprob) override {
     const Tensor dX = one_row_buffer() ? rows(X_) : rows(Y_);

@@ -22,6 +22,19 @@
 //   X [rows, H]:        the experts' input (kept)
 //   Y (scratch):        received rows → the experts' output → dY to send → dX
 //   dY (scratch):       staging of the combine's sends → dY → staging of dX
+//
+// Pipelined (SlotRouting::expert_chunks > 1, docs/design.md "Pipelined exchange"): the local
+// experts in consecutive chunks; each chunk's rows cross on the exchange's own stream (each peer's
+// range of the chunk's experts, at the very offsets of the unchunked exchange), its chunk sort
+// follows there, and an event hands it to the block's stream, whose experts then run on it; an
+// event back lets the chunk's results return while the next chunk's products run. Every row
+// lands where the unchunked exchange puts it, so the results are the same bits. Since the chunks
+// of one buffer are written and read at different times, no buffer holds two layouts at once:
+//   send_rows [T·K, H]: x gathered to send → Y returned (kept for dprob) → received dY →
+//                       staging of dX
+//   X [rows, H]:        the experts' input (kept)
+//   Y (scratch):        the experts' output → dY to send → returned dX
+//   dY (scratch):       received rows → staging of the combine's sends → dY → dX (in place)
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -38,6 +51,12 @@ namespace moe {
 namespace {
 
 class NcclExchange final : public TokenExchange {
+  // A chunk of the pipeline: each EP peer's rows of its experts, at offsets in rows.
+  struct ChunkRanges {
+    std::vector<std::int64_t> send_offsets, send_rows, recv_offsets, recv_rows;  // [EP]
+    std::int64_t widest_source = 0;  // the most rows of the chunk from one source
+  };
+
  public:
   explicit NcclExchange(const ExchangeSetup& setup)
       : config_(setup.config),
@@ -65,6 +84,7 @@ class NcclExchange final : public TokenExchange {
     groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
     fixed_ = routing.fixed_groups;
     fixed_rows_ = routing.expert_group_rows;
+    chunk_count_ = std::clamp(routing.expert_chunks, 1, E_loc_);
     if (!fixed_ && !routing.to_host)
       fail("the NCCL exchange: the row counts stay on the device only with fixed blocks");
     layout_.build(routing.topk_idx, saved_.tokens, K_, groups_, /*align=*/1, stream_,
@@ -86,9 +106,6 @@ class NcclExchange final : public TokenExchange {
     saved_.sent_rows = 0;
     for (const std::int64_t rows : c.send_rows) saved_.sent_rows += rows;
     saved_.slot_rows_end = saved_.tokens * K_;
-    const Tensor recv = view(Y_, dtype_, {c.total_received(), H_});  // Y is not written yet
-    exchange_.exchange_rows(send_rows_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_,
-                            stream_);
     std::vector<std::int64_t> per_expert(E_loc_, 0);
     for (int src = 0; src < ranks_; ++src) {
       for (int e = 0; e < E_loc_; ++e) per_expert[e] += c.received[src * E_loc_ + e];
@@ -98,20 +115,44 @@ class NcclExchange final : public TokenExchange {
       saved_.expert_offsets[e + 1] = saved_.expert_offsets[e] + config_.padded_rows(per_expert[e]);
     saved_.rows = saved_.expert_offsets.back();
     chunk_ws_.reserve(chunk_workspace_bytes(ranks_, E_loc_));
+    plan_pipeline(c.sent, c.received);
+    if (pipelined()) {
+      dispatch_chunks(c);
+      return;
+    }
+    const Tensor recv = view(Y_, dtype_, {c.total_received(), H_});  // Y is not written yet
+    exchange_.exchange_rows(send_rows_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_,
+                            stream_);
     sort_chunks(chunks(), recv, view(X_, dtype_, {saved_.rows, H_}), stream_);
   }
 
   ExpertRows expert_rows() override {
-    return {rows(X_), view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets};
+    ExpertRows out{rows(X_), view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets};
+    if (pipelined()) out.chunks = spans_;
+    return out;
   }
 
-  void combine() override {
+  void await_rows(int chunk) override {
+    if (pipelined()) wait(stream_, arrived_.at(chunk));
+  }
+
+  void combine(int chunk) override {
+    if (pipelined()) {
+      // The chunk's Y, back where the dispatch's rows arrived (dead since its sort), then to the
+      // senders, where the dispatch took them from.
+      const ChunkRanges& r = start_chunk(chunk);
+      unsort_chunks(chunks(chunk), rows(Y_), received(dY_), pipe_.get());
+      exchange_.exchange_row_ranges(dY_.data(), r.recv_offsets, r.recv_rows, send_rows_.data(),
+                                    r.send_offsets, r.send_rows, row_bytes_, pipe_.get());
+      if (chunk + 1 == std::ssize(spans_)) finish_pipeline(send_rows_);
+      return;
+    }
     const ExchangeCounts& c = counts();
     const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // the backward's, free now
     unsort_chunks(chunks(), rows(Y_), recv, stream_);
     exchange_.exchange_rows(recv.data, c.recv_rows, send_rows_.data(), c.send_rows, row_bytes_,
                             stream_);
-    clear_dropped_rows();
+    clear_dropped_rows(send_rows_, stream_);
   }
 
   void unpermute(const Tensor& out) override {
@@ -132,6 +173,20 @@ class NcclExchange final : public TokenExchange {
 
   void combine_backward() override {
     const ExchangeCounts& c = counts();
+    if (pipelined()) {
+      // send_rows grows here, on the block's stream alone (its Y returned is dead once the
+      // unpermute backward read it): nothing of the pipeline is queued yet.
+      view(send_rows_, dtype_, {std::max(c.total_received(), slot_rows()), H_});
+      start_pipeline();
+      for (int chunk = 0; chunk < std::ssize(spans_); ++chunk) {
+        const ChunkRanges& r = ranges_[chunk];
+        exchange_.exchange_row_ranges(Y_.data(), r.send_offsets, r.send_rows, send_rows_.data(),
+                                      r.recv_offsets, r.recv_rows, row_bytes_, pipe_.get());
+        sort_chunks(chunks(chunk), received(send_rows_), rows(dY_), pipe_.get());
+        arrived_[chunk].record(pipe_.get());
+      }
+      return;
+    }
     // The returned Y in send_rows is dead once the unpermute backward has read it.
     const Tensor recv = view(send_rows_, dtype_, {c.total_received(), H_});
     exchange_.exchange_rows(Y_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_, stream_);
@@ -139,21 +194,35 @@ class NcclExchange final : public TokenExchange {
   }
 
   ExpertGradRows expert_grad_rows(const Tensor&) override {
+    // Pipelined: dX over dY (X is kept), since Y holds the dY still to send.
+    if (pipelined())
+      return {rows(dY_), rows(X_), rows(dY_), Tensor{}, saved_.expert_offsets, {}, spans_};
     // dX into Y, dead since the unpermute backward sent it.
     return {rows(dY_), rows(X_), rows(Y_), Tensor{}, saved_.expert_offsets, {}};
   }
 
-  void dispatch_backward() override {
+  void dispatch_backward(int chunk) override {
+    if (pipelined()) {
+      // The chunk's dX, back where its dY arrived (dead since its sort), then to the senders,
+      // into Y where their dY left (sent already).
+      const ChunkRanges& r = start_chunk(chunk);
+      unsort_chunks(chunks(chunk), rows(dY_), received(send_rows_), pipe_.get());
+      exchange_.exchange_row_ranges(send_rows_.data(), r.recv_offsets, r.recv_rows, Y_.data(),
+                                    r.send_offsets, r.send_rows, row_bytes_, pipe_.get());
+      if (chunk + 1 == std::ssize(spans_)) finish_pipeline(Y_);
+      return;
+    }
     const ExchangeCounts& c = counts();
     const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // dead after the experts
     unsort_chunks(chunks(), rows(Y_), recv, stream_);
     exchange_.exchange_rows(recv.data, c.recv_rows, slots().data, c.send_rows, row_bytes_, stream_);
-    clear_dropped_rows();
+    clear_dropped_rows(send_rows_, stream_);
   }
 
   // The probabilities were applied in the unpermute backward.
   void permute_backward(const Tensor& dx, float*) override {
-    unpermute_combine(slots(), layout_.row_map(), nullptr, K_, dx, stream_);
+    const Tensor dX = pipelined() ? view(Y_, dtype_, {slot_rows(), H_}) : slots();
+    unpermute_combine(dX, layout_.row_map(), nullptr, K_, dx, stream_);
   }
 
  private:
@@ -213,24 +282,119 @@ class NcclExchange final : public TokenExchange {
     }
     fixed_counts_.send_rows.assign(ranks_, E_loc_ * C);
     fixed_counts_.recv_rows.assign(ranks_, E_loc_ * C);
-    const Tensor recv =
-        view(Y_, dtype_, {fixed_counts_.total_received(), H_});  // Y is not written yet
-    exchange_.exchange_rows(send_rows_.data(), fixed_counts_.send_rows, recv.data,
-                            fixed_counts_.recv_rows, row_bytes_, stream_);
+    fixed_counts_.sent.assign(E_, static_cast<std::int32_t>(C));
+    fixed_counts_.received.assign(static_cast<std::size_t>(ranks_) * E_loc_,
+                                  static_cast<std::int32_t>(C));
     // Expert e's group: the EP sources' blocks of C rows in source order, EP · C rows.
     saved_.expert_offsets.resize(static_cast<std::size_t>(E_loc_) + 1);
     for (int e = 0; e <= E_loc_; ++e) saved_.expert_offsets[e] = std::int64_t{e} * ranks_ * C;
     saved_.rows = saved_.expert_offsets.back();
+    plan_pipeline(fixed_counts_.sent, fixed_counts_.received);
+    if (pipelined()) {
+      dispatch_chunks(fixed_counts_);
+      return;
+    }
+    const Tensor recv =
+        view(Y_, dtype_, {fixed_counts_.total_received(), H_});  // Y is not written yet
+    exchange_.exchange_rows(send_rows_.data(), fixed_counts_.send_rows, recv.data,
+                            fixed_counts_.recv_rows, row_bytes_, stream_);
     sort_chunks(chunks(), recv, view(X_, dtype_, {saved_.rows, H_}), stream_);
+  }
+
+  // ---- The pipeline ---------------------------------------------------------------------------
+
+  // Each chunk's experts and its rows in every exchange: each peer's range of the chunk's experts
+  // in the sender's layout (its rows by global expert) and in the source-major layout (the
+  // received rows, by source then local expert), both at the unchunked exchange's offsets.
+  void plan_pipeline(std::span<const std::int32_t> sent, std::span<const std::int32_t> received) {
+    spans_.clear();
+    ranges_.clear();
+    if (chunk_count_ <= 1) return;
+    std::vector<std::int64_t> sent_start(sent.size() + 1, 0),
+        received_start(received.size() + 1, 0);
+    for (std::size_t i = 0; i < sent.size(); ++i) sent_start[i + 1] = sent_start[i] + sent[i];
+    for (std::size_t i = 0; i < received.size(); ++i)
+      received_start[i + 1] = received_start[i] + received[i];
+    for (int chunk = 0; chunk < chunk_count_; ++chunk) {
+      // Near-equal chunks of consecutive experts.
+      const ExpertSpan span{chunk * E_loc_ / chunk_count_, (chunk + 1) * E_loc_ / chunk_count_};
+      ChunkRanges r;
+      for (int peer = 0; peer < ranks_; ++peer) {
+        const int first = peer * E_loc_ + span.first, end = peer * E_loc_ + span.end;
+        r.send_offsets.push_back(sent_start[first]);
+        r.send_rows.push_back(sent_start[end] - sent_start[first]);
+        r.recv_offsets.push_back(received_start[first]);
+        r.recv_rows.push_back(received_start[end] - received_start[first]);
+        r.widest_source = std::max(r.widest_source, r.recv_rows.back());
+      }
+      spans_.push_back(span);
+      ranges_.push_back(std::move(r));
+    }
+    while (std::ssize(arrived_) < chunk_count_) {
+      arrived_.emplace_back();
+      computed_.emplace_back();
+    }
+  }
+
+  // Every chunk's rows to its experts on the exchange's stream, each chunk sorted as it lands.
+  void dispatch_chunks(const ExchangeCounts& c) {
+    // Every buffer of the forward grows now, before a collective is queued (a growth frees the old
+    // buffer, which waits for the device): dY receives, X gets the sorted rows, Y the output, and
+    // later the backward's dY to send.
+    view(dY_, dtype_, {std::max(c.total_received(), saved_.rows), H_});
+    view(X_, dtype_, {saved_.rows, H_});
+    view(Y_, dtype_, {std::max(saved_.rows, slot_rows()), H_});
+    start_pipeline();
+    for (int chunk = 0; chunk < std::ssize(spans_); ++chunk) {
+      const ChunkRanges& r = ranges_[chunk];
+      exchange_.exchange_row_ranges(send_rows_.data(), r.send_offsets, r.send_rows, dY_.data(),
+                                    r.recv_offsets, r.recv_rows, row_bytes_, pipe_.get());
+      sort_chunks(chunks(chunk), received(dY_), rows(X_), pipe_.get());
+      arrived_[chunk].record(pipe_.get());
+    }
+  }
+
+  bool pipelined() const { return !spans_.empty(); }
+  static void wait(cudaStream_t stream, const Event& event) {
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, event.get(), 0));
+  }
+  // The exchange's stream takes up after the work queued on the block's stream so far.
+  void start_pipeline() {
+    began_.record(stream_);
+    wait(pipe_.get(), began_);
+  }
+  // A chunk's return waits for its experts, queued on the block's stream.
+  const ChunkRanges& start_chunk(int chunk) {
+    computed_.at(chunk).record(stream_);
+    wait(pipe_.get(), computed_[chunk]);
+    return ranges_[chunk];
+  }
+  // After the last chunk's return: the dropped rows of `slots_buffer` zero, and the block's
+  // stream takes up after the exchange's.
+  void finish_pipeline(DeviceBuffer& slots_buffer) {
+    clear_dropped_rows(slots_buffer, pipe_.get());
+    finished_.record(pipe_.get());
+    wait(stream_, finished_);
+  }
+  // The source-major rows received of a buffer (it has grown to hold them).
+  Tensor received(const DeviceBuffer& buffer) const {
+    return Tensor(buffer.data(), dtype_, {counts().total_received(), H_});
+  }
+  ChunkArgs chunks(int chunk) const {
+    ChunkArgs args = chunks();
+    args.first_expert = spans_[chunk].first;
+    args.end_expert = spans_[chunk].end;
+    args.widest_source = ranges_[chunk].widest_source;
+    return args;
   }
 
   // The dropped group's rows of slots(), which no exchange wrote, become zero: its exact extent
   // where the counts came to the host, else its bound.
-  void clear_dropped_rows() {
+  void clear_dropped_rows(DeviceBuffer& slots_buffer, cudaStream_t stream) {
     const std::int64_t dropped = saved_.slot_rows_end - saved_.sent_rows;
     if (!saved_.routing.has_dropped_group || dropped <= 0) return;
-    MOE_CHECK_CUDA(cudaMemsetAsync(send_rows_.as<char>() + saved_.sent_rows * row_bytes_, 0,
-                                   static_cast<std::size_t>(dropped) * row_bytes_, stream_));
+    MOE_CHECK_CUDA(cudaMemsetAsync(slots_buffer.as<char>() + saved_.sent_rows * row_bytes_, 0,
+                                   static_cast<std::size_t>(dropped) * row_bytes_, stream));
   }
   ChunkArgs chunks() const {
     ChunkArgs args{.counts = recv_counts_.as<std::int32_t>(),
@@ -266,6 +430,15 @@ class NcclExchange final : public TokenExchange {
   DeviceBuffer tokens_;
   PinnedBuffer host_;
   Event copied_;
+
+  // The pipeline: the chunks asked for, each chunk's experts and ranges (none unpipelined), the
+  // exchange's stream, and the events that hand chunks between it and the block's stream.
+  int chunk_count_ = 1;
+  std::vector<ExpertSpan> spans_;
+  std::vector<ChunkRanges> ranges_;
+  Stream pipe_;
+  std::vector<Event> arrived_, computed_;
+  Event began_, finished_;
 
   // What the forward keeps for the backward, beside the layout, the counts, send_rows and X.
   struct Saved {

@@ -89,7 +89,8 @@ class PeerExchange final : public TokenExchange {
     return {rows(input_buffer()), rows(*Y_), row_prob(), saved_.expert_offsets};
   }
 
-  void combine() override {  // every rank's Y is complete; the dropped slots' rows zero
+  // Every rank's Y is complete; the dropped slots' rows zero (one chunk: no pipeline).
+  void combine(int /*chunk*/) override {
     clear_dropped_rows();
     barrier();
   }
@@ -124,7 +125,8 @@ class PeerExchange final : public TokenExchange {
     return g;
   }
 
-  void dispatch_backward() override {  // every rank's dX is complete; the dropped rows zero
+  // Every rank's dX is complete; the dropped rows zero (one chunk: no pipeline).
+  void dispatch_backward(int /*chunk*/) override {
     clear_dropped_rows();
     barrier();
   }

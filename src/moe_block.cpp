@@ -231,6 +231,9 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   SlotRouting routing{s.router.topk_idx(), s.router.topk_p(), s.router.device_totals(),
                       sizeof(RouterTotals)};
   routing.to_host = wait_for_host;
+  // Check mode reads each stage's output on the host, which a pipeline's chunks would still be
+  // writing.
+  routing.expert_chunks = s.check_finite ? 1 : s.config.effective_exchange_chunks();
   if (s.capacity) {
     Range r("moe capacity", s.times, stream);
     s.capacity->forward(s.router.topk_idx(), s.router.topk_p(), s.router.tokens_per_expert(), T,
@@ -259,19 +262,25 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   const ExpertRows rows = exchange.expert_rows();
   s.check("dispatch", rows.input);
 
-  // Experts: h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ.
-  {
-    Range r("moe experts", s.times, stream);
-    s.experts.forward(rows, s.params.w13, s.params.w2, stream, options.weights_unchanged);
-    s.check("experts", rows.output);
+  // Experts, h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ, and combine, back to the senders:
+  // chunk by chunk of experts where the exchange pipelines, each chunk's experts as soon as its
+  // rows arrive and its combine under the next chunk's products.
+  for (int chunk = 0; chunk < std::ssize(rows.chunks); ++chunk) {
+    {
+      Range r("moe experts", s.times, stream);
+      exchange.await_rows(chunk);
+      s.experts.forward(rows, s.params.w13, s.params.w2, stream, options.weights_unchanged,
+                        rows.chunks[chunk]);
+      s.check("experts", rows.output);
+    }
+    Range r("moe combine", s.times, stream);
+    exchange.combine(chunk);
   }
 
-  // Combine and unpermute: back to the senders, out[t] = Σ_k p[t,k] · Y_row(t,k), a plain sum
-  // where the experts weighed their rows.
+  // Unpermute: out[t] = Σ_k p[t,k] · Y_row(t,k), a plain sum where the experts weighed their rows.
   const Tensor out = view(s.out, s.dtype, {T, s.H});
   {
     Range r("moe combine", s.times, stream);
-    exchange.combine();
     exchange.unpermute(out);
     s.check("combine", out);
   }
@@ -331,16 +340,23 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
     s.check("combine backward", rows.dY);
   }
 
-  {
-    Range r("moe experts backward", s.times, stream);
-    s.experts.backward(rows, s.params.w13, s.params.w2, s.grads.w13, s.grads.w2, stream);
-    s.check("experts backward", rows.dX);
+  // Experts backward and dispatch backward, dX back to the senders: chunk by chunk where the
+  // exchange pipelines, as in the forward.
+  for (int chunk = 0; chunk < std::ssize(rows.chunks); ++chunk) {
+    {
+      Range r("moe experts backward", s.times, stream);
+      exchange.await_rows(chunk);
+      s.experts.backward(rows, s.params.w13, s.params.w2, s.grads.w13, s.grads.w2, stream,
+                         rows.chunks[chunk]);
+      s.check("experts backward", rows.dX);
+    }
+    Range r("moe dispatch backward", s.times, stream);
+    exchange.dispatch_backward(chunk);
   }
 
-  // Dispatch and permute backward: dX back to the senders; dx[t] = Σ_k dX_row(t,k).
+  // Permute backward: dx[t] = Σ_k dX_row(t,k).
   {
     Range r("moe dispatch backward", s.times, stream);
-    exchange.dispatch_backward();
     exchange.permute_backward(dx, dprob);
   }
 

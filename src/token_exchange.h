@@ -12,9 +12,9 @@
 // Each owns its row buffers (the call-only ones through MoEScratch) and what the forward keeps for
 // the backward. Every verb queues its work on the block's stream; only dispatch blocks the host,
 // once per forward, for the row counts (with fixed groups only where asked to). The forward runs
-// permute, dispatch, expert_rows, combine,
-// unpermute in this order; the backward unpermute_backward, combine_backward, expert_grad_rows,
-// dispatch_backward, permute_backward, once per forward.
+// permute, dispatch, expert_rows, then await_rows and combine chunk by chunk, unpermute in this
+// order; the backward unpermute_backward, combine_backward, expert_grad_rows, then await_rows and
+// dispatch_backward chunk by chunk, permute_backward, once per forward.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -52,7 +52,13 @@ struct SlotRouting {
   // Whether dispatch copies `totals` (and the row counts) to the host and waits for them. False
   // only with fixed groups, whose layout the host knows beforehand.
   bool to_host = true;
+  // Chunks of local experts that a pipelining exchange cuts the forward and backward into (1:
+  // none). Only the NCCL exchange pipelines; the others take one chunk whatever this says.
+  int expert_chunks = 1;
 };
+
+// The one chunk of an exchange that does not pipeline: every local expert.
+inline constexpr ExpertSpan kEveryExpert[1] = {ExpertSpan{}};
 
 // The experts' rows on this rank, padded expert-major (docs/design.md, "Dispatch").
 struct ExpertRows {
@@ -62,6 +68,9 @@ struct ExpertRows {
   // where the unpermute weighs the rows instead.
   Tensor scale;
   std::span<const std::int64_t> offsets;  // host [E_loc + 1]: expert e owns [offsets[e], [e + 1])
+  // The chunks of consecutive local experts, in the order their rows arrive (one chunk of every
+  // expert unless the exchange pipelines).
+  std::span<const ExpertSpan> chunks = kEveryExpert;
 };
 
 // The same rows in the backward: dY in, dX out, X where it was kept.
@@ -72,6 +81,7 @@ struct ExpertGradRows {
   Tensor scale;  // as ExpertRows::scale; the experts' backward leaves each gradient in its place
   std::span<const std::int64_t> offsets;
   ExpertFFN::RefillInput refill;  // writes X again where the forward's X was not kept
+  std::span<const ExpertSpan> chunks = kEveryExpert;
 };
 
 class TokenExchange {
@@ -95,8 +105,13 @@ class TokenExchange {
   virtual void dispatch(const Tensor& x, void* totals) = 0;
   // Where the experts read and write; may grow the output buffer.
   virtual ExpertRows expert_rows() = 0;
-  // The experts' output becomes readable where its senders sum it.
-  virtual void combine() = 0;
+  // Pipelined (ExpertRows::chunks holds several): the block's stream waits until this chunk's
+  // rows are in place, the dispatch's in the forward and the combine backward's in the backward;
+  // the chunks after it are still on their way. Nothing where the exchange does not pipeline.
+  virtual void await_rows(int /*chunk*/) {}
+  // The experts' output of this chunk (once the work queued on the block's stream so far is done)
+  // becomes readable where its senders sum it; called for each chunk in order.
+  virtual void combine(int chunk) = 0;
   // out [T, H]: out[t] = Σ_k y(t, k), weighed by p[t, k] unless the experts did, fp32 in slot
   // order.
   virtual void unpermute(const Tensor& out) = 0;
@@ -108,8 +123,9 @@ class TokenExchange {
   virtual void combine_backward() = 0;
   // For the experts' backward; x is the forward's, for a refill.
   virtual ExpertGradRows expert_grad_rows(const Tensor& x) = 0;
-  // The rows of dX become readable where their senders sum them.
-  virtual void dispatch_backward() = 0;
+  // The rows of dX of this chunk become readable where their senders sum them; called for each
+  // chunk in order, as combine.
+  virtual void dispatch_backward(int chunk) = 0;
   // dx [T, H]: dx[t] = Σ_k dX(t, k), and dprob [T, K] from beside the rows where the experts
   // applied the probabilities.
   virtual void permute_backward(const Tensor& dx, float* dprob) = 0;

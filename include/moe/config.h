@@ -130,6 +130,13 @@ struct MoEConfig {
   int ep = 1;
   int dp = 1;
   EpTransport ep_transport = EpTransport::kAuto;  // peer requires peer access (else an error)
+  // The NCCL exchange's pipeline: the local experts in this many chunks of consecutive experts,
+  // each exchanged on its own stream, so that the experts start on a chunk as soon as its rows
+  // arrive and its results go back under the next chunk's products, forward and backward; the
+  // results are bitwise those of one chunk. 0: automatic (effective_exchange_chunks), 1: off.
+  // At most the local experts; the peer exchange, FP8 experts and check mode take one chunk.
+  int exchange_chunks = 0;
+  int effective_exchange_chunks() const;
 
   // Tokens per GPU used by the benchmarks for this shape (not a property of the layer).
   int bench_tokens = 0;

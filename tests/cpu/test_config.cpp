@@ -194,6 +194,10 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"grad_dtype", "int32"}}, "grad_dtype = 'int32' is not bf16 or fp32"},
       {{{"score_function", "relu"}}, "score_function = 'relu' is not one of"},
       {{{"ep_transport", "ipc"}}, "ep_transport = 'ipc' is not one of auto, nccl, peer"},
+      {{{"exchange_chunks", "-1"}}, "exchange_chunks = -1 must be in [0, 1024]"},
+      {{{"exchange_chunks", "1025"}}, "exchange_chunks = 1025 must be in [0, 1024]"},
+      {{{"fp8", "true"}, {"align_size", "16"}, {"exchange_chunks", "2"}},
+       "exchange_chunks = 2 with fp8 = true"},
       {{{"topk", "two"}}, "topk = 'two' is not a decimal integer"},
       // yaml-cpp would read these as octal (64, 16) and hex: refused, not misread.
       {{{"hidden", "0100"}}, "hidden = '0100' is not a decimal integer"},
@@ -295,6 +299,20 @@ TEST_CASE("valid grouped and biased settings are accepted", "[cpu][config]") {
   CHECK(config.local_experts() == 2);
   CHECK(config.dtype == DType::kFP32);
   CHECK_THAT(config.describe(), test::contains_text("sqrtsoftplus+bias groups=4/top2"));
+}
+
+TEST_CASE("the exchange's chunks: automatic four under EP, at most the local experts",
+          "[cpu][config]") {
+  CHECK(parse_config(kBase).exchange_chunks == 0);
+  CHECK(parse_config(kBase).effective_exchange_chunks() == 1);  // one rank: nothing to pipeline
+  CHECK(parse_config(kBase + "ep: 2\n").effective_exchange_chunks() == 4);
+  CHECK(parse_config(kBase + "ep: 4\n").effective_exchange_chunks() == 2);  // 2 experts a rank
+  CHECK(parse_config(kBase + "ep: 8\n").effective_exchange_chunks() == 1);
+  CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 3\n").effective_exchange_chunks() == 3);
+  CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 1\n").effective_exchange_chunks() == 1);
+  CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 9\n").effective_exchange_chunks() == 4);
+  CHECK(parse_config(kBase + "ep: 2\nfp8: true\nalign_size: 16\n").effective_exchange_chunks() ==
+        1);
 }
 
 TEST_CASE("node-limited routing is group-limited routing with one group per node",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # mpi_launch.sh RANKS GPU_COUNT_BIN TEST_BIN [args...]
-# Runs TEST_BIN under mpirun with RANKS processes (a number, or "all" for one per local GPU, or
-# "same-gpu" for two that both see only the first GPU, to test the mesh's refusal).
+# Runs TEST_BIN under mpirun with RANKS processes (a number, or "all" for one per local GPU,
+# "multi" for one per local GPU where there are two or more (an EP mesh), or "same-gpu" for two
+# that both see only the first GPU, to test the mesh's refusal).
 # Exits 77 (ctest: skipped) when there is no GPU, or fewer GPUs than RANKS asks for.
 set -u
 ranks=$1 count_bin=$2 test_bin=$3
@@ -12,6 +13,10 @@ if [ "${gpus:-0}" -eq 0 ]; then
   exit 77
 fi
 [ "$ranks" = all ] && ranks=$gpus
+if [ "$ranks" = multi ]; then
+  [ "$gpus" -ge 2 ] || { echo "SKIPPED: an EP mesh needs 2 GPUs, $gpus visible."; exit 77; }
+  ranks=$gpus
+fi
 if [ "$ranks" = same-gpu ]; then
   ranks=2 gpus=2
   export CUDA_VISIBLE_DEVICES=0

@@ -1,0 +1,135 @@
+// The NCCL exchange's pipeline (exchange_chunks): the local experts in chunks whose rows cross on
+// the exchange's own stream while the experts run on the chunks already there. On every EP mesh
+// shape, each chunk count (even and uneven chunks, more chunks than experts, the automatic one)
+// runs a step over poisoned outputs and gives the very bits of the unpipelined step, which
+// equals the fp64 mesh reference: dropless with a different T on every rank, capacity mode with
+// its dropped rows kept on the sender, and fixed blocks (pad_to_capacity) with a shared expert.
+// (One block's pipelined and unpipelined steps run the same algorithms; the blocks here, fresh
+// for each chunk count, take the heuristic's, as autotuning could time differently in each.)
+#include <mpi.h>
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "moe/device.h"
+#include "moe/mesh.h"
+#include "moe/moe_block.h"
+#include "support/block_results.h"
+#include "support/block_util.h"
+#include "support/capacity_check.h"
+#include "support/catch.h"
+#include "support/mesh_checks.h"
+#include "support/test_main.h"
+
+using namespace moe;
+using reference::Matrix;
+
+namespace {
+
+struct Batches {
+  std::vector<Matrix> xs, dys;
+  std::vector<reference::LayerResult> want;
+};
+
+// Every rank draws every rank's batch, and the same reference; capacity mode's batches keep clear
+// of the capacity boundary, where a last bit decides a drop.
+Batches draw_batches(const MoEConfig& c, const reference::Params& params, bool same_tokens,
+                     std::mt19937_64& rng) {
+  const int world = test::world_size();
+  Batches b{std::vector<Matrix>(world), std::vector<Matrix>(world), {}};
+  for (int attempt = 0;; ++attempt) {
+    REQUIRE(attempt < 50);
+    for (int r = 0; r < world; ++r) {
+      test::draw_separated(c, params, b.xs[r], same_tokens ? 37 : 21 + 9 * r, rng);
+      b.dys[r] = test::round_to(test::random_matrix(b.xs[r].rows, c.hidden, rng), c.dtype);
+    }
+    b.want = reference::run_mesh(c, params, b.xs, b.dys);
+    bool clear = true;
+    for (int r = 0; r < world && c.capacity_factor > 0; ++r)
+      clear = clear && test::capacity_boundary_clear(c, b.xs[r].rows, b.want[r]);
+    if (clear) return b;
+  }
+}
+
+// One step of a fresh block with `chunks`, its second, over poisoned outputs and gradients.
+test::Results run_step(MoEConfig c, int chunks, const Mesh& mesh, const reference::Params& params,
+                       const Matrix& x, const Matrix& dy) {
+  c.exchange_chunks = chunks;
+  Stream stream;
+  MoEBlock block(c, mesh, stream.get());
+  const int E_loc = c.num_experts / mesh.ep();
+  test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
+  const std::int64_t T = x.rows;
+  const auto x_dev = test::upload_as(x, c.dtype);
+  const auto dy_dev = test::upload_as(dy, c.dtype);
+  const Tensor x_view(x_dev.data(), c.dtype, {T, c.hidden});
+  const Tensor dy_view(dy_dev.data(), c.dtype, {T, c.hidden});
+  const ForwardOptions options = test::losses_on_device();
+  MoEForward fwd = block.forward(x_view, options);
+  Tensor dx = block.backward(dy_view);
+  block.synchronize();
+  test::poison_step(block, fwd, dx, stream.get());
+  fwd = block.forward(x_view, options);
+  dx = block.backward(dy_view);
+  block.synchronize();
+  return test::read_step(block, c, fwd, dx, T);
+}
+
+void run_pipeline_case(MoEConfig c, int ep, std::uint64_t seed) {
+  const int world = test::world_size();
+  const int rank = test::world_rank();
+  c.ep = ep;
+  c.dp = world / ep;
+  c.ep_transport = EpTransport::kNccl;
+  // Each block would time its own GEMM algorithms, and timing may pick differently from block to
+  // block: the heuristic's first choice is the same everywhere.
+  c.gemm_autotune = false;
+  c.validate();
+  INFO(c.describe() << " rank " << rank << " seed " << seed);
+  std::mt19937_64 rng(seed);
+  const auto params = test::round_params(test::random_params(c, rng), c.dtype);
+  const Batches b = draw_batches(c, params, c.pad_to_capacity, rng);
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, world / ep, c.num_experts);
+  const int E_loc = c.num_experts / ep;
+
+  const test::Results plain = run_step(c, 1, mesh, params, b.xs[rank], b.dys[rank]);
+  const reference::LayerResult& mine = b.want[rank];
+  const double tol = c.dtype == DType::kBF16 ? 2e-2 : 1e-5;
+  CHECK(test::relative_error(plain.out, mine.out) <= tol);
+  CHECK(test::relative_error(plain.dx, mine.dx) <= tol);
+  for (const int chunks : {2, 3, E_loc + 1, 0}) {
+    INFO("exchange_chunks " << chunks);
+    test::check_identical(run_step(c, chunks, mesh, params, b.xs[rank], b.dys[rank]), plain);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the pipelined NCCL exchange gives the unpipelined step's bits on every EP mesh",
+          "[mpi][block][pipeline]") {
+  const int world = test::world_size();
+  const auto seed = test::shared_seed();
+  int index = 0;
+  for (int ep = 2; ep <= world; ++ep) {  // EP and EP × DP
+    if (world % ep != 0) continue;
+    INFO("ep " << ep);
+    // Dropless, bf16, 6 or 3 experts a rank at EP 2 or 4.
+    MoEConfig c = test::small_config(64, 48, 12, 3);
+    c.dtype = DType::kBF16;
+    c.aux_loss_coeff = 0.05;
+    run_pipeline_case(c, ep, seed + index++);
+    // Capacity mode, dropping by probability: the dropped rows stay on the sender.
+    c.capacity_factor = 0.75;
+    run_pipeline_case(c, ep, seed + index++);
+    // Fixed blocks, fp32, by position, with a gated shared expert beside the routed path.
+    c.dtype = DType::kFP32;
+    c.capacity_factor = 1.25;
+    c.pad_to_capacity = true;
+    c.drop_policy = DropPolicy::kPosition;
+    c.align_size = 16;
+    c.shared_ffn_hidden = 40;
+    c.shared_gate = true;
+    run_pipeline_case(c, ep, seed + index++);
+  }
+}
