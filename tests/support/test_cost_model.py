@@ -16,7 +16,8 @@ import cost_model  # noqa: E402
 
 DEFAULTS = dict(imbalance=1.0, gpus_per_node=8, nvlink_gbs=330.0, ib_gbs=50.0,
                 gemm_tflops=770.0, dense_tflops=715.0, half_rate_inner=380.0, copy_gbs=4190.0,
-                grad_bytes=4, fixed_ms=0.3, transport="peer", exchange_efficiency=None, chunks=4)
+                grad_bytes=4, fixed_ms=0.3, transport="peer", exchange_efficiency=None, chunks=4,
+                overlap_share_nvlink=0.15, overlap_share_ib=1.0)
 R, DENSE, K_HALF = 770e12, 715e12, 380
 
 
@@ -108,10 +109,21 @@ class CostModel(unittest.TestCase):
 
     def test_overlap_leaves_one_chunk_of_the_exchanges_exposed(self):
         H, F, E, K, T = 7168, 2048, 256, 8, 8192
-        p = cost_model.predict(layer(H, F, E, K), T, 8, rates(chunks=4))
+        p = cost_model.predict(layer(H, F, E, K), T, 8, rates(chunks=4, overlap_share_nvlink=1.0))
         self.assertGreater(p["gemm_ms"], p["exchange_ms"])
         self.assertAlmostEqual(p["overlap_ms"], p["gemm_ms"] + p["exchange_ms"] / 4 + 0.3,
                                places=12)
+        # Inside a node the transfer's kernels share the SMs: only a share of it hides.
+        shared = cost_model.predict(layer(H, F, E, K), T, 8, rates(chunks=4))
+        self.assertAlmostEqual(shared["overlap_ms"],
+                               shared["serial_ms"] - 0.15 * shared["exchange_ms"] * 3 / 4,
+                               places=12)
+        # Across nodes InfiniBand bounds the exchange, and its share applies.
+        nodes = cost_model.predict(layer(H, F, E, K), T, 32, rates(chunks=4, overlap_share_ib=0.5))
+        self.assertAlmostEqual(nodes["overlap_ms"],
+                               max(nodes["serial_ms"] - 0.5 * nodes["exchange_ms"] * 3 / 4,
+                                   max(nodes["gemm_ms"], nodes["exchange_ms"]) +
+                                   nodes["exchange_ms"] / 4 + 0.3), places=12)
         # Where the exchanges dominate, chunks never make the step slower than in series.
         slow_links = cost_model.predict(layer(H, F, E, K), T, 8, rates(nvlink_gbs=1.0))
         self.assertLessEqual(slow_links["overlap_ms"], slow_links["serial_ms"])
