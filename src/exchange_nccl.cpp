@@ -132,6 +132,8 @@ class NcclExchange final : public TokenExchange {
     return out;
   }
 
+  cudaStream_t side_stream() const override { return pipe_.get(); }
+
   void await_rows(int chunk) override {
     if (pipelined()) wait(stream_, arrived_.at(chunk));
   }

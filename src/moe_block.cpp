@@ -171,13 +171,15 @@ void MoEBlock::initialize(std::uint64_t seed) {
 
 MoEForward MoEBlock::forward(const Tensor& x, const ForwardOptions& options) {
   s_->refuse_capture_of_forward("forward", x, options);
-  return on_mesh(s_->mesh, s_->stream, s_->times, "forward",
-                 [&] { return run_forward(x, options, true); });
+  return on_mesh(
+      s_->mesh, s_->stream, s_->times, "forward", [&] { return run_forward(x, options, true); },
+      [this] { return s_->exchange_stream(); });
 }
 MoEForward MoEBlock::infer(const Tensor& x, const ForwardOptions& options) {
   s_->refuse_capture_of_forward("infer", x, options);
-  return on_mesh(s_->mesh, s_->stream, s_->times, "infer",
-                 [&] { return run_forward(x, options, false); });
+  return on_mesh(
+      s_->mesh, s_->stream, s_->times, "infer", [&] { return run_forward(x, options, false); },
+      [this] { return s_->exchange_stream(); });
 }
 
 MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
@@ -231,9 +233,8 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
   SlotRouting routing{s.router.topk_idx(), s.router.topk_p(), s.router.device_totals(),
                       sizeof(RouterTotals)};
   routing.to_host = wait_for_host;
-  // Check mode reads each stage's output on the host, which a pipeline's chunks would still be
-  // writing.
-  routing.expert_chunks = s.check_finite ? 1 : s.config.effective_exchange_chunks();
+  // From the config alone: every rank of the EP group queues the same exchanges.
+  routing.expert_chunks = s.config.effective_exchange_chunks();
   if (s.capacity) {
     Range r("moe capacity", s.times, stream);
     s.capacity->forward(s.router.topk_idx(), s.router.topk_p(), s.router.tokens_per_expert(), T,
@@ -260,7 +261,7 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
     if (wait_for_host) s.router.set_totals(totals);
   }
   const ExpertRows rows = exchange.expert_rows();
-  s.check("dispatch", rows.input);
+  s.check_rows("dispatch", rows.input, rows.chunks, exchange);
 
   // Experts, h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ, and combine, back to the senders:
   // chunk by chunk of experts where the exchange pipelines, each chunk's experts as soon as its
@@ -271,11 +272,11 @@ MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
       exchange.await_rows(chunk);
       s.experts.forward(rows, s.params.w13, s.params.w2, stream, options.weights_unchanged,
                         rows.chunks[chunk]);
-      s.check("experts", rows.output);
     }
     Range r("moe combine", s.times, stream);
     exchange.combine(chunk);
   }
+  s.check("experts", rows.output);  // after every chunk (the combine only reads the output)
 
   // Unpermute: out[t] = Σ_k p[t,k] · Y_row(t,k), a plain sum where the experts weighed their rows.
   const Tensor out = view(s.out, s.dtype, {T, s.H});
@@ -337,7 +338,7 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
     exchange.unpermute_backward(dy, dprob);
     exchange.combine_backward();
     rows = exchange.expert_grad_rows(s.context.x);
-    s.check("combine backward", rows.dY);
+    s.check_rows("combine backward", rows.dY, rows.chunks, exchange);
   }
 
   // Experts backward and dispatch backward, dX back to the senders: chunk by chunk where the
@@ -348,11 +349,11 @@ Tensor MoEBlock::run_backward(const Tensor& dy) {
       exchange.await_rows(chunk);
       s.experts.backward(rows, s.params.w13, s.params.w2, s.grads.w13, s.grads.w2, stream,
                          rows.chunks[chunk]);
-      s.check("experts backward", rows.dX);
     }
     Range r("moe dispatch backward", s.times, stream);
     exchange.dispatch_backward(chunk);
   }
+  s.check("experts backward", rows.dX);  // after every chunk (its return only reads dX)
 
   // Permute backward: dx[t] = Σ_k dX_row(t,k).
   {

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -39,15 +40,20 @@ struct OwnWeights {
 // under the mesh's timeout: its free would otherwise wait for the device with no limit, behind a
 // collective a failed peer never joins (a previous step's gradient all-reduce, say). Not while
 // the stream is captured: a capture's buffers are already sized, and a growth there fails anyway.
+// side_stream, where given, names a stream of the block's own with collectives of the call on it
+// (the pipelined exchange's, null where there is none): the drain waits for it too.
 template <typename Call>
 auto on_mesh(const Mesh& mesh, cudaStream_t stream, const StageTimes& times, const char* call,
-             Call&& run) {
+             Call&& run, const std::function<cudaStream_t()>& side_stream = {}) {
   if (mesh.world_size() == 1) return run();
   const BufferGrowthDrain drain([&] {
     if (stream_is_capturing(stream)) return;
-    const Event drained;
-    drained.record(stream);
-    mesh.wait(drained.get(), "the work queued before a buffer grows");
+    for (const cudaStream_t queue : {stream, side_stream ? side_stream() : nullptr}) {
+      if (queue == nullptr) continue;
+      const Event drained;
+      drained.record(queue);
+      mesh.wait(drained.get(), "the work queued before a buffer grows");
+    }
   });
   try {
     return run();
@@ -185,6 +191,16 @@ struct MoEBlock::State {
   }
 
   // Check mode: the stage's output must be finite (synchronises).
+  // check() of rows that a pipelined exchange delivers chunk by chunk: the stream first waits for
+  // every chunk (check mode only; otherwise the experts wait for each chunk in turn).
+  void check_rows(const char* stage, const Tensor& t, std::span<const ExpertSpan> chunks,
+                  TokenExchange& exchange) {
+    if (!check_finite) return;
+    for (int chunk = 0; chunk < std::ssize(chunks); ++chunk) exchange.await_rows(chunk);
+    check(stage, t);
+  }
+  // The pipelined exchange's stream (null where the exchange has none or is not built yet).
+  cudaStream_t exchange_stream() const { return exchange ? exchange->side_stream() : nullptr; }
   void check(const char* stage, const Tensor& t) {
     if (!check_finite) return;
     int* count = typed<int>(shared.nonfinite, 1);

@@ -105,6 +105,8 @@ class TokenExchange {
   virtual void dispatch(const Tensor& x, void* totals) = 0;
   // Where the experts read and write; may grow the output buffer.
   virtual ExpertRows expert_rows() = 0;
+  // A stream of the exchange's own on which it queues collectives (the pipeline's), or null.
+  virtual cudaStream_t side_stream() const { return nullptr; }
   // Pipelined (ExpertRows::chunks holds several): the block's stream waits until this chunk's
   // rows are in place, the dispatch's in the forward and the combine backward's in the backward;
   // the chunks after it are still on their way. Nothing where the exchange does not pipeline.

@@ -1,9 +1,10 @@
 // The NCCL exchange's pipeline (exchange_chunks): the local experts in chunks whose rows cross on
 // the exchange's own stream while the experts run on the chunks already there. On every EP mesh
 // shape, each chunk count (even and uneven chunks, more chunks than experts, the automatic one)
-// runs a step over poisoned outputs and gives the very bits of the unpipelined step, which
-// equals the fp64 mesh reference: dropless with a different T on every rank, capacity mode with
-// its dropped rows kept on the sender, and fixed blocks (pad_to_capacity) with a shared expert.
+// runs a step over poisoned outputs (also with check mode on one rank only) and gives the very
+// bits of the unpipelined step, which equals the fp64 mesh reference: dropless with a different T
+// on every rank, capacity mode with its dropped rows kept on the sender, and fixed blocks
+// (pad_to_capacity) with a shared expert.
 // (One block's pipelined and unpipelined steps run the same algorithms; the blocks here, fresh
 // for each chunk count, take the heuristic's, as autotuning could time differently in each.)
 #include <mpi.h>
@@ -52,12 +53,14 @@ Batches draw_batches(const MoEConfig& c, const reference::Params& params, bool s
   }
 }
 
-// One step of a fresh block with `chunks`, its second, over poisoned outputs and gradients.
+// One step of a fresh block with `chunks`, its second, over poisoned outputs and gradients;
+// check mode on this rank where asked.
 test::Results run_step(MoEConfig c, int chunks, const Mesh& mesh, const reference::Params& params,
-                       const Matrix& x, const Matrix& dy) {
+                       const Matrix& x, const Matrix& dy, bool check_mode = false) {
   c.exchange_chunks = chunks;
   Stream stream;
   MoEBlock block(c, mesh, stream.get());
+  block.set_check_finite(check_mode);
   const int E_loc = c.num_experts / mesh.ep();
   test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
   const std::int64_t T = x.rows;
@@ -102,6 +105,10 @@ void run_pipeline_case(MoEConfig c, int ep, std::uint64_t seed) {
     INFO("exchange_chunks " << chunks);
     test::check_identical(run_step(c, chunks, mesh, params, b.xs[rank], b.dys[rank]), plain);
   }
+  // Check mode on the first rank alone (a local debugging aid): the ranks still queue the same
+  // exchanges, and its reads wait for every chunk.
+  INFO("check mode on rank 0");
+  test::check_identical(run_step(c, 0, mesh, params, b.xs[rank], b.dys[rank], rank == 0), plain);
 }
 
 }  // namespace
