@@ -37,11 +37,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$out" ] || usage
-[ -n "${configs// /}" ] || { echo "error: --configs names no config" >&2; exit 2; }
-for t in $tokens; do
-  [[ "$t" =~ ^[1-9][0-9]*$ ]] || { echo "error: --tokens '$t' is not a token count" >&2; exit 2; }
-done
-[ -n "${tokens// /}" ] || { echo "error: --tokens names no token count" >&2; exit 2; }
+moe_require_configs_and_tokens "$configs" "$tokens"
 [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --ranks '$ranks' is not a rank count" >&2; exit 2; }
 [[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
 case $transport in

@@ -1,5 +1,5 @@
-# Shared by run.sh, test.sh and gpu-check.sh (sourced, not run): install what is missing,
-# configure, build.
+# Shared by run.sh, test.sh, gpu-check.sh and the bench-*.sh scripts (sourced, not run): install
+# what is missing, configure, build, check the benchmarks' lists.
 MOE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MOE_BUILD_DIR=${MOE_BUILD_DIR:-$MOE_ROOT/build}
 MOE_PACKAGES=(g++ libfmt-dev catch2 nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
@@ -52,4 +52,15 @@ moe_build() {
     cmake "$MOE_BUILD_DIR" "${werror[@]}" "$@" >/dev/null || return 1
   fi
   cmake --build "$MOE_BUILD_DIR" -j "$(nproc)"
+}
+
+# The benchmark scripts' --configs and --tokens lists: some config named, every token count a
+# positive integer; exits 2 with the offending value otherwise.
+moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "TOKENS"
+  local configs=$1 tokens=$2 t
+  [ -n "${configs// /}" ] || { echo "error: --configs names no config" >&2; exit 2; }
+  for t in $tokens; do
+    [[ "$t" =~ ^[1-9][0-9]*$ ]] || { echo "error: --tokens '$t' is not a token count" >&2; exit 2; }
+  done
+  [ -n "${tokens// /}" ] || { echo "error: --tokens names no token count" >&2; exit 2; }
 }
