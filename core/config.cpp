@@ -288,7 +288,7 @@ void MoEConfig::validate() const {
     }
   }
   MOE_CONFIG_REQUIRE(exchange_chunks >= 0 && exchange_chunks <= 1024,
-                     "exchange_chunks = {} must be in [0, 1024] (0 = automatic, 1 = off)",
+                     "exchange_chunks = {} must be in [0, 1024] (0 = automatic, 1 = one chunk)",
                      exchange_chunks);
   MOE_CONFIG_REQUIRE(!fp8 || exchange_chunks <= 1,
                      "exchange_chunks = {} with fp8 = true: the FP8 experts run every local "

@@ -15,23 +15,17 @@
 // captured in a CUDA graph. Each rank's T is gathered on the device every forward; a forward that
 // waits on the host checks that the EP group holds one T (C is each rank's own).
 //
-// Buffer roles, each taken only once the previous content is dead (docs/design.md, "Buffers"):
+// The rows cross on the exchange's own stream, in SlotRouting::expert_chunks chunks of consecutive
+// local experts (docs/design.md, "Pipelined exchange"; one chunk of every expert unless asked):
+// each chunk's rows cross (each peer's range of the chunk's experts, at the very offsets of the
+// exchange in one piece), its chunk sort follows there, and an event hands it to the block's
+// stream, whose experts then run on it; an event back lets the chunk's results return while the
+// next chunk's products run, and the block's stream takes the returns up where it reads them (the
+// unpermute, the permute backward). Every row lands where the exchange in one piece puts it, so
+// the results are the same bits for every chunk count. Since the chunks of one buffer are written
+// and read at different times, no buffer holds two layouts at once (docs/design.md, "Buffers"):
 //   send_rows [T·K, H]: (with fixed blocks T·K + E·C rows) x gathered to send → Y returned (kept
-//   for dprob) → received dY →
-//                       returned dX
-//   X [rows, H]:        the experts' input (kept)
-//   Y (scratch):        received rows → the experts' output → dY to send → dX
-//   dY (scratch):       staging of the combine's sends → dY → staging of dX
-//
-// Pipelined (SlotRouting::expert_chunks > 1, docs/design.md "Pipelined exchange"): the local
-// experts in consecutive chunks; each chunk's rows cross on the exchange's own stream (each peer's
-// range of the chunk's experts, at the very offsets of the unchunked exchange), its chunk sort
-// follows there, and an event hands it to the block's stream, whose experts then run on it; an
-// event back lets the chunk's results return while the next chunk's products run. Every row
-// lands where the unchunked exchange puts it, so the results are the same bits. Since the chunks
-// of one buffer are written and read at different times, no buffer holds two layouts at once:
-//   send_rows [T·K, H]: x gathered to send → Y returned (kept for dprob) → received dY →
-//                       staging of dX
+//                       for dprob) → received dY → staging of dX
 //   X [rows, H]:        the experts' input (kept)
 //   Y (scratch):        the experts' output → dY to send → returned dX
 //   dY (scratch):       received rows → staging of the combine's sends → dY → dX (in place)
@@ -116,48 +110,21 @@ class NcclExchange final : public TokenExchange {
     saved_.rows = saved_.expert_offsets.back();
     chunk_ws_.reserve(chunk_workspace_bytes(ranks_, E_loc_));
     plan_pipeline(c.sent, c.received);
-    if (pipelined()) {
-      dispatch_chunks(c);
-      return;
-    }
-    const Tensor recv = view(Y_, dtype_, {c.total_received(), H_});  // Y is not written yet
-    exchange_.exchange_rows(send_rows_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_,
-                            stream_);
-    sort_chunks(chunks(), recv, view(X_, dtype_, {saved_.rows, H_}), stream_);
+    dispatch_chunks(c);
   }
 
   ExpertRows expert_rows() override {
-    ExpertRows out{rows(X_), view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets};
-    if (pipelined()) out.chunks = spans_;
-    return out;
+    return {rows(X_), view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets, spans_};
   }
 
-  cudaStream_t side_stream() const override { return pipe_.get(); }
+  void await_rows(int chunk) override { wait(stream_, arrived_.at(chunk)); }
 
-  void await_rows(int chunk) override {
-    if (pipelined()) wait(stream_, arrived_.at(chunk));
-  }
-
-  void combine(int chunk) override {
-    if (pipelined()) {
-      // The chunk's Y, back where the dispatch's rows arrived (dead since its sort), then to the
-      // senders, where the dispatch took them from.
-      const ChunkRanges& r = start_chunk(chunk);
-      unsort_chunks(chunks(chunk), rows(Y_), received(dY_), pipe_.get());
-      exchange_.exchange_row_ranges(dY_.data(), r.recv_offsets, r.recv_rows, send_rows_.data(),
-                                    r.send_offsets, r.send_rows, row_bytes_, pipe_.get());
-      if (chunk + 1 == std::ssize(spans_)) finish_pipeline(send_rows_);
-      return;
-    }
-    const ExchangeCounts& c = counts();
-    const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // the backward's, free now
-    unsort_chunks(chunks(), rows(Y_), recv, stream_);
-    exchange_.exchange_rows(recv.data, c.recv_rows, send_rows_.data(), c.send_rows, row_bytes_,
-                            stream_);
-    clear_dropped_rows(send_rows_, stream_);
-  }
+  // The chunk's Y, back where the dispatch's rows arrived (dead since its sort), then to the
+  // senders, where the dispatch took them from.
+  void combine(int chunk) override { return_chunk(chunk, Y_, dY_, send_rows_); }
 
   void unpermute(const Tensor& out) override {
+    join_pipeline();
     unpermute_combine(slots(), layout_.row_map(), saved_.routing.topk_p, K_, out, stream_);
   }
 
@@ -174,57 +141,26 @@ class NcclExchange final : public TokenExchange {
   }
 
   void combine_backward() override {
-    const ExchangeCounts& c = counts();
-    if (pipelined()) {
-      // send_rows grows here, on the block's stream alone (its Y returned is dead once the
-      // unpermute backward read it): nothing of the pipeline is queued yet.
-      view(send_rows_, dtype_, {std::max(c.total_received(), slot_rows()), H_});
-      start_pipeline();
-      for (int chunk = 0; chunk < std::ssize(spans_); ++chunk) {
-        const ChunkRanges& r = ranges_[chunk];
-        exchange_.exchange_row_ranges(Y_.data(), r.send_offsets, r.send_rows, send_rows_.data(),
-                                      r.recv_offsets, r.recv_rows, row_bytes_, pipe_.get());
-        sort_chunks(chunks(chunk), received(send_rows_), rows(dY_), pipe_.get());
-        arrived_[chunk].record(pipe_.get());
-      }
-      return;
-    }
-    // The returned Y in send_rows is dead once the unpermute backward has read it.
-    const Tensor recv = view(send_rows_, dtype_, {c.total_received(), H_});
-    exchange_.exchange_rows(Y_.data(), c.send_rows, recv.data, c.recv_rows, row_bytes_, stream_);
-    sort_chunks(chunks(), recv, rows(dY_), stream_);
+    // send_rows grows here, on the block's stream alone (its Y returned is dead once the
+    // unpermute backward read it): nothing of the exchange's stream is queued yet.
+    view(send_rows_, dtype_, {std::max(counts().total_received(), slot_rows()), H_});
+    send_chunks(Y_, send_rows_, dY_);
   }
 
+  // dX over dY (X is kept), since Y holds the dY still to send.
   ExpertGradRows expert_grad_rows(const Tensor&) override {
-    // Pipelined: dX over dY (X is kept), since Y holds the dY still to send.
-    if (pipelined())
-      return {rows(dY_), rows(X_), rows(dY_), Tensor{}, saved_.expert_offsets, {}, spans_};
-    // dX into Y, dead since the unpermute backward sent it.
-    return {rows(dY_), rows(X_), rows(Y_), Tensor{}, saved_.expert_offsets, {}};
+    return {rows(dY_), rows(X_), rows(dY_), Tensor{}, saved_.expert_offsets, {}, spans_};
   }
 
-  void dispatch_backward(int chunk) override {
-    if (pipelined()) {
-      // The chunk's dX, back where its dY arrived (dead since its sort), then to the senders,
-      // into Y where their dY left (sent already).
-      const ChunkRanges& r = start_chunk(chunk);
-      unsort_chunks(chunks(chunk), rows(dY_), received(send_rows_), pipe_.get());
-      exchange_.exchange_row_ranges(send_rows_.data(), r.recv_offsets, r.recv_rows, Y_.data(),
-                                    r.send_offsets, r.send_rows, row_bytes_, pipe_.get());
-      if (chunk + 1 == std::ssize(spans_)) finish_pipeline(Y_);
-      return;
-    }
-    const ExchangeCounts& c = counts();
-    const Tensor recv = view(dY_, dtype_, {c.total_received(), H_});  // dead after the experts
-    unsort_chunks(chunks(), rows(Y_), recv, stream_);
-    exchange_.exchange_rows(recv.data, c.recv_rows, slots().data, c.send_rows, row_bytes_, stream_);
-    clear_dropped_rows(send_rows_, stream_);
-  }
+  // The chunk's dX, back where its dY arrived (dead since its sort), then to the senders, into Y
+  // where their dY left (sent already).
+  void dispatch_backward(int chunk) override { return_chunk(chunk, dY_, send_rows_, Y_); }
 
   // The probabilities were applied in the unpermute backward.
   void permute_backward(const Tensor& dx, float*) override {
-    const Tensor dX = pipelined() ? view(Y_, dtype_, {slot_rows(), H_}) : slots();
-    unpermute_combine(dX, layout_.row_map(), nullptr, K_, dx, stream_);
+    join_pipeline();
+    unpermute_combine(view(Y_, dtype_, {slot_rows(), H_}), layout_.row_map(), nullptr, K_, dx,
+                      stream_);
   }
 
  private:
@@ -292,26 +228,17 @@ class NcclExchange final : public TokenExchange {
     for (int e = 0; e <= E_loc_; ++e) saved_.expert_offsets[e] = std::int64_t{e} * ranks_ * C;
     saved_.rows = saved_.expert_offsets.back();
     plan_pipeline(fixed_counts_.sent, fixed_counts_.received);
-    if (pipelined()) {
-      dispatch_chunks(fixed_counts_);
-      return;
-    }
-    const Tensor recv =
-        view(Y_, dtype_, {fixed_counts_.total_received(), H_});  // Y is not written yet
-    exchange_.exchange_rows(send_rows_.data(), fixed_counts_.send_rows, recv.data,
-                            fixed_counts_.recv_rows, row_bytes_, stream_);
-    sort_chunks(chunks(), recv, view(X_, dtype_, {saved_.rows, H_}), stream_);
+    dispatch_chunks(fixed_counts_);
   }
 
   // ---- The pipeline ---------------------------------------------------------------------------
 
   // Each chunk's experts and its rows in every exchange: each peer's range of the chunk's experts
   // in the sender's layout (its rows by global expert) and in the source-major layout (the
-  // received rows, by source then local expert), both at the unchunked exchange's offsets.
+  // received rows, by source then local expert), both at the offsets of the exchange in one piece.
   void plan_pipeline(std::span<const std::int32_t> sent, std::span<const std::int32_t> received) {
     spans_.clear();
     ranges_.clear();
-    if (chunk_count_ <= 1) return;
     std::vector<std::int64_t> sent_start(sent.size() + 1, 0),
         received_start(received.size() + 1, 0);
     for (std::size_t i = 0; i < sent.size(); ++i) sent_start[i + 1] = sent_start[i] + sent[i];
@@ -346,17 +273,38 @@ class NcclExchange final : public TokenExchange {
     view(dY_, dtype_, {std::max(c.total_received(), saved_.rows), H_});
     view(X_, dtype_, {saved_.rows, H_});
     view(Y_, dtype_, {std::max(saved_.rows, slot_rows()), H_});
+    send_chunks(send_rows_, dY_, X_);
+  }
+
+  // Every chunk's rows of the sender's layout in `slots_buffer` to their experts on the
+  // exchange's stream: received into `staging` (source-major), each chunk sorted into `rows_out`
+  // as it lands, and an event for the block's stream (await_rows).
+  void send_chunks(const DeviceBuffer& slots_buffer, DeviceBuffer& staging,
+                   DeviceBuffer& rows_out) {
     start_pipeline();
     for (int chunk = 0; chunk < std::ssize(spans_); ++chunk) {
       const ChunkRanges& r = ranges_[chunk];
-      exchange_.exchange_row_ranges(send_rows_.data(), r.send_offsets, r.send_rows, dY_.data(),
-                                    r.recv_offsets, r.recv_rows, row_bytes_, pipe_.get());
-      sort_chunks(chunks(chunk), received(dY_), rows(X_), pipe_.get());
+      exchange_.exchange_row_ranges(slots_buffer.data(), r.send_offsets, r.send_rows,
+                                    staging.data(), r.recv_offsets, r.recv_rows, row_bytes_,
+                                    pipe_.get());
+      sort_chunks(chunks(chunk), received(staging), rows(rows_out), pipe_.get());
       arrived_[chunk].record(pipe_.get());
     }
   }
 
-  bool pipelined() const { return !spans_.empty(); }
+  // A chunk's results back to their senders once its experts (queued on the block's stream) are
+  // done: its rows of `results` unsorted into `staging` at the offsets they arrived at, then sent
+  // into the senders' `slots_buffer` at the offsets they left from. The last chunk ends the
+  // pipeline.
+  void return_chunk(int chunk, const DeviceBuffer& results, DeviceBuffer& staging,
+                    DeviceBuffer& slots_buffer) {
+    const ChunkRanges& r = start_chunk(chunk);
+    unsort_chunks(chunks(chunk), rows(results), received(staging), pipe_.get());
+    exchange_.exchange_row_ranges(staging.data(), r.recv_offsets, r.recv_rows, slots_buffer.data(),
+                                  r.send_offsets, r.send_rows, row_bytes_, pipe_.get());
+    if (chunk + 1 == std::ssize(spans_)) finish_pipeline(slots_buffer);
+  }
+
   static void wait(cudaStream_t stream, const Event& event) {
     MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, event.get(), 0));
   }
@@ -371,13 +319,14 @@ class NcclExchange final : public TokenExchange {
     wait(pipe_.get(), computed_[chunk]);
     return ranges_[chunk];
   }
-  // After the last chunk's return: the dropped rows of `slots_buffer` zero, and the block's
-  // stream takes up after the exchange's.
+  // After the last chunk's return: the dropped rows of `slots_buffer` zero. The block's stream
+  // takes up after the exchange's only where it reads the returned rows (join_pipeline), so that
+  // what a trainer queues before then runs beside the transfers.
   void finish_pipeline(DeviceBuffer& slots_buffer) {
     clear_dropped_rows(slots_buffer, pipe_.get());
     finished_.record(pipe_.get());
-    wait(stream_, finished_);
   }
+  void join_pipeline() { wait(stream_, finished_); }
   // The source-major rows received of a buffer (it has grown to hold them).
   Tensor received(const DeviceBuffer& buffer) const {
     return Tensor(buffer.data(), dtype_, {counts().total_received(), H_});
@@ -433,12 +382,13 @@ class NcclExchange final : public TokenExchange {
   PinnedBuffer host_;
   Event copied_;
 
-  // The pipeline: the chunks asked for, each chunk's experts and ranges (none unpipelined), the
+  // The pipeline: the chunks asked for, each chunk's experts and ranges, the
   // exchange's stream, and the events that hand chunks between it and the block's stream.
   int chunk_count_ = 1;
   std::vector<ExpertSpan> spans_;
   std::vector<ChunkRanges> ranges_;
   Stream pipe_;
+  ExchangeStreamRegistration registered_{pipe_.get()};
   std::vector<Event> arrived_, computed_;
   Event began_, finished_;
 

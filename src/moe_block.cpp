@@ -1,7 +1,9 @@
-// MoEBlock: the layer's steps forward (gate → route → permute → dispatch → experts → combine →
-// unpermute), their mirror backward, over one GPU or an EP×DP mesh. Each step is one call into its
-// stage (src/gate_stage.h, src/router_stage.h, src/expert_stage.h) or into the token exchange
-// (src/token_exchange.h), which owns everything that depends on how rows cross the EP group.
+// MoEBlock: its construction, parameters and gradients, the gradient reduction, the end-of-step
+// agreement, routing records and load statistics, over one GPU or an EP×DP mesh. The step itself,
+// forward and backward in their phases, is src/moe_block_step.cpp: each of its steps is one call
+// into its stage (src/gate_stage.h, src/router_stage.h, src/expert_stage.h) or into the token
+// exchange (src/token_exchange.h), which owns everything that depends on how rows cross the EP
+// group.
 #include "moe/moe_block.h"
 
 #include <cmath>
@@ -86,11 +88,11 @@ MoEBlock::MoEBlock(const MoEConfig& config, const Mesh& mesh, cudaStream_t strea
 // one place this rank's trainer can still learn it from (its later calls only say "aborted").
 MoEBlock::~MoEBlock() {
   const Mesh& mesh = s_->mesh;
+  s_->end_step();  // a step left between its phases holds the shared scratch no longer
   try {
     if (mesh.world_size() == 1 || mesh.aborted() || stream_is_capturing(s_->stream)) return;
-    const Event drained;
-    drained.record(s_->stream);
-    mesh.wait(drained.get(), "the work queued before a block's buffers are freed");
+    // The exchanges' own streams too: a step left between its phases has transfers there.
+    drain_streams(mesh, s_->stream, "the work queued before a block's buffers are freed");
   } catch (const std::exception& error) {
     mesh.abort();
     std::fprintf(stderr, "moe: ~MoEBlock aborted the mesh's communicators: %s\n", error.what());
@@ -114,6 +116,7 @@ void MoEBlock::set_check_finite(bool on) {
 
 void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
   auto& s = *s_;
+  s.enter("bind", block_detail::StepPhase::kIdle);
   const std::int64_t E = s.E, E_loc = s.E_loc, H = s.H, F = s.F;
   expect_tensor(p.gate_weight, "MoEBlock::bind gate_weight", s.dtype, {E, H});
   expect_tensor(p.w13, "MoEBlock::bind w13", s.dtype, {E_loc, 2 * F, H});
@@ -142,6 +145,7 @@ void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
 
 void MoEBlock::initialize(std::uint64_t seed) {
   auto& s = *s_;
+  s.enter("initialize", block_detail::StepPhase::kIdle);
   const auto first_expert = static_cast<std::uint64_t>(s.mesh.ep_index()) * s.E_loc;
   const auto w13_size = static_cast<std::uint64_t>(2 * s.F * s.H);
   const auto w2_size = static_cast<std::uint64_t>(s.H * s.F);
@@ -169,225 +173,9 @@ void MoEBlock::initialize(std::uint64_t seed) {
   s.experts.weights_changed();
 }
 
-MoEForward MoEBlock::forward(const Tensor& x, const ForwardOptions& options) {
-  s_->refuse_capture_of_forward("forward", x, options);
-  return on_mesh(
-      s_->mesh, s_->stream, s_->times, "forward", [&] { return run_forward(x, options, true); },
-      [this] { return s_->exchange_stream(); });
-}
-MoEForward MoEBlock::infer(const Tensor& x, const ForwardOptions& options) {
-  s_->refuse_capture_of_forward("infer", x, options);
-  return on_mesh(
-      s_->mesh, s_->stream, s_->times, "infer", [&] { return run_forward(x, options, false); },
-      [this] { return s_->exchange_stream(); });
-}
-
-MoEForward MoEBlock::run_forward(const Tensor& x, const ForwardOptions& options,
-                                 bool save_context) {
-  auto& s = *s_;
-  s.times.current = "arguments";
-  const std::int64_t T = x.rank() == 2 ? x.dim(0) : -1;
-  if (x.dtype != s.dtype || T < 0 || x.dim(1) != s.H) {
-    fail("MoEBlock::forward: x must be {}[T, {}], got {}", dtype_name(s.dtype), s.H, x.describe());
-  }
-  if (x.data == nullptr && T > 0) fail("MoEBlock::forward: x has no data");
-  if (T * s.K > INT32_MAX) fail("MoEBlock::forward: T = {} tokens exceed the int32 row index", T);
-  const Tensor& replay = options.replay_topk_idx;
-  if (replay.data != nullptr || replay.rank() > 0) {
-    expect_tensor(replay, "MoEBlock::forward replay_topk_idx", DType::kInt32, {T, s.K});
-    if (replay.data == nullptr && T > 0) fail("MoEBlock::forward: replay_topk_idx has no data");
-  }
-  // Capturing: refuse_capture_of_forward() let it through.
-  const bool capturing = stream_is_capturing(s.stream);
-  // Whether the host learns the counts and losses: always but for static shapes that were not
-  // asked to (a replayed routing is checked on the host too). Under EP a forward at a new T waits
-  // too: the exchange checks there that the EP group holds one T (its fixed blocks' sizes).
-  const bool new_tokens_under_ep = s.mesh.ep() > 1 && T != s.prepared_forward;
-  const bool wait_for_host =
-      !s.static_shapes() || options.losses_on_host || replay.data != nullptr || new_tokens_under_ep;
-  const std::int64_t allocations = buffer_allocations();
-  s.context.valid = false;  // a failure below leaves no half-built context
-  s.times.used = 0;         // stage times restart with each forward; backward appends
-  s.times.current = "the token exchange's set-up";
-  TokenExchange& exchange = s.token_exchange();
-  const cudaStream_t stream = s.stream;
-
-  // The shared expert, when there is one, on its own stream beside the routed path.
-  s.times.current = "moe shared expert";
-  if (s.shared_expert) s.shared_expert->start_forward(x, s.params, stream);
-
-  // Gate: logits [T, E] = x · Wgᵀ, fp32.
-  Tensor logits;
-  {
-    Range r("moe gate", s.times, stream);
-    logits = s.gate.forward(x, s.params.gate_weight, stream);
-    s.check("gate", logits);
-  }
-
-  // Route: top-K, probabilities, expert counts; in capacity mode the drops (before anything is
-  // queued on the mesh: their buffers may grow); then the losses over the whole mesh.
-  {
-    Range r("moe router", s.times, stream);
-    s.router.forward(logits, s.params.expert_bias, replay.as<std::int32_t>(), stream);
-  }
-  SlotRouting routing{s.router.topk_idx(), s.router.topk_p(), s.router.device_totals(),
-                      sizeof(RouterTotals)};
-  routing.to_host = wait_for_host;
-  // From the config alone: every rank of the EP group queues the same exchanges.
-  routing.expert_chunks = s.config.effective_exchange_chunks();
-  if (s.capacity) {
-    Range r("moe capacity", s.times, stream);
-    s.capacity->forward(s.router.topk_idx(), s.router.topk_p(), s.router.tokens_per_expert(), T,
-                        stream);
-    routing.topk_idx = s.capacity->kept_idx();
-    routing.topk_p = s.capacity->kept_p();
-    routing.has_dropped_group = true;
-    routing.fixed_groups = s.config.pad_to_capacity;
-    if (routing.fixed_groups) routing.expert_group_rows = s.config.expert_capacity(T);
-  }
-  {
-    Range r("moe losses", s.times, stream);
-    s.router.reduce_losses(stream);
-  }
-
-  // Permute and dispatch: the slots' rows to their experts, padded expert-major; the row counts,
-  // T_glob and the losses reach the host (the one host synchronisation), unless the shapes are
-  // static and the host was not asked to learn the losses.
-  RouterTotals totals;
-  {
-    Range r("moe dispatch", s.times, stream);
-    exchange.permute(x, routing);
-    exchange.dispatch(x, wait_for_host ? &totals : nullptr);
-    if (wait_for_host) s.router.set_totals(totals);
-  }
-  const ExpertRows rows = exchange.expert_rows();
-  s.check_rows("dispatch", rows.input, rows.chunks, exchange);
-
-  // Experts, h = X·w13ᵀ, a = silu(h_gate) ⊙ h_up, Y = a·w2ᵀ, and combine, back to the senders:
-  // chunk by chunk of experts where the exchange pipelines, each chunk's experts as soon as its
-  // rows arrive and its combine under the next chunk's products.
-  for (int chunk = 0; chunk < std::ssize(rows.chunks); ++chunk) {
-    {
-      Range r("moe experts", s.times, stream);
-      exchange.await_rows(chunk);
-      s.experts.forward(rows, s.params.w13, s.params.w2, stream, options.weights_unchanged,
-                        rows.chunks[chunk]);
-    }
-    Range r("moe combine", s.times, stream);
-    exchange.combine(chunk);
-  }
-  s.check("experts", rows.output);  // after every chunk (the combine only reads the output)
-
-  // Unpermute: out[t] = Σ_k p[t,k] · Y_row(t,k), a plain sum where the experts weighed their rows.
-  const Tensor out = view(s.out, s.dtype, {T, s.H});
-  {
-    Range r("moe combine", s.times, stream);
-    exchange.unpermute(out);
-    s.check("combine", out);
-  }
-  if (s.shared_expert) {
-    Range r("moe shared expert", s.times, stream);
-    s.shared_expert->add_output(out, stream);
-    s.check("shared expert", out);
-  }
-
-  if (capturing && buffer_allocations() != allocations)
-    fail("MoEBlock::forward: the block's buffers grew while capturing a CUDA graph at T = {}", T);
-  if (!capturing && s.static_shapes()) s.prepared_forward = T;
-  s.context.x = x;
-  s.context.T = T;
-  s.context.valid = save_context;
-  const float unread = std::numeric_limits<float>::quiet_NaN();
-  return {out, wait_for_host ? totals.losses[0] : unread, wait_for_host ? totals.losses[1] : unread,
-          Tensor(s.router.device_losses(), DType::kFP32, {2})};
-}
-
-Tensor MoEBlock::backward(const Tensor& dy) {
-  if (stream_is_capturing(s_->stream))
-    s_->check_capture("backward", s_->context.T, s_->prepared_backward);
-  return on_mesh(s_->mesh, s_->stream, s_->times, "backward", [&] { return run_backward(dy); });
-}
-
-Tensor MoEBlock::run_backward(const Tensor& dy) {
-  auto& s = *s_;
-  s.times.current = "arguments";
-  if (!s.context.valid)
-    fail(
-        "MoEBlock::backward: no forward context (call forward first; backward runs once per "
-        "forward)");
-  const std::int64_t T = s.context.T;
-  expect_tensor(dy, "MoEBlock::backward dy", s.dtype, {T, s.H});
-  const bool capturing = stream_is_capturing(s.stream);  // check_capture() let it in
-  const std::int64_t allocations = buffer_allocations();
-  s.context.valid = false;
-  TokenExchange& exchange = *s.exchange;
-  const cudaStream_t stream = s.stream;
-  // ∂L/∂topk_p: from the unpermute backward where it weighed the rows, else from beside the rows,
-  // where the experts' backward left it.
-  float* dprob = typed<float>(s.shared.dprob, T * s.K);
-  const Tensor dx = view(s.dx, s.dtype, {T, s.H});
-
-  // The shared expert's backward on its own stream, beside the routed path's.
-  s.times.current = "moe shared expert backward";
-  if (s.shared_expert) s.shared_expert->start_backward(dy, s.params, s.grads, stream);
-
-  // Unpermute and combine backward: dy to every slot's row, then to the experts' ranks.
-  ExpertGradRows rows;
-  {
-    Range r("moe combine backward", s.times, stream);
-    exchange.unpermute_backward(dy, dprob);
-    exchange.combine_backward();
-    rows = exchange.expert_grad_rows(s.context.x);
-    s.check_rows("combine backward", rows.dY, rows.chunks, exchange);
-  }
-
-  // Experts backward and dispatch backward, dX back to the senders: chunk by chunk where the
-  // exchange pipelines, as in the forward.
-  for (int chunk = 0; chunk < std::ssize(rows.chunks); ++chunk) {
-    {
-      Range r("moe experts backward", s.times, stream);
-      exchange.await_rows(chunk);
-      s.experts.backward(rows, s.params.w13, s.params.w2, s.grads.w13, s.grads.w2, stream,
-                         rows.chunks[chunk]);
-    }
-    Range r("moe dispatch backward", s.times, stream);
-    exchange.dispatch_backward(chunk);
-  }
-  s.check("experts backward", rows.dX);  // after every chunk (its return only reads dX)
-
-  // Permute backward: dx[t] = Σ_k dX_row(t,k).
-  {
-    Range r("moe dispatch backward", s.times, stream);
-    exchange.permute_backward(dx, dprob);
-  }
-
-  // Route backward, with the loss gradients (mesh-wide f and T_glob).
-  const Tensor dlogits = view(s.shared.dlogits, DType::kFP32, {T, s.E});
-  {
-    Range r("moe router backward", s.times, stream);
-    s.router.backward(dprob, dlogits, stream);
-    s.check("router backward", dlogits);
-  }
-
-  // Gate backward: dx += dlogits · Wg, dWg = dlogitsᵀ · x (fp32 accumulation).
-  {
-    Range r("moe gate backward", s.times, stream);
-    s.gate.backward(dlogits, s.context.x, s.params.gate_weight, s.grads.gate_weight, dx, stream);
-    s.check("gate backward", dx);
-  }
-  if (s.shared_expert) {
-    Range r("moe shared expert backward", s.times, stream);
-    s.shared_expert->add_input_grad(dx, s.params, stream);
-    s.check("shared expert backward", dx);
-  }
-  if (capturing && buffer_allocations() != allocations)
-    fail("MoEBlock::backward: the block's buffers grew while capturing a CUDA graph at T = {}", T);
-  if (!capturing && s.static_shapes()) s.prepared_backward = T;
-  return dx;
-}
-
 void MoEBlock::reduce_gradients() {
   auto& s = *s_;
+  s.enter("reduce_gradients", block_detail::StepPhase::kIdle);
   if (stream_is_capturing(s.stream)) {
     if (const char* why = s.capture_blocker())
       fail("MoEBlock::reduce_gradients: the stream is capturing a CUDA graph, but {}", why);
@@ -418,6 +206,7 @@ void MoEBlock::reduce_gradients() {
 // queues it, so the late rank times out on it, or reads counts that disagree.
 void MoEBlock::synchronize() {
   auto& s = *s_;
+  s.enter("synchronize", block_detail::StepPhase::kIdle);
   if (stream_is_capturing(s.stream))
     fail(
         "MoEBlock::synchronize: waits on the host, which a stream capturing a CUDA graph cannot "
@@ -534,6 +323,7 @@ std::vector<MoEBlock::StageTime> MoEBlock::stage_times() const {
 
 void MoEBlock::update_expert_bias(float rate) {
   auto& s = *s_;
+  s.enter("update_expert_bias", block_detail::StepPhase::kIdle);
   if (!s.config.expert_bias)
     fail("MoEBlock::update_expert_bias: the config has expert_bias = false");
   if (s.router.global_load() == nullptr)

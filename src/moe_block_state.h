@@ -32,6 +32,27 @@ struct OwnWeights {
   DeviceBuffer shared_w13, shared_w2, shared_gate, dshared_w13, dshared_w2, dshared_gate;
 };
 
+// Where a block's step stands between the split-phase calls (include/moe/moe_block.h): idle, or
+// the call that ran last of a forward or a backward under way.
+enum class StepPhase { kIdle, kDispatched, kExpertsDone, kBackwardCombined, kBackwardExpertsDone };
+
+// What is due next, for a refusal's message.
+inline const char* what_is_due(StepPhase phase) {
+  switch (phase) {
+    case StepPhase::kIdle:
+      return "no split-phase step is under way (forward_dispatch and backward_combine start one)";
+    case StepPhase::kDispatched:
+      return "the block is mid-forward, and forward_experts is due";
+    case StepPhase::kExpertsDone:
+      return "the block is mid-forward, and forward_combine is due";
+    case StepPhase::kBackwardCombined:
+      return "the block is mid-backward, and backward_experts is due";
+    case StepPhase::kBackwardExpertsDone:
+      return "the block is mid-backward, and backward_dispatch is due";
+  }
+  return "";
+}
+
 // Runs one public call of a block on a mesh of several ranks. A rank that fails leaves its peers
 // waiting in a collective it will never join: it aborts the mesh's communicators, so that its
 // own later calls fail at once and its peers fail at their next wait, within the mesh's timeout,
@@ -40,20 +61,15 @@ struct OwnWeights {
 // under the mesh's timeout: its free would otherwise wait for the device with no limit, behind a
 // collective a failed peer never joins (a previous step's gradient all-reduce, say). Not while
 // the stream is captured: a capture's buffers are already sized, and a growth there fails anyway.
-// side_stream, where given, names a stream of the block's own with collectives of the call on it
-// (the pipelined exchange's, null where there is none): the drain waits for it too.
+// The drain waits for the exchanges' own streams too (every block's: a split-phase step leaves its
+// transfers in flight there while other blocks run).
 template <typename Call>
 auto on_mesh(const Mesh& mesh, cudaStream_t stream, const StageTimes& times, const char* call,
-             Call&& run, const std::function<cudaStream_t()>& side_stream = {}) {
+             Call&& run) {
   if (mesh.world_size() == 1) return run();
   const BufferGrowthDrain drain([&] {
     if (stream_is_capturing(stream)) return;
-    for (const cudaStream_t queue : {stream, side_stream ? side_stream() : nullptr}) {
-      if (queue == nullptr) continue;
-      const Event drained;
-      drained.record(queue);
-      mesh.wait(drained.get(), "the work queued before a buffer grows");
-    }
+    drain_streams(mesh, stream, "the work queued before a buffer grows");
   });
   try {
     return run();
@@ -113,6 +129,23 @@ struct MoEBlock::State {
   std::int64_t prepared_backward = -1;
   bool reduced_once = false;  // reduce_gradients has run (its first call may allocate and wait)
 
+  // The step under way between the phases of a forward or a backward (src/moe_block_step.cpp).
+  struct Step {
+    block_detail::StepPhase phase = block_detail::StepPhase::kIdle;
+    bool capturing = false;        // its first phase was queued into a CUDA graph
+    std::int64_t allocations = 0;  // buffer_allocations() at its first phase
+    // Forward.
+    bool save_context = false;
+    bool wait_for_host = false;
+    bool weights_unchanged = false;
+    RouterTotals totals;
+    ExpertRows rows;
+    // Backward.
+    Tensor dy;  // the caller's: kept until backward_dispatch
+    float* dprob = nullptr;
+    ExpertGradRows grad_rows;
+  } step;
+
   State(const MoEConfig& c, const Mesh& m, cudaStream_t s, std::shared_ptr<MoEScratch> owner,
         MoEScratch::Buffers& buffers)
       : config(c),
@@ -134,6 +167,65 @@ struct MoEBlock::State {
         shared_expert(c.shared_experts() ? std::make_unique<SharedExpertStage>(c, m) : nullptr) {}
 
   ExchangeSetup exchange_setup() { return {config, mesh, stream, shared}; }
+
+  // The order of the split-phase calls: `call` runs only at `expected` (kIdle for the calls that
+  // start a step or stand outside one), on a scratch no other block holds, and a phase after the
+  // first is captured in a CUDA graph where the first was (and only there). Refusals queue nothing.
+  void enter(const char* call, block_detail::StepPhase expected) const {
+    if (step.phase != expected) {
+      if (expected == block_detail::StepPhase::kIdle)
+        fail("MoEBlock::{}: called out of turn: {}", call, block_detail::what_is_due(step.phase));
+      fail("MoEBlock::{}: called out of turn: {}", call,
+           step.phase == block_detail::StepPhase::kIdle
+               ? (expected < block_detail::StepPhase::kBackwardCombined
+                      ? "no forward is under way (forward_dispatch starts one)"
+                      : "no backward is under way (backward_combine starts one)")
+               : block_detail::what_is_due(step.phase));
+    }
+    if (shared.held_by != nullptr && shared.held_by != this)
+      fail(
+          "MoEBlock::{}: another block that shares this block's MoEScratch is between the phases "
+          "of a step (forward_dispatch to forward_combine, or backward_combine to "
+          "backward_dispatch); blocks whose steps interleave need a MoEScratch each",
+          call);
+    if (expected != block_detail::StepPhase::kIdle && stream_is_capturing(stream) != step.capturing)
+      fail(
+          "MoEBlock::{}: the stream is {}capturing a CUDA graph, but this step's first phase was "
+          "{}: a forward's or a backward's phases are captured all or none",
+          call, step.capturing ? "not " : "", step.capturing ? "captured" : "queued eagerly");
+  }
+  // A step's first phase: its buffers are this block's until the last.
+  void begin_step() {
+    step.capturing = stream_is_capturing(stream);
+    step.allocations = buffer_allocations();
+    shared.held_by = this;
+  }
+  // A step's last phase, or a phase that failed: no step is under way.
+  void end_step() {
+    step.phase = block_detail::StepPhase::kIdle;
+    step.dy = Tensor{};
+    if (shared.held_by == this) shared.held_by = nullptr;
+  }
+  // A buffer that grew while the step's phases were captured: the graph would hold the old one.
+  void expect_no_growth(const char* call, std::int64_t T) const {
+    if (step.capturing && buffer_allocations() != step.allocations)
+      fail("MoEBlock::{}: the block's buffers grew while capturing a CUDA graph at T = {}", call,
+           T);
+  }
+  // One public call on the mesh (on_mesh); a failure also ends the step under way, and leaves no
+  // forward context.
+  template <typename Call>
+  auto run_call(const char* call, Call&& run) {
+    return block_detail::on_mesh(mesh, stream, times, call, [&] {
+      try {
+        return run();
+      } catch (...) {
+        end_step();
+        context.valid = false;
+        throw;
+      }
+    });
+  }
   TokenExchange& token_exchange() {
     if (exchange == nullptr) exchange = make_token_exchange(exchange_setup());
     return *exchange;
@@ -199,8 +291,6 @@ struct MoEBlock::State {
     for (int chunk = 0; chunk < std::ssize(chunks); ++chunk) exchange.await_rows(chunk);
     check(stage, t);
   }
-  // The pipelined exchange's stream (null where the exchange has none or is not built yet).
-  cudaStream_t exchange_stream() const { return exchange ? exchange->side_stream() : nullptr; }
   void check(const char* stage, const Tensor& t) {
     if (!check_finite) return;
     int* count = typed<int>(shared.nonfinite, 1);

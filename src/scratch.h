@@ -31,6 +31,10 @@ struct MoEScratch::Buffers {
   DeviceBuffer dlogits_low;  // dlogits in bf16 for the gate's products
   DeviceBuffer nonfinite;    // check mode's count
   DeviceBuffer grad_stage;   // reduce_gradients' fp32 staging of bf16 gradients
+  // The block whose split-phase step holds these buffers (between its forward_dispatch and
+  // forward_combine, or its backward_combine and backward_dispatch), or null: the other blocks'
+  // calls are refused meanwhile, since their stages would overwrite what the step has in flight.
+  const void* held_by = nullptr;
   std::size_t bytes() const;
 };
 

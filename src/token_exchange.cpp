@@ -1,5 +1,8 @@
 #include "src/token_exchange.h"
 
+#include <mutex>
+#include <vector>
+
 #include "comm/peer_memory.h"
 #include "kernels/permute.cuh"
 #include "moe/error.h"
@@ -17,6 +20,34 @@ void SlotLayout::build(const std::int32_t* topk_idx, std::int64_t tokens, int to
   build_layout({topk_idx, tokens, topk, experts, align, counts, offsets, row_map, workspace_.data(),
                 fixed_rows, fixed_groups},
                stream);
+}
+
+namespace {
+std::mutex registered_streams_mutex;
+std::vector<cudaStream_t> registered_streams;
+}  // namespace
+
+ExchangeStreamRegistration::ExchangeStreamRegistration(cudaStream_t stream) : stream_(stream) {
+  const std::lock_guard lock(registered_streams_mutex);
+  registered_streams.push_back(stream_);
+}
+
+ExchangeStreamRegistration::~ExchangeStreamRegistration() {
+  const std::lock_guard lock(registered_streams_mutex);
+  std::erase(registered_streams, stream_);
+}
+
+void drain_streams(const Mesh& mesh, cudaStream_t stream, const char* what) {
+  std::vector<cudaStream_t> streams{stream};
+  {
+    const std::lock_guard lock(registered_streams_mutex);
+    streams.insert(streams.end(), registered_streams.begin(), registered_streams.end());
+  }
+  for (const cudaStream_t queue : streams) {
+    const Event drained;
+    drained.record(queue);
+    mesh.wait(drained.get(), what);
+  }
 }
 
 bool choosing_exchange_is_collective(const Mesh& mesh) {

@@ -105,14 +105,14 @@ class TokenExchange {
   virtual void dispatch(const Tensor& x, void* totals) = 0;
   // Where the experts read and write; may grow the output buffer.
   virtual ExpertRows expert_rows() = 0;
-  // A stream of the exchange's own on which it queues collectives (the pipeline's), or null.
-  virtual cudaStream_t side_stream() const { return nullptr; }
   // Pipelined (ExpertRows::chunks holds several): the block's stream waits until this chunk's
   // rows are in place, the dispatch's in the forward and the combine backward's in the backward;
   // the chunks after it are still on their way. Nothing where the exchange does not pipeline.
   virtual void await_rows(int /*chunk*/) {}
   // The experts' output of this chunk (once the work queued on the block's stream so far is done)
-  // becomes readable where its senders sum it; called for each chunk in order.
+  // becomes readable where its senders sum it; called for each chunk in order. Pipelined, the
+  // transfers stay on the exchange's stream: the block's stream takes them up in unpermute (and
+  // dispatch_backward's in permute_backward), so that work queued between stays beside them.
   virtual void combine(int chunk) = 0;
   // out [T, H]: out[t] = Σ_k y(t, k), weighed by p[t, k] unless the experts did, fp32 in slot
   // order.
@@ -132,6 +132,24 @@ class TokenExchange {
   // applied the probabilities.
   virtual void permute_backward(const Tensor& dx, float* dprob) = 0;
 };
+
+// The streams on which the exchanges alive in this process queue collectives of their own (the
+// pipelined NCCL exchange's). A split-phase step leaves its transfers in flight there while other
+// blocks run, so a buffer growth, whose free waits for the whole device, and a block's destruction
+// first wait for all of them (drain_streams).
+class ExchangeStreamRegistration {
+ public:
+  explicit ExchangeStreamRegistration(cudaStream_t stream);
+  ~ExchangeStreamRegistration();
+  ExchangeStreamRegistration(const ExchangeStreamRegistration&) = delete;
+  ExchangeStreamRegistration& operator=(const ExchangeStreamRegistration&) = delete;
+
+ private:
+  cudaStream_t stream_;
+};
+// Waits, under the mesh's timeout, for the work queued so far on `stream` and on every registered
+// exchange stream; `what` names it in a timeout's error.
+void drain_streams(const Mesh& mesh, cudaStream_t stream, const char* what);
 
 struct ExchangeSetup {
   const MoEConfig& config;

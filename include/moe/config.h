@@ -133,8 +133,9 @@ struct MoEConfig {
   // The NCCL exchange's pipeline: the local experts in this many chunks of consecutive experts,
   // each exchanged on its own stream, so that the experts start on a chunk as soon as its rows
   // arrive and its results go back under the next chunk's products, forward and backward; the
-  // results are bitwise those of one chunk. 0: automatic (effective_exchange_chunks), 1: off.
-  // At most the local experts; the peer exchange and FP8 experts take one chunk.
+  // results are bitwise those of one chunk. 0: automatic (effective_exchange_chunks), 1: the
+  // exchange in one piece (still on its own stream, beside a split-phase caller's work). At most
+  // the local experts; the peer exchange and FP8 experts take one chunk.
   int exchange_chunks = 0;
   int effective_exchange_chunks() const;
 

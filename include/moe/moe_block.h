@@ -193,6 +193,38 @@ class MoEBlock {
   // dy [T, H]: returns dx [T, H] (owned by the block until the next backward) and writes this
   // rank's gradients (overwritten, not accumulated). Once per forward.
   Tensor backward(const Tensor& dy);
+
+  // Split-phase step (docs/design.md, "Split-phase calls"): forward() and backward() in three
+  // calls each, so that a trainer may queue other work on the block's stream between them (a
+  // second micro-batch's attention, another block's phases) while this block's rows cross the EP
+  // group on the exchange's own stream:
+  //
+  //   block.forward_dispatch(x);            // gate, router, permute; the rows leave
+  //   ...                                   // other work, beside the dispatch's transfers
+  //   block.forward_experts();              // the expert FFNs; their rows start back
+  //   ...                                   // other work, beside the combine's transfers
+  //   MoEForward f = block.forward_combine();
+  //   block.backward_combine(dy);           // dy's rows leave for the experts
+  //   block.backward_experts();             // the experts' backward; dX starts back
+  //   Tensor dx = block.backward_dispatch();  // router and gate backward
+  //
+  // The results are the whole calls' bits. The phases run in this order, each once: a call out of
+  // turn is refused (nothing queued, the step as it was), naming the call that is due, and so is
+  // every other call of the block until the step's phase ends (forward_combine, then
+  // backward_dispatch). x stays valid until the backward, dy until backward_dispatch. Blocks that
+  // share a MoEScratch hold it from forward_dispatch to forward_combine and from backward_combine
+  // to backward_dispatch: the others' calls are refused meanwhile (interleaved blocks take a
+  // scratch each). A phase that throws leaves the block with no step under way (and, on a mesh of
+  // several ranks, aborts the mesh, as the whole calls do). In a CUDA graph, a phase is captured
+  // only with the rest of its forward or backward. The transfers run beside other work over the
+  // NCCL exchange (on a stream of its own); on one EP rank and over the peer exchange the phases
+  // run in stream order, with the same results.
+  void forward_dispatch(const Tensor& x, const ForwardOptions& options = {});
+  void forward_experts();
+  MoEForward forward_combine();
+  void backward_combine(const Tensor& dy);
+  void backward_experts();
+  Tensor backward_dispatch();
   // Sums the gradients over the mesh: experts over the DP group, the gate over the world.
   void reduce_gradients();
   // Waits until the block's queued work is done, within the mesh's timeout, polling the mesh's
@@ -237,8 +269,13 @@ class MoEBlock {
  private:
   struct State;
   std::unique_ptr<State> s_;
-  MoEForward run_forward(const Tensor& x, const ForwardOptions& options, bool save_context);
-  Tensor run_backward(const Tensor& dy);
+  // The phases' bodies (src/moe_block_step.cpp); the public calls check the order around them.
+  void dispatch_phase(const Tensor& x, const ForwardOptions& options, bool save_context);
+  void experts_phase();
+  MoEForward combine_phase();
+  void combine_backward_phase(const Tensor& dy);
+  void experts_backward_phase();
+  Tensor dispatch_backward_phase();
 };
 
 }  // namespace moe

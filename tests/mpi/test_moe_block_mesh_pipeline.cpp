@@ -2,10 +2,11 @@
 // the exchange's own stream while the experts run on the chunks already there. On every EP mesh
 // shape, each chunk count (even and uneven chunks, more chunks than experts, the automatic one)
 // runs a step over poisoned outputs (also with check mode on one rank only) and gives the very
-// bits of the unpipelined step, which equals the fp64 mesh reference: dropless with a different T
+// bits of the one-chunk step, which equals the fp64 mesh reference: dropless with a different T
 // on every rank, capacity mode with its dropped rows kept on the sender, and fixed blocks
-// (pad_to_capacity) with a shared expert.
-// (One block's pipelined and unpipelined steps run the same algorithms; the blocks here, fresh
+// (pad_to_capacity) with a shared expert. The split-phase calls, with other work between them,
+// give the same bits, and so do two blocks whose phases interleave over two micro-batches.
+// (One block's steps in one chunk and in several run the same algorithms; the blocks here, fresh
 // for each chunk count, take the heuristic's, as autotuning could time differently in each.)
 #include <mpi.h>
 
@@ -53,10 +54,15 @@ Batches draw_batches(const MoEConfig& c, const reference::Params& params, bool s
   }
 }
 
+// How run_step queues its second step: the whole calls, or the split-phase calls with other work
+// queued between them.
+enum class Calls { kWhole, kPhases };
+
 // One step of a fresh block with `chunks`, its second, over poisoned outputs and gradients;
 // check mode on this rank where asked.
 test::Results run_step(MoEConfig c, int chunks, const Mesh& mesh, const reference::Params& params,
-                       const Matrix& x, const Matrix& dy, bool check_mode = false) {
+                       const Matrix& x, const Matrix& dy, bool check_mode = false,
+                       Calls calls = Calls::kWhole) {
   c.exchange_chunks = chunks;
   Stream stream;
   MoEBlock block(c, mesh, stream.get());
@@ -73,10 +79,65 @@ test::Results run_step(MoEConfig c, int chunks, const Mesh& mesh, const referenc
   Tensor dx = block.backward(dy_view);
   block.synchronize();
   test::poison_step(block, fwd, dx, stream.get());
-  fwd = block.forward(x_view, options);
-  dx = block.backward(dy_view);
+  if (calls == Calls::kPhases) {
+    const test::OtherWork other(stream.get());
+    const test::PhasedStep step =
+        test::run_phases(block, x_view, dy_view, options, [&] { other.queue(); });
+    fwd = step.forward;
+    dx = step.dx;
+  } else {
+    fwd = block.forward(x_view, options);
+    dx = block.backward(dy_view);
+  }
   block.synchronize();
   return test::read_step(block, c, fwd, dx, T);
+}
+
+// Two blocks of one layer (a block and a scratch per micro-batch in flight), each micro-batch's
+// split-phase calls between the other's, as a trainer overlapping them queues them: each gives
+// the bits of its own whole step.
+void run_interleaved(const MoEConfig& c, const Mesh& mesh, const reference::Params& params,
+                     const Matrix& x0, const Matrix& dy0, const Matrix& x1, const Matrix& dy1) {
+  INFO("two blocks' split-phase calls interleaved");
+  Stream stream;
+  MoEBlock first(c, mesh, stream.get());
+  MoEBlock second(c, mesh, stream.get());
+  const int E_loc = c.num_experts / mesh.ep();
+  test::load_params(first, params, mesh.ep_index() * E_loc, E_loc);
+  test::load_params(second, params, mesh.ep_index() * E_loc, E_loc);
+  const auto upload = [&](const Matrix& m, DeviceBuffer& buffer) {
+    buffer = test::upload_as(m, c.dtype);
+    return Tensor(buffer.data(), c.dtype, {m.rows, c.hidden});
+  };
+  DeviceBuffer buffers[4];
+  const Tensor x0_view = upload(x0, buffers[0]), dy0_view = upload(dy0, buffers[1]);
+  const Tensor x1_view = upload(x1, buffers[2]), dy1_view = upload(dy1, buffers[3]);
+  const ForwardOptions options = test::losses_on_device();
+  MoEForward f0 = first.forward(x0_view, options);
+  Tensor dx0 = first.backward(dy0_view);
+  MoEForward f1 = second.forward(x1_view, options);
+  Tensor dx1 = second.backward(dy1_view);
+  first.synchronize();
+  const test::Results want0 = test::read_step(first, c, f0, dx0, x0.rows);
+  const test::Results want1 = test::read_step(second, c, f1, dx1, x1.rows);
+  test::poison_step(first, f0, dx0, stream.get());
+  test::poison_step(second, f1, dx1, stream.get());
+
+  first.forward_dispatch(x0_view, options);
+  second.forward_dispatch(x1_view, options);
+  first.forward_experts();
+  second.forward_experts();
+  f0 = first.forward_combine();
+  first.backward_combine(dy0_view);
+  f1 = second.forward_combine();
+  first.backward_experts();
+  second.backward_combine(dy1_view);
+  dx0 = first.backward_dispatch();
+  second.backward_experts();
+  dx1 = second.backward_dispatch();
+  first.synchronize();
+  test::check_identical(test::read_step(first, c, f0, dx0, x0.rows), want0);
+  test::check_identical(test::read_step(second, c, f1, dx1, x1.rows), want1);
 }
 
 void run_pipeline_case(MoEConfig c, int ep, std::uint64_t seed) {
@@ -109,11 +170,20 @@ void run_pipeline_case(MoEConfig c, int ep, std::uint64_t seed) {
   // exchanges, and its reads wait for every chunk.
   INFO("check mode on rank 0");
   test::check_identical(run_step(c, 0, mesh, params, b.xs[rank], b.dys[rank], rank == 0), plain);
+  // The split-phase calls, with other work queued between them, in one chunk and in the automatic
+  // four.
+  for (const int chunks : {1, 0}) {
+    INFO("split-phase calls, exchange_chunks " << chunks);
+    test::check_identical(
+        run_step(c, chunks, mesh, params, b.xs[rank], b.dys[rank], false, Calls::kPhases), plain);
+  }
+  const int next = (rank + 1) % test::world_size();
+  run_interleaved(c, mesh, params, b.xs[rank], b.dys[rank], b.xs[next], b.dys[next]);
 }
 
 }  // namespace
 
-TEST_CASE("the pipelined NCCL exchange gives the unpipelined step's bits on every EP mesh",
+TEST_CASE("the pipelined NCCL exchange gives the one-chunk step's bits on every EP mesh",
           "[mpi][block][pipeline]") {
   const int world = test::world_size();
   const auto seed = test::shared_seed();

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -198,6 +199,44 @@ inline void poison_step(const MoEBlock& block, const MoEForward& fwd, const Tens
                           &g.shared_w2, &g.shared_gate_weight}) {
     if (t->data != nullptr) MOE_CHECK_CUDA(cudaMemsetAsync(t->data, 0xff, t->bytes(), stream));
   }
+}
+
+// Work of another micro-batch between two split-phase calls: kernels over a buffer of its own, on
+// the block's stream, long enough to sit beside the exchange's transfers.
+class OtherWork {
+ public:
+  explicit OtherWork(cudaStream_t stream) : stream_(stream), buffer_(kBytes) {}
+  void queue() const {
+    for (int i = 0; i < 4; ++i) MOE_CHECK_CUDA(cudaMemsetAsync(buffer_.data(), i, kBytes, stream_));
+  }
+
+ private:
+  static constexpr std::size_t kBytes = std::size_t{32} << 20;
+  cudaStream_t stream_;
+  DeviceBuffer buffer_;
+};
+
+struct PhasedStep {
+  MoEForward forward;
+  Tensor dx;
+};
+
+// A forward and a backward in their six split-phase calls, with `between` queued between each two.
+inline PhasedStep run_phases(MoEBlock& block, const Tensor& x, const Tensor& dy,
+                             const ForwardOptions& options, const std::function<void()>& between) {
+  PhasedStep step;
+  block.forward_dispatch(x, options);
+  between();
+  block.forward_experts();
+  between();
+  step.forward = block.forward_combine();
+  between();
+  block.backward_combine(dy);
+  between();
+  block.backward_experts();
+  between();
+  step.dx = block.backward_dispatch();
+  return step;
 }
 
 }  // namespace moe::test
