@@ -5,7 +5,7 @@
 //                                      [--keep-expert-input] [--stage-lead-ms L]
 //                                      [--capacity-factor C [--drop-policy P] [--pad-to-capacity]]
 //                                      [--shared-ffn-hidden Fs] [--shared-in-series]
-//                                      [--json FILE]
+//                                      [--split-phase-products N] [--json FILE]
 //
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
 // rate inside the EP group), then, after a warm-up as long as the GEMM rate's, times the layer
@@ -17,6 +17,10 @@
 // do, so the step's first stages also hold the host's launch latency. The stages are timed in a
 // second pass where the host queues each step behind a hold of --stage-lead-ms, as a layer inside
 // a model is queued behind the layers before it: their times are the GPU's.
+//
+// --split-phase-products N also times what the split-phase calls hide: the step in its six calls
+// with N dense [T, H] x [H, H] products of other work (a second micro-batch's attention) queued
+// between each two, against the whole step followed by the same work.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -77,6 +81,72 @@ void CUDART_CB hold_stream(void* milliseconds) {
       std::chrono::duration<double, std::milli>(*static_cast<const double*>(milliseconds)));
 }
 
+// The stages that move rows across the EP group.
+constexpr const char* kExchangeStages[] = {"moe dispatch", "moe combine", "moe combine backward",
+                                           "moe dispatch backward"};
+
+// The split-phase step with other work between its calls, the whole step followed by the same
+// work, and the work alone: medians over `iters` runs, the slowest rank's.
+struct SplitPhaseTimes {
+  double phased_ms = 0, serial_ms = 0, other_ms = 0;
+};
+SplitPhaseTimes time_split_phase(MoEBlock& block, const Tensor& x, const Tensor& dy,
+                                 const ForwardOptions& options, int products, int iters,
+                                 cudaStream_t stream) {
+  const std::int64_t T = x.dim(0), H = x.dim(1);
+  DeviceBuffer a(T * H * 2), w(H * H * 2), c(T * H * 2);
+  init_normal(Tensor(a.data(), DType::kBF16, {T, H}), 3, 0, 1.0f, stream);
+  init_normal(Tensor(w.data(), DType::kBF16, {H, H}), 4, 0, 1.0f, stream);
+  GemmRunner gemm(std::size_t{32} << 20, std::make_shared<GemmTuning>());
+  const GemmShape shape{T, H, H, false, true, DType::kBF16, DType::kBF16, DType::kBF16};
+  const auto work = [&] {
+    for (int i = 0; i < products; ++i) gemm.run(shape, a.data(), w.data(), c.data(), stream);
+  };
+  const auto phased = [&] {
+    block.forward_dispatch(x, options);
+    work();
+    block.forward_experts();
+    work();
+    (void)block.forward_combine();
+    work();
+    block.backward_combine(dy);
+    work();
+    block.backward_experts();
+    work();
+    (void)block.backward_dispatch();
+  };
+  const auto serial = [&] {
+    (void)block.forward(x, options);
+    (void)block.backward(dy);
+    for (int k = 0; k < 5; ++k) work();
+  };
+  const auto alone = [&] {
+    for (int k = 0; k < 5; ++k) work();
+  };
+  const auto timed = [&](const auto& body) {
+    Event start(true), stop(true);
+    std::vector<double> times;
+    for (int i = 0; i < iters + 2; ++i) {
+      start.record(stream);
+      body();
+      stop.record(stream);
+      MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
+      double ms = stop.elapsed_ms_since(start);
+      MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+      if (i >= 2) times.push_back(ms);  // the first two choose the products' algorithms
+    }
+    return median(times);
+  };
+  // In turns, so that a drift of the clocks touches each alike.
+  std::vector<double> phased_ms, serial_ms, other_ms;
+  for (int round = 0; round < 3; ++round) {
+    phased_ms.push_back(timed(phased));
+    serial_ms.push_back(timed(serial));
+    other_ms.push_back(timed(alone));
+  }
+  return {median(phased_ms), median(serial_ms), median(other_ms)};
+}
+
 std::size_t used_device_memory() {
   std::size_t free = 0, total = 0;
   MOE_CHECK_CUDA(cudaMemGetInfo(&free, &total));
@@ -103,6 +173,7 @@ int main(int argc, char** argv) {
   int align_size = -1;
   int shared_ffn_hidden = -1;
   bool shared_in_series = false;
+  int split_phase_products = 0;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(cli::count_in(1, 1 << 20));
@@ -129,7 +200,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "nccl", "peer"}));
   app.add_option("--exchange-chunks", exchange_chunks,
                  "the NCCL exchange's pipeline in this many chunks of experts, 0: automatic, "
-                 "1: off (default: the config's)")
+                 "1: one piece (default: the config's)")
       ->check(cli::count_in(0, 1024));
   app.add_option("--stage-lead-ms", stage_lead_ms,
                  "time the stages with the host this many ms ahead of the GPU (0: behind it, as "
@@ -155,6 +226,10 @@ int main(int argc, char** argv) {
   app.add_flag("--graph", graph,
                "static shapes (--pad-to-capacity): the eager steps leave the losses on "
                "the device, then the step is captured in a CUDA graph and its replay timed too");
+  app.add_option("--split-phase-products", split_phase_products,
+                 "also time the split-phase step with N [T, H] x [H, H] products of other work "
+                 "between each two of its calls, against the whole step and then that work")
+      ->check(cli::count_in(0, 64));
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
 
@@ -321,6 +396,10 @@ int main(int argc, char** argv) {
         graph_ms.push_back(stop.elapsed_ms_since(start));
       }
     }
+    const SplitPhaseTimes split =
+        split_phase_products > 0
+            ? time_split_phase(block, x_t, dy_t, options, split_phase_products, iters, stream.get())
+            : SplitPhaseTimes{};
     const double reduce_ms = bench::median_ms([&](int) { block.reduce_gradients(); }, stream.get(),
                                               1, std::max(3, iters / 4));
     // The routing's balance over every step run (the mesh's loads, counted on the device).
@@ -410,6 +489,19 @@ int main(int argc, char** argv) {
             median(graph_ms), total_ms, 1e3 * median(graph_host_ms),
             1e3 * (median(host_forward_ms) + median(host_backward_ms)));
       }
+      if (split_phase_products > 0) {
+        double exchange_ms = 0.0;
+        for (const char* name : kExchangeStages)
+          exchange_ms += stage_sum.count(name) > 0 ? stage_sum[name] / iters : 0.0;
+        const double saved = split.serial_ms - split.phased_ms;
+        fmt::print(
+            "split-phase calls, {} products of other work between each two: {:.3f} ms, against "
+            "{:.3f} ms for the whole step then the work ({:.3f} ms alone): {:.3f} ms hidden, "
+            "{:.0f}% "
+            "of the exchange stages' {:.3f} ms\n",
+            5 * split_phase_products, split.phased_ms, split.serial_ms, split.other_ms, saved,
+            exchange_ms > 0 ? 100.0 * saved / exchange_ms : 0.0, exchange_ms);
+      }
       if (link_floor_ms > 0)
         fmt::print("NVLink floor {:.3f} ms ({:.0f}% of the step)\n", link_floor_ms,
                    100 * link_floor_ms / total_ms);
@@ -471,6 +563,12 @@ int main(int argc, char** argv) {
             {"memory_bytes", memory_peak},
             {"scratch_bytes", scratch->bytes()},
             {"mesh_memory_bytes", mesh_memory}};
+        if (split_phase_products > 0) {
+          report["split_phase_products"] = 5 * split_phase_products;
+          report["split_phase_ms"] = split.phased_ms;
+          report["split_phase_serial_ms"] = split.serial_ms;
+          report["split_phase_other_ms"] = split.other_ms;
+        }
         if (graph) {
           report["graph_ms"] = median(graph_ms);
           report["graph_host_launch_ms"] = median(graph_host_ms);
