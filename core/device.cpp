@@ -141,6 +141,13 @@ bool stream_is_capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+std::uint64_t stream_capture_id(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  MOE_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &status, &id));
+  return status == cudaStreamCaptureStatusNone ? 0 : id;
+}
+
 CudaGraph::CudaGraph(cudaStream_t stream, const std::function<void()>& work) {
   if (!work) fail("CudaGraph: empty work");
   MOE_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));

@@ -388,7 +388,7 @@ class NcclExchange final : public TokenExchange {
   std::vector<ExpertSpan> spans_;
   std::vector<ChunkRanges> ranges_;
   Stream pipe_;
-  ExchangeStreamRegistration registered_{pipe_.get()};
+  ExchangeStreamRegistration registered_{pipe_.get(), mesh_};
   std::vector<Event> arrived_, computed_;
   Event began_, finished_;
 

@@ -111,12 +111,13 @@ const MoEGradients& MoEBlock::gradients() const {
   return s_->grads;
 }
 void MoEBlock::set_check_finite(bool on) {
+  s_->enter("set_check_finite", block_detail::StepPhase::kIdle, /*uses_scratch=*/false);
   s_->check_finite = on;
 }
 
 void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
   auto& s = *s_;
-  s.enter("bind", block_detail::StepPhase::kIdle);
+  s.enter("bind", block_detail::StepPhase::kIdle, /*uses_scratch=*/false);
   const std::int64_t E = s.E, E_loc = s.E_loc, H = s.H, F = s.F;
   expect_tensor(p.gate_weight, "MoEBlock::bind gate_weight", s.dtype, {E, H});
   expect_tensor(p.w13, "MoEBlock::bind w13", s.dtype, {E_loc, 2 * F, H});
@@ -145,7 +146,7 @@ void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
 
 void MoEBlock::initialize(std::uint64_t seed) {
   auto& s = *s_;
-  s.enter("initialize", block_detail::StepPhase::kIdle);
+  s.enter("initialize", block_detail::StepPhase::kIdle, /*uses_scratch=*/false);
   const auto first_expert = static_cast<std::uint64_t>(s.mesh.ep_index()) * s.E_loc;
   const auto w13_size = static_cast<std::uint64_t>(2 * s.F * s.H);
   const auto w2_size = static_cast<std::uint64_t>(s.H * s.F);
@@ -206,7 +207,7 @@ void MoEBlock::reduce_gradients() {
 // queues it, so the late rank times out on it, or reads counts that disagree.
 void MoEBlock::synchronize() {
   auto& s = *s_;
-  s.enter("synchronize", block_detail::StepPhase::kIdle);
+  s.enter("synchronize", block_detail::StepPhase::kIdle, /*uses_scratch=*/false);
   if (stream_is_capturing(s.stream))
     fail(
         "MoEBlock::synchronize: waits on the host, which a stream capturing a CUDA graph cannot "
@@ -307,6 +308,7 @@ bool MoEBlock::probabilities_in_experts() const {
 }
 
 void MoEBlock::set_stage_timing(bool on) {
+  s_->enter("set_stage_timing", block_detail::StepPhase::kIdle, /*uses_scratch=*/false);
   s_->times.on = on;
   s_->times.used = 0;
 }
@@ -323,7 +325,7 @@ std::vector<MoEBlock::StageTime> MoEBlock::stage_times() const {
 
 void MoEBlock::update_expert_bias(float rate) {
   auto& s = *s_;
-  s.enter("update_expert_bias", block_detail::StepPhase::kIdle);
+  s.enter("update_expert_bias", block_detail::StepPhase::kIdle, /*uses_scratch=*/false);
   if (!s.config.expert_bias)
     fail("MoEBlock::update_expert_bias: the config has expert_bias = false");
   if (s.router.global_load() == nullptr)

@@ -1,7 +1,7 @@
 // MoEBlock's state: its config, mesh, stream, parameters, stages and the context a forward keeps
 // for its backward, with the checks its public calls share (capture, finite outputs), and
 // on_mesh, which turns a failure of one rank into an error on every rank. Included by
-// src/moe_block.cpp alone.
+// src/moe_block.cpp and src/moe_block_step.cpp alone.
 #pragma once
 
 #include <fmt/format.h>
@@ -132,7 +132,9 @@ struct MoEBlock::State {
   // The step under way between the phases of a forward or a backward (src/moe_block_step.cpp).
   struct Step {
     block_detail::StepPhase phase = block_detail::StepPhase::kIdle;
+    bool under_way = false;        // begin_step has run, end_step not yet
     bool capturing = false;        // its first phase was queued into a CUDA graph
+    std::uint64_t capture_id = 0;  // that graph's capture sequence
     std::int64_t allocations = 0;  // buffer_allocations() at its first phase
     // Forward.
     bool save_context = false;
@@ -169,9 +171,17 @@ struct MoEBlock::State {
   ExchangeSetup exchange_setup() { return {config, mesh, stream, shared}; }
 
   // The order of the split-phase calls: `call` runs only at `expected` (kIdle for the calls that
-  // start a step or stand outside one), on a scratch no other block holds, and a phase after the
-  // first is captured in a CUDA graph where the first was (and only there). Refusals queue nothing.
-  void enter(const char* call, block_detail::StepPhase expected) const {
+  // start a step or stand outside one), on a scratch no other block holds where it uses the
+  // scratch, and a phase after the first is captured in the CUDA graph that holds the first (and
+  // only there). Refusals queue nothing. A step whose first phases were captured in a graph whose
+  // capture has ended (it failed, or the trainer ended it between the phases) can never go on:
+  // it is dropped here, with the forward context.
+  void enter(const char* call, block_detail::StepPhase expected, bool uses_scratch = true) {
+    if (step.phase != block_detail::StepPhase::kIdle && step.capturing &&
+        stream_capture_id(stream) != step.capture_id) {
+      end_step();
+      context.valid = false;
+    }
     if (step.phase != expected) {
       if (expected == block_detail::StepPhase::kIdle)
         fail("MoEBlock::{}: called out of turn: {}", call, block_detail::what_is_due(step.phase));
@@ -182,7 +192,7 @@ struct MoEBlock::State {
                       : "no backward is under way (backward_combine starts one)")
                : block_detail::what_is_due(step.phase));
     }
-    if (shared.held_by != nullptr && shared.held_by != this)
+    if (uses_scratch && shared.held_by != nullptr && shared.held_by != this)
       fail(
           "MoEBlock::{}: another block that shares this block's MoEScratch is between the phases "
           "of a step (forward_dispatch to forward_combine, or backward_combine to "
@@ -196,13 +206,16 @@ struct MoEBlock::State {
   }
   // A step's first phase: its buffers are this block's until the last.
   void begin_step() {
-    step.capturing = stream_is_capturing(stream);
+    step.capture_id = stream_capture_id(stream);
+    step.capturing = step.capture_id != 0;
     step.allocations = buffer_allocations();
+    step.under_way = true;
     shared.held_by = this;
   }
   // A step's last phase, or a phase that failed: no step is under way.
   void end_step() {
     step.phase = block_detail::StepPhase::kIdle;
+    step.under_way = false;
     step.dy = Tensor{};
     if (shared.held_by == this) shared.held_by = nullptr;
   }
@@ -212,16 +225,19 @@ struct MoEBlock::State {
       fail("MoEBlock::{}: the block's buffers grew while capturing a CUDA graph at T = {}", call,
            T);
   }
-  // One public call on the mesh (on_mesh); a failure also ends the step under way, and leaves no
-  // forward context.
+  // One public call on the mesh (on_mesh). A failure once a step has begun (its arguments
+  // checked) ends the step and leaves no forward context; a refused argument leaves both as they
+  // were.
   template <typename Call>
   auto run_call(const char* call, Call&& run) {
     return block_detail::on_mesh(mesh, stream, times, call, [&] {
       try {
         return run();
       } catch (...) {
-        end_step();
-        context.valid = false;
+        if (step.under_way) {
+          end_step();
+          context.valid = false;
+        }
         throw;
       }
     });

@@ -1,6 +1,7 @@
 #include "src/token_exchange.h"
 
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "comm/peer_memory.h"
@@ -24,26 +25,29 @@ void SlotLayout::build(const std::int32_t* topk_idx, std::int64_t tokens, int to
 
 namespace {
 std::mutex registered_streams_mutex;
-std::vector<cudaStream_t> registered_streams;
+std::vector<std::pair<cudaStream_t, const Mesh*>> registered_streams;
 }  // namespace
 
-ExchangeStreamRegistration::ExchangeStreamRegistration(cudaStream_t stream) : stream_(stream) {
+ExchangeStreamRegistration::ExchangeStreamRegistration(cudaStream_t stream, const Mesh& mesh)
+    : stream_(stream), mesh_(&mesh) {
   const std::lock_guard lock(registered_streams_mutex);
-  registered_streams.push_back(stream_);
+  registered_streams.emplace_back(stream_, mesh_);
 }
 
 ExchangeStreamRegistration::~ExchangeStreamRegistration() {
   const std::lock_guard lock(registered_streams_mutex);
-  std::erase(registered_streams, stream_);
+  std::erase(registered_streams, std::pair(stream_, mesh_));
 }
 
 void drain_streams(const Mesh& mesh, cudaStream_t stream, const char* what) {
   std::vector<cudaStream_t> streams{stream};
   {
     const std::lock_guard lock(registered_streams_mutex);
-    streams.insert(streams.end(), registered_streams.begin(), registered_streams.end());
+    for (const auto& [queue, owner] : registered_streams)
+      if (owner == &mesh && queue != stream) streams.push_back(queue);
   }
   for (const cudaStream_t queue : streams) {
+    if (stream_is_capturing(queue)) continue;
     const Event drained;
     drained.record(queue);
     mesh.wait(drained.get(), what);

@@ -134,21 +134,23 @@ class TokenExchange {
 };
 
 // The streams on which the exchanges alive in this process queue collectives of their own (the
-// pipelined NCCL exchange's). A split-phase step leaves its transfers in flight there while other
+// NCCL exchange's), by mesh. A split-phase step leaves its transfers in flight there while other
 // blocks run, so a buffer growth, whose free waits for the whole device, and a block's destruction
-// first wait for all of them (drain_streams).
+// first wait for those of their mesh (drain_streams).
 class ExchangeStreamRegistration {
  public:
-  explicit ExchangeStreamRegistration(cudaStream_t stream);
+  ExchangeStreamRegistration(cudaStream_t stream, const Mesh& mesh);
   ~ExchangeStreamRegistration();
   ExchangeStreamRegistration(const ExchangeStreamRegistration&) = delete;
   ExchangeStreamRegistration& operator=(const ExchangeStreamRegistration&) = delete;
 
  private:
   cudaStream_t stream_;
+  const Mesh* mesh_;
 };
-// Waits, under the mesh's timeout, for the work queued so far on `stream` and on every registered
-// exchange stream; `what` names it in a timeout's error.
+// Waits, under the mesh's timeout, for the work queued so far on `stream` and on every exchange
+// stream registered with the mesh, but for those capturing a CUDA graph (their work runs at the
+// graph's launch); `what` names it in a timeout's error.
 void drain_streams(const Mesh& mesh, cudaStream_t stream, const char* what);
 
 struct ExchangeSetup {

@@ -159,6 +159,8 @@ class CublasLtHandle {
 
 // Whether `stream` is capturing a CUDA graph now (a capture begun on it, or on a stream it joined).
 bool stream_is_capturing(cudaStream_t stream);
+// The capture sequence the stream is in (unique in the process), or 0 where it captures nothing.
+std::uint64_t stream_capture_id(cudaStream_t stream);
 
 // A CUDA graph of the work that `work` queues on `stream`, captured in thread-local mode (a host
 // synchronisation or other capture-unsafe call on this thread fails the capture), then

@@ -2,7 +2,8 @@
 // fp64 reference's results) with other work queued between them; two blocks interleave their
 // phases over two micro-batches; a static-shape step's phases replay from a CUDA graph; calls out
 // of turn, other calls mid-step, a second block on a held scratch and a capture of part of a step
-// are refused, naming what is due, and the step goes on; a phase that fails leaves no step.
+// are refused, naming what is due, and the step goes on; a phase that fails leaves no step, a
+// refused argument the step as it was, and a capture that ends between phases is dropped.
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -205,6 +206,37 @@ TEST_CASE("a static-shape step's phases replay from a CUDA graph bitwise", "[gpu
   test::check_identical(read_results(block, c, fwd, dx, tokens), want);
 }
 
+TEST_CASE("a step whose capture ended between its phases is dropped at the block's next call",
+          "[gpu][block][phases]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig c = test::capacity_config(DType::kFP32, 1.25, DropPolicy::kProbs, 16);
+  c.pad_to_capacity = true;  // no stream forks on one GPU: the capture of one phase ends cleanly
+  c.validate();
+  const std::int64_t tokens = 21;
+  Stream stream;
+  const Mesh mesh = Mesh::single();
+  MoEBlock block(c, mesh, stream.get());
+  const Inputs in(c, test::random_matrix(tokens, c.hidden, rng),
+                  test::random_matrix(tokens, c.hidden, rng));
+  const ForwardOptions on_device = test::losses_on_device();
+  (void)block.forward(in.x, on_device);  // prepares
+  (void)block.backward(in.dy);
+  MoEForward fwd = block.forward(in.x, on_device);
+  Tensor dx = block.backward(in.dy);
+  const test::Results want = read_results(block, c, fwd, dx, tokens);
+
+  {
+    const CudaGraph partial(stream.get(), [&] { block.forward_dispatch(in.x, on_device); });
+  }
+  CHECK_THROWS_WITH(block.forward_experts(), test::contains_text("forward_dispatch starts one"));
+  CHECK_THROWS_WITH(block.backward(in.dy), test::contains_text("no forward context"));
+  fwd = block.forward(in.x, on_device);
+  dx = block.backward(in.dy);
+  test::check_identical(read_results(block, c, fwd, dx, tokens), want);
+}
+
 TEST_CASE("split-phase calls out of turn are refused, naming what is due; the step goes on",
           "[gpu][block][phases]") {
   const auto seed = test::fresh_seed();
@@ -252,7 +284,12 @@ TEST_CASE("split-phase calls out of turn are refused, naming what is due; the st
   refused([&] { block.reduce_gradients(); }, "forward_experts is due");
   refused([&] { block.synchronize(); }, "forward_experts is due");
   refused([&] { block.initialize(3); }, "forward_experts is due");
+  refused([&] { block.set_check_finite(true); }, "forward_experts is due");
   scratch_held([&] { (void)neighbour.forward(in.x); });
+  scratch_held([&] { neighbour.reduce_gradients(); });
+  // What does not touch the scratch runs: a new block on it, the neighbour's synchronize.
+  const MoEBlock late(c, mesh, stream.get(), scratch);
+  neighbour.synchronize();
   block.forward_experts();
   refused([&] { block.forward_experts(); }, "forward_combine is due");
   scratch_held([&] { neighbour.forward_dispatch(in.x); });
@@ -300,10 +337,13 @@ TEST_CASE("a phase that fails leaves no step under way", "[gpu][block][phases]")
   x.data[5] = std::nan("");
   const Inputs bad(c, x, test::random_matrix(tokens, c.hidden, rng));
 
-  // A bad argument: refused inside the phase, which ends the step.
+  // A bad argument is refused before a step begins: the last forward's context stays.
+  (void)block.forward(good.x);
   const Tensor wrong(good.x.data, c.dtype, {tokens, c.hidden + 1});
   CHECK_THROWS_WITH(block.forward_dispatch(wrong), test::contains_text("x must be"));
   CHECK_THROWS_WITH(block.forward_experts(), test::contains_text("forward_dispatch starts one"));
+  CHECK_THROWS_WITH(block.backward_combine(wrong), test::contains_text("dy"));
+  (void)block.backward(good.dy);
 
   // Check mode names the stage whose output holds the NaN; the block is idle after it, and its
   // scratch free.

@@ -3,7 +3,7 @@
 // experts) and under EP (fixed blocks in the NCCL exchange, every rank of an EP group the same T).
 // On every rank the eager step waits on the host for nothing and equals the fp64 mesh reference,
 // and the replay over poisoned outputs equals the eager step bitwise, the exchanges and the
-// gradient all-reduce included.
+// gradient all-reduce included; so does a graph of the split-phase calls with other work between.
 #include <mpi.h>
 
 #include <cstdint>
@@ -97,6 +97,19 @@ void run_graph_case(MoEConfig c, int ep, std::uint64_t seed) {
     block.synchronize();
     test::check_identical(test::read_step(block, c, fwd, dx, T), eager);
   }
+
+  // The split-phase calls captured, with other work between them (the exchange's stream forks
+  // and joins inside the graph): the same bits.
+  const test::OtherWork other(stream.get());
+  test::PhasedStep phased;
+  const CudaGraph phased_step(stream.get(), [&] {
+    phased = test::run_phases(block, x_view, dy_view, options, [&] { other.queue(); });
+    block.reduce_gradients();
+  });
+  test::poison_step(block, phased.forward, phased.dx, stream.get());
+  phased_step.replay(stream.get());
+  block.synchronize();
+  test::check_identical(test::read_step(block, c, phased.forward, phased.dx, T), eager);
 }
 
 }  // namespace

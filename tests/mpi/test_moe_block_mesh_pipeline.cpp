@@ -94,8 +94,8 @@ test::Results run_step(MoEConfig c, int chunks, const Mesh& mesh, const referenc
 }
 
 // Two blocks of one layer (a block and a scratch per micro-batch in flight), each micro-batch's
-// split-phase calls between the other's, as a trainer overlapping them queues them: each gives
-// the bits of its own whole step.
+// split-phase calls between the other's, as a trainer overlapping them queues them, and a third
+// block's whole step between their phases: each gives the bits of its own whole step.
 void run_interleaved(const MoEConfig& c, const Mesh& mesh, const reference::Params& params,
                      const Matrix& x0, const Matrix& dy0, const Matrix& x1, const Matrix& dy1) {
   INFO("two blocks' split-phase calls interleaved");
@@ -125,6 +125,15 @@ void run_interleaved(const MoEConfig& c, const Mesh& mesh, const reference::Para
 
   first.forward_dispatch(x0_view, options);
   second.forward_dispatch(x1_view, options);
+  {
+    // A third block made, run and destroyed while both are mid-step: its buffers grow, and its
+    // destruction frees them, each after waiting for the transfers in flight on the others'
+    // exchange streams.
+    MoEBlock passing(c, mesh, stream.get());
+    test::load_params(passing, params, mesh.ep_index() * E_loc, E_loc);
+    (void)passing.forward(x1_view, options);
+    (void)passing.backward(dy1_view);
+  }
   first.forward_experts();
   second.forward_experts();
   f0 = first.forward_combine();
