@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
@@ -158,10 +159,14 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
   trace(std::string("case: ") + (fault == Fault::kThrows ? "throws" : "stalls") + " at '" + stage +
         "', transport " + std::string(ep_transport_name(transport)));
   if (rank == 1 || tracing()) {
-    set_stage_hook([stage, fault, rank](const char* name) {
+    // A stage may be entered more than once a step (the chunks' waits for rows count as the
+    // exchange's stages): rank 1 stalls at its first entry only, one stall a step.
+    auto stalled = std::make_shared<bool>(false);
+    set_stage_hook([stage, fault, rank, stalled](const char* name) {
       trace(std::string("enters '") + name + "'");
-      if (rank != 1 || std::strcmp(name, stage) != 0) return;
+      if (rank != 1 || std::strcmp(name, stage) != 0 || *stalled) return;
       if (fault == Fault::kThrows) fail("injected fault");
+      *stalled = true;
       std::this_thread::sleep_for(2 * kTimeout);
     });
   }
