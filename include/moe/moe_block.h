@@ -213,10 +213,13 @@ class MoEBlock {
   // every other call of the block until the step's phase ends (forward_combine, then
   // backward_dispatch). x stays valid until the backward, dy until backward_dispatch. Blocks that
   // share a MoEScratch hold it from forward_dispatch to forward_combine and from backward_combine
-  // to backward_dispatch: the others' calls are refused meanwhile (interleaved blocks take a
-  // scratch each). A phase that throws leaves the block with no step under way (and, on a mesh of
-  // several ranks, aborts the mesh, as the whole calls do). In a CUDA graph, a phase is captured
-  // only with the rest of its forward or backward. The transfers run beside other work over the
+  // to backward_dispatch: the others' calls that use it are refused meanwhile (interleaved blocks
+  // take a scratch each). A refused argument leaves the step and the last forward's context as
+  // they were; a phase that throws after that leaves the block with no step under way and no
+  // context (and, on a mesh of several ranks, aborts the mesh, as the whole calls do). In a CUDA
+  // graph a phase is captured only in the graph of the rest of its forward or backward; a step
+  // whose capture ended between its phases is dropped at the next call. The transfers run beside
+  // other work over the
   // NCCL exchange (on a stream of its own); on one EP rank and over the peer exchange the phases
   // run in stream order, with the same results.
   void forward_dispatch(const Tensor& x, const ForwardOptions& options = {});
