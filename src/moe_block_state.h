@@ -6,7 +6,6 @@
 
 #include <fmt/format.h>
 
-#include <functional>
 #include <memory>
 #include <string>
 
@@ -61,8 +60,8 @@ inline const char* what_is_due(StepPhase phase) {
 // under the mesh's timeout: its free would otherwise wait for the device with no limit, behind a
 // collective a failed peer never joins (a previous step's gradient all-reduce, say). Not while
 // the stream is captured: a capture's buffers are already sized, and a growth there fails anyway.
-// The drain waits for the exchanges' own streams too (every block's: a split-phase step leaves its
-// transfers in flight there while other blocks run).
+// The drain waits for the exchanges' own streams too (those of every block on the mesh: a
+// split-phase step leaves its transfers in flight there while other blocks run).
 template <typename Call>
 auto on_mesh(const Mesh& mesh, cudaStream_t stream, const StageTimes& times, const char* call,
              Call&& run) {
