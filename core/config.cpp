@@ -45,6 +45,8 @@ std::string_view ep_transport_name(EpTransport transport) {
       return "nccl";
     case EpTransport::kPeer:
       return "peer";
+    case EpTransport::kCopy:
+      return "copy";
   }
   return "unknown";
 }
@@ -53,7 +55,8 @@ EpTransport parse_ep_transport(std::string_view text) {
   if (text == "auto") return EpTransport::kAuto;
   if (text == "nccl") return EpTransport::kNccl;
   if (text == "peer") return EpTransport::kPeer;
-  fail("ep_transport = '{}' is not one of auto, nccl, peer", text);
+  if (text == "copy") return EpTransport::kCopy;
+  fail("ep_transport = '{}' is not one of auto, nccl, peer, copy", text);
 }
 
 std::string_view drop_policy_name(DropPolicy policy) {
@@ -124,9 +127,12 @@ std::int64_t MoEConfig::expert_capacity(std::int64_t tokens) const {
 }
 
 std::string MoEConfig::unsupported_by_gpu_layer() const {
-  if (pad_to_capacity && ep > 1 && ep_transport == EpTransport::kPeer)
-    return "pad_to_capacity with ep_transport = peer: fixed blocks run over the NCCL exchange "
-           "(auto or nccl), for now";
+  if (pad_to_capacity && ep > 1 &&
+      (ep_transport == EpTransport::kPeer || ep_transport == EpTransport::kCopy))
+    return fmt::format(
+        "pad_to_capacity with ep_transport = {}: fixed blocks run over the NCCL exchange (auto "
+        "or nccl), for now",
+        ep_transport_name(ep_transport));
   // The dropped slots take a layout group of their own after the E experts'.
   if (capacity_mode() && num_experts >= kMaxExperts)
     return fmt::format(
@@ -295,8 +301,8 @@ void MoEConfig::validate() const {
                      "expert in one pass, so the exchange cannot pipeline with them (use 0 or 1)",
                      exchange_chunks);
   MOE_CONFIG_REQUIRE(ep_transport == EpTransport::kAuto || ep_transport == EpTransport::kNccl ||
-                         ep_transport == EpTransport::kPeer,
-                     "ep_transport = {} must be auto, nccl or peer",
+                         ep_transport == EpTransport::kPeer || ep_transport == EpTransport::kCopy,
+                     "ep_transport = {} must be auto, nccl, peer or copy",
                      static_cast<int>(ep_transport));
   // The apps' --tokens bound: a file cannot ask for more than their command lines can.
   MOE_CONFIG_REQUIRE(bench_tokens >= 0 && bench_tokens <= (1 << 30),

@@ -18,7 +18,7 @@ ScoreFunction parse_score_function(std::string_view text);
 // (CUDA IPC over NVLink), no staging; kNccl: grouped ncclSend/ncclRecv through staging buffers;
 // kAuto: kPeer when every EP rank is on this host with peer access (decided once, the same on
 // every rank), else kNccl.
-enum class EpTransport { kAuto, kNccl, kPeer };
+enum class EpTransport { kAuto, kNccl, kPeer, kCopy };
 std::string_view ep_transport_name(EpTransport transport);
 EpTransport parse_ep_transport(std::string_view text);
 
@@ -129,13 +129,16 @@ struct MoEConfig {
   // Mesh: expert-parallel and data-parallel degrees; world = ep * dp.
   int ep = 1;
   int dp = 1;
-  EpTransport ep_transport = EpTransport::kAuto;  // peer requires peer access (else an error)
+  // How rows cross the EP group (docs/design.md, "Transports"): peer and copy require peer access
+  // between every pair of the group's GPUs (else an error); auto takes peer where it has it.
+  EpTransport ep_transport = EpTransport::kAuto;
   // The NCCL exchange's pipeline: the local experts in this many chunks of consecutive experts,
   // each exchanged on its own stream, so that the experts start on a chunk as soon as its rows
   // arrive and its results go back under the next chunk's products, forward and backward; the
   // results are bitwise those of one chunk. 0: automatic (effective_exchange_chunks), 1: the
   // exchange in one piece (still on its own stream, beside a split-phase caller's work). At most
-  // the local experts; the peer exchange and FP8 experts take one chunk.
+  // the local experts; the peer exchange and FP8 experts take one chunk. The copy exchange
+  // pipelines as the NCCL one does.
   int exchange_chunks = 0;
   int effective_exchange_chunks() const;
 

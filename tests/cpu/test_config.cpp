@@ -109,6 +109,7 @@ TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][c
   CHECK(config.ep_transport == EpTransport::kAuto);
   CHECK(parse_config(kBase + "ep_transport: nccl\n").ep_transport == EpTransport::kNccl);
   CHECK(parse_config(kBase + "ep_transport: peer\n").ep_transport == EpTransport::kPeer);
+  CHECK(parse_config(kBase + "ep_transport: copy\n").ep_transport == EpTransport::kCopy);
   CHECK(config.activation_chunk_mib == 64.0);
   CHECK(parse_config(kBase + "activation_chunk_mib: 0.5\n").activation_chunk_mib == 0.5);
   CHECK(config.gemm_workspace_mib == 4);
@@ -116,7 +117,7 @@ TEST_CASE("defaults: grouped routing off, no bias, no losses, scale 1", "[cpu][c
   MoEConfig bad = config;
   bad.ep_transport = static_cast<EpTransport>(7);
   CHECK_THROWS_WITH(bad.validate(),
-                    test::contains_text("ep_transport = 7 must be auto, nccl or peer"));
+                    test::contains_text("ep_transport = 7 must be auto, nccl, peer or copy"));
 }
 
 TEST_CASE("padded rows round each group up to align_size", "[cpu][config]") {
@@ -193,7 +194,7 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"dtype", "fp16"}}, "dtype = 'fp16' is not bf16 or fp32"},
       {{{"grad_dtype", "int32"}}, "grad_dtype = 'int32' is not bf16 or fp32"},
       {{{"score_function", "relu"}}, "score_function = 'relu' is not one of"},
-      {{{"ep_transport", "ipc"}}, "ep_transport = 'ipc' is not one of auto, nccl, peer"},
+      {{{"ep_transport", "ipc"}}, "ep_transport = 'ipc' is not one of auto, nccl, peer, copy"},
       {{{"exchange_chunks", "-1"}}, "exchange_chunks = -1 must be in [0, 1024]"},
       {{{"exchange_chunks", "1025"}}, "exchange_chunks = 1025 must be in [0, 1024]"},
       {{{"fp8", "true"}, {"align_size", "16"}, {"exchange_chunks", "2"}},
@@ -499,6 +500,10 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
           .unsupported_by_gpu_layer() ==
       "pad_to_capacity with ep_transport = peer: fixed blocks run over the NCCL exchange (auto or "
       "nccl), for now");
+  CHECK_THAT(parse_config(kBase + "capacity_factor: 1.25\npad_to_capacity: true\nep: 2\n"
+                                  "ep_transport: copy\n")
+                 .unsupported_by_gpu_layer(),
+             test::contains_text("pad_to_capacity with ep_transport = copy"));
   CHECK(parse_config(kBase + "shared_ffn_hidden: 8\nshared_gate: true\n")
             .unsupported_by_gpu_layer()
             .empty());
