@@ -44,6 +44,8 @@ class PeerBuffer {
   std::size_t bytes() const { return local_.bytes(); }
   // [EP rank] = that rank's buffer, addressable from this GPU (this rank's own at its index).
   const std::array<void*, kMaxPeerRanks>& ranks() const { return mapped_; }
+  // The bytes of EP rank r's buffer (0 before the first reserve).
+  std::size_t capacity(int rank) const { return capacity_.at(rank); }
 
  private:
   void close_mapping(int rank) noexcept;

@@ -1,0 +1,61 @@
+#include "peer_copy.h"
+
+#include "moe/error.h"
+
+namespace moe {
+
+PeerRowCopies::PeerRowCopies(const Mesh& mesh) : mesh_(mesh) {
+  const int EP = mesh.ep();
+  peer_streams_.resize(EP);
+  copied_.resize(EP);
+  barrier_.reserve(sizeof(int));
+  const int zero = 0;
+  copy_to_device(barrier_.data(), &zero, sizeof(zero));
+}
+
+void PeerRowCopies::copy(const void* source, std::span<const RowCopy> copies,
+                         const PeerBuffer& destination, std::size_t row_bytes,
+                         cudaStream_t stream) {
+  const int EP = mesh_.ep();
+  forked_.record(stream);
+  const auto* from = static_cast<const char*>(source);
+  // The copies may run in any order and on any of the GPU's copy engines, beside the kernels
+  // (the hint asks the driver to leave the SMs to them).
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  std::size_t first_attribute = 0;
+  for (int peer = 0; peer < EP; ++peer) {
+    destinations_.clear();
+    sources_.clear();
+    sizes_.clear();
+    auto* to = static_cast<char*>(destination.ranks()[peer]);
+    for (const RowCopy& c : copies) {
+      if (c.peer != peer || c.rows == 0) continue;
+      const std::size_t bytes = static_cast<std::size_t>(c.rows) * row_bytes;
+      const std::size_t at = static_cast<std::size_t>(c.to) * row_bytes;
+      // The copies come from the same counts as the buffers' sizes: a block past a buffer is a
+      // bug here, and must not become a store into another process's memory.
+      if (c.from < 0 || c.to < 0 || c.rows < 0 || at + bytes > destination.capacity(peer))
+        fail(
+            "PeerRowCopies::copy: {} rows from row {} to row {} pass EP rank {}'s buffer of {} "
+            "bytes",
+            c.rows, c.from, c.to, peer, destination.capacity(peer));
+      destinations_.push_back(to + at);
+      sources_.push_back(from + static_cast<std::size_t>(c.from) * row_bytes);
+      sizes_.push_back(bytes);
+    }
+    if (sizes_.empty()) continue;
+    const cudaStream_t lane = peer_streams_[peer].get();
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(lane, forked_.get(), 0));
+    MOE_CHECK_CUDA(cudaMemcpyBatchAsync(destinations_.data(), sources_.data(), sizes_.data(),
+                                        sizes_.size(), &attributes, &first_attribute, 1, lane));
+    copied_[peer].record(lane);
+    MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, copied_[peer].get(), 0));
+  }
+  // A copy has landed in the peer's memory once it completes in stream order, so the barrier,
+  // behind every rank's copies, marks every rank's rows as landed everywhere.
+  mesh_.all_reduce_sum(barrier_.data(), 1, ncclInt32, MeshGroup::kExpertParallel, stream);
+}
+
+}  // namespace moe
