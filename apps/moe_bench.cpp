@@ -196,8 +196,8 @@ int main(int argc, char** argv) {
                  "cuBLASLt workspace per GEMM stream, MiB (default: the config's)")
       ->check(cli::count_in(0, 4096));
   app.add_option("--ep-transport", ep_transport,
-                 "rows across the EP group: auto, nccl or peer (default: the config's)")
-      ->check(CLI::IsMember({"auto", "nccl", "peer"}));
+                 "rows across the EP group: auto, nccl, peer or copy (default: the config's)")
+      ->check(CLI::IsMember({"auto", "nccl", "peer", "copy"}));
   app.add_option("--exchange-chunks", exchange_chunks,
                  "the NCCL exchange's pipeline in this many chunks of experts, 0: automatic, "
                  "1: one piece (default: the config's)")
@@ -526,8 +526,10 @@ int main(int argc, char** argv) {
             {"ep", ep},
             {"dp", dp},
             {"ep_transport", ep_transport_name(block.ep_transport())},
-            {"exchange_chunks",
-             block.ep_transport() == EpTransport::kNccl ? config.effective_exchange_chunks() : 1},
+            {"exchange_chunks", block.ep_transport() == EpTransport::kNccl ||
+                                        block.ep_transport() == EpTransport::kCopy
+                                    ? config.effective_exchange_chunks()
+                                    : 1},
             {"activation_chunk_mib", config.activation_chunk_mib},
             {"gemm_workspace_mib", config.gemm_workspace_mib},
             {"tokens_per_gpu", T},

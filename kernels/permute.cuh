@@ -91,6 +91,9 @@ void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tens
                  cudaStream_t stream);
 void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,
                    cudaStream_t stream);
+// Only the padding rows of the expert-major layout (of the chunk's experts) become zero: where the
+// rows were put in place by other means (the copy exchange's copies).
+void zero_chunk_padding(const ChunkArgs& chunks, const Tensor& expert_major, cudaStream_t stream);
 
 // ---- Rows on the EP group's ranks: the peer exchange (docs/design.md, "Peer exchange")
 // Slot (t, k) of this rank's tokens lives at row rows[t, k] of rank topk_idx[t, k] /

@@ -177,4 +177,16 @@ void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Te
   copy_chunks<false>(chunks, expert_major, source_major, source_major, expert_major, stream);
 }
 
+void zero_chunk_padding(const ChunkArgs& chunks, const Tensor& expert_major, cudaStream_t stream) {
+  // A sort of no rows: the grid holds the padding blocks alone.
+  ChunkArgs padding_only = chunks;
+  if (padding_only.end_expert == 0) {
+    padding_only.first_expert = 0;
+    padding_only.end_expert = chunks.local_experts;
+  }
+  padding_only.widest_source = 0;
+  const Tensor no_rows(expert_major.data, expert_major.dtype, {0, expert_major.dim(1)});
+  copy_chunks<true>(padding_only, no_rows, expert_major, no_rows, expert_major, stream);
+}
+
 }  // namespace moe

@@ -29,6 +29,16 @@
 //   X [rows, H]:        the experts' input (kept)
 //   Y (scratch):        the experts' output → dY to send → returned dX
 //   dY (scratch):       received rows → staging of the combine's sends → dY → dX (in place)
+//
+// The copy exchange (ep_transport: copy) is this exchange with its rows moved by the copy engines
+// instead of NCCL's kernels, between the GPUs of one host (docs/design.md, "Transports"). The
+// counts are all-gathered, so that every rank knows every rank's layouts (src/copy_plan.h): each
+// (rank, expert) block of rows is one copy straight into its place in a buffer that every EP rank
+// maps, so there is no staging and no chunk sort; a barrier over the EP group follows each
+// chunk's copies. Three such buffers replace the NCCL exchange's:
+//   expert input:  the experts' input X (kept), padding zeroed on the exchange's stream
+//   expert grads:  dY received, then dX in place
+//   returned:      Y returned to its senders (kept for dprob), then dX returned
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -36,8 +46,11 @@
 #include <vector>
 
 #include "comm/exchange.h"
+#include "comm/peer_copy.h"
+#include "comm/peer_memory.h"
 #include "kernels/elementwise.cuh"
 #include "kernels/permute.cuh"
+#include "src/copy_plan.h"
 #include "src/exchange_impl.h"
 #include "src/stage_support.h"
 
@@ -67,9 +80,32 @@ class NcclExchange final : public TokenExchange {
         layout_(setup.scratch.layout_ws),
         Y_(setup.scratch.Y),
         dY_(setup.scratch.dY),
-        chunk_ws_(setup.scratch.chunk_ws) {}
+        chunk_ws_(setup.scratch.chunk_ws) {
+    if (setup.config.ep_transport == EpTransport::kCopy) {
+      copies_ = std::make_unique<PeerRowCopies>(mesh_);
+      expert_input_ = std::make_unique<PeerBuffer>(mesh_);
+      expert_grads_ = std::make_unique<PeerBuffer>(mesh_);
+      returned_ = std::make_unique<PeerBuffer>(mesh_);
+    }
+  }
 
-  EpTransport transport() const override { return EpTransport::kNccl; }
+  // The copy exchange's buffers are mapped by every EP rank: this rank's copies into and out of
+  // them finish before they unmap, within the mesh's timeout (after an abort, which releases a
+  // stuck barrier, they are never freed).
+  ~NcclExchange() override {
+    if (!copies_ || mesh_.aborted() || stream_is_capturing(pipe_.get())) return;
+    try {
+      const Event drained;
+      drained.record(pipe_.get());
+      mesh_.wait(drained.get(), "the copy exchange's transfers before its buffers are freed");
+    } catch (const std::exception&) {
+      mesh_.abort();
+    }
+  }
+
+  EpTransport transport() const override {
+    return copies_ ? EpTransport::kCopy : EpTransport::kNccl;
+  }
   bool probabilities_in_experts() const override { return false; }
 
   void permute(const Tensor& x, const SlotRouting& routing) override {
@@ -81,6 +117,9 @@ class NcclExchange final : public TokenExchange {
     chunk_count_ = std::clamp(routing.expert_chunks, 1, E_loc_);
     if (!fixed_ && !routing.to_host)
       fail("the NCCL exchange: the row counts stay on the device only with fixed blocks");
+    // MoEBlock refuses fixed blocks over the copy exchange; this names the cause if not.
+    if (fixed_ && copies_)
+      fail("pad_to_capacity under EP runs over the NCCL exchange (fixed blocks), for now");
     layout_.build(routing.topk_idx, saved_.tokens, K_, groups_, /*align=*/1, stream_,
                   static_cast<int>(fixed_rows_), fixed_rows_ > 0 ? E_ : 0);  // C = 0 at T = 0
     permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, slots(),
@@ -94,8 +133,9 @@ class NcclExchange final : public TokenExchange {
     }
     auto* recv_counts = typed<std::int32_t>(recv_counts_, E_);
     const ExchangeCounts& c =
-        exchange_.exchange_counts(layout_.counts(), recv_counts, saved_.routing.totals, totals,
-                                  saved_.routing.totals_bytes, stream_);
+        copies_ ? gather_counts(recv_counts, totals)
+                : exchange_.exchange_counts(layout_.counts(), recv_counts, saved_.routing.totals,
+                                            totals, saved_.routing.totals_bytes, stream_);
     // The rows sent: every expert's; the dropped group's after them stay here.
     saved_.sent_rows = 0;
     for (const std::int64_t rows : c.send_rows) saved_.sent_rows += rows;
@@ -114,18 +154,23 @@ class NcclExchange final : public TokenExchange {
   }
 
   ExpertRows expert_rows() override {
-    return {rows(X_), view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets, spans_};
+    return {rows(copies_ ? expert_input_->local() : X_.data()), view(Y_, dtype_, {saved_.rows, H_}),
+            Tensor{}, saved_.expert_offsets, spans_};
   }
 
   void await_rows(int chunk) override { wait(stream_, arrived_.at(chunk)); }
 
   // The chunk's Y, back where the dispatch's rows arrived (dead since its sort), then to the
   // senders, where the dispatch took them from.
-  void combine(int chunk) override { return_chunk(chunk, Y_, dY_, send_rows_); }
+  void combine(int chunk) override {
+    if (copies_) return copy_to_senders(chunk, Y_.data());
+    return_chunk(chunk, Y_, dY_, send_rows_);
+  }
 
   void unpermute(const Tensor& out) override {
     join_pipeline();
-    unpermute_combine(slots(), layout_.row_map(), saved_.routing.topk_p, K_, out, stream_);
+    unpermute_combine(returned(send_rows_), layout_.row_map(), saved_.routing.topk_p, K_, out,
+                      stream_);
   }
 
   // Against the Y the combine consumed, in the layout it consumed it (docs/design.md, "Combine
@@ -133,14 +178,15 @@ class NcclExchange final : public TokenExchange {
   void unpermute_backward(const Tensor& dy, float* dprob) override {
     // dY's buffer grows, where it must, before the backward queues a collective: a growth frees
     // the old buffer, which waits for the device, and so would wait for the peers too.
-    view(dY_, dtype_, {saved_.rows, H_});
+    if (!copies_) view(dY_, dtype_, {saved_.rows, H_});
     // dY to send goes over Y, dead since the combine (which kept the rows it got back).
     const Tensor dY_sent = view(Y_, dtype_, {slot_rows(), H_});
-    moe::combine_backward(dy, slots(), layout_.row_map(), saved_.routing.topk_p, K_,
+    moe::combine_backward(dy, returned(send_rows_), layout_.row_map(), saved_.routing.topk_p, K_,
                           layout_.offsets(), layout_.counts(), groups_, dY_sent, dprob, stream_);
   }
 
   void combine_backward() override {
+    if (copies_) return copy_to_experts(Y_.data(), *expert_grads_);
     // send_rows grows here, on the block's stream alone (its Y returned is dead once the
     // unpermute backward read it): nothing of the exchange's stream is queued yet.
     view(send_rows_, dtype_, {std::max(counts().total_received(), slot_rows()), H_});
@@ -149,18 +195,31 @@ class NcclExchange final : public TokenExchange {
 
   // dX over dY (X is kept), since Y holds the dY still to send.
   ExpertGradRows expert_grad_rows(const Tensor&) override {
-    return {rows(dY_), rows(X_), rows(dY_), Tensor{}, saved_.expert_offsets, {}, spans_};
+    if (copies_) {
+      const Tensor grads = rows(expert_grads_->local());
+      return {grads, rows(expert_input_->local()), grads, Tensor{}, saved_.expert_offsets, {},
+              spans_};
+    }
+    return {rows(dY_.data()),
+            rows(X_.data()),
+            rows(dY_.data()),
+            Tensor{},
+            saved_.expert_offsets,
+            {},
+            spans_};
   }
 
   // The chunk's dX, back where its dY arrived (dead since its sort), then to the senders, into Y
   // where their dY left (sent already).
-  void dispatch_backward(int chunk) override { return_chunk(chunk, dY_, send_rows_, Y_); }
+  void dispatch_backward(int chunk) override {
+    if (copies_) return copy_to_senders(chunk, expert_grads_->local());
+    return_chunk(chunk, dY_, send_rows_, Y_);
+  }
 
   // The probabilities were applied in the unpermute backward.
   void permute_backward(const Tensor& dx, float*) override {
     join_pipeline();
-    unpermute_combine(view(Y_, dtype_, {slot_rows(), H_}), layout_.row_map(), nullptr, K_, dx,
-                      stream_);
+    unpermute_combine(returned(Y_), layout_.row_map(), nullptr, K_, dx, stream_);
   }
 
  private:
@@ -169,10 +228,18 @@ class NcclExchange final : public TokenExchange {
   std::int64_t slot_rows() const { return saved_.tokens * K_ + (fixed_ ? E_ * fixed_rows_ : 0); }
   // This rank's slots' rows in the sender's layout (grows send_rows where needed).
   Tensor slots() { return view(send_rows_, dtype_, {slot_rows(), H_}); }
-  Tensor rows(const DeviceBuffer& buffer) const {
-    return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
+  // The rows an exchange brought back to this rank, in its sender's layout: in `buffer` (grown
+  // where needed) over NCCL, in the returned buffer over the copy engines.
+  Tensor returned(DeviceBuffer& buffer) {
+    if (copies_) return Tensor(returned_->local(), dtype_, {slot_rows(), H_});
+    return view(buffer, dtype_, {slot_rows(), H_});
   }
-  const ExchangeCounts& counts() const { return fixed_ ? fixed_counts_ : exchange_.counts(); }
+  // The padded expert-major rows in a buffer.
+  Tensor rows(void* buffer) const { return Tensor(buffer, dtype_, {saved_.rows, H_}); }
+  const ExchangeCounts& counts() const {
+    if (fixed_) return fixed_counts_;
+    return copies_ ? copy_plan_.counts : exchange_.counts();
+  }
 
   // Fixed blocks: the sizes are the host's; the losses (and the EP group's token counts, checked
   // here) come to the host only where the forward waits for them.
@@ -231,6 +298,71 @@ class NcclExchange final : public TokenExchange {
     dispatch_chunks(fixed_counts_);
   }
 
+  // ---- The copy exchange ----------------------------------------------------------------------
+
+  // Every EP rank's rows per group, all-gathered with routing.totals in the forward's one host
+  // synchronisation, give the plan of every copy (and this rank's counts); this rank's received
+  // counts (for the padding) are copied out of them on the device.
+  const ExchangeCounts& gather_counts(std::int32_t* recv_counts, void* totals) {
+    const int G = groups_, me = mesh_.ep_index();
+    const std::size_t counts = static_cast<std::size_t>(ranks_) * G;
+    const std::size_t counts_bytes = counts * sizeof(std::int32_t);
+    const std::size_t totals_bytes = saved_.routing.totals_bytes;
+    auto* all = typed<std::int32_t>(all_counts_, counts);
+    mesh_.all_gather(layout_.counts(), all, G * sizeof(std::int32_t), MeshGroup::kExpertParallel,
+                     stream_);
+    // received[s · E_loc + e] = all[s · G + me · E_loc + e]: one row of E_loc per source.
+    MOE_CHECK_CUDA(cudaMemcpy2DAsync(recv_counts, E_loc_ * sizeof(std::int32_t),
+                                     all + static_cast<std::size_t>(me) * E_loc_,
+                                     G * sizeof(std::int32_t), E_loc_ * sizeof(std::int32_t),
+                                     ranks_, cudaMemcpyDeviceToDevice, stream_));
+    host_.reserve(totals_bytes + counts_bytes);
+    auto* host = host_.as<char>();
+    MOE_CHECK_CUDA(cudaMemcpyAsync(host, saved_.routing.totals, totals_bytes,
+                                   cudaMemcpyDeviceToHost, stream_));
+    MOE_CHECK_CUDA(
+        cudaMemcpyAsync(host + totals_bytes, all, counts_bytes, cudaMemcpyDeviceToHost, stream_));
+    copied_.record(stream_);
+    mesh_.wait(copied_.get(), "the dispatch counts all-gather");  // the one host synchronisation
+    std::memcpy(totals, host, totals_bytes);
+    std::vector<std::int32_t> all_counts(counts);
+    std::memcpy(all_counts.data(), host + totals_bytes, counts_bytes);
+    copy_plan_ = plan_copies(all_counts, ranks_, me, G, E_loc_, chunk_spans(), config_);
+    return copy_plan_.counts;
+  }
+
+  // Every buffer the copies land in grows now, collectively (every rank knows every rank's
+  // need), before any row is queued: a growth remaps, which waits for the block's stream.
+  void reserve_copy_buffers() {
+    const auto bytes = [this](std::span<const std::int64_t> rows) {
+      std::vector<std::size_t> out;
+      for (const std::int64_t r : rows) out.push_back(static_cast<std::size_t>(r) * row_bytes_);
+      return out;
+    };
+    expert_input_->reserve(bytes(copy_plan_.expert_rows), stream_);
+    expert_grads_->reserve(bytes(copy_plan_.expert_rows), stream_);
+    returned_->reserve(bytes(copy_plan_.slot_rows), stream_);
+  }
+
+  // Each chunk's blocks to the experts' ranks, into `rows_out`, from the sender's layout in
+  // `slots_buffer`; the padding of this rank's layout becomes zero first (no copy writes it).
+  void copy_to_experts(const void* slots_buffer, PeerBuffer& rows_out) {
+    start_pipeline();
+    zero_chunk_padding(chunks(), rows(rows_out.local()), pipe_.get());
+    for (int chunk = 0; chunk < std::ssize(spans_); ++chunk) {
+      copies_->copy(slots_buffer, copy_plan_.to_experts[chunk], rows_out, row_bytes_, pipe_.get());
+      arrived_[chunk].record(pipe_.get());
+    }
+  }
+
+  // A chunk's results (expert-major, in `results`) back to their senders' returned rows once its
+  // experts are done; the last chunk ends the pipeline.
+  void copy_to_senders(int chunk, const void* results) {
+    start_chunk(chunk);
+    copies_->copy(results, copy_plan_.to_senders.at(chunk), *returned_, row_bytes_, pipe_.get());
+    if (chunk + 1 == std::ssize(spans_)) finish_pipeline(returned_->local());
+  }
+
   // ---- The pipeline ---------------------------------------------------------------------------
 
   // Each chunk's experts and its rows in every exchange: each peer's range of the chunk's experts
@@ -244,9 +376,7 @@ class NcclExchange final : public TokenExchange {
     for (std::size_t i = 0; i < sent.size(); ++i) sent_start[i + 1] = sent_start[i] + sent[i];
     for (std::size_t i = 0; i < received.size(); ++i)
       received_start[i + 1] = received_start[i] + received[i];
-    for (int chunk = 0; chunk < chunk_count_; ++chunk) {
-      // Near-equal chunks of consecutive experts.
-      const ExpertSpan span{chunk * E_loc_ / chunk_count_, (chunk + 1) * E_loc_ / chunk_count_};
+    for (const ExpertSpan& span : chunk_spans()) {
       ChunkRanges r;
       for (int peer = 0; peer < ranks_; ++peer) {
         const int first = peer * E_loc_ + span.first, end = peer * E_loc_ + span.end;
@@ -265,8 +395,23 @@ class NcclExchange final : public TokenExchange {
     }
   }
 
+  // Near-equal chunks of consecutive local experts.
+  std::vector<ExpertSpan> chunk_spans() const {
+    std::vector<ExpertSpan> spans;
+    for (int chunk = 0; chunk < chunk_count_; ++chunk)
+      spans.push_back({chunk * E_loc_ / chunk_count_, (chunk + 1) * E_loc_ / chunk_count_});
+    return spans;
+  }
+
   // Every chunk's rows to its experts on the exchange's stream, each chunk sorted as it lands.
   void dispatch_chunks(const ExchangeCounts& c) {
+    if (copies_) {
+      // Y holds the experts' output, then the backward's dY to send (both local).
+      view(Y_, dtype_, {std::max(saved_.rows, slot_rows()), H_});
+      reserve_copy_buffers();
+      copy_to_experts(send_rows_.data(), *expert_input_);
+      return;
+    }
     // Every buffer of the forward grows now, before a collective is queued (a growth frees the old
     // buffer, which waits for the device): dY receives, X gets the sorted rows, Y the output, and
     // later the backward's dY to send.
@@ -287,7 +432,7 @@ class NcclExchange final : public TokenExchange {
       exchange_.exchange_row_ranges(slots_buffer.data(), r.send_offsets, r.send_rows,
                                     staging.data(), r.recv_offsets, r.recv_rows, row_bytes_,
                                     pipe_.get());
-      sort_chunks(chunks(chunk), received(staging), rows(rows_out), pipe_.get());
+      sort_chunks(chunks(chunk), received(staging.data()), rows(rows_out.data()), pipe_.get());
       arrived_[chunk].record(pipe_.get());
     }
   }
@@ -299,10 +444,10 @@ class NcclExchange final : public TokenExchange {
   void return_chunk(int chunk, const DeviceBuffer& results, DeviceBuffer& staging,
                     DeviceBuffer& slots_buffer) {
     const ChunkRanges& r = start_chunk(chunk);
-    unsort_chunks(chunks(chunk), rows(results), received(staging), pipe_.get());
+    unsort_chunks(chunks(chunk), rows(results.data()), received(staging.data()), pipe_.get());
     exchange_.exchange_row_ranges(staging.data(), r.recv_offsets, r.recv_rows, slots_buffer.data(),
                                   r.send_offsets, r.send_rows, row_bytes_, pipe_.get());
-    if (chunk + 1 == std::ssize(spans_)) finish_pipeline(slots_buffer);
+    if (chunk + 1 == std::ssize(spans_)) finish_pipeline(slots_buffer.data());
   }
 
   static void wait(cudaStream_t stream, const Event& event) {
@@ -322,14 +467,14 @@ class NcclExchange final : public TokenExchange {
   // After the last chunk's return: the dropped rows of `slots_buffer` zero. The block's stream
   // takes up after the exchange's only where it reads the returned rows (join_pipeline), so that
   // what a trainer queues before then runs beside the transfers.
-  void finish_pipeline(DeviceBuffer& slots_buffer) {
+  void finish_pipeline(void* slots_buffer) {
     clear_dropped_rows(slots_buffer, pipe_.get());
     finished_.record(pipe_.get());
   }
   void join_pipeline() { wait(stream_, finished_); }
-  // The source-major rows received of a buffer (it has grown to hold them).
-  Tensor received(const DeviceBuffer& buffer) const {
-    return Tensor(buffer.data(), dtype_, {counts().total_received(), H_});
+  // The source-major rows received in a buffer (it has grown to hold them).
+  Tensor received(void* buffer) const {
+    return Tensor(buffer, dtype_, {counts().total_received(), H_});
   }
   ChunkArgs chunks(int chunk) const {
     ChunkArgs args = chunks();
@@ -341,11 +486,11 @@ class NcclExchange final : public TokenExchange {
 
   // The dropped group's rows of slots(), which no exchange wrote, become zero: its exact extent
   // where the counts came to the host, else its bound.
-  void clear_dropped_rows(DeviceBuffer& slots_buffer, cudaStream_t stream) {
+  void clear_dropped_rows(void* slots_buffer, cudaStream_t stream) {
     const std::int64_t dropped = saved_.slot_rows_end - saved_.sent_rows;
     if (!saved_.routing.has_dropped_group || dropped <= 0) return;
-    MOE_CHECK_CUDA(cudaMemsetAsync(slots_buffer.as<char>() + saved_.sent_rows * row_bytes_, 0,
-                                   static_cast<std::size_t>(dropped) * row_bytes_, stream));
+    MOE_CHECK_CUDA(cudaMemsetAsync(static_cast<char*>(slots_buffer) + saved_.sent_rows * row_bytes_,
+                                   0, static_cast<std::size_t>(dropped) * row_bytes_, stream));
   }
   ChunkArgs chunks() const {
     ChunkArgs args{.counts = recv_counts_.as<std::int32_t>(),
@@ -381,6 +526,13 @@ class NcclExchange final : public TokenExchange {
   DeviceBuffer tokens_;
   PinnedBuffer host_;
   Event copied_;
+
+  // The copy exchange (null over NCCL): the copies, the buffers the rows land in, every EP rank's
+  // rows per group [EP, groups] (all-gathered), and the step's plan of copies.
+  std::unique_ptr<PeerRowCopies> copies_;
+  std::unique_ptr<PeerBuffer> expert_input_, expert_grads_, returned_;
+  DeviceBuffer all_counts_;
+  CopyPlan copy_plan_;
 
   // The pipeline: the chunks asked for, each chunk's experts and ranges, the
   // exchange's stream, and the events that hand chunks between it and the block's stream.

@@ -67,13 +67,14 @@ std::unique_ptr<TokenExchange> make_token_exchange(const ExchangeSetup& setup) {
   bool use_peer = false;
   if (config.ep_transport != EpTransport::kNccl) {
     use_peer = ep_group_has_peer_access(mesh, setup.stream);
-    if (!use_peer && config.ep_transport == EpTransport::kPeer) {
+    if (!use_peer && config.ep_transport != EpTransport::kAuto) {
       fail(
-          "MoEBlock: ep_transport = peer, but the EP group of {} ranks is not all on one host "
+          "MoEBlock: ep_transport = {}, but the EP group of {} ranks is not all on one host "
           "with peer access between its GPUs (at most {} ranks); use auto or nccl",
-          mesh.ep(), kMaxPeerRanks);
+          ep_transport_name(config.ep_transport), mesh.ep(), kMaxPeerRanks);
     }
   }
+  if (config.ep_transport == EpTransport::kCopy) return make_nccl_exchange(setup);
   return use_peer ? make_peer_exchange(setup) : make_nccl_exchange(setup);
 }
 
