@@ -22,11 +22,11 @@ using reference::Matrix;
 
 namespace {
 
-// Under EP each case runs over both transports: NCCL, and the peer exchange where the EP group has
-// peer access (auto then picks it; the block reports which it took).
+// Under EP each case runs over every transport: NCCL, the peer exchange where the EP group has
+// peer access (auto then picks it; the block reports which it took), and the copy exchange there.
 std::vector<EpTransport> transports(int ep) {
   if (ep == 1) return {EpTransport::kAuto};
-  return {EpTransport::kNccl, EpTransport::kAuto};
+  return test::ep_transports();
 }
 
 // This rank's rows [first, first + T) of the global batch's x and dy, on the GPU.
@@ -77,7 +77,7 @@ void run_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::uint64_t s
   const RankRows rows = upload_rank_rows(x, dy, first, T, c.dtype);
   const auto fwd = block.forward(Tensor(rows.x.data(), c.dtype, {T, c.hidden}));
   INFO("transport " << ep_transport_name(block.ep_transport()));
-  if (c.ep_transport == EpTransport::kNccl) CHECK(block.ep_transport() == EpTransport::kNccl);
+  if (c.ep_transport != EpTransport::kAuto) CHECK(block.ep_transport() == c.ep_transport);
   CHECK(block.probabilities_in_experts() ==
         (ep == 1 || block.ep_transport() == EpTransport::kPeer));
   const Tensor dx = block.backward(Tensor(rows.dy.data(), c.dtype, {T, c.hidden}));
@@ -175,7 +175,9 @@ TEST_CASE("MoEBlock with a shared expert on every mesh shape equals the single r
 
 TEST_CASE("hard routing on a mesh: every token to the experts of EP rank 0", "[mpi][block]") {
   const int world = test::world_size();
-  const EpTransport transport = GENERATE(EpTransport::kNccl, EpTransport::kAuto);
+  const EpTransport transport =
+      GENERATE(EpTransport::kNccl, EpTransport::kAuto, EpTransport::kCopy);
+  if (transport == EpTransport::kCopy && !test::host_gpus_have_peer_access()) return;
   MoEConfig c = test::small_config(64, 48, 8, 2);
   c.ep_transport = transport;
   c.score_function = ScoreFunction::kSigmoid;
@@ -217,7 +219,9 @@ TEST_CASE("steps of changing batch sizes on one EP block: buffers grow and are m
   // The peer exchange's buffers grow when a step routes more rows to a rank than any before; every
   // rank maps the grown buffer again. Each step is checked against its own single run.
   const int world = test::world_size();
-  const EpTransport transport = GENERATE(EpTransport::kNccl, EpTransport::kAuto);
+  const EpTransport transport =
+      GENERATE(EpTransport::kNccl, EpTransport::kAuto, EpTransport::kCopy);
+  if (transport == EpTransport::kCopy && !test::host_gpus_have_peer_access()) return;
   MoEConfig c = test::small_config(64, 48, 8, 2);
   c.aux_loss_coeff = 0.05;
   c.align_size = 16;
@@ -258,7 +262,9 @@ TEST_CASE("two EP layers sharing a scratch: forward 1, forward 2, backward 2, ba
   // Under the peer exchange the layers share Y through the scratch: each layer's rows must
   // survive the other's use of it, and a fast rank must not overwrite what a slow one still reads.
   const int world = test::world_size();
-  const EpTransport transport = GENERATE(EpTransport::kNccl, EpTransport::kAuto);
+  const EpTransport transport =
+      GENERATE(EpTransport::kNccl, EpTransport::kAuto, EpTransport::kCopy);
+  if (transport == EpTransport::kCopy && !test::host_gpus_have_peer_access()) return;
   MoEConfig first_config = test::small_config(64, 48, 8, 2);
   first_config.align_size = 16;
   first_config.ep = world;

@@ -72,6 +72,8 @@ int run_capacity_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::ui
   // EP group has it) else.
   if (ep > 1 && (c.pad_to_capacity || c.ep_transport == EpTransport::kNccl))
     CHECK(block.ep_transport() == EpTransport::kNccl);
+  if (ep > 1 && c.ep_transport == EpTransport::kCopy)
+    CHECK(block.ep_transport() == EpTransport::kCopy);
   const Tensor dx = block.backward(Tensor(dy.data(), c.dtype, {T, c.hidden}));
   block.reduce_gradients();
   block.synchronize();
@@ -117,11 +119,11 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
   int dropped_at_half = 0;
   for (int ep = 1; ep <= world; ++ep) {
     if (world % ep != 0) continue;
-    // Under EP over both exchanges: NCCL, where the dropped slots are never sent, and auto (the
-    // peer exchange where the EP group has peer access), where they keep rows on their sender.
+    // Under EP over every exchange: NCCL and the copy exchange, where the dropped slots are never
+    // sent, and auto (the peer exchange where the EP group has peer access), where they keep rows
+    // on their sender.
     const std::vector<EpTransport> transports =
-        ep == 1 ? std::vector{EpTransport::kAuto}
-                : std::vector{EpTransport::kNccl, EpTransport::kAuto};
+        ep == 1 ? std::vector{EpTransport::kAuto} : test::ep_transports();
     for (const DropPolicy policy : {DropPolicy::kProbs, DropPolicy::kPosition}) {
       for (const double factor : {0.5, 1.25}) {
         MoEConfig c = test::small_config(64, 48, 8, 2);
@@ -147,7 +149,7 @@ TEST_CASE("capacity mode on every mesh shape equals the mesh reference", "[mpi][
     ds.gemm_autotune = false;
     for (const EpTransport transport : transports) {
       ds.ep_transport = transport;
-      ds.keep_expert_input = transport == EpTransport::kNccl;  // else X stored again backward
+      ds.keep_expert_input = transport != EpTransport::kAuto;  // else X stored again backward
       ++index;
       run_capacity_mesh_case(ds, ep, world / ep, false, seed + index);
     }

@@ -1,5 +1,6 @@
 // The NCCL exchange's pipeline (exchange_chunks): the local experts in chunks whose rows cross on
-// the exchange's own stream while the experts run on the chunks already there. On every EP mesh
+// the exchange's own stream while the experts run on the chunks already there; the copy exchange's
+// too, dropless and in capacity mode. On every EP mesh
 // shape, each chunk count (even and uneven chunks, more chunks than experts, the automatic one)
 // runs a step over poisoned outputs (also with check mode on one rank only) and gives the very
 // bits of the one-chunk step, which equals the fp64 mesh reference: dropless with a different T
@@ -149,17 +150,19 @@ void run_interleaved(const MoEConfig& c, const Mesh& mesh, const reference::Para
   test::check_identical(test::read_step(second, c, f1, dx1, x1.rows), want1);
 }
 
-void run_pipeline_case(MoEConfig c, int ep, std::uint64_t seed) {
+void run_pipeline_case(MoEConfig c, int ep, std::uint64_t seed,
+                       EpTransport transport = EpTransport::kNccl) {
   const int world = test::world_size();
   const int rank = test::world_rank();
   c.ep = ep;
   c.dp = world / ep;
-  c.ep_transport = EpTransport::kNccl;
+  c.ep_transport = transport;
   // Each block would time its own GEMM algorithms, and timing may pick differently from block to
   // block: the heuristic's first choice is the same everywhere.
   c.gemm_autotune = false;
   c.validate();
   INFO(c.describe() << " rank " << rank << " seed " << seed);
+  if (transport == EpTransport::kCopy && !test::host_gpus_have_peer_access()) return;
   std::mt19937_64 rng(seed);
   const auto params = test::round_params(test::random_params(c, rng), c.dtype);
   const Batches b = draw_batches(c, params, c.pad_to_capacity, rng);
@@ -171,6 +174,12 @@ void run_pipeline_case(MoEConfig c, int ep, std::uint64_t seed) {
   const double tol = c.dtype == DType::kBF16 ? 2e-2 : 1e-5;
   CHECK(test::relative_error(plain.out, mine.out) <= tol);
   CHECK(test::relative_error(plain.dx, mine.dx) <= tol);
+  if (transport == EpTransport::kCopy) {  // the same rows in the same places: NCCL's very bits
+    INFO("against the NCCL exchange");
+    MoEConfig over_nccl = c;
+    over_nccl.ep_transport = EpTransport::kNccl;
+    test::check_identical(run_step(over_nccl, 1, mesh, params, b.xs[rank], b.dys[rank]), plain);
+  }
   for (const int chunks : {2, 3, E_loc + 1, 0}) {
     INFO("exchange_chunks " << chunks);
     test::check_identical(run_step(c, chunks, mesh, params, b.xs[rank], b.dys[rank]), plain);
@@ -205,9 +214,12 @@ TEST_CASE("the pipelined NCCL exchange gives the one-chunk step's bits on every 
     c.dtype = DType::kBF16;
     c.aux_loss_coeff = 0.05;
     run_pipeline_case(c, ep, seed + index++);
+    // The same over the copy engines.
+    run_pipeline_case(c, ep, seed + index++, EpTransport::kCopy);
     // Capacity mode, dropping by probability: the dropped rows stay on the sender.
     c.capacity_factor = 0.75;
     run_pipeline_case(c, ep, seed + index++);
+    run_pipeline_case(c, ep, seed + index++, EpTransport::kCopy);
     // Fixed blocks, fp32, by position, with a gated shared expert beside the routed path.
     c.dtype = DType::kFP32;
     c.capacity_factor = 1.25;

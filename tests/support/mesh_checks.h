@@ -2,9 +2,11 @@
 // against a reference run.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <mpi.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "moe/moe_block.h"
 #include "reference/reference.h"
@@ -19,6 +21,28 @@ inline std::uint64_t shared_seed() {
   std::uint64_t seed = world_rank() == 0 ? fresh_seed() : 0;
   MOE_CHECK_MPI(MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
   return seed;
+}
+
+// Whether every pair of this host's GPUs has peer access, which the peer and copy exchanges need
+// (the mesh tests run every rank on one host).
+inline bool host_gpus_have_peer_access() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) return false;
+  for (int a = 0; a < devices; ++a) {
+    for (int b = 0; b < devices; ++b) {
+      int can = 0;
+      if (a != b && (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess || can == 0)) return false;
+    }
+  }
+  return true;
+}
+
+// The exchanges a test runs under EP: NCCL, auto (the peer exchange where the EP group has peer
+// access) and, with peer access, the copy exchange.
+inline std::vector<EpTransport> ep_transports() {
+  if (host_gpus_have_peer_access())
+    return {EpTransport::kNccl, EpTransport::kAuto, EpTransport::kCopy};
+  return {EpTransport::kNccl, EpTransport::kAuto};
 }
 
 // The gate's gradient, this rank's experts' and the shared expert's, against `want` within
