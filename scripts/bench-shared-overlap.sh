@@ -4,7 +4,7 @@
 # --ranks N, on N ranks under mpirun (EP = N). hidden = (in series − overlapped) / (in series −
 # without), the share of the shared experts' time that the routed path covers. Writes one
 # moe_bench JSON per run to OUTDIR and prints a table last.
-# --transport peer|nccl picks the EP exchange (moe_bench --ep-transport; default: the layer's own
+# --transport peer|nccl|copy picks the EP exchange (moe_bench --ep-transport; default: the layer's own
 # choice). --repeat R runs the three modes R times in turn (overlapped, series, without, then
 # again), so that a drift of the GPU's clocks reaches all three alike, and takes each mode's
 # median: one run's step moves by about ±0.3 ms, ±10 points of the hidden share at deepseek-v3.
@@ -14,7 +14,7 @@ set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
 usage() {
-  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--transport peer|nccl] [--repeat R]" \
+  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--transport peer|nccl|copy] [--repeat R]" \
     "OUTDIR" >&2
   exit 2
 }
@@ -41,8 +41,8 @@ moe_require_configs_and_tokens "$configs" "$tokens"
 [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --ranks '$ranks' is not a rank count" >&2; exit 2; }
 [[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
 case $transport in
-  "" | peer | nccl) ;;
-  *) echo "error: --transport '$transport' is neither peer nor nccl" >&2; exit 2 ;;
+  "" | peer | nccl | copy) ;;
+  *) echo "error: --transport '$transport' is not peer, nccl or copy" >&2; exit 2 ;;
 esac
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
