@@ -310,6 +310,10 @@ TEST_CASE("the exchange's chunks: automatic four under EP, at most the local exp
   CHECK(parse_config(kBase + "ep: 4\n").effective_exchange_chunks() == 2);  // 2 experts a rank
   CHECK(parse_config(kBase + "ep: 8\n").effective_exchange_chunks() == 1);
   CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 3\n").effective_exchange_chunks() == 3);
+  // The copy exchange pipelines where asked, in one piece by default.
+  CHECK(parse_config(kBase + "ep: 2\nep_transport: copy\n").effective_exchange_chunks() == 1);
+  CHECK(parse_config(kBase + "ep: 2\nep_transport: copy\nexchange_chunks: 3\n")
+            .effective_exchange_chunks() == 3);
   CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 1\n").effective_exchange_chunks() == 1);
   CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 9\n").effective_exchange_chunks() == 4);
   CHECK(parse_config(kBase + "ep: 2\nfp8: true\nalign_size: 16\n").effective_exchange_chunks() ==
