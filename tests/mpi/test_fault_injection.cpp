@@ -20,6 +20,7 @@
 #include "src/stage_support.h"
 #include "support/block_util.h"
 #include "support/catch.h"
+#include "support/mesh_checks.h"
 #include "support/test_main.h"
 
 using namespace moe;
@@ -179,10 +180,15 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
   return outcome;
 }
 
-void check_fault_on_every_rank(Fault fault) {
-  const auto stages = fault == Fault::kThrows ? std::span<const char* const>(kStages)
-                                              : std::span<const char* const>(kStallStages);
-  for (const EpTransport transport : {EpTransport::kNccl, EpTransport::kAuto}) {
+constexpr EpTransport kNcclAndAuto[] = {EpTransport::kNccl, EpTransport::kAuto};
+
+void check_fault_on_every_rank(Fault fault, std::span<const EpTransport> transports = kNcclAndAuto,
+                               std::span<const char* const> stages = {}) {
+  if (stages.empty()) {
+    stages = fault == Fault::kThrows ? std::span<const char* const>(kStages)
+                                     : std::span<const char* const>(kStallStages);
+  }
+  for (const EpTransport transport : transports) {
     for (const char* stage : stages) {
       INFO("stage '" << stage << "', " << (fault == Fault::kThrows ? "throws" : "stalls")
                      << ", transport " << ep_transport_name(transport) << ", rank "
@@ -227,6 +233,23 @@ TEST_CASE("a rank that stalls past the timeout is an error on every rank, itself
     return;
   }
   check_fault_on_every_rank(Fault::kStalls);
+}
+
+// The copy exchange's waits for its peers' flags run on the GPU without a time limit: a peer that
+// stalls or throws before writing them must still become an error on every rank in time, and the
+// abort must release the waits, or every later free (the aborts' own included) would wait for
+// them forever. Rank 1 fails before its dispatch's, its combine's and its dispatch backward's
+// copies.
+TEST_CASE("a rank that fails inside the copy exchange is an error on every rank", "[mpi][fault]") {
+  if (test::world_size() < 2 || !test::host_gpus_have_peer_access()) {
+    WARN("needs two ranks whose GPUs have peer access; nothing to check without");
+    return;
+  }
+  constexpr EpTransport copy[] = {EpTransport::kCopy};
+  constexpr const char* stall_stages[] = {"moe dispatch", "moe experts", "moe experts backward"};
+  check_fault_on_every_rank(Fault::kStalls, copy, stall_stages);
+  constexpr const char* throw_stages[] = {"moe experts"};
+  check_fault_on_every_rank(Fault::kThrows, copy, throw_stages);
 }
 
 // A buffer's growth frees the old one, and a free waits for the whole device with no time limit:
