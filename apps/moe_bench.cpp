@@ -199,8 +199,8 @@ int main(int argc, char** argv) {
                  "rows across the EP group: auto, nccl, peer or copy (default: the config's)")
       ->check(CLI::IsMember({"auto", "nccl", "peer", "copy"}));
   app.add_option("--exchange-chunks", exchange_chunks,
-                 "the NCCL exchange's pipeline in this many chunks of experts, 0: automatic, "
-                 "1: one piece (default: the config's)")
+                 "the NCCL or copy exchange's pipeline in this many chunks of experts, 0: "
+                 "automatic, 1: one piece (default: the config's)")
       ->check(cli::count_in(0, 1024));
   app.add_option("--stage-lead-ms", stage_lead_ms,
                  "time the stages with the host this many ms ahead of the GPU (0: behind it, as "
