@@ -42,14 +42,21 @@ void PeerRowCopies::copy(const void* source, std::span<const RowCopy> copies,
             "bytes",
             c.rows, c.from, c.to, peer, destination.capacity(peer));
       destinations_.push_back(to + at);
-      sources_.push_back(from + static_cast<std::size_t>(c.from) * row_bytes);
+      sources_.push_back(const_cast<char*>(from) + static_cast<std::size_t>(c.from) * row_bytes);
       sizes_.push_back(bytes);
     }
     if (sizes_.empty()) continue;
     const cudaStream_t lane = peer_streams_[peer].get();
     MOE_CHECK_CUDA(cudaStreamWaitEvent(lane, forked_.get(), 0));
+#if CUDART_VERSION >= 13000
     MOE_CHECK_CUDA(cudaMemcpyBatchAsync(destinations_.data(), sources_.data(), sizes_.data(),
                                         sizes_.size(), &attributes, &first_attribute, 1, lane));
+#else  // CUDA 12.8 and 12.9 also report the index of a copy that failed
+    std::size_t failed_copy = 0;
+    MOE_CHECK_CUDA(cudaMemcpyBatchAsync(destinations_.data(), sources_.data(), sizes_.data(),
+                                        sizes_.size(), &attributes, &first_attribute, 1,
+                                        &failed_copy, lane));
+#endif
     copied_[peer].record(lane);
     MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, copied_[peer].get(), 0));
   }

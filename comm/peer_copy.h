@@ -43,7 +43,7 @@ class PeerRowCopies {
   DeviceBuffer barrier_;  // one int that the EP group all-reduces as a barrier
   // One peer's batch, reused from call to call.
   std::vector<void*> destinations_;
-  std::vector<const void*> sources_;
+  std::vector<void*> sources_;  // not const: CUDA 12's batch copy takes void**
   std::vector<std::size_t> sizes_;
 };
 
