@@ -39,6 +39,14 @@
 //   expert input:  the experts' input X (kept), padding zeroed on the exchange's stream
 //   expert grads:  dY received, then dX in place
 //   returned:      Y returned to its senders (kept for dprob), then dX returned
+// A barrier only says that rows have landed. That no rank writes a buffer another still reads
+// comes from the order of the step: every forward all-gathers the counts on the block's stream,
+// which every rank reaches only after its previous step's reads (the block's stream joins the
+// exchange's in the unpermute and the permute backward); inside a step, a chunk's rows go to
+// rows no earlier chunk uses, and the backward's first copies into `returned` (dX) follow the
+// combine backward's barriers, which each sender passes only after its unpermute backward read
+// the Y returned there. Fixed blocks, which skip the all-gather, would need another guard: they
+// are refused over the copy exchange.
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -90,10 +98,11 @@ class NcclExchange final : public TokenExchange {
   }
 
   // The copy exchange's buffers are mapped by every EP rank: this rank's copies into and out of
-  // them finish before they unmap, within the mesh's timeout (after an abort, which releases a
-  // stuck barrier, they are never freed).
+  // them finish before the mappings close, within the mesh's timeout, also after an abort (which
+  // releases a barrier stuck on a failed peer, so the copies queued behind it run then; the
+  // buffers themselves are never freed after an abort).
   ~NcclExchange() override {
-    if (!copies_ || mesh_.aborted() || stream_is_capturing(pipe_.get())) return;
+    if (!copies_ || stream_is_capturing(pipe_.get())) return;
     try {
       const Event drained;
       drained.record(pipe_.get());
