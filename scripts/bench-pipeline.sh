@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the pipelined exchange hides: the layer's step over the NCCL exchange (or, with --transports,
 # the copy exchange too) on N ranks (EP = N) with the exchange in 1 chunk and in each chunk count
-# asked, optionally under several NCCL channel counts (NCCL_MAX_NCHANNELS, which sets how many SMs NCCL's transfers take from the
-# expert products). hidden = (step in 1 chunk − step in c chunks) / the exchange stages of the
+# asked, optionally under several NCCL channel counts (NCCL_MAX_NCHANNELS, which sets how many SMs
+# NCCL's transfers take from the expert products). hidden = (step in 1 chunk − step in c chunks) / the exchange stages of the
 # 1-chunk step, the share of the exchange time the pipeline covers (docs/design.md, "Cost model",
 # calls it s). Writes one moe_bench JSON per run to OUTDIR and prints a table last.
 # --repeat R runs the chunk counts R times in turn and takes each one's median step.

@@ -16,8 +16,9 @@ ScoreFunction parse_score_function(std::string_view text);
 
 // How rows cross the EP group. kPeer: kernels load and store rows in the other GPUs' buffers
 // (CUDA IPC over NVLink), no staging; kNccl: grouped ncclSend/ncclRecv through staging buffers;
-// kAuto: kPeer when every EP rank is on this host with peer access (decided once, the same on
-// every rank), else kNccl.
+// kCopy: the copy engines copy each (rank, expert) block of rows into the other GPUs' buffers
+// (peer access needed, as for kPeer), no staging and no SM moving rows; kAuto: kPeer when every
+// EP rank is on this host with peer access (decided once, the same on every rank), else kNccl.
 enum class EpTransport { kAuto, kNccl, kPeer, kCopy };
 std::string_view ep_transport_name(EpTransport transport);
 EpTransport parse_ep_transport(std::string_view text);

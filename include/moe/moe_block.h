@@ -219,9 +219,8 @@ class MoEBlock {
   // context (and, on a mesh of several ranks, aborts the mesh, as the whole calls do). In a CUDA
   // graph a phase is captured only in the graph of the rest of its forward or backward; a step
   // whose capture ended between its phases is dropped at the next call. The transfers run beside
-  // other work over the
-  // NCCL exchange (on a stream of its own); on one EP rank and over the peer exchange the phases
-  // run in stream order, with the same results.
+  // other work over the NCCL and copy exchanges (on a stream of their own); on one EP rank and
+  // over the peer exchange the phases run in stream order, with the same results.
   void forward_dispatch(const Tensor& x, const ForwardOptions& options = {});
   void forward_experts();
   MoEForward forward_combine();
@@ -243,13 +242,13 @@ class MoEBlock {
   // queued on the block's stream (no host synchronisation); ForwardOptions::replay_topk_idx
   // takes it back.
   void record_routing(const Tensor& topk_idx) const;
-  // How rows cross the EP group: kPeer or kNccl once the first forward under EP has chosen
+  // How rows cross the EP group: kPeer, kNccl or kCopy once the first forward under EP has chosen
   // (config.ep_transport, kAuto resolved); kAuto before that and on a single EP rank.
   EpTransport ep_transport() const;
   // Whether the experts weigh their rows by the routing probabilities, so that the combine is a
   // plain sum and keeps nothing for its backward (one GPU, the peer exchange), or the combine
-  // weighs the rows it gets back (EP over NCCL). Under EP it is known after the first forward
-  // (with the transport); before that it answers false.
+  // weighs the rows it gets back (EP over NCCL or the copy engines). Under EP it is known after the
+  // first forward (with the transport); before that it answers false.
   bool probabilities_in_experts() const;
   // Aux-loss-free balancing with the mesh-wide loads of the last forward.
   void update_expert_bias(float rate);

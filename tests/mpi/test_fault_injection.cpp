@@ -235,11 +235,10 @@ TEST_CASE("a rank that stalls past the timeout is an error on every rank, itself
   check_fault_on_every_rank(Fault::kStalls);
 }
 
-// The copy exchange's waits for its peers' flags run on the GPU without a time limit: a peer that
-// stalls or throws before writing them must still become an error on every rank in time, and the
-// abort must release the waits, or every later free (the aborts' own included) would wait for
-// them forever. Rank 1 fails before its dispatch's, its combine's and its dispatch backward's
-// copies.
+// The copy exchange's barriers follow copies into other processes' memory: a peer that stalls or
+// throws before its copies must still become an error on every rank in time, and the ranks must
+// tear their mapped buffers down without waiting for it. Rank 1 fails before its dispatch's, its
+// combine's and its dispatch backward's copies.
 TEST_CASE("a rank that fails inside the copy exchange is an error on every rank", "[mpi][fault]") {
   if (test::world_size() < 2 || !test::host_gpus_have_peer_access()) {
     WARN("needs two ranks whose GPUs have peer access; nothing to check without");
