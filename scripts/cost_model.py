@@ -7,14 +7,15 @@ between nodes, with and without overlapping the exchange with the GEMMs.
     python3 scripts/cost_model.py configs/deepseek-v3.yaml [--tokens 8192] [--imbalance 1.2]
         [--gpus-per-node 8] [--nvlink-gbs 330] [--ib-gbs 50] [--gemm-tflops 770]
         [--dense-tflops 715] [--half-rate-inner 380] [--copy-gbs 4190] [--grad-bytes 4] [--fixed-ms 0.3]
-        [--transport peer|nccl] [--exchange-efficiency E] [--ep 1 2 4 8 ... 256]
+        [--transport peer|nccl|copy] [--exchange-efficiency E] [--ep 1 2 4 8 ... 256]
 
 The rates default to what docs/performance.md measured on H200s of one host: NVLink p2p ~330 GB/s
 per GPU, HBM copies at 4190 GB/s, and expert products that reach min(770 TFLOP/s × k / (k + 380),
 715 TFLOP/s) at inner dimension k (fitted to the expert stages of deepseek-v3 at EP 1 to 8,
 mixtral-8x7b and qwen3-30b-a3b at EP 1 and 4; 715 is the sustained rate of a dense 8192³
 product); InfiniBand at 50 GB/s per GPU. --exchange-efficiency is the share of the link rate an
-exchange reaches: 1 for the peer exchange, about 0.6 for the NCCL one (the same run).
+exchange reaches: 1 for the peer exchange, about 0.6 for the NCCL one (the same run), about 0.65
+for the copy exchange (0.57 and 0.73 at EP 2 on 2 × H200, deepseek-v3 and qwen3-30b-a3b).
 """
 import argparse
 import math
@@ -82,7 +83,7 @@ def exchange_efficiency(args):
     one (docs/performance.md, "Exchange")."""
     if args.exchange_efficiency is not None:
         return args.exchange_efficiency
-    return 1.0 if args.transport == "peer" else 0.6
+    return {"peer": 1.0, "nccl": 0.6, "copy": 0.65}[args.transport]
 
 
 def predict(config, tokens, ep, args):
@@ -180,11 +181,12 @@ def build_parser():
                         help="bytes of a weight gradient (4: fp32, 2: bf16)")
     parser.add_argument("--fixed-ms", type=float, default=0.3,
                         help="the router, the losses and the gate's small kernels per step")
-    parser.add_argument("--transport", choices=("peer", "nccl"), default="peer",
-                        help="the EP exchange: peer memory (one NVLink domain) or NCCL")
+    parser.add_argument("--transport", choices=("peer", "nccl", "copy"), default="peer",
+                        help="the EP exchange: peer memory (one NVLink domain), NCCL, or the "
+                             "copy engines (one NVLink domain)")
     parser.add_argument("--exchange-efficiency", type=float,
                         help="share of the link rate an exchange reaches (default: the "
-                             "transport's, peer 1, NCCL 0.6)")
+                             "transport's, peer 1, NCCL 0.6, copy 0.65)")
     parser.add_argument("--chunks", type=int, default=4, help="exchange chunks when overlapped")
     parser.add_argument("--overlap-share-nvlink", type=float, default=0.15,
                         help="share of the hideable exchange time that overlap hides where "

@@ -139,6 +139,9 @@ class CostModel(unittest.TestCase):
         # Unless given, the efficiency is the transport's: NCCL's 0.6.
         slower = cost_model.predict(layer(H, F, E, K), T, 4, rates(transport="nccl"))
         self.assertAlmostEqual(slower["exchange_ms"] * 0.6, nccl["exchange_ms"], places=12)
+        # The copy exchange: four exchanges whatever keep_expert_input says, at its 0.65.
+        copy = cost_model.predict(layer(H, F, E, K), T, 4, rates(transport="copy"))
+        self.assertAlmostEqual(copy["exchange_ms"] * 0.65, nccl["exchange_ms"], places=12)
 
     def test_no_product_runs_faster_than_a_dense_one(self):
         H, F, E, K, T = 8192, 8192, 1, 1, 8192  # every inner dimension 8192 or 16384
