@@ -1,5 +1,6 @@
 #include "src/copy_plan.h"
 
+#include <cstdint>
 #include <numeric>
 
 #include "moe/error.h"
@@ -34,6 +35,10 @@ CopyPlan plan_copies(std::span<const std::int32_t> all_counts, int ranks, int me
     }
     plan.expert_rows.push_back(group_start[r][E_loc]);
     plan.slot_rows.push_back(slot_start[r][groups]);
+    // The kernels index rows by int32; every rank sees every rank's sums, so all refuse alike.
+    if (plan.expert_rows.back() > INT32_MAX)
+      fail("plan_copies: EP rank {} would receive {} rows, beyond the int32 row index", r,
+           plan.expert_rows.back());
   }
   // Rows of expert g from the sources before `source`: where source's block starts in g's group.
   const auto before = [&](int source, int g) {

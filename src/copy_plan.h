@@ -29,7 +29,8 @@ struct CopyPlan {
 // all_counts [ranks · groups]: rank s's rows of layout group g at [s · groups + g]; the first
 // ranks · local_experts groups are the experts (EP rank r holds [r · E_loc, (r + 1) · E_loc)), a
 // group after them (capacity mode's dropped slots) stays on its sender. Each chunk's copies move
-// its local experts [first, end), on every rank. Throws on a negative count.
+// its local experts [first, end), on every rank. Throws on a negative count, and where a rank
+// would receive more rows than an int32 row index reaches.
 CopyPlan plan_copies(std::span<const std::int32_t> all_counts, int ranks, int me, int groups,
                      int local_experts, std::span<const ExpertSpan> chunks,
                      const MoEConfig& config);

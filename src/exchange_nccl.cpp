@@ -157,6 +157,9 @@ class NcclExchange final : public TokenExchange {
     for (int e = 0; e < E_loc_; ++e)
       saved_.expert_offsets[e + 1] = saved_.expert_offsets[e] + config_.padded_rows(per_expert[e]);
     saved_.rows = saved_.expert_offsets.back();
+    if (saved_.rows > INT32_MAX)
+      fail("rank {}: its experts would receive {} rows, beyond the int32 row index", mesh_.rank(),
+           saved_.rows);
     chunk_ws_.reserve(chunk_workspace_bytes(ranks_, E_loc_));
     plan_pipeline(c.sent, c.received);
     dispatch_chunks(c);

@@ -141,4 +141,9 @@ TEST_CASE("the copy exchange's plan refuses counts that do not fit its group", "
   all[5] = -3;
   CHECK_THROWS_WITH(plan_copies(all, 2, 0, 4, 2, one, config),
                     test::contains_text("plan_copies: rank 1 has -3 rows for group 1"));
+  // Both ranks send INT32_MAX rows to expert 2 (on EP rank 1): 2^32 − 2 rows there.
+  all = {0, 0, INT32_MAX, 0, 0, 0, INT32_MAX, 0};
+  CHECK_THROWS_WITH(plan_copies(all, 2, 0, 4, 2, one, config),
+                    test::contains_text("EP rank 1 would receive 4294967294 rows, beyond the "
+                                        "int32 row index"));
 }
