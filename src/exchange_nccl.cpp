@@ -166,8 +166,8 @@ class NcclExchange final : public TokenExchange {
   }
 
   ExpertRows expert_rows() override {
-    return {rows(copies_ ? expert_input_->local() : X_.data()), view(Y_, dtype_, {saved_.rows, H_}),
-            Tensor{}, saved_.expert_offsets, spans_};
+    const Tensor input = rows(copies_ ? expert_input_->local() : X_.data());
+    return {input, view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets, spans_};
   }
 
   void await_rows(int chunk) override { wait(stream_, arrived_.at(chunk)); }
@@ -207,18 +207,9 @@ class NcclExchange final : public TokenExchange {
 
   // dX over dY (X is kept), since Y holds the dY still to send.
   ExpertGradRows expert_grad_rows(const Tensor&) override {
-    if (copies_) {
-      const Tensor grads = rows(expert_grads_->local());
-      return {grads, rows(expert_input_->local()), grads, Tensor{}, saved_.expert_offsets, {},
-              spans_};
-    }
-    return {rows(dY_.data()),
-            rows(X_.data()),
-            rows(dY_.data()),
-            Tensor{},
-            saved_.expert_offsets,
-            {},
-            spans_};
+    const Tensor grads = rows(copies_ ? expert_grads_->local() : dY_.data());
+    const Tensor input = rows(copies_ ? expert_input_->local() : X_.data());
+    return {grads, input, grads, Tensor{}, saved_.expert_offsets, {}, spans_};
   }
 
   // The chunk's dX, back where its dY arrived (dead since its sort), then to the senders, into Y
