@@ -105,8 +105,9 @@ void stall_rank_one_before_its_all_reduce(std::chrono::milliseconds stall) {
 // step: the transport is chosen and every connection made.
 class SteppedBlock {
  public:
-  explicit SteppedBlock(EpTransport transport)
-      : config_(make_config(transport)),
+  // exchange_chunks 0 is the transport's automatic count.
+  explicit SteppedBlock(EpTransport transport, int exchange_chunks = 0)
+      : config_(make_config(transport, exchange_chunks)),
         mesh_(Mesh::from_mpi(MPI_COMM_WORLD, config_.ep, 1, config_.num_experts, kTimeout)),
         block_(std::in_place, config_, mesh_, stream_.get()) {
     std::mt19937_64 rng(7 + test::world_rank());
@@ -137,10 +138,11 @@ class SteppedBlock {
 
  private:
   static constexpr std::int64_t kTokens = 24;
-  static MoEConfig make_config(EpTransport transport) {
+  static MoEConfig make_config(EpTransport transport, int exchange_chunks) {
     MoEConfig c = test::small_config(32, 24, 2 * test::world_size(), 2);
     c.ep = test::world_size();
     c.ep_transport = transport;
+    c.exchange_chunks = exchange_chunks;
     c.gemm_autotune = false;
     c.validate();
     trace("a new mesh");
@@ -153,12 +155,14 @@ class SteppedBlock {
   DeviceBuffer x_, dy_;
 };
 
-Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transport) {
+Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transport,
+                            int exchange_chunks) {
   const int rank = test::world_rank();
-  SteppedBlock stepped(transport);
+  SteppedBlock stepped(transport, exchange_chunks);
   HookGuard guard;
   trace(std::string("case: ") + (fault == Fault::kThrows ? "throws" : "stalls") + " at '" + stage +
-        "', transport " + std::string(ep_transport_name(transport)));
+        "', transport " + std::string(ep_transport_name(transport)) + ", " +
+        std::to_string(exchange_chunks) + " chunks");
   if (rank == 1 || tracing()) {
     // A stage may be entered more than once a step (the chunks' waits for rows count as the
     // exchange's stages): rank 1 stalls at its first entry only, one stall a step.
@@ -183,7 +187,7 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
 constexpr EpTransport kNcclAndAuto[] = {EpTransport::kNccl, EpTransport::kAuto};
 
 void check_fault_on_every_rank(Fault fault, std::span<const EpTransport> transports = kNcclAndAuto,
-                               std::span<const char* const> stages = {}) {
+                               std::span<const char* const> stages = {}, int exchange_chunks = 0) {
   if (stages.empty()) {
     stages = fault == Fault::kThrows ? std::span<const char* const>(kStages)
                                      : std::span<const char* const>(kStallStages);
@@ -191,9 +195,9 @@ void check_fault_on_every_rank(Fault fault, std::span<const EpTransport> transpo
   for (const EpTransport transport : transports) {
     for (const char* stage : stages) {
       INFO("stage '" << stage << "', " << (fault == Fault::kThrows ? "throws" : "stalls")
-                     << ", transport " << ep_transport_name(transport) << ", rank "
-                     << test::world_rank());
-      const Outcome outcome = run_step_with_fault(stage, fault, transport);
+                     << ", transport " << ep_transport_name(transport) << ", " << exchange_chunks
+                     << " chunks, rank " << test::world_rank());
+      const Outcome outcome = run_step_with_fault(stage, fault, transport, exchange_chunks);
       INFO(outcome.message);
       CHECK(outcome.threw);
       // A throw is seen at once by its rank and within a timeout by the others; a stalled rank
@@ -237,8 +241,10 @@ TEST_CASE("a rank that stalls past the timeout is an error on every rank, itself
 
 // The copy exchange's barriers follow copies into other processes' memory: a peer that stalls or
 // throws before its copies must still become an error on every rank in time, and the ranks must
-// tear their mapped buffers down without waiting for it. Rank 1 fails before its dispatch's, its
-// combine's and its dispatch backward's copies.
+// tear their mapped buffers down without waiting for it. With the exchange in one piece, rank 1
+// fails before its dispatch's, its combine's and its dispatch backward's copies; in two chunks it
+// stalls while the second chunk's copies are still queued behind the first chunk's barrier, which
+// the others' abort must drain.
 TEST_CASE("a rank that fails inside the copy exchange is an error on every rank", "[mpi][fault]") {
   if (test::world_size() < 2 || !test::host_gpus_have_peer_access()) {
     WARN("needs two ranks whose GPUs have peer access; nothing to check without");
@@ -246,9 +252,11 @@ TEST_CASE("a rank that fails inside the copy exchange is an error on every rank"
   }
   constexpr EpTransport copy[] = {EpTransport::kCopy};
   constexpr const char* stall_stages[] = {"moe dispatch", "moe experts", "moe experts backward"};
-  check_fault_on_every_rank(Fault::kStalls, copy, stall_stages);
+  check_fault_on_every_rank(Fault::kStalls, copy, stall_stages, 1);
   constexpr const char* throw_stages[] = {"moe experts"};
-  check_fault_on_every_rank(Fault::kThrows, copy, throw_stages);
+  check_fault_on_every_rank(Fault::kThrows, copy, throw_stages, 1);
+  constexpr const char* chunked_stall_stages[] = {"moe experts"};
+  check_fault_on_every_rank(Fault::kStalls, copy, chunked_stall_stages, 2);
 }
 
 // A buffer's growth frees the old one, and a free waits for the whole device with no time limit:
