@@ -117,6 +117,9 @@ class NcclExchange final : public TokenExchange {
   }
   bool probabilities_in_experts() const override { return false; }
 
+  // Every exchange, counted or fixed, over NCCL or the copy engines, runs on pipe_.
+  bool transfers_beside_the_stream() const override { return true; }
+
   void permute(const Tensor& x, const SlotRouting& routing) override {
     saved_.tokens = x.dim(0);
     saved_.routing = routing;

@@ -245,6 +245,13 @@ struct MoEBlock::State {
     if (exchange == nullptr) exchange = make_token_exchange(exchange_setup());
     return *exchange;
   }
+  // Whether the shared expert forks once the exchange has queued its transfers, to run while the
+  // rows travel, rather than at the forward's and the backward's start (docs/design.md, "Shared
+  // experts"): on its own stream, over an exchange that moves the rows on a stream of its own.
+  bool shared_expert_beside_transfers() {
+    return shared_expert != nullptr && shared_expert->overlaps() &&
+           token_exchange().transfers_beside_the_stream();
+  }
 
   // Capacity mode with pad_to_capacity: every shape of a step is known on the host beforehand (on
   // one EP rank and, with fixed blocks in the exchange, under EP), so a step needs nothing from

@@ -114,9 +114,14 @@ void MoEBlock::dispatch_phase(const Tensor& x, const ForwardOptions& options, bo
   TokenExchange& exchange = s.token_exchange();
   const cudaStream_t stream = s.stream;
 
-  // The shared expert, when there is one, on its own stream beside the routed path.
+  // The shared expert, when there is one, on its own stream beside the routed path: forked once
+  // the exchange has taken the rows onto its own stream, so that its products run while the rows
+  // travel (below); else from here, beside the gate, the router and the permute. In series it
+  // runs here.
+  const bool shared_beside_transfers = s.shared_expert_beside_transfers();
   s.times.current = "moe shared expert";
-  if (s.shared_expert) s.shared_expert->start_forward(x, s.params, stream);
+  if (s.shared_expert && !shared_beside_transfers)
+    s.shared_expert->start_forward(x, s.params, stream);
 
   // Gate: logits [T, E] = x · Wgᵀ, fp32.
   Tensor logits;
@@ -161,6 +166,8 @@ void MoEBlock::dispatch_phase(const Tensor& x, const ForwardOptions& options, bo
     exchange.dispatch(x, wait_for_host ? &s.step.totals : nullptr);
     if (wait_for_host) s.router.set_totals(s.step.totals);
   }
+  s.times.current = "moe shared expert";
+  if (shared_beside_transfers) s.shared_expert->start_forward(x, s.params, stream);
   s.step.rows = exchange.expert_rows();
   s.check_rows("dispatch", s.step.rows.input, s.step.rows.chunks, exchange);
   s.step.phase = StepPhase::kDispatched;
@@ -241,13 +248,23 @@ void MoEBlock::combine_backward_phase(const Tensor& dy) {
   s.step.dprob = typed<float>(s.shared.dprob, T * s.K);
   view(s.dx, s.dtype, {T, s.H});
 
-  // The shared expert's backward on its own stream, beside the routed path's.
+  // The shared expert's backward on its own stream beside the routed path's, forked as the
+  // forward forked it: once the exchange carries dY, or here, before the unpermute backward.
+  const bool shared_beside_transfers = s.shared_expert_beside_transfers();
   s.times.current = "moe shared expert backward";
-  if (s.shared_expert) s.shared_expert->start_backward(dy, s.params, s.grads, stream);
+  if (s.shared_expert && !shared_beside_transfers)
+    s.shared_expert->start_backward(dy, s.params, s.grads, stream);
 
-  Range r("moe combine backward", s.times, stream);
-  exchange.unpermute_backward(dy, s.step.dprob);
-  exchange.combine_backward();
+  {
+    Range r("moe combine backward", s.times, stream);
+    exchange.unpermute_backward(dy, s.step.dprob);
+    exchange.combine_backward();
+  }
+  if (shared_beside_transfers) {
+    s.times.current = "moe shared expert backward";
+    s.shared_expert->start_backward(dy, s.params, s.grads, stream);
+  }
+  s.times.current = "moe combine backward";
   s.step.grad_rows = exchange.expert_grad_rows(s.context.x);
   s.check_rows("combine backward", s.step.grad_rows.dY, s.step.grad_rows.chunks, exchange);
   s.step.phase = StepPhase::kBackwardCombined;

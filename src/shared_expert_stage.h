@@ -1,8 +1,9 @@
 // The shared expert: one SwiGLU FFN of width Fs over every token, optionally scaled by a sigmoid
 // gate, added to the routed output (docs/design.md, "Shared experts"). It runs on a stream of its
-// own, forked from the block's stream where its input is ready and joined where its result is
-// added, so that it overlaps the router, the permute and the token exchange; or, with
-// shared_expert_overlap off, at the same points on the block's stream, in series.
+// own, forked from the block's stream and joined where its result is added, so that it overlaps
+// the routed path; or, with shared_expert_overlap off, on the block's stream, in series. MoEBlock
+// picks the fork: where x is ready, or where the token exchange has taken the rows onto a stream
+// of its own (docs/design.md, "Shared experts").
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,6 +34,9 @@ class SharedExpertStage {
                       cudaStream_t stream);
   // dx += the shared expert's input gradient, queued on `stream` behind its backward.
   void add_input_grad(const Tensor& dx, const MoEParameters& params, cudaStream_t stream);
+
+  // Whether it runs on a stream of its own (shared_expert_overlap).
+  bool overlaps() const { return overlap_; }
 
   // Its FFN is one expert: plain products only, which ExpertFFN never times, so there are no
   // GEMM algorithms for the ranks to agree on.

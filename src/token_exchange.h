@@ -94,6 +94,11 @@ class TokenExchange {
   // inside the experts"), so that the unpermute is a plain sum and dprob comes from beside the
   // rows; otherwise the unpermute weighs them and its backward forms dprob.
   virtual bool probabilities_in_experts() const = 0;
+  // Whether the rows travel on a stream of the exchange's own once dispatch() and
+  // combine_backward() have queued them: work forked from the block's stream after those calls
+  // then runs beside the transfers (the shared expert does). Otherwise the transfers hold the
+  // block's stream, and such work would only start behind them.
+  virtual bool transfers_beside_the_stream() const { return false; }
 
   // Forward. x [T, H] (the same in both calls) stays valid until the backward.
   // Lays the T·K slots out by expert (the row map) and gathers x's rows into the layout this
