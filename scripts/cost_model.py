@@ -7,7 +7,7 @@ between nodes, with and without overlapping the exchange with the GEMMs.
     python3 scripts/cost_model.py configs/deepseek-v3.yaml [--tokens 8192] [--imbalance 1.2]
         [--gpus-per-node 8] [--nvlink-gbs 330] [--ib-gbs 50] [--gemm-tflops 770]
         [--dense-tflops 715] [--half-rate-inner 380] [--copy-gbs 4190] [--grad-bytes 4] [--fixed-ms 0.3]
-        [--transport peer|nccl|copy] [--exchange-efficiency E] [--ep 1 2 4 8 ... 256]
+        [--transport peer|nccl|copy] [--exchange-efficiency E] [--chunks C] [--ep 1 2 4 8 ... 256]
 
 The rates default to what docs/performance.md measured on H200s of one host: NVLink p2p ~330 GB/s
 per GPU, HBM copies at 4190 GB/s, and expert products that reach min(770 TFLOP/s × k / (k + 380),
@@ -16,6 +16,8 @@ mixtral-8x7b and qwen3-30b-a3b at EP 1 and 4; 715 is the sustained rate of a den
 product); InfiniBand at 50 GB/s per GPU. --exchange-efficiency is the share of the link rate an
 exchange reaches: 1 for the peer exchange, about 0.6 for the NCCL one (the same run), about 0.65
 for the copy exchange (0.57 and 0.73 at EP 2 on 2 × H200, deepseek-v3 and qwen3-30b-a3b).
+--chunks is the NCCL or copy exchange's pipeline; by default the layer's automatic count at each
+EP (MoEConfig::effective_exchange_chunks). The peer exchange does not pipeline.
 """
 import argparse
 import math
@@ -86,6 +88,16 @@ def exchange_efficiency(args):
     return {"peer": 1.0, "nccl": 0.6, "copy": 0.65}[args.transport]
 
 
+def exchange_chunks(transport, ep, local_experts, asked=None):
+    """The chunks the layer pipelines the exchange in, as MoEConfig::effective_exchange_chunks
+    picks them: none to pipeline on one GPU or over the peer exchange; else as asked or
+    automatic (4, but 1 over the copy engines below EP 4), at most the local experts."""
+    if ep <= 1 or transport == "peer" or local_experts <= 1:
+        return 1
+    automatic = 1 if transport == "copy" and ep < 4 else 4
+    return min(asked if asked is not None else automatic, local_experts)
+
+
 def predict(config, tokens, ep, args):
     """Per-GPU times (ms) of one forward + backward at `tokens` tokens per GPU."""
     H = int(config["hidden"])
@@ -142,7 +154,8 @@ def predict(config, tokens, ep, args):
     # with kernels on the SMs, and a pipelined step on one host gained a share of what it hid
     # (docs/performance.md, "Exchange"); across nodes the NICs move them (assumed to hide whole,
     # not measured yet). Which link bounds the exchange picks the share.
-    exposed = exchanges_ms / args.chunks
+    chunks = exchange_chunks(args.transport, ep, local_experts, args.chunks)
+    exposed = exchanges_ms / chunks
     over_ib = inter / args.ib_gbs >= max(local / args.copy_gbs, intra / args.nvlink_gbs)
     share = args.overlap_share_ib if over_ib else args.overlap_share_nvlink
     # (never slower than running them in turn, nor faster than the longer of the two plus the
@@ -152,6 +165,7 @@ def predict(config, tokens, ep, args):
                     max(gemm_ms, exchanges_ms) + exposed + args.fixed_ms))
     return {
         "ep": ep,
+        "chunks": chunks,
         "nodes": (ep + args.gpus_per_node - 1) // args.gpus_per_node,
         "bytes_mb": count * (intra + inter) / 1e6,
         "gemm_ms": gemm_ms,
@@ -187,7 +201,9 @@ def build_parser():
     parser.add_argument("--exchange-efficiency", type=float,
                         help="share of the link rate an exchange reaches (default: the "
                              "transport's, peer 1, NCCL 0.6, copy 0.65)")
-    parser.add_argument("--chunks", type=int, default=4, help="exchange chunks when overlapped")
+    parser.add_argument("--chunks", type=int,
+                        help="the NCCL or copy exchange's chunks (default: the layer's automatic "
+                             "count at each EP; the peer exchange takes one)")
     parser.add_argument("--overlap-share-nvlink", type=float, default=0.15,
                         help="share of the hideable exchange time that overlap hides where "
                              "NVLink or HBM bounds the exchange (measured 0.06-0.27 at EP 2)")
@@ -224,8 +240,10 @@ def main():
         sys.exit(f"--imbalance = {args.imbalance} must be >= 1 (max over mean)")
     if args.half_rate_inner < 0 or args.fixed_ms < 0 or args.exchange_efficiency > 1:
         sys.exit("--half-rate-inner and --fixed-ms must be >= 0, --exchange-efficiency at most 1")
-    if args.gpus_per_node < 1 or args.chunks < 1 or min(args.ep) < 1:
+    if args.gpus_per_node < 1 or (args.chunks is not None and args.chunks < 1) or min(args.ep) < 1:
         sys.exit("--gpus-per-node, --chunks and every --ep must be >= 1")
+    if args.transport == "peer" and args.chunks not in (None, 1):
+        sys.exit(f"--chunks = {args.chunks}: the peer exchange does not pipeline")
     config = read_config(args.config)
     tokens = args.tokens if args.tokens is not None else int(config.get("tokens", 8192))
     if tokens < 1:
@@ -236,7 +254,7 @@ def main():
           f"k / (k + {args.half_rate_inner:g}) up to {args.dense_tflops:g}, "
           f"{args.gpus_per_node} GPUs a node")
     print(f"{'EP':>5} {'nodes':>5} {'MB/GPU':>9} {'GEMM ms':>9} {'exch ms':>9} {'serial ms':>10} "
-          f"{'overlap ms':>11} {'hidden':>7}")
+          f"{'chunks':>6} {'overlap ms':>11} {'hidden':>7}")
     for ep in args.ep:
         p = predict(config, tokens, ep, args)
         if p is None:
@@ -244,7 +262,8 @@ def main():
             continue
         hidden = (p["serial_ms"] - p["overlap_ms"]) / p["exchange_ms"] if p["ep"] > 1 else 0
         print(f"{p['ep']:>5} {p['nodes']:>5} {p['bytes_mb']:>9.1f} {p['gemm_ms']:>9.3f} "
-              f"{p['exchange_ms']:>9.3f} {p['serial_ms']:>10.3f} {p['overlap_ms']:>11.3f} "
+              f"{p['exchange_ms']:>9.3f} {p['serial_ms']:>10.3f} {p['chunks']:>6} "
+              f"{p['overlap_ms']:>11.3f} "
               f"{hidden:>6.0%}")
 
 

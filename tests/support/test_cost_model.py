@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Checks scripts/cost_model.py's arithmetic against the terms docs/design.md ("Cost model")
-states, each isolated by rates that make the other terms vanish."""
+states, each isolated by rates that make the other terms vanish, and its predictions against the
+measured steps of design.md's table: each is the model's, and within 15% of its measurement but
+for the misses the design names."""
 import math
 import pathlib
 import subprocess
@@ -9,14 +11,15 @@ import tempfile
 import types
 import unittest
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import cost_model  # noqa: E402
 
 
 DEFAULTS = dict(imbalance=1.0, gpus_per_node=8, nvlink_gbs=330.0, ib_gbs=50.0,
                 gemm_tflops=770.0, dense_tflops=715.0, half_rate_inner=380.0, copy_gbs=4190.0,
-                grad_bytes=4, fixed_ms=0.3, transport="peer", exchange_efficiency=None, chunks=4,
+                grad_bytes=4, fixed_ms=0.3, transport="peer", exchange_efficiency=None, chunks=None,
                 overlap_share_nvlink=0.15, overlap_share_ib=1.0)
 R, DENSE, K_HALF = 770e12, 715e12, 380
 
@@ -33,6 +36,27 @@ def layer(H, F, E, K, dtype="bf16", **more):
 
 # Rates that take a term out: products at their full rate, copies and links that cost nothing.
 INSTANT = 1e12
+
+# The points of design.md's table that the model misses by more than 15%, with design.md's reason.
+KNOWN_MISSES = {
+    ("2 × H200", "mixtral-8x7b", "2", "peer"):
+        "mixtral's step is longer than the sum of its stages, a gap not yet explained",
+    ("2 × H200, copy exchange", "qwen3-30b-a3b", "2", "copy, 4 chunks"):
+        "the copy exchange's per-chunk barriers, which the model has no term for",
+}
+
+
+def measured_points():
+    """The rows of design.md's "Checked against the measured steps" table, as cells."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    header = ("| run | config | EP | exchange | shared experts | measured, ms | predicted, ms "
+              "| error |")
+    rows = []
+    for line in text[text.index(header):].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
 
 
 class CostModel(unittest.TestCase):
@@ -109,24 +133,43 @@ class CostModel(unittest.TestCase):
 
     def test_overlap_leaves_one_chunk_of_the_exchanges_exposed(self):
         H, F, E, K, T = 7168, 2048, 256, 8, 8192
-        p = cost_model.predict(layer(H, F, E, K), T, 8, rates(chunks=4, overlap_share_nvlink=1.0))
+        nccl = dict(transport="nccl", exchange_efficiency=1.0, chunks=4)
+        p = cost_model.predict(layer(H, F, E, K), T, 8, rates(**nccl, overlap_share_nvlink=1.0))
         self.assertGreater(p["gemm_ms"], p["exchange_ms"])
         self.assertAlmostEqual(p["overlap_ms"], p["gemm_ms"] + p["exchange_ms"] / 4 + 0.3,
                                places=12)
         # Inside a node the transfer's kernels share the SMs: only a share of it hides.
-        shared = cost_model.predict(layer(H, F, E, K), T, 8, rates(chunks=4))
+        shared = cost_model.predict(layer(H, F, E, K), T, 8, rates(**nccl))
         self.assertAlmostEqual(shared["overlap_ms"],
                                shared["serial_ms"] - 0.15 * shared["exchange_ms"] * 3 / 4,
                                places=12)
         # Across nodes InfiniBand bounds the exchange, and its share applies.
-        nodes = cost_model.predict(layer(H, F, E, K), T, 32, rates(chunks=4, overlap_share_ib=0.5))
+        nodes = cost_model.predict(layer(H, F, E, K), T, 32, rates(**nccl, overlap_share_ib=0.5))
         self.assertAlmostEqual(nodes["overlap_ms"],
                                max(nodes["serial_ms"] - 0.5 * nodes["exchange_ms"] * 3 / 4,
                                    max(nodes["gemm_ms"], nodes["exchange_ms"]) +
                                    nodes["exchange_ms"] / 4 + 0.3), places=12)
         # Where the exchanges dominate, chunks never make the step slower than in series.
-        slow_links = cost_model.predict(layer(H, F, E, K), T, 8, rates(nvlink_gbs=1.0))
+        slow_links = cost_model.predict(layer(H, F, E, K), T, 8, rates(**nccl, nvlink_gbs=1.0))
         self.assertLessEqual(slow_links["overlap_ms"], slow_links["serial_ms"])
+
+    def test_the_chunks_are_the_layers_automatic_count_unless_asked(self):
+        chunks = cost_model.exchange_chunks
+        self.assertEqual(chunks("nccl", 1, 256), 1)  # one GPU: nothing to pipeline
+        self.assertEqual(chunks("peer", 4, 64), 1)  # the peer exchange does not pipeline
+        self.assertEqual(chunks("nccl", 2, 128), 4)
+        self.assertEqual(chunks("copy", 2, 128), 1)  # over the copy engines one piece below EP 4
+        self.assertEqual(chunks("copy", 4, 64), 4)
+        self.assertEqual(chunks("copy", 8, 32, asked=2), 2)
+        self.assertEqual(chunks("nccl", 4, 2), 2)  # at most the local experts
+        self.assertEqual(chunks("nccl", 8, 1), 1)
+        # In one piece nothing overlaps: the step is the serial one.
+        H, F, E, K, T = 7168, 2048, 256, 8, 8192
+        p = cost_model.predict(layer(H, F, E, K), T, 2, rates(transport="copy"))
+        self.assertEqual((p["chunks"], p["overlap_ms"]), (1, p["serial_ms"]))
+        p = cost_model.predict(layer(H, F, E, K), T, 4, rates(transport="copy"))
+        self.assertEqual(p["chunks"], 4)
+        self.assertLess(p["overlap_ms"], p["serial_ms"])
 
     def test_the_peer_exchange_stores_x_again_unless_the_input_is_kept(self):
         H, F, E, K, T = 2048, 512, 16, 4, 8192
@@ -158,6 +201,27 @@ class CostModel(unittest.TestCase):
         self.assertAlmostEqual(shared["gemm_ms"] - plain["gemm_ms"], 18 * T * H * Fs / DENSE * 1e3,
                                places=9)
 
+    def test_the_designs_measured_points_are_the_models_and_within_15_percent(self):
+        rows = measured_points()
+        self.assertGreaterEqual(len(rows), 50)
+        for run, name, ep, exchange, shared, measured, predicted, error in rows:
+            with self.subTest(run=run, config=name, ep=ep, exchange=exchange, shared=shared):
+                transport, _, chunks = exchange.partition(", ")
+                # One GPU's local exchange is counted as the peer exchange's; a plain "nccl" ran
+                # before the exchange pipelined, in one piece.
+                transport = "peer" if transport == "—" else transport
+                config = cost_model.read_config(str(ROOT / "configs" / f"{name}.yaml"))
+                if shared == "no":
+                    config["shared_ffn_hidden"] = "0"
+                args = rates(transport=transport, chunks=int(chunks.split()[0]) if chunks else 1)
+                p = cost_model.predict(config, 8192, int(ep), args)
+                self.assertAlmostEqual(p["overlap_ms"], float(predicted), delta=0.006)
+                miss = (p["overlap_ms"] - float(measured)) / float(measured)
+                self.assertAlmostEqual(100 * miss, float(error.replace("−", "-").rstrip("%")),
+                                       delta=0.06)
+                if (run, name, ep, exchange) not in KNOWN_MISSES:
+                    self.assertLessEqual(abs(miss), 0.15)
+
     def test_an_ep_that_does_not_divide_the_experts_has_no_prediction(self):
         self.assertIsNone(cost_model.predict(layer(1024, 512, 60, 4), 1024, 8, rates()))
 
@@ -176,6 +240,9 @@ class CostModel(unittest.TestCase):
             self.assertNotEqual(r.returncode, 0)
             self.assertIn("--copy-gbs = 0.0 must be positive", r.stderr)
             for extra, message in ((["--imbalance", "nan"], "--imbalance = nan must be positive"),
+                                   (["--chunks", "4"], "the peer exchange does not pipeline"),
+                                   (["--chunks", "0", "--transport", "nccl"],
+                                    "--chunks and every --ep must be >= 1"),
                                    (["--fixed-ms", "-1"], "--fixed-ms = -1.0 must be >= 0"),
                                    (["--tokens", "0"], "--tokens = 0 must be >= 1")):
                 r = subprocess.run([sys.executable, script, str(config), *extra],
