@@ -14,8 +14,9 @@
 //   auto scratch = std::make_shared<moe::MoEScratch>();
 //   for (auto& config : layers) blocks.emplace_back(config, mesh, stream, scratch);
 //
-// Static shapes (capacity_factor with pad_to_capacity, ep = 1): no host synchronisation at
-// all with ForwardOptions::losses_on_host = false, and, once one eager step (forward, backward,
+// Static shapes (capacity_factor with pad_to_capacity; under EP over the NCCL exchange's fixed
+// blocks): no host synchronisation at all with ForwardOptions::losses_on_host = false (under EP
+// but for a forward at a new token count), and, once one eager step (forward, backward,
 // reduce_gradients) has run at a token count, forward, infer, backward and reduce_gradients at
 // that count may be captured in a CUDA graph on the block's stream (moe::CudaGraph, or the
 // trainer's own capture); a call that cannot be captured throws before it queues anything:
@@ -93,7 +94,7 @@ struct ForwardOptions {
   Tensor replay_topk_idx;
   // Whether MoEForward::aux_loss and z_loss are filled in, which takes a host wait. A dropless
   // forward waits anyway (for the row counts) and fills them whatever this says. A block of
-  // static shapes (capacity_factor with pad_to_capacity, ep = 1) needs nothing from the device:
+  // static shapes (capacity_factor with pad_to_capacity) needs nothing from the device:
   // with false its forward does not wait at all, the floats are NaN and the values stay on the
   // device in MoEForward::losses; on a mesh the ranks' agreement on the forward is then left to
   // synchronize(). A forward captured in a CUDA graph must pass false.
