@@ -28,12 +28,17 @@ std::vector<StageWork> stage_work(const MoEConfig& config, std::int64_t tokens,
   const double sent = config.ep > 1 ? rows * H * b * (config.ep - 1) / config.ep : 0.0;
   const double expert_weights = E_loc * 3 * H * F;  // w13 [2F, H] and w2 [H, F] per expert
 
-  return {
+  std::vector<StageWork> stages = {
       // logits [T, E] fp32 = x · Wgᵀ
       {"moe gate", 2 * T * E * H, T * H * b + E * H * b + T * E * 4, 0},
       // logits in; topk_idx and topk_p out
       {"moe router", 0, T * E * 4 + T * K * 8, 0},
-      {"moe losses", 0, 0, 0},
+  };
+  // Capacity mode: the slots' experts, probabilities and the experts' counts read; the kept
+  // experts and probabilities written.
+  if (config.capacity_mode()) stages.push_back({"moe capacity", 0, 2 * rows * 8 + E * 4, 0});
+  stages.push_back({"moe losses", 0, 0, 0});
+  const std::vector<StageWork> routed = {
       // x read, one row per slot written (or sent)
       {"moe dispatch", 0, T * H * b + rows * H * b, sent},
       // weights and X read; h (kept for the backward) and Y written
@@ -56,6 +61,33 @@ std::vector<StageWork> stage_work(const MoEConfig& config, std::int64_t tokens,
       // dlogits, x, Wg read; dx read and written; dWg (fp32) written
       {"moe gate backward", 4 * T * E * H, T * E * 4 + 3 * T * H * b + E * H * b + E * H * 4, 0},
   };
+  stages.insert(stages.end(), routed.begin(), routed.end());
+  if (!config.shared_experts()) return stages;
+
+  // The shared FFN, one expert of width Fs over every token, counted where MoEBlock's timing
+  // names it (its forward joins after the combine, its backward after the gate's): its products
+  // must run on this GPU whether its own stream overlaps them or not.
+  const double Fs = config.shared_ffn_hidden;
+  const double shared_weights = 3 * H * Fs;
+  const double gate = config.shared_gate ? T * 4 + H * b : 0.0;  // γ [T] fp32 and its weight
+  // forward: weights and x read, h [T, 2Fs] (kept) and y written; out read, y added, out written
+  const StageWork shared_forward{
+      "moe shared expert", 6 * T * H * Fs,
+      shared_weights * b + T * H * b + T * 2 * Fs * b + T * H * b + 3 * T * H * b + gate, 0};
+  // backward: weights, dy, h and x read; the weight gradients and dX written; dx read, dX added,
+  // dx written
+  const StageWork shared_backward{"moe shared expert backward", 12 * T * H * Fs,
+                                  shared_weights * (b + g) + 2 * T * H * b + T * 2 * Fs * b +
+                                      T * H * b + 3 * T * H * b + 2 * gate + (gate > 0 ? H * 4 : 0),
+                                  0};
+  const auto after = [&](const char* name) {
+    return std::find_if(stages.begin(), stages.end(),
+                        [&](const StageWork& s) { return s.name == name; }) +
+           1;
+  };
+  stages.insert(after("moe combine"), shared_forward);
+  stages.insert(after("moe gate backward"), shared_backward);
+  return stages;
 }
 
 StageWork gradient_reduction_work(const MoEConfig& config) {

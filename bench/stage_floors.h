@@ -31,7 +31,8 @@ struct StageWork {
   double floor_ms(const Rates& rates) const;
 };
 
-// Every stage of one forward and backward of `tokens` tokens per GPU, in order.
+// Every stage of one forward and backward of `tokens` tokens per GPU, in order: the capacity
+// stage in capacity mode, and the shared expert's forward and backward with shared experts.
 // probabilities_in_experts: the experts weigh their rows (one GPU, the peer exchange),
 // so the combine backward reads no rows for dprob.
 std::vector<StageWork> stage_work(const MoEConfig& config, std::int64_t tokens,

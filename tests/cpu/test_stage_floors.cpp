@@ -1,6 +1,7 @@
 // The stages' roofline floors (bench/stage_floors.h) against sums worked by hand.
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "bench/stage_floors.h"
 #include "moe/config.h"
@@ -83,4 +84,42 @@ TEST_CASE("the step's floor adds its stages; the gradient reduction counts only 
   const double expert_grads = 4.0 * 3 * H * config.ffn_hidden * 4;  // E_loc = 4, fp32
   const double gate_grads = 8.0 * H * 4;
   CHECK(reduction.link_bytes == Approx(expert_grads + 2 * 3.0 / 4 * gate_grads));
+}
+
+TEST_CASE("capacity mode and shared experts have their floors, where MoEBlock names their stages",
+          "[cpu][bench]") {
+  MoEConfig config = deepseek_v3();  // a shared expert of width 2048
+  REQUIRE(config.shared_ffn_hidden == 2048);
+  config.capacity_factor = 1.25;
+  const std::int64_t T = 8192;
+  const auto stages = bench::stage_work(config, T, true);
+  std::vector<std::string> names;
+  for (const auto& s : stages) names.push_back(s.name);
+  CHECK(names == std::vector<std::string>{
+                     "moe gate", "moe router", "moe capacity", "moe losses", "moe dispatch",
+                     "moe experts", "moe combine", "moe shared expert", "moe combine backward",
+                     "moe experts backward", "moe dispatch backward", "moe router backward",
+                     "moe gate backward", "moe shared expert backward"});
+  // The shared FFN's six products: 18 T H Fs FLOPs, 3.14 ms at 690 TFLOP/s.
+  const double H = 7168, Fs = 2048;
+  const bench::StageWork& forward = stage("moe shared expert", stages);
+  const bench::StageWork& backward = stage("moe shared expert backward", stages);
+  CHECK(forward.flops == Approx(6 * T * H * Fs));
+  CHECK(backward.flops == Approx(12 * T * H * Fs));
+  const bench::Rates h200{690e12, 4.19e12, 0};
+  CHECK(forward.floor_ms(h200) + backward.floor_ms(h200) == Approx(3.137).epsilon(1e-3));
+  // bf16 weights read twice, fp32 gradients written once; x read twice, dy once; h written and
+  // read; y, dX and the adds into out and dx.
+  const double weights = 3 * H * Fs;
+  CHECK(forward.bytes == Approx(weights * 2 + T * H * 2 * 5 + T * 2 * Fs * 2));
+  CHECK(backward.bytes == Approx(weights * 6 + T * H * 2 * 6 + T * 2 * Fs * 2));
+  // The capacity stage reads and writes the slots' experts and probabilities.
+  CHECK(stage("moe capacity", stages).bytes == Approx(2.0 * T * 8 * 8 + 256 * 4));
+  // Without them, neither stage; the routed stages are the same.
+  config.capacity_factor = 0;
+  config.shared_ffn_hidden = 0;
+  const auto plain = bench::stage_work(config, T, true);
+  CHECK(plain.size() == stages.size() - 3);
+  CHECK(stage("moe experts backward", plain).bytes ==
+        Approx(stage("moe experts backward", stages).bytes));
 }
