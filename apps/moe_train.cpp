@@ -4,21 +4,26 @@
 //   mpirun -np N build/apps/moe_train [--config configs/small.yaml] [--layers 2] [--steps 200]
 //                                     [--tokens 1024] [--lr 1e-3] [--ep E --dp D]
 //                                     [--fp8] [--save ckpt.safetensors] [--load ckpt.safetensors]
+//                                     [--json train.json]
 //
 // The task can be learned: regression onto a fixed random teacher of the same shape. The model is
 // a residual stack h_{l+1} = h_l + MoE_l(h_l) over random tokens; the loss is the mean squared
 // error to the teacher's output over the global batch, plus the layers' aux and z losses. AdamW
 // with fp32 master weights on the GPU, gradients summed over the mesh by the blocks, the
 // aux-loss-free expert-bias update when the config has a bias, and checkpoints in safetensors
-// (master weights and optimizer moments of all experts, gathered on rank 0).
+// (master weights and optimizer moments of all experts, gathered on rank 0). --json writes the
+// run's settings and each logged step (loss, router losses, the first layer's load imbalance
+// since the step logged before) for bench/plot_train.py.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <climits>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -46,7 +51,7 @@ struct Options {
   float lr = 1e-3f, weight_decay = 0.0f, bias_rate = 1e-3f;
   std::uint64_t seed = 1;
   bool fp8 = false;
-  std::string save_path, load_path;
+  std::string save_path, load_path, json_path;
 };
 
 // One parameter under AdamW: the block's tensor (bf16 or fp32) and its gradient, with fp32 master
@@ -304,6 +309,7 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
     load_then = load_now;
     return load_imbalance(interval, ep);
   };
+  nlohmann::json log = nlohmann::json::array();
   const auto start = std::chrono::steady_clock::now();
   for (int step = first_step; step < first_step + o.steps; ++step) {
     // This step's tokens: a function of (step, rank) alone, so a resumed run sees the same data.
@@ -362,6 +368,13 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
           "expert, {:.2f} per EP rank  {:.1f} ms/step\n",
           step + 1, loss, mse, router_losses, imbalance.expert, imbalance.ep_rank, ms);
       std::fflush(stdout);
+      log.push_back({{"step", step + 1},
+                     {"loss", loss},
+                     {"mse", mse},
+                     {"router_losses", router_losses},
+                     {"load_imbalance_expert", imbalance.expert},
+                     {"load_imbalance_ep_rank", imbalance.ep_rank},
+                     {"ms_per_step", ms}});
     }
   }
   stream.synchronize();
@@ -373,6 +386,31 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
   if (!o.save_path.empty()) {
     checkpoint.save(o.save_path, optimizers, student, first_step + o.steps, config, stream.get());
     if (root) fmt::print("moe_train: checkpoint written to {}\n", o.save_path);
+  }
+  if (root && !o.json_path.empty()) {
+    const nlohmann::json report = {
+        {"config", config.describe()},
+        {"config_file", std::filesystem::path(o.config_path).filename().string()},
+        {"layers", o.layers},
+        {"ranks", world},
+        {"ep", ep},
+        {"dp", dp},
+        {"tokens_per_gpu", T},
+        {"lr", o.lr},
+        {"weight_decay", o.weight_decay},
+        {"bias_rate", config.expert_bias ? o.bias_rate : 0.0f},
+        {"fp8", config.fp8},
+        {"seed", o.seed},
+        {"first_step", first_step + 1},
+        {"steps", o.steps},
+        {"first_loss", o.steps > 0 ? nlohmann::json(first_loss) : nlohmann::json()},
+        {"last_loss", o.steps > 0 ? nlohmann::json(last_loss) : nlohmann::json()},
+        {"log", log}};
+    std::ofstream file(o.json_path);
+    file << report.dump(2) << "\n";
+    file.close();
+    if (!file) fail("cannot write --json '{}'", o.json_path);
+    fmt::print("moe_train: {} logged steps written to {}\n", log.size(), o.json_path);
   }
   return 0;
 }
@@ -402,12 +440,20 @@ int main(int argc, char** argv) {
                "runs without");
   app.add_option("--save", o.save_path, "write a checkpoint (safetensors) at the end");
   app.add_option("--load", o.load_path, "resume from a checkpoint")->check(CLI::ExistingFile);
+  app.add_option("--json", o.json_path,
+                 "write the run's settings and logged steps to this file (rank 0) at the end");
   if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
   try {
     // The checkpoint is written after every step has run: what would make it fail is found now.
     // (--load may name it: the checkpoint is read at the start, and replaced whole at the end.)
     if (app.count("--save") > 0)
       cli::check_output_file("--save", o.save_path, {{"--config", o.config_path}});
+    if (app.count("--json") > 0) {
+      std::vector<std::pair<std::string, std::string>> inputs = {{"--config", o.config_path}};
+      if (!o.load_path.empty()) inputs.emplace_back("--load", o.load_path);
+      if (!o.save_path.empty()) inputs.emplace_back("--save", o.save_path);
+      cli::check_output_file("--json", o.json_path, inputs);
+    }
     MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
     if (o.fp8) config.fp8 = true;
     if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers, config);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Draws what moe_train prints, step by step, for several runs side by side: the first layer's load
 imbalance (the expert bias at work against a run without it), or the loss (an FP8 run against a
-bf16 one, with the relative gap of each run to the first drawn below). One PNG.
+bf16 one, with the relative gap of each run to the first drawn below). One PNG. Each run is its
+console log or its --json file (a name ending in .json).
 
     python3 bench/plot_train.py --metric imbalance --out docs/expert_bias_balance.png \
         "bias rate 1e-3=train_bias.txt" "no bias update=train_still.txt"
@@ -9,6 +10,7 @@ bf16 one, with the relative gap of each run to the first drawn below). One PNG.
         "bf16=train_bf16.txt" "fp8=train_fp8.txt"
 """
 import argparse
+import json
 import re
 
 import matplotlib
@@ -22,6 +24,16 @@ LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+
 
 def read_log(path, metric):
     steps, values = [], []
+    if path.endswith(".json"):
+        with open(path) as f:
+            log = json.load(f).get("log", [])
+        key = "loss" if metric == "loss" else "load_imbalance_expert"
+        for entry in log:
+            steps.append(int(entry["step"]))
+            values.append(float(entry[key]))
+        if not steps:
+            raise SystemExit(f"{path}: no logged steps (a moe_train --json file?)")
+        return steps, values
     with open(path) as f:
         for line in f:
             m = LINE.match(line)
@@ -35,7 +47,8 @@ def read_log(path, metric):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("runs", nargs="+", help="LABEL=LOG, a moe_train log each")
+    parser.add_argument("runs", nargs="+",
+                        help="LABEL=LOG, a moe_train log or --json file each")
     parser.add_argument("--out", required=True)
     parser.add_argument("--metric", choices=["imbalance", "loss"], default="imbalance")
     parser.add_argument("--title")

@@ -114,3 +114,25 @@ TEST_CASE("--help prints the help even beside a bad value", "[cpu][train]") {
   CHECK_THAT(text, test::contains_text("Usage:") && test::contains_text("--lr"));
   CHECK(text.find("nan") == std::string::npos);
 }
+
+TEST_CASE("moe_train --json is refused by name before a GPU is looked for", "[cpu][train]") {
+  const TrainDir d;
+  const std::string config = (d.dir / "config.yaml").string();
+  const auto refusal = [&](const std::string& arguments) {
+    const std::string err = (d.dir / "json_err.txt").string();
+    const std::string command =
+        std::string(MOE_TRAIN_PATH) + " --config " + config + " " + arguments + " 2>" + err;
+    const int status = std::system(command.c_str());
+    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 1));
+    std::ifstream in(err);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  CHECK_THAT(refusal("--json ''"), test::contains_text("--json is empty"));
+  CHECK_THAT(refusal("--json " + config),
+             test::contains_text("is the --config file") && test::contains_text("--json '"));
+  const std::string same = (d.dir / "run.out").string();
+  CHECK_THAT(refusal("--json " + same + " --save " + same),
+             test::contains_text("is the --save file"));
+  CHECK_THAT(refusal("--json " + (d.dir / "missing" / "run.json").string()),
+             test::contains_text("does not exist"));
+}
