@@ -2,23 +2,42 @@
 # Dropless against capacity mode with fixed blocks (pad_to_capacity) at the model shapes on one
 # GPU: each padded run also captures its step in a CUDA graph and times the replay. Writes one
 # moe_bench JSON per run to OUTDIR and prints a table last.
-#   scripts/bench-static-shapes.sh [--configs "a b"] [--tokens "1024 8192"] [--factors "1.0 1.25"]
-#                                  [--grad-dtype bf16|fp32] OUTDIR
+#   scripts/bench-static-shapes.sh [--configs "a b"] [--tokens "1024 2048 8192"]
+#                                  [--factors "1.0 1.25"] [--grad-dtype bf16|fp32] OUTDIR
+# deepseek-v3 (--configs deepseek-v3) holds all 256 experts on the one GPU: at T = 8192 its
+# larger capacity factors need an H200's memory, or --grad-dtype bf16.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-configs="mixtral-8x7b qwen3-30b-a3b" tokens="1024 8192" factors="1.0 1.25 2.0" grad="" out=""
+usage() {
+  echo "usage: $0 [--configs C] [--tokens T] [--factors F] [--grad-dtype bf16|fp32] OUTDIR" >&2
+  exit 2
+}
+configs="mixtral-8x7b qwen3-30b-a3b" tokens="1024 2048 8192" factors="1.0 1.25 2.0" grad="" out=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --configs) configs=$2; shift 2 ;;
-    --tokens) tokens=$2; shift 2 ;;
-    --factors) factors=$2; shift 2 ;;
-    --grad-dtype) grad=$2; shift 2 ;;
-    -*) echo "usage: $0 [--configs C] [--tokens T] [--factors F] [--grad-dtype D] OUTDIR" >&2; exit 2 ;;
-    *) out=$1; shift ;;
+    --configs | --tokens | --factors | --grad-dtype)
+      [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; usage; }
+      case $1 in
+        --configs) configs=$2 ;;
+        --tokens) tokens=$2 ;;
+        --factors) factors=$2 ;;
+        --grad-dtype) grad=$2 ;;
+      esac
+      shift 2 ;;
+    -*) usage ;;
+    *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
+       out=$1; shift ;;
   esac
 done
-[ -n "$out" ] || { echo "usage: $0 [options] OUTDIR" >&2; exit 2; }
+[ -n "$out" ] || usage
+moe_require_configs_and_tokens "$configs" "$tokens"
+for f in $factors; do
+  [[ "$f" =~ ^[0-9]+(\.[0-9]+)?$ ]] && [ "$f" != 0 ] ||
+    { echo "error: --factors '$f' is not a positive capacity factor" >&2; exit 2; }
+done
+[ -z "$grad" ] || [ "$grad" = bf16 ] || [ "$grad" = fp32 ] ||
+  { echo "error: --grad-dtype '$grad' is neither bf16 nor fp32" >&2; exit 2; }
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }

@@ -54,11 +54,15 @@ moe_build() {
   cmake --build "$MOE_BUILD_DIR" -j "$(nproc)"
 }
 
-# The benchmark scripts' --configs and --tokens lists: some config named, every token count a
-# positive integer; exits 2 with the offending value otherwise.
+# The benchmark scripts' --configs and --tokens lists: some config named, each one of configs/,
+# every token count a positive integer; exits 2 with the offending value otherwise.
 moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "TOKENS"
-  local configs=$1 tokens=$2 t
+  local configs=$1 tokens=$2 t c
   [ -n "${configs// /}" ] || { echo "error: --configs names no config" >&2; exit 2; }
+  for c in $configs; do
+    [ -f "$MOE_ROOT/configs/$c.yaml" ] ||
+      { echo "error: --configs '$c' is not one of $MOE_ROOT/configs/*.yaml" >&2; exit 2; }
+  done
   for t in $tokens; do
     [[ "$t" =~ ^[1-9][0-9]*$ ]] || { echo "error: --tokens '$t' is not a token count" >&2; exit 2; }
   done
