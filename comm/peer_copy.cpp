@@ -51,11 +51,18 @@ void PeerRowCopies::copy(const void* source, std::span<const RowCopy> copies,
 #if CUDART_VERSION >= 13000
     MOE_CHECK_CUDA(cudaMemcpyBatchAsync(destinations_.data(), sources_.data(), sizes_.data(),
                                         sizes_.size(), &attributes, &first_attribute, 1, lane));
-#else  // CUDA 12.8 and 12.9 also report the index of a copy that failed
+#else  // CUDA 12.8 and 12.9 also report the index of a copy that failed: named with its bytes
     std::size_t failed_copy = 0;
-    MOE_CHECK_CUDA(cudaMemcpyBatchAsync(destinations_.data(), sources_.data(), sizes_.data(),
-                                        sizes_.size(), &attributes, &first_attribute, 1,
-                                        &failed_copy, lane));
+    const cudaError_t status =
+        cudaMemcpyBatchAsync(destinations_.data(), sources_.data(), sizes_.data(), sizes_.size(),
+                             &attributes, &first_attribute, 1, &failed_copy, lane);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      const bool named = failed_copy < sizes_.size();
+      fail("PeerRowCopies::copy: copy {} of {} to EP rank {} ({} bytes) failed: {} ({})",
+           failed_copy, sizes_.size(), peer, named ? sizes_[failed_copy] : 0,
+           cudaGetErrorName(status), cudaGetErrorString(status));
+    }
 #endif
     copied_[peer].record(lane);
     MOE_CHECK_CUDA(cudaStreamWaitEvent(stream, copied_[peer].get(), 0));

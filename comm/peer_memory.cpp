@@ -135,10 +135,9 @@ void PeerBuffer::reserve(std::span<const std::size_t> bytes, cudaStream_t stream
     // Headroom: the next steps' routing differs a little; 2 MiB granules, as the driver maps.
     if (grows[r]) capacity_[r] = round_up(bytes[r] + bytes[r] / 8 + 1, std::size_t{2} << 20);
   }
-  if (grows[me]) {
-    local_.release();
-    local_.reserve(capacity_[me]);
-  }
+  // A growth frees the old buffer as any buffer's does: behind the exchanges' own streams too,
+  // under the mesh's timeout (BufferGrowthDrain).
+  if (grows[me]) local_.reserve(capacity_[me]);
   cudaIpcMemHandle_t handle{};
   MOE_CHECK_CUDA(cudaIpcGetMemHandle(&handle, local_.data()));
   const auto handles =

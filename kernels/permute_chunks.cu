@@ -45,7 +45,11 @@ __global__ void __launch_bounds__(kScanThreads)
     int rows = 0;
     for (int s = 0; s < sources; ++s) rows += count(s * local_experts + e);
     table.group_counts[e] = rows;
-    padded[e] = align > 1 ? (rows + align - 1) / align * align : rows;
+    // Rounded up in 64 bits: rows near the int32 limit plus align - 1 would wrap; the host has
+    // checked that the padded rows fit.
+    padded[e] = align > 1
+                    ? static_cast<int>((static_cast<long long>(rows) + align - 1) / align * align)
+                    : rows;
   }
   __syncthreads();
   const int source_rows = block_exclusive_scan(scan, chunks, totals);

@@ -102,8 +102,9 @@ class NcclExchange final : public TokenExchange {
   // releases a barrier stuck on a failed peer, so the copies queued behind it run then; the
   // buffers themselves are never freed after an abort).
   ~NcclExchange() override {
-    if (!copies_ || stream_is_capturing(pipe_.get())) return;
-    try {
+    if (!copies_) return;
+    try {  // a query that fails (a sticky CUDA error) must not leave the destructor
+      if (stream_is_capturing(pipe_.get())) return;
       const Event drained;
       drained.record(pipe_.get());
       mesh_.wait(drained.get(), "the copy exchange's transfers before its buffers are freed");

@@ -104,10 +104,12 @@ struct MoEBlock::State {
   std::unique_ptr<SharedExpertStage> shared_expert;  // with config.shared_ffn_hidden > 0
   // Made at construction on one EP rank, at the first forward under EP (choosing is collective).
   std::unique_ptr<TokenExchange> exchange;
-  DeviceBuffer out;   // the forward's output, the block's until the next forward
-  DeviceBuffer dx;    // the backward's output, the block's until the next backward
-  Event initialized;  // initialize() waits for its writes
-  Event step_done;    // synchronize() waits for it
+  DeviceBuffer out;            // the forward's output, the block's until the next forward
+  DeviceBuffer dx;             // the backward's output, the block's until the next backward
+  Event initialized;           // initialize() waits for its writes
+  Event step_done;             // synchronize() waits for it
+  Event checked;               // check mode waits for each stage's count of non-finite values
+  PinnedBuffer checked_count;  // where that count lands (pageable memory would block the copy)
   // synchronize()'s agreement over the world: this rank's count of them, and {count, -count}
   // reduced by max on the device and read back on the host.
   std::int64_t steps_agreed = 0;
@@ -304,7 +306,8 @@ struct MoEBlock::State {
           call);
   }
 
-  // Check mode: the stage's output must be finite (synchronises).
+  // Check mode: the stage's output must be finite. The host waits for the count under the mesh's
+  // timeout: on a mesh the stream may wait for rows from a peer that failed.
   // check() of rows that a pipelined exchange delivers chunk by chunk: the stream first waits for
   // every chunk (check mode only; otherwise the experts wait for each chunk in turn).
   void check_rows(const char* stage, const Tensor& t, std::span<const ExpertSpan> chunks,
@@ -317,9 +320,12 @@ struct MoEBlock::State {
     if (!check_finite) return;
     int* count = typed<int>(shared.nonfinite, 1);
     count_nonfinite(t, count, stream);
-    int host = 0;
-    MOE_CHECK_CUDA(cudaMemcpyAsync(&host, count, sizeof(int), cudaMemcpyDeviceToHost, stream));
-    MOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+    checked_count.reserve(sizeof(int));
+    MOE_CHECK_CUDA(cudaMemcpyAsync(checked_count.as<int>(), count, sizeof(int),
+                                   cudaMemcpyDeviceToHost, stream));
+    checked.record(stream);
+    mesh.wait(checked.get(), "check mode's count of a stage's non-finite values");
+    const int host = *checked_count.as<int>();
     if (host > 0)
       fail("rank {}: stage '{}' produced {} NaN or Inf values in {}", mesh.rank(), stage, host,
            t.describe());
