@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "moe/mesh.h"
 #include "moe/moe_block.h"
@@ -155,14 +156,23 @@ class SteppedBlock {
   DeviceBuffer x_, dy_;
 };
 
+// How a case's block runs: its exchange's chunks (0: the transport's automatic count), and check
+// mode, whose host waits for each stage's output.
+struct CaseSetup {
+  int exchange_chunks = 0;
+  bool check_finite = false;
+};
+
 Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transport,
-                            int exchange_chunks) {
+                            CaseSetup setup) {
   const int rank = test::world_rank();
-  SteppedBlock stepped(transport, exchange_chunks);
+  SteppedBlock stepped(transport, setup.exchange_chunks);
+  stepped.block().set_check_finite(setup.check_finite);
   HookGuard guard;
   trace(std::string("case: ") + (fault == Fault::kThrows ? "throws" : "stalls") + " at '" + stage +
         "', transport " + std::string(ep_transport_name(transport)) + ", " +
-        std::to_string(exchange_chunks) + " chunks");
+        std::to_string(setup.exchange_chunks) + " chunks" +
+        (setup.check_finite ? ", check mode" : ""));
   if (rank == 1 || tracing()) {
     // A stage may be entered more than once a step (the chunks' waits for rows count as the
     // exchange's stages): rank 1 stalls at its first entry only, one stall a step.
@@ -187,7 +197,7 @@ Outcome run_step_with_fault(const char* stage, Fault fault, EpTransport transpor
 constexpr EpTransport kNcclAndAuto[] = {EpTransport::kNccl, EpTransport::kAuto};
 
 void check_fault_on_every_rank(Fault fault, std::span<const EpTransport> transports = kNcclAndAuto,
-                               std::span<const char* const> stages = {}, int exchange_chunks = 0) {
+                               std::span<const char* const> stages = {}, CaseSetup setup = {}) {
   if (stages.empty()) {
     stages = fault == Fault::kThrows ? std::span<const char* const>(kStages)
                                      : std::span<const char* const>(kStallStages);
@@ -195,9 +205,10 @@ void check_fault_on_every_rank(Fault fault, std::span<const EpTransport> transpo
   for (const EpTransport transport : transports) {
     for (const char* stage : stages) {
       INFO("stage '" << stage << "', " << (fault == Fault::kThrows ? "throws" : "stalls")
-                     << ", transport " << ep_transport_name(transport) << ", " << exchange_chunks
-                     << " chunks, rank " << test::world_rank());
-      const Outcome outcome = run_step_with_fault(stage, fault, transport, exchange_chunks);
+                     << ", transport " << ep_transport_name(transport) << ", "
+                     << setup.exchange_chunks << " chunks, check mode " << setup.check_finite
+                     << ", rank " << test::world_rank());
+      const Outcome outcome = run_step_with_fault(stage, fault, transport, setup);
       INFO(outcome.message);
       CHECK(outcome.threw);
       // A throw is seen at once by its rank and within a timeout by the others; a stalled rank
@@ -252,11 +263,28 @@ TEST_CASE("a rank that fails inside the copy exchange is an error on every rank"
   }
   constexpr EpTransport copy[] = {EpTransport::kCopy};
   constexpr const char* stall_stages[] = {"moe dispatch", "moe experts", "moe experts backward"};
-  check_fault_on_every_rank(Fault::kStalls, copy, stall_stages, 1);
+  check_fault_on_every_rank(Fault::kStalls, copy, stall_stages, {.exchange_chunks = 1});
   constexpr const char* throw_stages[] = {"moe experts"};
-  check_fault_on_every_rank(Fault::kThrows, copy, throw_stages, 1);
+  check_fault_on_every_rank(Fault::kThrows, copy, throw_stages, {.exchange_chunks = 1});
   constexpr const char* chunked_stall_stages[] = {"moe experts"};
-  check_fault_on_every_rank(Fault::kStalls, copy, chunked_stall_stages, 2);
+  check_fault_on_every_rank(Fault::kStalls, copy, chunked_stall_stages, {.exchange_chunks = 2});
+}
+
+// Check mode waits on the host for each stage's output, and on a mesh a stage's rows may be on
+// their way from a peer that stalls: that wait too must end within the timeout. Rank 1 stalls
+// before its experts, so that rank 0's first wait is check mode's, for its combined output, which
+// holds rows rank 1 has not returned; without the bounded wait rank 0 would block until rank 1
+// woke, and the step would then end without an error.
+TEST_CASE("check mode's waits are bounded on a mesh", "[mpi][fault]") {
+  if (test::world_size() < 2) {
+    WARN("needs two ranks; nothing to check with one");
+    return;
+  }
+  std::vector<EpTransport> transports = {EpTransport::kNccl};
+  if (test::host_gpus_have_peer_access()) transports.push_back(EpTransport::kCopy);
+  constexpr const char* stages[] = {"moe experts"};
+  check_fault_on_every_rank(Fault::kStalls, transports, stages,
+                            {.exchange_chunks = 1, .check_finite = true});
 }
 
 // A buffer's growth frees the old one, and a free waits for the whole device with no time limit:
