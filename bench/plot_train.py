@@ -29,6 +29,8 @@ def read_log(path, metric):
             log = json.load(f).get("log", [])
         key = "loss" if metric == "loss" else "load_imbalance_expert"
         for entry in log:
+            if entry.get(key) is None:  # a non-finite value, which JSON writes as null
+                continue
             steps.append(int(entry["step"]))
             values.append(float(entry[key]))
         if not steps:

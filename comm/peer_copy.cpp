@@ -1,5 +1,9 @@
 #include "peer_copy.h"
 
+#include <fmt/format.h>
+
+#include <string>
+
 #include "moe/error.h"
 
 namespace moe {
@@ -58,10 +62,12 @@ void PeerRowCopies::copy(const void* source, std::span<const RowCopy> copies,
                              &attributes, &first_attribute, 1, &failed_copy, lane);
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
-      const bool named = failed_copy < sizes_.size();
-      fail("PeerRowCopies::copy: copy {} of {} to EP rank {} ({} bytes) failed: {} ({})",
-           failed_copy, sizes_.size(), peer, named ? sizes_[failed_copy] : 0,
-           cudaGetErrorName(status), cudaGetErrorString(status));
+      const std::string which =
+          failed_copy < sizes_.size()
+              ? fmt::format("copy {} ({} bytes)", failed_copy, sizes_[failed_copy])
+              : std::string("a copy");
+      fail("PeerRowCopies::copy: {} of {} to EP rank {} failed: {} ({})", which, sizes_.size(),
+           peer, cudaGetErrorName(status), cudaGetErrorString(status));
     }
 #endif
     copied_[peer].record(lane);

@@ -33,7 +33,7 @@ done
 [ -n "$out" ] || usage
 moe_require_configs_and_tokens "$configs" "$tokens"
 for f in $factors; do
-  [[ "$f" =~ ^[0-9]+(\.[0-9]+)?$ ]] && [ "$f" != 0 ] ||
+  [[ "$f" =~ ^[0-9]+(\.[0-9]+)?$ ]] && awk -v f="$f" 'BEGIN { exit !(f > 0) }' ||
     { echo "error: --factors '$f' is not a positive capacity factor" >&2; exit 2; }
 done
 [ -z "$grad" ] || [ "$grad" = bf16 ] || [ "$grad" = fp32 ] ||

@@ -2,15 +2,16 @@
 # One call on the GPU machine: configure, build on all cores, run every gpu and mpi test (mpirun
 # over all local GPUs) and the quick benchmarks, then print a short summary last.
 #   scripts/gpu-check.sh [--sanitize] [--no-tests] [--no-bench] [--repeat N] [--only gpu|mpi]
-#                        [--exclude REGEX] OUTDIR
+#                        [--tests REGEX] [--exclude REGEX] OUTDIR
 # --only L       runs the tests of label L alone.
 # --tests REGEX  runs only the tests whose names it matches (ctest -R); --exclude REGEX leaves out
-#                those it matches (ctest -E). On several GPUs the mpi tests alone can take longer
-#                than one call of the GPU machine may (at 4 ranks about 440 s, and the fault tests
-#                220 s more), so two calls split them: `--no-bench --exclude fault_injection`, then
-#                `--no-bench --only mpi --tests fault_injection`.
-# With several GPUs the gpu tests run on the last GPU beside the mpi tests (which take them all),
-# their outputs printed one after the other once both are done.
+#                those it matches (ctest -E). At 4 ranks the mpi tests take about 440 s and the
+#                fault tests 220 s more: where each command's time is bounded, two runs split them,
+#                `--no-bench --exclude fault_injection`, then `--no-bench --only mpi --tests
+#                fault_injection`.
+# With several GPUs the gpu tests run on the last GPU beside the mpi tests (which take them all)
+# but for the fault tests, whose waits are timed: those run alone afterwards. The gpu tests'
+# output is printed once both are done; the mpi tests' as it happens.
 # --sanitize  runs every gpu test binary under compute-sanitizer's memcheck, racecheck, initcheck
 #             and synccheck (the four tools side by side, each over the binaries in turn).
 # --repeat N  runs the router and MoEBlock suites N times under racecheck and N times plainly,
@@ -87,17 +88,19 @@ note "build: ok in $((SECONDS - start)) s, $warnings compiler warning(s)"
 gpus=$("$MOE_BUILD_DIR/tests/moe_gpu_count")
 note "gpus: $gpus ($(head -1 "$logs/gpus.txt" | cut -d, -f2 | xargs))"
 
-run_ctest() {  # run_ctest LABEL: ctest over one label into its log; its exit status in a file
-  local label=$1
+# run_ctest LABEL LOG [live] [CTEST ARGS...]: ctest over one label into ctest-LOG.log, its exit
+# status in ctest-LOG.rc; with live, its test lines also on the console as they end.
+run_ctest() {
+  local label=$1 log=$2 live=$3
+  shift 3
   # Each test has a 240 s TIMEOUT (tests/CMakeLists.txt): a hang costs one test, not the run.
-  (cd "$MOE_BUILD_DIR" && ctest -L "^$label\$" "${select[@]}" "${exclude[@]}" --output-on-failure) \
-    >"$logs/ctest-$label.log" 2>&1
-  echo $? >"$logs/ctest-$label.rc"
+  (cd "$MOE_BUILD_DIR" && ctest -L "^$label\$" "$@" --output-on-failure) 2>&1 |
+    tee "$logs/ctest-$log.log" | { if [ "$live" = live ]; then grep --line-buffered -E "Test +#"; else cat >/dev/null; fi; }
+  echo "${PIPESTATUS[0]}" >"$logs/ctest-$log.rc"
 }
-report_label() {  # report_label LABEL: its tests' lines, one summary line, any failure's details
+report_label() {  # report_label LOG: one summary line and any failure's details
   local label=$1
-  echo "== $label tests"
-  grep -E "Test +#|tests passed|tests failed|No tests were found" "$logs/ctest-$label.log"
+  grep -E "tests passed|tests failed|No tests were found" "$logs/ctest-$label.log"
   local rc
   rc=$(cat "$logs/ctest-$label.rc")
   local line
@@ -118,15 +121,29 @@ report_label() {  # report_label LABEL: its tests' lines, one summary line, any 
   note "$label tests: ${line:-no ctest summary} (skipped: $skipped)"
 }
 if [ $tests -eq 1 ]; then
-  if [ "$labels" = "gpu mpi" ] && [ "$gpus" -ge 2 ]; then
-    echo "== gpu tests on GPU $((gpus - 1)), beside the mpi tests on all $gpus"
-    CUDA_VISIBLE_DEVICES=$((gpus - 1)) run_ctest gpu &
-    run_ctest mpi
-    wait
+  if [ "$labels" = "gpu mpi" ] && [ "$gpus" -ge 2 ] && [ ${#select[@]} -eq 0 ]; then
+    echo "== gpu tests on GPU $((gpus - 1)), beside the mpi tests but the fault tests on all $gpus"
+    CUDA_VISIBLE_DEVICES=$((gpus - 1)) run_ctest gpu gpu quiet "${exclude[@]}" &
+    gpu_tests=$!
+    beside=(-E "fault_injection")
+    [ ${#exclude[@]} -gt 0 ] && beside=(-E "fault_injection|${exclude[1]}")
+    run_ctest mpi mpi live "${beside[@]}"
+    wait "$gpu_tests"  # (a bare wait would also wait for the console's tee)
+    echo "== gpu tests"
+    grep -E "Test +#" "$logs/ctest-gpu.log"
+    report_label gpu
+    echo "== mpi tests"
+    report_label mpi
+    echo "== mpi fault tests, alone"
+    run_ctest mpi mpi-fault live -R fault_injection "${exclude[@]}"
+    report_label mpi-fault
   else
-    for label in $labels; do run_ctest "$label"; done
+    for label in $labels; do
+      echo "== $label tests"
+      run_ctest "$label" "$label" live "${select[@]}" "${exclude[@]}"
+      report_label "$label"
+    done
   fi
-  for label in $labels; do report_label "$label"; done
 fi
 
 # The sanitizer tools over every gpu test binary, at the suites' quick sizes. Every kernel is

@@ -166,8 +166,11 @@ void MoEBlock::dispatch_phase(const Tensor& x, const ForwardOptions& options, bo
     exchange.dispatch(x, wait_for_host ? &s.step.totals : nullptr);
     if (wait_for_host) s.router.set_totals(s.step.totals);
   }
-  s.times.current = "moe shared expert";
-  if (shared_beside_transfers) s.shared_expert->start_forward(x, s.params, stream);
+  if (shared_beside_transfers) {
+    s.times.current = "moe shared expert";
+    s.shared_expert->start_forward(x, s.params, stream);
+  }
+  s.times.current = "moe dispatch";
   s.step.rows = exchange.expert_rows();
   s.check_rows("dispatch", s.step.rows.input, s.step.rows.chunks, exchange);
   s.step.phase = StepPhase::kDispatched;

@@ -95,9 +95,9 @@ struct ForwardOptions {
   // Whether MoEForward::aux_loss and z_loss are filled in, which takes a host wait. A dropless
   // forward waits anyway (for the row counts) and fills them whatever this says. A block of
   // static shapes (capacity_factor with pad_to_capacity) needs nothing from the device:
-  // with false its forward does not wait at all, the floats are NaN and the values stay on the
-  // device in MoEForward::losses; on a mesh the ranks' agreement on the forward is then left to
-  // synchronize(). A forward captured in a CUDA graph must pass false.
+  // with false its forward does not wait at all (under EP but at a new token count), the floats are
+  // NaN and the values stay on the device in MoEForward::losses; on a mesh the ranks' agreement on
+  // the forward is then left to synchronize(). A forward captured in a CUDA graph must pass false.
   bool losses_on_host = true;
   // With fp8: the expert weights are those of the previous forward, unchanged (a micro-batch
   // after the first of an optimizer step), so their FP8 copy is reused instead of quantized

@@ -272,9 +272,9 @@ TEST_CASE("a rank that fails inside the copy exchange is an error on every rank"
 
 // Check mode waits on the host for each stage's output, and on a mesh a stage's rows may be on
 // their way from a peer that stalls: that wait too must end within the timeout. Rank 1 stalls
-// before its experts, so that rank 0's first wait is check mode's, for its combined output, which
-// holds rows rank 1 has not returned; without the bounded wait rank 0 would block until rank 1
-// woke, and the step would then end without an error.
+// before its experts, so that rank 0's first wait that blocks is check mode's, for its combined
+// output, which holds rows rank 1 has not returned; without the bounded wait rank 0 would block
+// until rank 1 woke, and the step would then end without an error.
 TEST_CASE("check mode's waits are bounded on a mesh", "[mpi][fault]") {
   if (test::world_size() < 2) {
     WARN("needs two ranks; nothing to check with one");
