@@ -2,7 +2,8 @@
 """The whole MoE layer in PyTorch as users write it today (torchtitan style), forward + backward,
 timed the way moe_bench times ours: same config, tokens per GPU, FLOP count and memory question.
 
-    python3 bench/peer_layer.py --config configs/X.yaml [--tokens T] [--iters I] [--json FILE]
+    python3 bench/peer_layer.py --config configs/X.yaml [--tokens T] [--iters I] [--compile]
+                                [--json FILE]
     mpirun -np 2 python3 bench/peer_layer.py --config ...      # expert parallel over all ranks
 
 The layer: gate nn.Linear in bf16, the router as Megatron-Core's unfused path computes it
@@ -12,6 +13,12 @@ all_to_all_single; each local expert's rows padded to align_size by a gather ind
 device (torchtitan's generate_permute_indices, with a static upper bound on the padded rows);
 torch._grouped_mm for both expert products with SwiGLU in eager ops; the weighted combine by
 scatter_add; autograd for the backward. Weights and their gradients are bf16.
+
+--compile runs the layer's forward through torch.compile, as torchtitan compiles its models: the
+router, the permutation, SwiGLU and the combine fused by Inductor (forward and backward), the
+grouped products as they are, and on one GPU no host synchronisation. Under EP the count
+exchange's host sync and the collectives break the graph; the pieces between stay compiled. This
+is the stronger of the two peers wherever it runs faster.
 """
 import argparse
 import json
@@ -134,6 +141,8 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json")
+    parser.add_argument("--compile", action="store_true",
+                        help="the forward through torch.compile (Inductor), as torchtitan runs it")
     args = parser.parse_args()
     rank, world = init_distributed()
     cfg = load_config(args.config)
@@ -146,11 +155,14 @@ def main():
     layer = TorchtitanStyleMoE(cfg, world, rank)
     x = torch.randn(T, layer.H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(T, layer.H, device="cuda", dtype=torch.bfloat16) * 1e-2
+    # Compiled on the first call, which the warm-up holds (with its recompilations under EP, where
+    # the received rows change from step to step).
+    forward = torch.compile(layer.forward) if args.compile else layer.forward
 
     def step():
         for p in layer.parameters() + [x]:
             p.grad = None
-        out, loss = layer.forward(x)
+        out, loss = forward(x)
         tensors, grads = [out], [dy]
         if torch.is_tensor(loss):
             tensors.append(loss)
@@ -179,7 +191,7 @@ def main():
     # that accumulates into the gradients of the last.
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    out, loss = layer.forward(x)
+    out, loss = forward(x)
     torch.autograd.backward([out] + ([loss] if torch.is_tensor(loss) else []),
                             [dy] + ([torch.ones_like(loss)] if torch.is_tensor(loss) else []))
     del out, loss
@@ -187,12 +199,14 @@ def main():
     peak_kept = torch.cuda.max_memory_allocated() - base
     H, Fh, E, K = layer.H, layer.F, layer.E, layer.K
     flops = 6.0 * T * E * H + 18.0 * T * K * H * Fh
-    report = {"peer": f"PyTorch {torch.__version__} torchtitan-style layer", "device": torch.cuda.get_device_name(),
+    style = "torchtitan-style layer" + (", torch.compile" if args.compile else "")
+    report = {"peer": f"PyTorch {torch.__version__} {style}", "compiled": args.compile,
+              "device": torch.cuda.get_device_name(),
               "config": os.path.basename(args.config), "ranks": world, "ep": world, "tokens_per_gpu": T,
               "total_ms": ms, "TFLOPs_per_gpu": flops / (ms * 1e-3) / 1e12, "memory_bytes": peak,
               "memory_reserved_bytes": reserved, "memory_grads_kept_bytes": peak_kept}
     if rank == 0:
-        print(f"PyTorch layer {report['config']} EP={world}: {ms:.3f} ms, {report['TFLOPs_per_gpu']:.0f} TFLOP/s "
+        print(f"PyTorch layer{' (compiled)' if args.compile else ''} {report['config']} EP={world}: {ms:.3f} ms, {report['TFLOPs_per_gpu']:.0f} TFLOP/s "
               f"per GPU, peak memory {peak / 2**30:.2f} GiB ({peak / 1024 / T:.1f} KiB per token), "
               f"{peak_kept / 2**30:.2f} GiB with gradients kept")
         if args.json:
