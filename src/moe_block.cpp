@@ -268,8 +268,15 @@ void MoEBlock::record_routing(const Tensor& topk_idx) const {
 MoELoadStatistics MoEBlock::load_statistics() const {
   auto& s = *s_;
   if (s.router.load_total() == nullptr) s.router.reset_load_total(s.stream);
-  return {Tensor(const_cast<std::int64_t*>(s.router.load_total()), DType::kInt64, {s.E}),
-          s.router.load_steps()};
+  MoELoadStatistics statistics;
+  statistics.tokens_per_expert =
+      Tensor(const_cast<std::int64_t*>(s.router.load_total()), DType::kInt64, {s.E});
+  if (s.capacity) {
+    statistics.dropped_per_expert =
+        Tensor(const_cast<std::int64_t*>(s.router.drop_total()), DType::kInt64, {s.E});
+  }
+  statistics.steps = s.router.load_steps();
+  return statistics;
 }
 
 void MoEBlock::reset_load_statistics() {

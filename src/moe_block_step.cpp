@@ -154,7 +154,7 @@ void MoEBlock::dispatch_phase(const Tensor& x, const ForwardOptions& options, bo
   }
   {
     Range r("moe losses", s.times, stream);
-    s.router.reduce_losses(stream);
+    s.router.reduce_losses(s.capacity ? s.capacity->dropped() : nullptr, stream);
   }
 
   // Permute and dispatch: the slots' rows to their experts, padded expert-major; the row counts,

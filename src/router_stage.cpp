@@ -39,6 +39,7 @@ void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias,
   a.aux_score_sum = typed<float>(score_sum_, E);
   a.z_sum = typed<float>(z_sum_, 1);
   typed<std::int32_t>(global_load_, E);
+  if (config_.capacity_mode()) typed<std::int32_t>(global_dropped_, E);
   auto* totals = typed<RouterTotals>(scalars_, 1);
   a.expert_bias = config_.expert_bias ? expert_bias.as<float>() : nullptr;
   const std::size_t workspace_bytes = router_workspace_bytes(params_, T);
@@ -93,7 +94,7 @@ void RouterStage::set_totals(const RouterTotals& totals) {
   }
 }
 
-void RouterStage::reduce_losses(cudaStream_t stream) {
+void RouterStage::reduce_losses(const std::int32_t* dropped, cudaStream_t stream) {
   const int E = config_.num_experts;
   auto* totals = scalars_.as<RouterTotals>();
   auto* global_tokens = &totals->global_tokens;
@@ -113,11 +114,17 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   }
   MOE_CHECK_CUDA(cudaMemcpyAsync(global_load_.data(), counts_.data(), E * sizeof(std::int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
+  if (dropped != nullptr) {
+    MOE_CHECK_CUDA(cudaMemcpyAsync(global_dropped_.data(), dropped, E * sizeof(std::int32_t),
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
   MOE_CHECK_CUDA(cudaMemcpyAsync(&totals->mesh_first_invalid_given, &totals->first_invalid_given,
                                  sizeof(std::uint64_t), cudaMemcpyDeviceToDevice, stream));
   mesh_.group_start();
   mesh_.all_reduce_sum(global_tokens, 1, ncclInt64, MeshGroup::kWorld, stream);
   mesh_.all_reduce_sum(global_load_.data(), E, ncclInt32, MeshGroup::kWorld, stream);
+  if (dropped != nullptr)
+    mesh_.all_reduce_sum(global_dropped_.data(), E, ncclInt32, MeshGroup::kWorld, stream);
   if (params_.aux_loss) {
     mesh_.all_reduce_sum(aux_counts, E, ncclInt32, MeshGroup::kWorld, stream);
     mesh_.all_reduce_sum(score_sum, E, ncclFloat32, MeshGroup::kWorld, stream);
@@ -130,6 +137,9 @@ void RouterStage::reduce_losses(cudaStream_t stream) {
   mesh_.group_end("the loss statistics all-reduce");
   if (load_total_.bytes() == 0) reset_load_total(stream);
   accumulate_load(load_total_.as<std::int64_t>(), global_load_.as<std::int32_t>(), E, stream);
+  if (dropped != nullptr) {
+    accumulate_load(drop_total_.as<std::int64_t>(), global_dropped_.as<std::int32_t>(), E, stream);
+  }
   ++load_steps_;
   if (mesh_.world_size() > 1) {
     router_losses(params_, config_.aux_loss_coeff, config_.z_loss_coeff, aux_counts, score_sum,
@@ -142,6 +152,10 @@ void RouterStage::reset_load_total(cudaStream_t stream) {
   const auto bytes = static_cast<std::size_t>(config_.num_experts) * sizeof(std::int64_t);
   load_total_.reserve(bytes);
   MOE_CHECK_CUDA(cudaMemsetAsync(load_total_.data(), 0, bytes, stream));
+  if (config_.capacity_mode()) {  // the drops are counted from the same forward on
+    drop_total_.reserve(bytes);
+    MOE_CHECK_CUDA(cudaMemsetAsync(drop_total_.data(), 0, bytes, stream));
+  }
   load_steps_ = 0;
 }
 

@@ -48,7 +48,9 @@ class RouterStage {
                cudaStream_t stream);
   // The statistics, the loads and the token count summed over the world (one NCCL group), then
   // the loss values from them (on a mesh), ready on the device before the dispatch copies them.
-  void reduce_losses(cudaStream_t stream);
+  // In capacity mode `dropped` [E] is this rank's dropped slots per expert, summed over the world
+  // in the same group and added to the drop totals; null when dropless.
+  void reduce_losses(const std::int32_t* dropped, cudaStream_t stream);
   // Checks what the host learnt in the forward's wait (a forward that does not wait for the host
   // need not call it; the backward's loss factors never come from it). Throws
   // moe::Error naming the token, slot and expert when this rank's replayed routing held an
@@ -67,6 +69,9 @@ class RouterStage {
   // [E] int64: the mesh-wide loads summed over the forwards since construction or the last reset
   // (null before the first forward), and how many forwards that is.
   const std::int64_t* load_total() const { return load_total_.as<std::int64_t>(); }
+  // Capacity mode: [E] int64, the mesh-wide dropped slots over the same forwards (null when
+  // dropless or before the first forward).
+  const std::int64_t* drop_total() const { return drop_total_.as<std::int64_t>(); }
   std::int64_t load_steps() const { return load_steps_; }
   void reset_load_total(cudaStream_t stream);
   // RouterTotals on the device, complete once reduce_losses' work has run.
@@ -81,7 +86,7 @@ class RouterStage {
   DeviceBuffer& workspace_;  // the scratch's
 
   DeviceBuffer topk_idx_, topk_p_, counts_, aux_counts_, score_sum_, z_sum_, global_load_, scalars_;
-  DeviceBuffer load_total_;
+  DeviceBuffer load_total_, global_dropped_, drop_total_;
   // On a mesh: the backward's loss factors {α·E/(K·T_glob²), β/T_glob}, from router_losses.
   DeviceBuffer loss_factors_;
   std::int64_t load_steps_ = 0;

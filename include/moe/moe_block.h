@@ -109,12 +109,17 @@ struct ForwardOptions {
 };
 
 // Per-expert load over the steps since construction or reset_load_statistics(): the mesh-wide
-// tokens routed to each expert, summed over the forwards, int64 [E] on the device. The block adds
-// each forward's counts on its stream with no host synchronisation; read it with a copy queued on
-// that stream, or after synchronize().
+// tokens routed to each expert, summed over the forwards, int64 [E] on the device, and in
+// capacity mode the mesh-wide slots each expert dropped over the same forwards. The block adds
+// each forward's counts on its stream with no host synchronisation (the drops travel in the
+// router's all-reduce: no collective of their own); read them with a copy queued on that stream,
+// or after synchronize().
 struct MoELoadStatistics {
-  Tensor tokens_per_expert;  // [E] int64 (all zero before the first forward)
-  std::int64_t steps = 0;    // forwards counted
+  // [E] int64, routed before any drop (all zero before the first forward). An expert's kept
+  // slots are its tokens less its drops.
+  Tensor tokens_per_expert;
+  Tensor dropped_per_expert;  // [E] int64 in capacity mode, the empty tensor when dropless
+  std::int64_t steps = 0;     // forwards counted
 };
 
 // How uneven a load is: the largest over the mean, per expert and per EP rank (whose experts are

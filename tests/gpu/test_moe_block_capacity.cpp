@@ -1,9 +1,10 @@
 // MoEBlock in capacity mode on one GPU against the fp64 reference of the whole layer: output,
 // losses, dx and every weight gradient, the kept mask and the counts, over both drop policies,
 // capacity factors that drop many slots, a few or none, alignments and dtypes; every token to the
-// same experts; pad_to_capacity's fixed blocks.
+// same experts; pad_to_capacity's fixed blocks; the load statistics' routed and dropped totals.
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -184,5 +185,75 @@ TEST_CASE("pad_to_capacity on one GPU equals the fp64 reference", "[gpu][block][
       CHECK(run_capacity_case(padded(test::capacity_config(dtype, 1.0, policy, 0)), 64, rng, true) >
             0);
     }
+  }
+}
+
+// The load statistics over several forwards of one block: each expert's routed slots (kept or
+// not) and, in capacity mode, its dropped ones, summed over the steps as the reference counts them;
+// a reset starts them again from zero. Dropless, there are no drop totals.
+TEST_CASE("load statistics accumulate routed and dropped slots over forwards",
+          "[gpu][block][capacity]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const double factor : {0.5, 0.0}) {
+    MoEConfig c = test::capacity_config(DType::kBF16, 0.5, DropPolicy::kProbs, 0);
+    c.capacity_factor = factor;
+    c.validate();
+    INFO(c.describe());
+    const auto params = test::round_params(test::random_params(c, rng), c.dtype);
+    Stream stream;
+    const Mesh mesh = Mesh::single();
+    MoEBlock block(c, mesh, stream.get());
+    test::load_params(block, params, 0, c.num_experts);
+    const auto E = static_cast<std::size_t>(c.num_experts);
+    const auto read_totals = [&](const Tensor& t) {
+      std::vector<std::int64_t> v(E);
+      REQUIRE(t.numel() == c.num_experts);
+      block.synchronize();
+      copy_to_host(v.data(), t.data, E * 8);
+      return v;
+    };
+    std::vector<std::int64_t> routed(E, 0), dropped(E, 0);
+    std::int64_t steps = 0;
+    for (const std::int64_t tokens : {45, 30, 1, 0, 64}) {
+      INFO("T=" << tokens);
+      if (tokens == 1) {  // the statistics start again after a reset
+        block.reset_load_statistics();
+        std::fill(routed.begin(), routed.end(), 0);
+        std::fill(dropped.begin(), dropped.end(), 0);
+        steps = 0;
+        const MoELoadStatistics cleared = block.load_statistics();
+        CHECK(cleared.steps == 0);
+        CHECK(read_totals(cleared.tokens_per_expert) == routed);
+        if (factor > 0) CHECK(read_totals(cleared.dropped_per_expert) == dropped);
+      }
+      Matrix x;
+      reference::LayerResult want;
+      for (int attempt = 0;; ++attempt) {
+        REQUIRE(attempt < 50);
+        test::draw_separated(c, params, x, tokens, rng);
+        want = reference::run_layer(c, params, x, Matrix(tokens, c.hidden), test::kAsStored,
+                                    test::kDprobInExperts);
+        if (!c.capacity_mode() || test::capacity_boundary_clear(c, tokens, want)) break;
+      }
+      const Matrix dy = test::round_to(test::random_matrix(tokens, c.hidden, rng), c.dtype);
+      test::run_block(block, c, x, dy);
+      ++steps;
+      for (std::size_t e = 0; e < E; ++e) {
+        const double dropped_now = factor > 0 ? want.dropped_per_expert[e] : 0.0;
+        routed[e] += static_cast<std::int64_t>(want.tokens_per_expert[e] + dropped_now);
+        dropped[e] += static_cast<std::int64_t>(dropped_now);
+      }
+      const MoELoadStatistics load = block.load_statistics();
+      CHECK(load.steps == steps);
+      CHECK(read_totals(load.tokens_per_expert) == routed);
+      if (factor > 0) {
+        CHECK(read_totals(load.dropped_per_expert) == dropped);
+      } else {
+        CHECK(load.dropped_per_expert.numel() == 0);
+      }
+    }
+    if (factor > 0) CHECK(std::accumulate(dropped.begin(), dropped.end(), std::int64_t{0}) > 0);
   }
 }

@@ -1,7 +1,8 @@
 // Capacity mode on EP × DP meshes against the fp64 mesh reference (reference::run_mesh), where
 // each rank drops from its own tokens: every rank's output, dx, losses, kept mask and counts, the
 // gate's gradient summed over the mesh and its local experts' gradients. The dropped slots stay on
-// their sender over the NCCL exchange; with pad_to_capacity its blocks are fixed.
+// their sender over the NCCL exchange; with pad_to_capacity its blocks are fixed. The load
+// statistics hold the mesh's routed and dropped slots.
 #include <mpi.h>
 
 #include <algorithm>
@@ -100,6 +101,24 @@ int run_capacity_mesh_case(MoEConfig c, int ep, int dp, bool empty_rank, std::ui
     INFO("expert " << e);
     CHECK(counts[e] == mine.tokens_per_expert[e]);
     CHECK(dropped[e] == mine.dropped_per_expert[e]);
+  }
+  // The load statistics after this one step: every rank's slots routed to each expert (kept or
+  // not) and dropped, summed over the whole mesh.
+  const MoELoadStatistics load = block.load_statistics();
+  CHECK(load.steps == 1);
+  REQUIRE(load.dropped_per_expert.numel() == c.num_experts);
+  std::vector<std::int64_t> routed_total(E), dropped_total(E);
+  copy_to_host(routed_total.data(), load.tokens_per_expert.data, E * 8);
+  copy_to_host(dropped_total.data(), load.dropped_per_expert.data, E * 8);
+  for (std::size_t e = 0; e < E; ++e) {
+    INFO("expert " << e);
+    double routed = 0, dropped_mesh = 0;
+    for (const auto& r : want) {
+      routed += r.tokens_per_expert[e] + r.dropped_per_expert[e];
+      dropped_mesh += r.dropped_per_expert[e];
+    }
+    CHECK(routed_total[e] == static_cast<std::int64_t>(routed));
+    CHECK(dropped_total[e] == static_cast<std::int64_t>(dropped_mesh));
   }
   int dropped_slots = 0;
   for (const auto& r : want)
