@@ -3,7 +3,8 @@
 //
 //   mpirun -np N build/apps/moe_train [--config configs/small.yaml] [--layers 2] [--steps 200]
 //                                     [--tokens 1024] [--lr 1e-3] [--ep E --dp D]
-//                                     [--fp8] [--save ckpt.safetensors] [--load ckpt.safetensors]
+//                                     [--fp8] [--capacity-factor C]
+//                                     [--save ckpt.safetensors] [--load ckpt.safetensors]
 //                                     [--json train.json]
 //
 // The task can be learned: regression onto a fixed random teacher of the same shape. The model is
@@ -13,7 +14,8 @@
 // aux-loss-free expert-bias update when the config has a bias, and checkpoints in safetensors
 // (master weights and optimizer moments of all experts, gathered on rank 0). --json writes the
 // run's settings and each logged step (loss, router losses, the first layer's load imbalance
-// since the step logged before) for bench/plot_train.py.
+// since the step logged before, and in capacity mode the share of its slots dropped) for
+// bench/plot_train.py.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
@@ -50,6 +52,7 @@ struct Options {
   int layers = 2, steps = 200, tokens = 1024, ep = 0, dp = 0, log_every = 10;
   float lr = 1e-3f, weight_decay = 0.0f, bias_rate = 1e-3f;
   std::uint64_t seed = 1;
+  double capacity_factor = -1;  // below 0: the config's
   bool fp8 = false;
   std::string save_path, load_path, json_path;
 };
@@ -251,9 +254,11 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
   const std::int64_t global_tokens = T * world;
 
   // The student (trained) and the teacher (fixed, a different seed) stacks. The teacher runs
-  // without FP8, so that a run with it and one without chase the same targets.
+  // without FP8 and without drops, so that runs with them and without chase the same targets.
   MoEConfig teacher_config = config;
   teacher_config.fp8 = false;
+  teacher_config.capacity_factor = 0;
+  teacher_config.pad_to_capacity = false;
   std::vector<std::unique_ptr<MoEBlock>> student, teacher;
   std::vector<std::unique_ptr<AdamW>> optimizers;
   // Every layer runs on one stream, one call after another: they share what lives inside a call.
@@ -298,16 +303,31 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
         o.layers, config.describe(), world, ep, dp, T, o.lr);
   }
   double first_loss = -1, last_loss = 0;
-  // The first layer's load since the last log line: its imbalance shows the expert bias at work.
-  std::vector<std::int64_t> load_then(static_cast<std::size_t>(config.num_experts), 0);
-  std::vector<std::int64_t> load_now(load_then.size());
-  auto interval_imbalance = [&] {
-    copy_to_host(load_now.data(), student[0]->load_statistics().tokens_per_expert.data,
-                 load_now.size() * sizeof(std::int64_t));
-    std::vector<std::int64_t> interval(load_now.size());
-    for (std::size_t e = 0; e < load_now.size(); ++e) interval[e] = load_now[e] - load_then[e];
+  // The first layer's load since the last log line: its imbalance shows the expert bias at work;
+  // in capacity mode, the share of its slots dropped.
+  const auto E = static_cast<std::size_t>(config.num_experts);
+  std::vector<std::int64_t> load_then(E, 0), load_now(E), dropped_then(E, 0), dropped_now(E);
+  struct IntervalLoad {
+    LoadImbalance imbalance;
+    double dropped_fraction = 0.0;
+  };
+  auto interval_load = [&] {
+    const MoELoadStatistics statistics = student[0]->load_statistics();
+    copy_to_host(load_now.data(), statistics.tokens_per_expert.data, E * sizeof(std::int64_t));
+    std::vector<std::int64_t> interval(E);
+    for (std::size_t e = 0; e < E; ++e) interval[e] = load_now[e] - load_then[e];
+    IntervalLoad result{load_imbalance(interval, ep)};
+    if (config.capacity_mode()) {
+      copy_to_host(dropped_now.data(), statistics.dropped_per_expert.data,
+                   E * sizeof(std::int64_t));
+      const double routed = std::accumulate(interval.begin(), interval.end(), 0.0);
+      const double dropped = std::accumulate(dropped_now.begin(), dropped_now.end(), 0.0) -
+                             std::accumulate(dropped_then.begin(), dropped_then.end(), 0.0);
+      if (routed > 0) result.dropped_fraction = dropped / routed;
+      dropped_then = dropped_now;
+    }
     load_then = load_now;
-    return load_imbalance(interval, ep);
+    return result;
   };
   nlohmann::json log = nlohmann::json::array();
   const auto start = std::chrono::steady_clock::now();
@@ -362,19 +382,26 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
               .count() /
           (step - first_step + 1);
-      const LoadImbalance imbalance = interval_imbalance();
+      const IntervalLoad interval = interval_load();
+      const LoadImbalance& imbalance = interval.imbalance;
+      const std::string drops =
+          config.capacity_mode()
+              ? fmt::format("  {:.2f}% dropped", 100.0 * interval.dropped_fraction)
+              : std::string();
       fmt::print(
           "step {:>5}  loss {:.6f}  (mse {:.6f}, router losses {:.3e})  load max/mean {:.2f} per "
-          "expert, {:.2f} per EP rank  {:.1f} ms/step\n",
-          step + 1, loss, mse, router_losses, imbalance.expert, imbalance.ep_rank, ms);
+          "expert, {:.2f} per EP rank{}  {:.1f} ms/step\n",
+          step + 1, loss, mse, router_losses, imbalance.expert, imbalance.ep_rank, drops, ms);
       std::fflush(stdout);
-      log.push_back({{"step", step + 1},
-                     {"loss", loss},
-                     {"mse", mse},
-                     {"router_losses", router_losses},
-                     {"load_imbalance_expert", imbalance.expert},
-                     {"load_imbalance_ep_rank", imbalance.ep_rank},
-                     {"ms_per_step", ms}});
+      nlohmann::json entry = {{"step", step + 1},
+                              {"loss", loss},
+                              {"mse", mse},
+                              {"router_losses", router_losses},
+                              {"load_imbalance_expert", imbalance.expert},
+                              {"load_imbalance_ep_rank", imbalance.ep_rank},
+                              {"ms_per_step", ms}};
+      if (config.capacity_mode()) entry["dropped_fraction"] = interval.dropped_fraction;
+      log.push_back(std::move(entry));
     }
   }
   stream.synchronize();
@@ -400,6 +427,7 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
         {"weight_decay", o.weight_decay},
         {"bias_rate", config.expert_bias ? o.bias_rate : 0.0f},
         {"fp8", config.fp8},
+        {"capacity_factor", config.capacity_factor},
         {"seed", o.seed},
         {"first_step", first_step + 1},
         {"steps", o.steps},
@@ -438,6 +466,10 @@ int main(int argc, char** argv) {
   app.add_flag("--fp8", o.fp8,
                "FP8 expert products in the trained stack (the config's fp8: true); the teacher "
                "runs without");
+  app.add_option("--capacity-factor", o.capacity_factor,
+                 "capacity mode with this factor in the trained stack, 0 for dropless (default: "
+                 "the config's); the teacher never drops")
+      ->check(cli::finite_in(0, 1e4));
   app.add_option("--save", o.save_path, "write a checkpoint (safetensors) at the end");
   app.add_option("--load", o.load_path, "resume from a checkpoint")->check(CLI::ExistingFile);
   app.add_option("--json", o.json_path,
@@ -456,6 +488,8 @@ int main(int argc, char** argv) {
     }
     MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
     if (o.fp8) config.fp8 = true;
+    if (o.capacity_factor >= 0) config.capacity_factor = o.capacity_factor;
+    if (o.capacity_factor == 0) config.pad_to_capacity = false;  // dropless: no fixed blocks
     if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers, config);
     comm::MpiSession mpi(&argc, &argv);
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());

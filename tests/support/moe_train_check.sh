@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # moe_train_check.sh GPU_COUNT_BIN MOE_TRAIN_BIN: moe_train over all local GPUs learns (the loss
 # falls by more than a quarter) and a run resumed from a checkpoint continues with the
-# same losses as one that never stopped. Exits 77 (ctest: skipped) without a GPU.
+# same losses as one that never stopped; in capacity mode it learns too and its JSON reports each
+# logged interval's share of dropped slots. Exits 77 (ctest: skipped) without a GPU.
 set -euo pipefail
 count_bin=$1 moe_train=$2
 source "$(dirname "$0")/gpu_script.sh"
@@ -13,6 +14,7 @@ train() { mpirun -np "$gpus" --bind-to none -x NCCL_NVLS_ENABLE "$moe_train" --t
 train --steps 60 | tee "$dir/straight.txt"
 train --steps 30 --save "$dir/ckpt.safetensors" >"$dir/first.txt"
 train --steps 30 --load "$dir/ckpt.safetensors" | tee "$dir/resumed.txt"
+train --steps 30 --log-every 5 --capacity-factor 1.0 --json "$dir/capacity.json" | tee "$dir/capacity.txt"
 
 python3 - "$dir" <<'PY'
 import sys
@@ -32,4 +34,14 @@ for step in range(31, 61):
     a, b = straight[step], resumed[step]
     assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: resumed {b} vs straight {a}"
 print("resumed run matches the straight run over steps 31-60")
+
+import json
+report = json.load(open(f"{d}/capacity.json"))
+assert report["capacity_factor"] == 1.0, report["capacity_factor"]
+log = report["log"]
+fractions = [entry["dropped_fraction"] for entry in log]
+assert all(0.0 <= f < 0.5 for f in fractions), fractions
+assert any(f > 0.0 for f in fractions), f"capacity 1.0 dropped nothing: {fractions}"
+assert log[-1]["mse"] < log[0]["mse"], "capacity mode did not learn"
+print(f"capacity 1.0: dropped {min(fractions):.2%}-{max(fractions):.2%} of the slots per interval")
 PY
