@@ -12,7 +12,10 @@ go first (all_to_all_single, then .tolist(): one host sync) and the rows by the 
 all_to_all_single; each local expert's rows padded to align_size by a gather index built on the
 device (torchtitan's generate_permute_indices, with a static upper bound on the padded rows);
 torch._grouped_mm for both expert products with SwiGLU in eager ops; the weighted combine by
-scatter_add; autograd for the backward. Weights and their gradients are bf16.
+scatter_add; a config's shared expert (a dense SwiGLU FFN over every token, with its sigmoid gate
+where the config has one) in eager ops on the same stream, added to the routed output, as
+torchtitan's MoE adds its shared experts; autograd for the backward. Weights and their gradients
+are bf16.
 
 --compile runs the layer's forward through torch.compile, as torchtitan compiles its models: the
 router, the permutation, SwiGLU and the combine fused by Inductor (forward and backward), the
@@ -72,9 +75,23 @@ class TorchtitanStyleMoE:
         self.w13 = (torch.randn(self.E_loc, 2 * self.F, self.H, **bf16) * self.H ** -0.5).requires_grad_()
         self.w2 = (torch.randn(self.E_loc, self.H, self.F, **bf16) * self.F ** -0.5).requires_grad_()
         self.bias = torch.zeros(self.E, device="cuda") if cfg.get("expert_bias", False) else None
+        self.Fs = cfg.get("shared_ffn_hidden", 0)
+        self.shared = []  # w13 [2Fs, H], w2 [H, Fs], and the gate's [1, H] where the config has one
+        if self.Fs:
+            self.shared = [(torch.randn(2 * self.Fs, self.H, **bf16) * self.H ** -0.5).requires_grad_(),
+                           (torch.randn(self.H, self.Fs, **bf16) * self.Fs ** -0.5).requires_grad_()]
+            if cfg.get("shared_gate", False):
+                self.shared.append((torch.randn(1, self.H, **bf16) * self.H ** -0.5).requires_grad_())
 
     def parameters(self):
-        return [self.wg, self.w13, self.w2]
+        return [self.wg, self.w13, self.w2] + self.shared
+
+    def shared_expert(self, x):
+        h = F.linear(x, self.shared[0])
+        out = F.linear(F.silu(h[:, : self.Fs]) * h[:, self.Fs:], self.shared[1])
+        if len(self.shared) == 3:
+            out = out * torch.sigmoid(F.linear(x, self.shared[2]))
+        return out
 
     def padded_gather_index(self, counts, rows):
         """counts [ep, E_loc] (device): rows from source s for local expert e, source-major in the
@@ -125,6 +142,8 @@ class TorchtitanStyleMoE:
             y = all_to_all_single_autograd(y, send_splits, recv_splits, dist.group.WORLD)
         weighted = (y.float() * probs.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
         out = torch.zeros_like(x).scatter_add(0, token_of_row.unsqueeze(-1).expand(-1, self.H), weighted)
+        if self.Fs:
+            out = out + self.shared_expert(x)
         return out, loss
 
 
