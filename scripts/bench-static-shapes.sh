@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
 # Dropless against capacity mode with fixed blocks (pad_to_capacity) at the model shapes on one
 # GPU: each padded run also captures its step in a CUDA graph and times the replay. Writes one
-# moe_bench JSON per run to OUTDIR and prints a table last.
+# moe_bench JSON per run to OUTDIR and prints a table last. Each replay is timed beside an eager
+# step, the two alternating (moe_bench --graph): "graph/paired" compares them.
 #   scripts/bench-static-shapes.sh [--configs "a b"] [--tokens "1024 2048 8192"]
-#                                  [--factors "1.0 1.25"] [--grad-dtype bf16|fp32] OUTDIR
+#                                  [--factors "1.0 1.25"] [--grad-dtype bf16|fp32] [--iters N] OUTDIR
 # deepseek-v3 (--configs deepseek-v3) holds all 256 experts on the one GPU: at T = 8192 its
 # larger capacity factors need an H200's memory, or --grad-dtype bf16.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
 usage() {
-  echo "usage: $0 [--configs C] [--tokens T] [--factors F] [--grad-dtype bf16|fp32] OUTDIR" >&2
+  echo "usage: $0 [--configs C] [--tokens T] [--factors F] [--grad-dtype bf16|fp32] [--iters N] OUTDIR" >&2
   exit 2
 }
-configs="mixtral-8x7b qwen3-30b-a3b" tokens="1024 2048 8192" factors="1.0 1.25 2.0" grad="" out=""
+configs="mixtral-8x7b qwen3-30b-a3b" tokens="1024 2048 8192" factors="1.0 1.25 2.0" grad="" iters=10 out=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --configs | --tokens | --factors | --grad-dtype)
+    --configs | --tokens | --factors | --grad-dtype | --iters)
       [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; usage; }
       case $1 in
         --configs) configs=$2 ;;
         --tokens) tokens=$2 ;;
         --factors) factors=$2 ;;
         --grad-dtype) grad=$2 ;;
+        --iters) iters=$2 ;;
       esac
       shift 2 ;;
     -*) usage ;;
@@ -38,10 +40,11 @@ for f in $factors; do
 done
 [ -z "$grad" ] || [ "$grad" = bf16 ] || [ "$grad" = fp32 ] ||
   { echo "error: --grad-dtype '$grad' is neither bf16 nor fp32" >&2; exit 2; }
+[[ "$iters" =~ ^[1-9][0-9]{0,4}$ ]] || { echo "error: --iters '$iters' is not a count of steps" >&2; exit 2; }
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
-common=(--iters 10 --stage-lead-ms 0)
+common=(--iters "$iters" --stage-lead-ms 0)
 [ -n "$grad" ] && common+=(--grad-dtype "$grad")
 status=0
 for config in $configs; do
@@ -65,8 +68,10 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     r = json.loads(path.read_text())
     rows.append(r)
 rows.sort(key=lambda r: (r["config_file"], r["tokens_per_gpu"], r["capacity_factor"]))
-print(f"{'config':<22} {'T':>5} {'mode':<14} {'eager ms':>9} {'graph ms':>9} {'vs dropless':>11} "
-      f"{'host eager us':>13} {'host graph us':>13} {'dropped':>8} {'memory GiB':>10}")
+# "paired": the eager steps timed alternating with the replays, which the graph is held against.
+print(f"{'config':<22} {'T':>5} {'mode':<14} {'eager ms':>9} {'paired ms':>9} {'graph ms':>9} "
+      f"{'graph/paired':>12} {'vs dropless':>11} {'host eager us':>13} {'host graph us':>13} "
+      f"{'dropped':>8} {'memory GiB':>10}")
 base = {}
 for r in rows:
     key = (r["config_file"], r["tokens_per_gpu"])
@@ -80,8 +85,11 @@ for r in rows:
     ratio = f"{best / base[key]:.2f}x" if key in base else "-"
     host_eager = 1e3 * (r["host_forward_ms"] + r["host_backward_ms"])
     host_graph = f"{1e3 * r['graph_host_launch_ms']:.1f}" if graph else "-"
+    paired = r.get("graph_paired_eager_ms", float("nan"))
+    versus = f"{graph / paired:.3f}" if graph else "-"
     print(f"{r['config_file'].removesuffix('.yaml'):<22} {r['tokens_per_gpu']:>5} {mode:<14} "
-          f"{r['total_ms']:>9.3f} {graph if graph else float('nan'):>9.3f} {ratio:>11} "
+          f"{r['total_ms']:>9.3f} {paired:>9.3f} {graph if graph else float('nan'):>9.3f} "
+          f"{versus:>12} {ratio:>11} "
           f"{host_eager:>13.1f} {host_graph:>13} {100 * r['dropped_fraction']:>7.2f}% "
           f"{r['memory_bytes'] / 2**30:>10.2f}")
 PY
