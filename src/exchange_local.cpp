@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/elementwise.cuh"
 #include "kernels/permute.cuh"
 #include "moe/error.h"
 #include "src/exchange_impl.h"
@@ -91,11 +92,13 @@ class LocalExchange final : public TokenExchange {
       const std::int64_t slots = tokens_ * K_;
       saved_.reserved_rows = saved_.rows + (groups_ > E_ ? (slots + align - 1) / align * align : 0);
       saved_.all_rows = offsets != nullptr ? offsets[groups_] : saved_.reserved_rows;
+      saved_.dropped_end_on_device = offsets == nullptr && groups_ > E_;
       return;
     }
     saved_.expert_offsets.assign(offsets, offsets + E_ + 1);
     saved_.rows = saved_.expert_offsets.back();
     saved_.all_rows = saved_.reserved_rows = offsets[groups_];
+    saved_.dropped_end_on_device = false;
   }
 
   ExpertRows expert_rows() override {
@@ -161,11 +164,18 @@ class LocalExchange final : public TokenExchange {
     return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
   }
   Tensor row_prob() const { return Tensor(row_prob_.data(), DType::kFP32, {saved_.rows}); }
-  // Zero in `buffer` the rows of the dropped group, after the experts' rows.
+  // Zero in `buffer` the rows of the dropped group, after the experts' rows: up to its end where
+  // the host knows it, else up to the end the layout holds on the device (the bound, T·K rows, is
+  // what a memset would have to take, most of them unused).
   void clear_dropped_rows(DeviceBuffer& buffer) const {
     const std::int64_t dropped_rows = saved_.all_rows - saved_.rows;
     if (dropped_rows == 0) return;
     const auto row_bytes = static_cast<std::size_t>(H_) * dtype_size(dtype_);
+    if (saved_.dropped_end_on_device) {
+      clear_rows_to(buffer.data(), row_bytes, saved_.rows, layout_.offsets() + groups_,
+                    saved_.all_rows, stream_);
+      return;
+    }
     MOE_CHECK_CUDA(cudaMemsetAsync(buffer.as<char>() + saved_.rows * row_bytes, 0,
                                    static_cast<std::size_t>(dropped_rows) * row_bytes, stream_));
   }
@@ -206,6 +216,9 @@ class LocalExchange final : public TokenExchange {
     std::int64_t all_rows = 0;  // rows, then the dropped group's in capacity mode
     // all_rows, or with fixed groups the most that all_rows can be: what Y and dY are sized for.
     std::int64_t reserved_rows = 0;
+    // Fixed groups without the counts on the host: the dropped group's end is on the device
+    // alone (the layout's offsets[groups_]), all_rows its bound.
+    bool dropped_end_on_device = false;
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };

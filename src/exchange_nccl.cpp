@@ -153,6 +153,7 @@ class NcclExchange final : public TokenExchange {
     saved_.sent_rows = 0;
     for (const std::int64_t rows : c.send_rows) saved_.sent_rows += rows;
     saved_.slot_rows_end = saved_.tokens * K_;
+    saved_.dropped_end_on_device = false;
     std::vector<std::int64_t> per_expert(E_loc_, 0);
     for (int src = 0; src < ranks_; ++src) {
       for (int e = 0; e < E_loc_; ++e) per_expert[e] += c.received[src * E_loc_ + e];
@@ -266,6 +267,7 @@ class NcclExchange final : public TokenExchange {
     mesh_.all_gather(tokens, tokens + 1, sizeof(std::int64_t), MeshGroup::kExpertParallel, stream_);
     saved_.sent_rows = E_ * C;
     saved_.slot_rows_end = slot_rows();  // the dropped group's bound, unless counted below
+    saved_.dropped_end_on_device = saved_.routing.has_dropped_group;
     if (saved_.routing.to_host) {
       const std::size_t totals_bytes = saved_.routing.totals_bytes;
       const std::size_t tokens_bytes = ranks_ * sizeof(std::int64_t);
@@ -291,6 +293,7 @@ class NcclExchange final : public TokenExchange {
       std::int32_t end = 0;
       std::memcpy(&end, host + totals_bytes + tokens_bytes, sizeof(end));
       saved_.slot_rows_end = end;
+      saved_.dropped_end_on_device = false;
     }
     fixed_counts_.send_rows.assign(ranks_, E_loc_ * C);
     fixed_counts_.recv_rows.assign(ranks_, E_loc_ * C);
@@ -492,10 +495,16 @@ class NcclExchange final : public TokenExchange {
   }
 
   // The dropped group's rows of slots(), which no exchange wrote, become zero: its exact extent
-  // where the counts came to the host, else its bound.
+  // where the counts came to the host, else up to the end the layout holds on the device (within
+  // the bound, most of which a step leaves unused).
   void clear_dropped_rows(void* slots_buffer, cudaStream_t stream) {
     const std::int64_t dropped = saved_.slot_rows_end - saved_.sent_rows;
     if (!saved_.routing.has_dropped_group || dropped <= 0) return;
+    if (saved_.dropped_end_on_device) {
+      clear_rows_to(slots_buffer, row_bytes_, saved_.sent_rows, layout_.offsets() + groups_,
+                    saved_.slot_rows_end, stream);
+      return;
+    }
     MOE_CHECK_CUDA(cudaMemsetAsync(static_cast<char*>(slots_buffer) + saved_.sent_rows * row_bytes_,
                                    0, static_cast<std::size_t>(dropped) * row_bytes_, stream));
   }
@@ -555,9 +564,10 @@ class NcclExchange final : public TokenExchange {
   struct Saved {
     SlotRouting routing;
     std::int64_t tokens = 0;
-    std::int64_t rows = 0;           // padding included
-    std::int64_t sent_rows = 0;      // this rank's rows sent to the experts (dropped ones stay)
-    std::int64_t slot_rows_end = 0;  // the end of the dropped group's rows (or their bound)
+    std::int64_t rows = 0;               // padding included
+    std::int64_t sent_rows = 0;          // this rank's rows sent to the experts (dropped ones stay)
+    std::int64_t slot_rows_end = 0;      // the end of the dropped group's rows (or their bound)
+    bool dropped_end_on_device = false;  // slot_rows_end is the bound; the end is the layout's
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };
