@@ -81,8 +81,12 @@ void PinnedBuffer::release() noexcept {
   bytes_ = 0;
 }
 
-Stream::Stream() {
-  MOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+Stream::Stream(StreamPriority priority) {
+  int least = 0, greatest = 0;
+  if (priority == StreamPriority::kGreatest)
+    MOE_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  MOE_CHECK_CUDA(cudaStreamCreateWithPriority(
+      &stream_, cudaStreamNonBlocking, priority == StreamPriority::kGreatest ? greatest : 0));
 }
 Stream::~Stream() {
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);

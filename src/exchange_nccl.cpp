@@ -555,7 +555,10 @@ class NcclExchange final : public TokenExchange {
   int chunk_count_ = 1;
   std::vector<ExpertSpan> spans_;
   std::vector<ChunkRanges> ranges_;
-  Stream pipe_;
+  // At the device's greatest priority: its kernels (NCCL's, the copies' signals, the chunks'
+  // staging) start ahead of the expert products' waiting blocks, so that the transfers begin
+  // as soon as their rows are ready rather than when an SM frees up behind the products.
+  Stream pipe_{StreamPriority::kGreatest};
   ExchangeStreamRegistration registered_{pipe_.get(), mesh_};
   std::vector<Event> arrived_, computed_;
   Event began_, finished_;

@@ -107,9 +107,15 @@ class PinnedBuffer {
   std::size_t bytes_ = 0;
 };
 
+// Which of the device's stream priorities a stream takes. Where kernels of several streams wait
+// for SMs, the block scheduler starts those of the higher-priority stream first (it never
+// preempts running blocks).
+enum class StreamPriority { kDefault, kGreatest };
+
 class Stream {
  public:
-  Stream();  // non-blocking with respect to the legacy default stream
+  // Non-blocking with respect to the legacy default stream.
+  explicit Stream(StreamPriority priority = StreamPriority::kDefault);
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
