@@ -251,7 +251,7 @@ TEST_CASE("load statistics accumulate routed and dropped slots over forwards",
       if (factor > 0) {
         CHECK(read_totals(load.dropped_per_expert) == dropped);
       } else {
-        CHECK(load.dropped_per_expert.numel() == 0);
+        CHECK(load.dropped_per_expert.data == nullptr);
       }
     }
     if (factor > 0) CHECK(std::accumulate(dropped.begin(), dropped.end(), std::int64_t{0}) > 0);

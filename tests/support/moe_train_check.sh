@@ -14,7 +14,7 @@ train() { mpirun -np "$gpus" --bind-to none -x NCCL_NVLS_ENABLE "$moe_train" --t
 train --steps 60 | tee "$dir/straight.txt"
 train --steps 30 --save "$dir/ckpt.safetensors" >"$dir/first.txt"
 train --steps 30 --load "$dir/ckpt.safetensors" | tee "$dir/resumed.txt"
-train --steps 30 --log-every 5 --capacity-factor 1.0 --json "$dir/capacity.json" | tee "$dir/capacity.txt"
+train --steps 30 --capacity-factor 1.0 --json "$dir/capacity.json" | tee "$dir/capacity.txt"
 
 python3 - "$dir" <<'PY'
 import sys
