@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Draws what moe_train prints, step by step, for several runs side by side: the first layer's load
-imbalance (the expert bias at work against a run without it), or the loss (an FP8 run against a
-bf16 one, with the relative gap of each run to the first drawn below). One PNG. Each run is its
-console log or its --json file (a name ending in .json).
+imbalance (the expert bias at work against a run without it), the share of its slots dropped
+(runs in capacity mode, moe_train --capacity-factor), or the loss (an FP8 run against a bf16 one,
+with the relative gap of each run to the first drawn below). One PNG. Each run is its console log
+or its --json file (a name ending in .json).
 
     python3 bench/plot_train.py --metric imbalance --out docs/expert_bias_balance.png \
         "bias rate 1e-3=train_bias.txt" "no bias update=train_still.txt"
     python3 bench/plot_train.py --metric loss --out docs/fp8_loss.png \
         "bf16=train_bf16.txt" "fp8=train_fp8.txt"
+    python3 bench/plot_train.py --metric dropped --out dropped.png \
+        "capacity 1.0=train_c1.json" "capacity 1.25=train_c125.json"
 """
 import argparse
 import json
@@ -20,6 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
                   r"([0-9.]+) per EP rank")
+DROPPED = re.compile(r"^step\s+(\d+)\s.*per EP rank\s+([0-9.]+)% dropped")
+JSON_KEYS = {"loss": "loss", "imbalance": "load_imbalance_expert", "dropped": "dropped_fraction"}
 
 
 def read_log(path, metric):
@@ -27,23 +32,26 @@ def read_log(path, metric):
     if path.endswith(".json"):
         with open(path) as f:
             log = json.load(f).get("log", [])
-        key = "loss" if metric == "loss" else "load_imbalance_expert"
+        key = JSON_KEYS[metric]
+        scale = 100.0 if metric == "dropped" else 1.0
         for entry in log:
-            if entry.get(key) is None:  # a non-finite value, which JSON writes as null
+            if entry.get(key) is None:  # non-finite (JSON null), or no drops: a dropless run
                 continue
             steps.append(int(entry["step"]))
-            values.append(float(entry[key]))
+            values.append(scale * float(entry[key]))
         if not steps:
-            raise SystemExit(f"{path}: no logged steps (a moe_train --json file?)")
+            raise SystemExit(f"{path}: no logged steps with {key} (a moe_train --json file"
+                             f"{', in capacity mode' if metric == 'dropped' else ''}?)")
         return steps, values
     with open(path) as f:
         for line in f:
-            m = LINE.match(line)
+            m = (DROPPED if metric == "dropped" else LINE).match(line)
             if m:
                 steps.append(int(m.group(1)))
-                values.append(float(m.group(2) if metric == "loss" else m.group(3)))
+                values.append(float(m.group(2) if metric in ("loss", "dropped") else m.group(3)))
     if not steps:
-        raise SystemExit(f"{path}: no 'step ... loss ... load max/mean' lines (a moe_train log?)")
+        wanted = "'... % dropped'" if metric == "dropped" else "'step ... loss ... load max/mean'"
+        raise SystemExit(f"{path}: no {wanted} lines (a moe_train log?)")
     return steps, values
 
 
@@ -52,7 +60,7 @@ def main():
     parser.add_argument("runs", nargs="+",
                         help="LABEL=LOG, a moe_train log or --json file each")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--metric", choices=["imbalance", "loss"], default="imbalance")
+    parser.add_argument("--metric", choices=["imbalance", "dropped", "loss"], default="imbalance")
     parser.add_argument("--title")
     args = parser.parse_args()
     runs = []
@@ -62,13 +70,18 @@ def main():
             raise SystemExit(f"'{run}': expected LABEL=LOG")
         runs.append((label, *read_log(path, args.metric)))
 
-    if args.metric == "imbalance":
+    if args.metric in ("imbalance", "dropped"):
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, steps, values in runs:
             ax.plot(steps, values, label=label)
-        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-        ax.set_ylabel("tokens per expert, max / mean")
-        ax.set_title(args.title or "moe_train: load imbalance of the first layer")
+        if args.metric == "imbalance":
+            ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+            ax.set_ylabel("tokens per expert, max / mean")
+            ax.set_title(args.title or "moe_train: load imbalance of the first layer")
+        else:
+            ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
+            ax.set_ylabel("slots dropped, %")
+            ax.set_title(args.title or "moe_train: slots the first layer dropped")
         ax.legend()
         bottom = ax
     else:
