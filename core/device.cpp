@@ -166,7 +166,10 @@ CudaGraph::CudaGraph(cudaStream_t stream, const std::function<void()>& work) {
   }
   MOE_CHECK_CUDA(cudaStreamEndCapture(stream, &graph_));
   try {
-    MOE_CHECK_CUDA(cudaGraphInstantiate(&exec_, graph_, 0));
+    // Each kernel keeps the priority of the stream it was captured from (the exchange's stream
+    // runs above the others); without the flag a replay would run them all at the priority of
+    // the stream it is launched into.
+    MOE_CHECK_CUDA(cudaGraphInstantiate(&exec_, graph_, cudaGraphInstantiateFlagUseNodePriority));
   } catch (...) {
     release();
     throw;

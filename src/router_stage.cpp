@@ -40,6 +40,8 @@ void RouterStage::forward(const Tensor& logits, const Tensor& expert_bias,
   a.z_sum = typed<float>(z_sum_, 1);
   typed<std::int32_t>(global_load_, E);
   if (config_.capacity_mode()) typed<std::int32_t>(global_dropped_, E);
+  // The totals (and in capacity mode the drops') exist before reduce_losses queues its group.
+  if (load_total_.bytes() == 0) reset_load_total(stream);
   auto* totals = typed<RouterTotals>(scalars_, 1);
   a.expert_bias = config_.expert_bias ? expert_bias.as<float>() : nullptr;
   const std::size_t workspace_bytes = router_workspace_bytes(params_, T);
@@ -135,7 +137,6 @@ void RouterStage::reduce_losses(const std::int32_t* dropped, cudaStream_t stream
                    stream);
   mesh_.all_reduce(totals->forward_agreement, 2, ncclInt64, ncclMax, MeshGroup::kWorld, stream);
   mesh_.group_end("the loss statistics all-reduce");
-  if (load_total_.bytes() == 0) reset_load_total(stream);
   accumulate_load(load_total_.as<std::int64_t>(), global_load_.as<std::int32_t>(), E, stream);
   if (dropped != nullptr) {
     accumulate_load(drop_total_.as<std::int64_t>(), global_dropped_.as<std::int32_t>(), E, stream);
