@@ -208,7 +208,7 @@ int main(int argc, char** argv) {
       ->check(cli::finite_in(0, 100));
   app.add_option("--capacity-factor", capacity_factor,
                  "capacity mode with this factor; 0 for dropless (default: the config's)")
-      ->check(cli::finite_in(0, 1e4));
+      ->check(cli::finite_in(0, kMaxCapacityFactor));
   app.add_option("--drop-policy", drop_policy, "capacity mode's drop policy: probs or position")
       ->check(CLI::IsMember({"probs", "position"}));
   app.add_flag("--pad-to-capacity", pad_to_capacity,
@@ -274,9 +274,7 @@ int main(int argc, char** argv) {
       fail("--drop-policy {} needs capacity mode (--capacity-factor, or the config's)",
            drop_policy);
     if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
-    if (static_cast<std::int64_t>(config.bench_tokens) * config.topk > INT32_MAX)
-      fail("{} tokens × topk {} = {} slots a rank exceed the int32 row index", config.bench_tokens,
-           config.topk, static_cast<std::int64_t>(config.bench_tokens) * config.topk);
+    cli::check_slots_fit(config.bench_tokens, config.topk);
     config.validate();
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
     if (graph && !config.pad_to_capacity)

@@ -469,7 +469,7 @@ int main(int argc, char** argv) {
   app.add_option("--capacity-factor", o.capacity_factor,
                  "capacity mode with this factor in the trained stack, 0 for dropless (default: "
                  "the config's); the teacher never drops")
-      ->check(cli::finite_in(0, 1e4));
+      ->check(cli::finite_in(0, kMaxCapacityFactor));
   app.add_option("--save", o.save_path, "write a checkpoint (safetensors) at the end");
   app.add_option("--load", o.load_path, "resume from a checkpoint")->check(CLI::ExistingFile);
   app.add_option("--json", o.json_path,
@@ -489,11 +489,15 @@ int main(int argc, char** argv) {
     MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
     if (o.fp8) config.fp8 = true;
     if (o.capacity_factor >= 0) config.capacity_factor = o.capacity_factor;
-    if (o.capacity_factor == 0) config.pad_to_capacity = false;  // dropless: no fixed blocks
+    if (o.capacity_factor == 0) {  // dropless: the config's capacity settings go with its factor
+      config.pad_to_capacity = false;
+      config.drop_policy = DropPolicy::kProbs;
+    }
     if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers, config);
     comm::MpiSession mpi(&argc, &argv);
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());
     config.validate();
+    cli::check_slots_fit(o.tokens, config.topk);
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
     // Every setting is checked first, on any machine.
     if (cuda_device_count() == 0) {

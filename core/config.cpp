@@ -223,6 +223,11 @@ void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(std::isfinite(capacity_factor) && capacity_factor >= 0,
                      "capacity_factor = {} must be positive and finite (absent = dropless)",
                      capacity_factor);
+  MOE_CONFIG_REQUIRE(capacity_factor <= kMaxCapacityFactor,
+                     "capacity_factor = {} is past {} (from num_experts / topk = {} on, every "
+                     "expert may take every token)",
+                     capacity_factor, kMaxCapacityFactor,
+                     topk > 0 ? static_cast<double>(num_experts) / topk : 0.0);
   MOE_CONFIG_REQUIRE(drop_policy == DropPolicy::kProbs || drop_policy == DropPolicy::kPosition,
                      "drop_policy = {} must be probs or position", static_cast<int>(drop_policy));
   MOE_CONFIG_REQUIRE(capacity_mode() || drop_policy == DropPolicy::kProbs,

@@ -34,16 +34,20 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$out" ] || usage
 moe_require_configs_and_tokens "$configs" "$tokens"
+set -f  # the lists below split on spaces alone: a '*' is no file name pattern
+[ -n "${factors// /}" ] || { echo "error: --factors names no capacity factor" >&2; exit 2; }
 for f in $factors; do
-  [[ "$f" =~ ^[0-9]+(\.[0-9]+)?$ ]] && awk -v f="$f" 'BEGIN { exit !(f > 0) }' ||
-    { echo "error: --factors '$f' is not a positive capacity factor" >&2; exit 2; }
+  # A decimal number in (0, 10000], moe_bench's range for --capacity-factor.
+  [[ "$f" =~ ^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] &&
+    awk -v f="$f" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 10000) }' ||
+    { echo "error: --factors '$f' is not a capacity factor in (0, 10000]" >&2; exit 2; }
 done
 [ -z "$grad" ] || [ "$grad" = bf16 ] || [ "$grad" = fp32 ] ||
   { echo "error: --grad-dtype '$grad' is neither bf16 nor fp32" >&2; exit 2; }
 [[ "$iters" =~ ^[1-9][0-9]{0,4}$ ]] || { echo "error: --iters '$iters' is not a count of steps" >&2; exit 2; }
-mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
+mkdir -p "$out" || exit 2
 common=(--iters "$iters" --stage-lead-ms 0)
 [ -n "$grad" ] && common+=(--grad-dtype "$grad")
 status=0

@@ -58,13 +58,16 @@ moe_build() {
 # every token count a positive integer; exits 2 with the offending value otherwise.
 moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "TOKENS"
   local configs=$1 tokens=$2 t c
+  local -  # the option below stays inside this function
+  set -f    # the lists split on spaces alone: a '*' is no file name pattern
   [ -n "${configs// /}" ] || { echo "error: --configs names no config" >&2; exit 2; }
   for c in $configs; do
     [ -f "$MOE_ROOT/configs/$c.yaml" ] ||
       { echo "error: --configs '$c' is not one of $MOE_ROOT/configs/*.yaml" >&2; exit 2; }
   done
   for t in $tokens; do
-    [[ "$t" =~ ^[1-9][0-9]*$ ]] || { echo "error: --tokens '$t' is not a token count" >&2; exit 2; }
+    [[ "$t" =~ ^[1-9][0-9]{0,9}$ ]] && [ "$t" -le $((1 << 30)) ] ||
+      { echo "error: --tokens '$t' is not a token count in [1, 2^30]" >&2; exit 2; }
   done
   [ -n "${tokens// /}" ] || { echo "error: --tokens names no token count" >&2; exit 2; }
 }

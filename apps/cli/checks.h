@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include <charconv>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -74,22 +75,51 @@ inline CLI::Validator finite_in(double low, double high) {
       fmt::format("in [{}, {}]", low, high));
 }
 
-// A whole number of at most 64 bits, no sign (a seed): "-1" would wrap to 2^64 - 1.
+// Whether a whole number's text starts with a zero that is not the whole number: CLI11's own
+// conversion reads such text as octal (010 as 8), so it is refused, as the config loader does.
+inline bool has_leading_zero(std::string_view text) {
+  if (!text.empty() && text.front() == '-') text.remove_prefix(1);
+  return text.size() > 1 && text.front() == '0';
+}
+
+// A whole number of at most 64 bits, no sign (a seed): "-1" would wrap to 2^64 - 1. Decimal
+// digits alone.
 inline CLI::Validator unsigned_integer() {
   return CLI::Validator(
       [](std::string& text) -> std::string {
         std::uint64_t value = 0;
         const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-        if (text.empty() || error != std::errc() || end != text.data() + text.size())
+        if (text.empty() || error != std::errc() || end != text.data() + text.size() ||
+            has_leading_zero(text))
           return fmt::format("'{}' is not a whole number in [0, 2^64 - 1]", text);
         return {};
       },
       "UINT");
 }
 
-// An integer in [low, high], the bounds printed as integers.
-inline CLI::Range count_in(long long low, long long high) {
-  return CLI::Range(low, high);
+// An integer in [low, high], written in decimal digits with an optional minus sign: no hex, no
+// exponent, no spaces, no leading zero (CLI11 alone would take 0x10 and read 010 as octal).
+inline CLI::Validator count_in(long long low, long long high) {
+  return CLI::Validator(
+      [low, high](std::string& text) -> std::string {
+        long long value = 0;
+        const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+        if (text.empty() || error == std::errc::invalid_argument ||
+            end != text.data() + text.size() || has_leading_zero(text))
+          return fmt::format("'{}' is not a whole number (decimal digits, no leading zero)", text);
+        if (error == std::errc::result_out_of_range || value < low || value > high)
+          return fmt::format("{} is not in [{}, {}]", text, low, high);
+        return {};
+      },
+      fmt::format("in [{}, {}]", low, high));
+}
+
+// A rank's T · K slots are indexed by int32 on the GPU: a token count past that is refused
+// before the GPU is looked for.
+inline void check_slots_fit(std::int64_t tokens, int topk) {
+  if (tokens * topk > INT32_MAX)
+    moe::fail("{} tokens × topk {} = {} slots a rank exceed the int32 row index", tokens, topk,
+              tokens * topk);
 }
 
 // The mesh's {ep, dp} over the `world` ranks mpirun started, from --ep and --dp (0: not given).

@@ -41,9 +41,12 @@ inline constexpr int kMaxHidden = 1 << 20;
 // kMaxExperts groups under 8.4M rows, well inside the kernels' int32 row index.
 inline constexpr int kMaxAlignSize = 4096;
 // The largest capacity of capacity mode, in rows: an expert's rows are indexed by int32 on the
-// GPU, and with pad_to_capacity every (source rank, expert) block is allocated at this size, so
-// a capacity_factor typo (1e9 for 1.0) fails when the capacity is computed, not in an allocation.
+// GPU, and with pad_to_capacity every (source rank, expert) block is allocated at this size.
 inline constexpr std::int64_t kMaxCapacityRows = (std::int64_t{1} << 31) - 1;
+// The largest capacity_factor. From num_experts / topk on (at most kMaxExperts) every expert may
+// take every token: the capacity is capped at T and a larger factor changes nothing, so one past
+// this bound is a typo (1e9 for 1.0) that would otherwise pad every expert to T rows.
+inline constexpr double kMaxCapacityFactor = 1e4;
 
 struct MoEConfig {
   // Shapes.

@@ -231,6 +231,8 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"capacity_factor", ".nan"}}, "capacity_factor = nan must be positive and finite"},
       {{{"capacity_factor", ".inf"}}, "capacity_factor = inf must be positive and finite"},
       {{{"capacity_factor", "lots"}}, "capacity_factor = 'lots' is not a valid value"},
+      // A typo for 1.0, which would pad every expert to T rows.
+      {{{"capacity_factor", "1e9"}}, "capacity_factor = 1000000000 is past 10000"},
       {{{"capacity_factor", "1.25"}, {"drop_policy", "random"}},
        "drop_policy = 'random' is not one of probs, position"},
       {{{"drop_policy", "position"}}, "drop_policy = position needs capacity_factor"},

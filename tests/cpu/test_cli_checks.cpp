@@ -1,0 +1,78 @@
+// The apps' option checks (apps/cli/checks.h) on the text a user types: counts, seeds and real
+// numbers in decimal alone (no hex, no octal-looking leading zero), their bounds, and the value
+// CLI11 then converts.
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cli/checks.h"
+#include "support/catch.h"
+
+namespace {
+
+// Parses `--value TEXT` into an option checked by `check`; returns the error CLI11 gives, or
+// empty when it was taken.
+template <typename T>
+std::string parse(const std::string& text, const CLI::Validator& check, T& value) {
+  CLI::App app("test");
+  app.add_option("--value", value)->check(check);
+  std::vector<std::string> args = {text, "--value"};  // CLI11 parses a reversed vector
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("count_in takes decimal whole numbers within its bounds", "[cpu][cli]") {
+  int value = -1;
+  CHECK(parse("42", moe::cli::count_in(1, 100), value).empty());
+  CHECK(value == 42);
+  CHECK(parse("-3", moe::cli::count_in(-5, 5), value).empty());
+  CHECK(value == -3);
+  CHECK(parse("0", moe::cli::count_in(0, 5), value).empty());
+  CHECK(value == 0);
+  // A leading zero would be read as octal (010 as 8): refused.
+  for (const std::string bad :
+       {"010", "-05", "00", "0x10", " 5", "5 ", "1e3", "2.0", "", "+", "ten", "5x"}) {
+    INFO("'" << bad << "'");
+    CHECK_THAT(parse(bad, moe::cli::count_in(1, 100000), value),
+               moe::test::contains_text("is not a whole number"));
+  }
+  CHECK_THAT(parse("101", moe::cli::count_in(1, 100), value),
+             moe::test::contains_text("101 is not in [1, 100]"));
+  CHECK_THAT(parse("0", moe::cli::count_in(1, 100), value),
+             moe::test::contains_text("0 is not in [1, 100]"));
+  CHECK_THAT(parse("99999999999999999999", moe::cli::count_in(1, 100), value),
+             moe::test::contains_text("is not in [1, 100]"));
+}
+
+TEST_CASE("unsigned_integer takes decimal seeds up to 2^64 - 1", "[cpu][cli]") {
+  std::uint64_t seed = 0;
+  CHECK(parse("18446744073709551615", moe::cli::unsigned_integer(), seed).empty());
+  CHECK(seed == UINT64_MAX);
+  CHECK(parse("0", moe::cli::unsigned_integer(), seed).empty());
+  CHECK(seed == 0);
+  for (const std::string bad : {"-1", "0017", "0x10", " 7", "18446744073709551616", ""}) {
+    INFO("'" << bad << "'");
+    CHECK_THAT(parse(bad, moe::cli::unsigned_integer(), seed),
+               moe::test::contains_text("is not a whole number in [0, 2^64 - 1]"));
+  }
+}
+
+TEST_CASE("finite_in takes decimal reals within its bounds", "[cpu][cli]") {
+  double value = 0.0;
+  CHECK(parse("1.25", moe::cli::finite_in(0, 1e4), value).empty());
+  CHECK(value == 1.25);
+  CHECK(parse("1e-1", moe::cli::finite_in(0, 1e4), value).empty());
+  CHECK(value == 0.1);
+  for (const std::string bad : {"0x1p3", " 1", "nan", "inf", "-1", "1e9", ""}) {
+    INFO("'" << bad << "'");
+    CHECK_FALSE(parse(bad, moe::cli::finite_in(0, 1e4), value).empty());
+  }
+}
