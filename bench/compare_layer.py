@@ -74,8 +74,10 @@ def main():
           "gradients freed before each step; kept: with gradients kept across steps; reserved: peak the "
           "caching allocator held; dense%: of the dense GEMM rate under sustained load (TFLOP/s, and the "
           "rate of a short burst, in the last columns); compiled ms: the peer through torch.compile; "
-          "ratio: ours against the faster peer")
-    print(f"\n{'config':<16} {'GPUs':>4} {'ours ms':>9} {'torch ms':>9} {'compiled':>9} {'ratio':>6} {'dense%':>7} "
+          "ratio: ours against the faster peer; at floor: the ratio a layer at our roofline floor "
+          "(moe_bench's step floor) would reach against it")
+    print(f"\n{'config':<16} {'GPUs':>4} {'ours ms':>9} {'torch ms':>9} {'compiled':>9} {'ratio':>6} "
+          f"{'at floor':>8} {'dense%':>7} "
           f"{'ours GiB':>9} {'torch GiB':>9} {'kept':>9} {'reserved':>9} {'dense':>6} {'burst':>6} {'mesh GiB':>9}")
     for r in rows:
         o, p = r["ours"], r["peer"]
@@ -86,6 +88,7 @@ def main():
         # The strongest peer: the faster of the two that ran (nan only if neither did).
         peer_ms = min((t for t in (eager_ms, compiled_ms) if t == t), default=float("nan"))
         dense = 100 * o["fraction_of_dense"] if o else float("nan")
+        floor_ms = o.get("step_floor_ms", float("nan")) if o else float("nan")
         ours_gib = o["memory_bytes"] / 2**30 if o else float("nan")
         peer_gib = p["memory_bytes"] / 2**30 if p else float("nan")
         peer_reserved = p.get("memory_reserved_bytes", float("nan")) / 2**30 if p else float("nan")
@@ -94,7 +97,7 @@ def main():
         dense_rate = o["dense_TFLOPs"] if o else float("nan")
         burst_rate = o.get("dense_TFLOPs_burst", float("nan")) if o else float("nan")
         print(f"{r['config']:<16} {r['ranks']:>4} {ours_ms:9.3f} {eager_ms:9.3f} {compiled_ms:9.3f} "
-              f"{ours_ms / peer_ms:5.2f}x "
+              f"{ours_ms / peer_ms:5.2f}x {floor_ms / peer_ms:7.2f}x "
               f"{dense:6.0f}% {ours_gib:9.2f} {peer_gib:9.2f} {peer_kept:9.2f} {peer_reserved:9.2f} "
               f"{dense_rate:6.0f} {burst_rate:6.0f} {mesh_gib:9.2f}")
     with open(os.path.join(args.out, "layer_compare.json"), "w") as f:
