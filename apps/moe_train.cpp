@@ -21,6 +21,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <charconv>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "apps/train_kernels.cuh"
@@ -104,6 +106,15 @@ std::vector<float> download(const void* device, std::int64_t count, cudaStream_t
   return host;
 }
 
+// A checkpoint's metadata value that counts something: decimal digits alone, within an int.
+int metadata_count(const std::string& path, std::string_view key, const std::string& text) {
+  int value = -1;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < 0)
+    fail("{}: metadata {} = '{}' is not a non-negative integer", path, key, text);
+  return value;
+}
+
 // Checkpoints: every tensor in F32 over all E experts. Expert slices travel over the EP group of
 // DP index 0 (world ranks 0 .. EP-1) to rank 0, which writes the file.
 class Checkpoint {
@@ -162,16 +173,10 @@ class Checkpoint {
   }
 
  private:
-  // A non-negative integer the checkpoint's metadata must hold.
   static int metadata_int(const TensorFile& file, const std::string& path, const char* key) {
     const auto found = file.metadata.find(key);
     if (found == file.metadata.end()) fail("{} has no '{}' in its metadata", path, key);
-    try {
-      const int value = std::stoi(found->second);
-      if (value >= 0) return value;
-    } catch (const std::exception&) {
-    }
-    fail("{}: metadata {} = '{}' is not a non-negative integer", path, key, found->second);
+    return metadata_count(path, key, found->second);
   }
 
   // Adds the whole tensor (all experts) to the file on rank 0.
@@ -212,13 +217,18 @@ class Checkpoint {
 // What the header of a checkpoint to resume from must say, checked before anything starts: a
 // moe_train checkpoint of as many layers, each with every tensor the model's layer holds, F32 in
 // the layer's shapes (all experts: the checkpoint is the whole model, whatever the mesh).
-void check_checkpoint_header(const std::string& path, int layers, const MoEConfig& config) {
+void check_checkpoint_header(const std::string& path, int layers, int steps,
+                             const MoEConfig& config) {
   const TensorFileReader file(path);
   const auto& metadata = file.metadata();
   for (const char* key : {"step", "layers", "config"}) {
     if (metadata.find(key) == metadata.end())
       fail("--load '{}' is not a moe_train checkpoint: its metadata has no '{}'", path, key);
   }
+  const int step = metadata_count(path, "step", metadata.at("step"));
+  if (step > INT_MAX - steps)
+    fail("--load '{}' was taken at step {}: {} more (--steps) pass the largest step, {}", path,
+         step, steps, INT_MAX);
   if (metadata.at("layers") != std::to_string(layers))
     fail("--load '{}' holds {} layers, the model has {} (--layers)", path, metadata.at("layers"),
          layers);
@@ -493,7 +503,7 @@ int main(int argc, char** argv) {
       config.pad_to_capacity = false;
       config.drop_policy = DropPolicy::kProbs;
     }
-    if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers, config);
+    if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers, o.steps, config);
     comm::MpiSession mpi(&argc, &argv);
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());
     config.validate();

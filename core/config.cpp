@@ -601,7 +601,11 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
   if (seen.count("drop_policy") != 0 && !config.capacity_mode())
     fail("{}: drop_policy = {} needs capacity_factor (capacity mode)", source,
          drop_policy_name(config.drop_policy));
-  config.validate();
+  try {
+    config.validate();
+  } catch (const Error& e) {  // the file's name first, as for every other error of the file
+    fail("{}: {}", source, e.what());
+  }
   return config;
 }
 

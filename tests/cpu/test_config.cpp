@@ -237,7 +237,9 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
        "drop_policy = 'random' is not one of probs, position"},
       {{{"drop_policy", "position"}}, "drop_policy = position needs capacity_factor"},
       {{{"drop_policy", "probs"}}, "drop_policy = probs needs capacity_factor"},
-      {{{"pad_to_capacity", "true"}}, "pad_to_capacity = true needs capacity_factor"},
+      // The validation's errors name the file too.
+      {{{"pad_to_capacity", "true"}},
+       "test.yaml: invalid MoEConfig: pad_to_capacity = true needs capacity_factor"},
       {{{"shared_gate", "true"}}, "shared_gate = true needs shared_ffn_hidden > 0"},
       {{{"shared_ffn_hidden", "0"}, {"shared_gate", "true"}},
        "shared_gate = true needs shared_ffn_hidden > 0"},

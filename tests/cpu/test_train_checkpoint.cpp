@@ -1,6 +1,7 @@
 // moe_train --load: a checkpoint whose header does not hold the model's layers (a missing tensor,
-// a wrong shape or dtype, another layer count) is refused by name before MPI or a GPU is touched,
-// so the error is the same on any machine. And --help beside a bad value prints the help.
+// a wrong shape or dtype, another layer count, a step that is no count) is refused by name before
+// MPI or a GPU is touched, so the error is the same on any machine. And --help beside a bad value
+// prints the help.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -101,6 +102,25 @@ TEST_CASE("moe_train --load refuses a checkpoint of another model by name", "[cp
   CHECK(d.load(reshaped, error) == 1);
   CHECK_THAT(error, test::contains_text("layers.0.w13 is F32[4, 6, 16], the model's layer needs "
                                         "F32[4, 12, 8]"));
+}
+
+TEST_CASE("moe_train --load refuses a step it cannot count from, by value", "[cpu][train]") {
+  const TrainDir d;
+  std::string error;
+  for (const std::string step : {"abc", "-3", "12x", " 7", "", "99999999999"}) {
+    INFO("step '" << step << "'");
+    TensorFile file = checkpoint(2);
+    file.metadata["step"] = step;
+    CHECK(d.load(file, error) == 1);
+    CHECK_THAT(error,
+               test::contains_text("metadata step = '" + step + "' is not a non-negative integer"));
+  }
+  // The step it was taken at, and one more (--steps 1), pass the largest step count.
+  TensorFile last = checkpoint(2);
+  last.metadata["step"] = "2147483647";
+  CHECK(d.load(last, error) == 1);
+  CHECK_THAT(error, test::contains_text("was taken at step 2147483647: 1 more (--steps) pass the "
+                                        "largest step"));
 }
 
 TEST_CASE("--help prints the help even beside a bad value", "[cpu][train]") {
