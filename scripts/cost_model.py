@@ -7,7 +7,8 @@ between nodes, with and without overlapping the exchange with the GEMMs.
     python3 scripts/cost_model.py configs/deepseek-v3.yaml [--tokens 8192] [--imbalance 1.2]
         [--gpus-per-node 8] [--nvlink-gbs 330] [--ib-gbs 50] [--gemm-tflops 770]
         [--dense-tflops 715] [--half-rate-inner 380] [--copy-gbs 4190] [--grad-bytes 4] [--fixed-ms 0.3]
-        [--transport peer|nccl|copy] [--exchange-efficiency E] [--chunks C] [--ep 1 2 4 8 ... 256]
+        [--transport peer|nccl|copy] [--exchange-efficiency E] [--chunks C] [--fp8-dispatch]
+        [--ep 1 2 4 8 ... 256]
 
 The rates default to what docs/performance.md measured on H200s of one host: NVLink p2p ~330 GB/s
 per GPU, HBM copies at 4190 GB/s, and expert products that reach min(770 TFLOP/s × k / (k + 380),
@@ -18,6 +19,10 @@ exchange reaches: 1 for the peer exchange, about 0.6 for the NCCL one (the same 
 for the copy exchange (0.57 and 0.73 at EP 2 on 2 × H200, deepseek-v3 and qwen3-30b-a3b).
 --chunks is the NCCL or copy exchange's pipeline; by default the layer's automatic count at each
 EP (MoEConfig::effective_exchange_chunks). The peer exchange does not pipeline.
+--fp8-dispatch prices the exchanges toward the experts as E4M3 rows with an fp32 scale per 128
+values, H + 4 · ceil(H / 128) bytes a row: the forward's dispatch of x (and the peer exchange's
+second one) and the backward's of dy, as DeepSeek-V3 trained; the exchanges back from the experts
+(the combine's y, the backward's dx) carry bf16 rows.
 """
 import argparse
 import math
@@ -109,6 +114,8 @@ def predict(config, tokens, ep, args):
         return None
     act_bytes = 4 if config.get("dtype", "bf16") == "fp32" else 2
     row_bytes = H * act_bytes
+    # An E4M3 row and its scales, one fp32 per 1 × 128 block.
+    fp8_row_bytes = H + 4 * math.ceil(H / 128)
     # Expert GEMMs. Each GPU computes the rows its E/EP experts receive: T·K·EP/E each on average,
     # imbalance × that on the most loaded GPU, which the step waits for. A product's tiles each
     # walk its inner dimension k, paying a fixed prologue and epilogue: it runs at
@@ -135,19 +142,30 @@ def predict(config, tokens, ep, args):
     # The rows that stay are still read and written once in HBM.
     gpn = min(args.gpus_per_node, ep)
     slots = tokens * K * args.imbalance
-    local = slots / ep * row_bytes * 2
-    intra = slots * (gpn - 1) / ep * row_bytes
-    inter = slots * (ep - gpn) / ep * row_bytes
-    # HBM, NVLink and InfiniBand run side by side: an exchange takes as long as its slowest share.
     efficiency = exchange_efficiency(args)
-    exchange_ms = max(local / (args.copy_gbs * 1e9),
-                      intra / (args.nvlink_gbs * 1e9 * efficiency),
-                      inter / (args.ib_gbs * 1e9 * efficiency)) * 1e3
+
+    def shares(row):
+        """One exchange's bytes kept in HBM (read and written), over NVLink and over IB."""
+        return (slots / ep * row * 2, slots * (gpn - 1) / ep * row, slots * (ep - gpn) / ep * row)
+
+    def exchange_seconds(row):
+        """HBM, NVLink and InfiniBand run side by side: an exchange takes its slowest share."""
+        local, intra, inter = shares(row)
+        return max(local / (args.copy_gbs * 1e9), intra / (args.nvlink_gbs * 1e9 * efficiency),
+                   inter / (args.ib_gbs * 1e9 * efficiency))
+
+    local, intra, inter = shares(row_bytes)
     # Dispatch, combine and their mirrors; the peer exchange stores x into the experts' rows once
-    # more in the backward, unless the config keeps the experts' input from the forward.
+    # more in the backward, unless the config keeps the experts' input from the forward. With
+    # FP8 dispatch, the exchanges toward the experts (x, its second store, dy) carry E4M3 rows.
     keeps_input = config.get("keep_expert_input", "false") == "true"
     count = 5 if args.transport == "peer" and not keeps_input else 4
-    exchanges_ms = count * exchange_ms
+    toward = count - 2  # all but the combine's y and the backward's dx
+    fp8 = getattr(args, "fp8_dispatch", False)
+    in_row = fp8_row_bytes if fp8 else row_bytes
+    exchanges_ms = ((count - toward) * exchange_seconds(row_bytes) +
+                    toward * exchange_seconds(in_row)) * 1e3
+    moved = (count - toward) * sum(shares(row_bytes)[1:]) + toward * sum(shares(in_row)[1:])
     serial = gemm_ms + exchanges_ms + args.fixed_ms
     # Overlap hides each exchange under the GEMMs of the other chunks, except the first dispatch
     # chunk and the last combine chunk of each direction (1/chunks of each exchange), but only as
@@ -168,7 +186,7 @@ def predict(config, tokens, ep, args):
         "ep": ep,
         "chunks": chunks,
         "nodes": (ep + args.gpus_per_node - 1) // args.gpus_per_node,
-        "bytes_mb": count * (intra + inter) / 1e6,
+        "bytes_mb": moved / 1e6,
         "gemm_ms": gemm_ms,
         "exchange_ms": exchanges_ms,
         "serial_ms": serial,
@@ -210,6 +228,9 @@ def build_parser():
                              "NVLink or HBM bounds the exchange (measured 0.06-0.27 at EP 2)")
     parser.add_argument("--overlap-share-ib", type=float, default=1.0,
                         help="the same where InfiniBand bounds it (assumed, not measured)")
+    parser.add_argument("--fp8-dispatch", action="store_true",
+                        help="the exchanges toward the experts (x, dy) carry E4M3 rows and their "
+                             "1 x 128 scales")
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     return parser
 

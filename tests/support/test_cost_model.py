@@ -114,6 +114,28 @@ class CostModel(unittest.TestCase):
             self.assertAlmostEqual(p["exchange_ms"], want, delta=want * 1e-12)
             self.assertAlmostEqual(p["bytes_mb"], 4 * leaving / 1e6, places=6)
 
+    def test_fp8_dispatch_carries_e4m3_rows_and_scales_toward_the_experts(self):
+        H, F, E, K, T = 7168, 2048, 256, 8, 8192
+        fp8_row, bf16_row = H + 4 * (H // 128), 2 * H
+        for transport, toward in (("nccl", 2), ("peer", 3)):
+            args = rates(copy_gbs=INSTANT, transport=transport, exchange_efficiency=1.0)
+            plain = cost_model.predict(layer(H, F, E, K), T, 8, args)
+            args.fp8_dispatch = True
+            fp8 = cost_model.predict(layer(H, F, E, K), T, 8, args)
+            count = 2 + toward
+            leaving = T * K * 7 / 8
+            want = ((count - toward) * bf16_row + toward * fp8_row) * leaving
+            self.assertAlmostEqual(fp8["bytes_mb"], want / 1e6, places=6)
+            self.assertAlmostEqual(fp8["exchange_ms"], want / 330e9 * 1e3,
+                                   delta=fp8["exchange_ms"] * 1e-12)
+            self.assertAlmostEqual(plain["bytes_mb"], count * bf16_row * leaving / 1e6, places=6)
+            self.assertEqual(fp8["gemm_ms"], plain["gemm_ms"])
+        # A width that is no multiple of 128 pays a whole scale for its last block.
+        args = rates(copy_gbs=INSTANT, transport="nccl", exchange_efficiency=1.0, fp8_dispatch=True)
+        p = cost_model.predict(layer(200, 64, 8, 2), 1024, 2, args)
+        want = (2 * 400 + 2 * (200 + 4 * 2)) * 1024 * 2 / 2
+        self.assertAlmostEqual(p["bytes_mb"], want / 1e6, places=9)
+
     def test_across_nodes_the_infiniband_share_bounds_the_exchange(self):
         H, F, E, K, T = 2048, 512, 64, 4, 8192
         args = rates(copy_gbs=INSTANT, transport="nccl", exchange_efficiency=1.0)
