@@ -251,14 +251,9 @@ int main(int argc, char** argv) {
     if (gemm_workspace_mib >= 0) config.gemm_workspace_mib = gemm_workspace_mib;
     if (!ep_transport.empty()) config.ep_transport = parse_ep_transport(ep_transport);
     if (exchange_chunks >= 0) config.exchange_chunks = exchange_chunks;
-    if (capacity_factor > 0) config.capacity_factor = capacity_factor;
-    if (capacity_factor == 0) {  // dropless: the config's capacity settings go with its factor
-      if (pad_to_capacity)
-        fail("--pad-to-capacity needs capacity mode, but --capacity-factor is 0");
-      config.capacity_factor = 0;
-      config.drop_policy = DropPolicy::kProbs;
-      config.pad_to_capacity = false;
-    }
+    if (capacity_factor == 0 && pad_to_capacity)
+      fail("--pad-to-capacity needs capacity mode, but --capacity-factor is 0");
+    cli::apply_capacity_factor(config, capacity_factor);
     if (!drop_policy.empty()) config.drop_policy = parse_drop_policy(drop_policy);
     if (pad_to_capacity) config.pad_to_capacity = true;
     if (fp8) config.fp8 = true;

@@ -498,11 +498,7 @@ int main(int argc, char** argv) {
     }
     MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
     if (o.fp8) config.fp8 = true;
-    if (o.capacity_factor >= 0) config.capacity_factor = o.capacity_factor;
-    if (o.capacity_factor == 0) {  // dropless: the config's capacity settings go with its factor
-      config.pad_to_capacity = false;
-      config.drop_policy = DropPolicy::kProbs;
-    }
+    cli::apply_capacity_factor(config, o.capacity_factor);
     if (!o.load_path.empty()) check_checkpoint_header(o.load_path, o.layers, o.steps, config);
     comm::MpiSession mpi(&argc, &argv);
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());

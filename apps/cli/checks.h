@@ -17,6 +17,7 @@
 #include <string_view>
 #include <utility>
 
+#include "moe/config.h"
 #include "moe/error.h"
 
 namespace moe::cli {
@@ -120,6 +121,18 @@ inline void check_slots_fit(std::int64_t tokens, int topk) {
   if (tokens * topk > INT32_MAX)
     moe::fail("{} tokens × topk {} = {} slots a rank exceed the int32 row index", tokens, topk,
               tokens * topk);
+}
+
+// --capacity-factor F over a config: F > 0 sets capacity mode at F; 0 makes the layer dropless,
+// the config's drop policy and padding going with its factor; below 0 (not given) leaves the
+// config as it is.
+inline void apply_capacity_factor(moe::MoEConfig& config, double factor) {
+  if (factor > 0) config.capacity_factor = factor;
+  if (factor == 0) {
+    config.capacity_factor = 0;
+    config.drop_policy = moe::DropPolicy::kProbs;
+    config.pad_to_capacity = false;
+  }
 }
 
 // The mesh's {ep, dp} over the `world` ranks mpirun started, from --ep and --dp (0: not given).

@@ -76,3 +76,21 @@ TEST_CASE("finite_in takes decimal reals within its bounds", "[cpu][cli]") {
     CHECK_FALSE(parse(bad, moe::cli::finite_in(0, 1e4), value).empty());
   }
 }
+
+TEST_CASE("apply_capacity_factor: a factor sets capacity mode, 0 drops its settings",
+          "[cpu][cli]") {
+  moe::MoEConfig config;
+  config.capacity_factor = 1.25;
+  config.drop_policy = moe::DropPolicy::kPosition;
+  config.pad_to_capacity = true;
+  moe::cli::apply_capacity_factor(config, -1);  // not given: the config's
+  CHECK(config.capacity_factor == 1.25);
+  CHECK(config.pad_to_capacity);
+  moe::cli::apply_capacity_factor(config, 2.0);
+  CHECK(config.capacity_factor == 2.0);
+  CHECK(config.drop_policy == moe::DropPolicy::kPosition);
+  moe::cli::apply_capacity_factor(config, 0);
+  CHECK(config.capacity_factor == 0);
+  CHECK(config.drop_policy == moe::DropPolicy::kProbs);
+  CHECK_FALSE(config.pad_to_capacity);
+}
