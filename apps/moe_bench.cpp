@@ -41,6 +41,7 @@
 #include "cli/output_file.h"
 #include "comm/bootstrap.h"
 #include "kernels/elementwise.cuh"
+#include "kernels/fp8_quantize.cuh"
 #include "moe/config.h"
 #include "moe/device.h"
 #include "moe/error.h"
@@ -170,6 +171,7 @@ int main(int argc, char** argv) {
   bool pad_to_capacity = false;
   bool graph = false;
   bool fp8 = false;
+  bool fp8_dispatch = false;
   int align_size = -1;
   int shared_ffn_hidden = -1;
   bool shared_in_series = false;
@@ -214,6 +216,8 @@ int main(int argc, char** argv) {
   app.add_flag("--pad-to-capacity", pad_to_capacity,
                "capacity mode: every expert's block exactly C rows (fixed GEMM shapes)");
   app.add_flag("--fp8", fp8, "FP8 expert products (the config's fp8: true)");
+  app.add_flag("--fp8-dispatch", fp8_dispatch,
+               "with --fp8: E4M3 rows and scales toward the experts (the config's fp8_dispatch)");
   app.add_option("--shared-ffn-hidden", shared_ffn_hidden,
                  "shared experts of this width; 0 removes them and their gate (default: the "
                  "config's)")
@@ -257,6 +261,7 @@ int main(int argc, char** argv) {
     if (!drop_policy.empty()) config.drop_policy = parse_drop_policy(drop_policy);
     if (pad_to_capacity) config.pad_to_capacity = true;
     if (fp8) config.fp8 = true;
+    if (fp8_dispatch) config.fp8_dispatch = true;
     if (align_size >= 0) config.align_size = align_size;
     if (shared_ffn_hidden >= 0) config.shared_ffn_hidden = shared_ffn_hidden;
     if (config.shared_ffn_hidden == 0) config.shared_gate = false;
@@ -434,7 +439,11 @@ int main(int argc, char** argv) {
     const double tflops = flops / (total_ms * 1e-3) / 1e12;
     // Rows leaving this rank per step (uniform routing): dispatch and combine, forward and
     // backward.
-    const double link_bytes = 4.0 * T * K * H * dtype_size(config.dtype) * (ep - 1) / ep;
+    // fp8_dispatch: the rows toward the experts go as E4M3 records.
+    const double row_bytes = static_cast<double>(H * dtype_size(config.dtype));
+    const double toward_experts_bytes =
+        config.fp8_dispatch ? static_cast<double>(fp8_row_bytes(H)) : row_bytes;
+    const double link_bytes = 2.0 * T * K * (row_bytes + toward_experts_bytes) * (ep - 1) / ep;
     const double link_floor_ms = link_rate > 0 ? link_bytes / link_rate * 1e3 : 0.0;
 
     // Each stage's roofline floor at this run's ceilings (bench/stage_floors.h): FLOPs at the
@@ -563,6 +572,7 @@ int main(int argc, char** argv) {
             {"dropped_fraction", dropped_fraction},
             {"grad_dtype", dtype_name(config.grad_dtype)},
             {"fp8", config.fp8},
+            {"fp8_dispatch", config.fp8_dispatch},
             {"align_size", config.align_size},
             {"shared_ffn_hidden", config.shared_ffn_hidden},
             {"shared_gate", config.shared_gate},

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "kernels/fp8_quantize.cuh"
 #include "moe/tensor.h"
 
 namespace moe::bench {
@@ -24,8 +25,13 @@ std::vector<StageWork> stage_work(const MoEConfig& config, std::int64_t tokens,
   const double b = static_cast<double>(dtype_size(config.dtype));
   const double g = static_cast<double>(dtype_size(config.grad_dtype));
   const double rows = T * K;
-  // The rows that leave this GPU in each exchange: all but those of its own experts.
-  const double sent = config.ep > 1 ? rows * H * b * (config.ep - 1) / config.ep : 0.0;
+  // The rows that leave this GPU in each exchange: all but those of its own experts. Under
+  // fp8_dispatch those toward the experts (the dispatch and the combine backward) go as records
+  // of E4M3 codes and scales, about half of bf16's bytes.
+  const double remote = config.ep > 1 ? rows * (config.ep - 1) / config.ep : 0.0;
+  const double sent = remote * H * b;
+  const double sent_toward_experts =
+      config.fp8_dispatch ? remote * static_cast<double>(fp8_row_bytes(config.hidden)) : sent;
   const double expert_weights = E_loc * 3 * H * F;  // w13 [2F, H] and w2 [H, F] per expert
 
   std::vector<StageWork> stages = {
@@ -40,7 +46,7 @@ std::vector<StageWork> stage_work(const MoEConfig& config, std::int64_t tokens,
   stages.push_back({"moe losses", 0, 0, 0});
   const std::vector<StageWork> routed = {
       // x read, one row per slot written (or sent)
-      {"moe dispatch", 0, T * H * b + rows * H * b, sent},
+      {"moe dispatch", 0, T * H * b + rows * H * b, sent_toward_experts},
       // weights and X read; h (kept for the backward) and Y written
       {"moe experts", 6 * rows * H * F,
        expert_weights * b + rows * H * b + rows * 2 * F * b + rows * H * b, 0},
@@ -48,7 +54,7 @@ std::vector<StageWork> stage_work(const MoEConfig& config, std::int64_t tokens,
       {"moe combine", 0, rows * H * b + T * H * b, sent},
       // dy read, dY written; where the combine weighed the rows, Y read again for dprob
       {"moe combine backward", 0, T * H * b + (probabilities_in_experts ? 1 : 2) * rows * H * b,
-       sent},
+       sent_toward_experts},
       // weights, dY, h and X read; dX and the weight gradients written
       {"moe experts backward", 12 * rows * H * F,
        expert_weights * b + expert_weights * g + rows * H * b + rows * 2 * F * b + rows * H * b +

@@ -127,6 +127,12 @@ std::int64_t MoEConfig::expert_capacity(std::int64_t tokens) const {
 }
 
 std::string MoEConfig::unsupported_by_gpu_layer() const {
+  if (fp8_dispatch && ep > 1 &&
+      (ep_transport == EpTransport::kPeer || ep_transport == EpTransport::kCopy))
+    return fmt::format(
+        "fp8_dispatch with ep_transport = {}: E4M3 rows and their scales cross over the NCCL "
+        "exchange (auto or nccl), for now",
+        ep_transport_name(ep_transport));
   if (pad_to_capacity && ep > 1 &&
       (ep_transport == EpTransport::kPeer || ep_transport == EpTransport::kCopy))
     return fmt::format(
@@ -253,6 +259,8 @@ void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(!fp8 || (hidden % 16 == 0 && ffn_hidden % 16 == 0),
                      "fp8 = true needs hidden and ffn_hidden multiples of 16, got {} and {}",
                      hidden, ffn_hidden);
+  MOE_CONFIG_REQUIRE(fp8 || !fp8_dispatch,
+                     "fp8_dispatch = true needs fp8 = true (the experts' products read E4M3)");
   // The per-expert quantization carries each rank's expert offsets in its launch parameters.
   MOE_CONFIG_REQUIRE(!fp8 || ep < 1 || num_experts / ep <= 512,
                      "fp8 = true takes at most 512 experts a rank, got num_experts / ep = {} / {}",
@@ -345,7 +353,7 @@ std::string MoEConfig::describe() const {
   if (shared_experts())
     features += fmt::format(" shared={}{}{}", shared_ffn_hidden, shared_gate ? "(gated)" : "",
                             shared_expert_overlap ? "" : "(in series)");
-  if (fp8) features += " fp8";
+  if (fp8) features += fp8_dispatch ? " fp8(dispatch)" : " fp8";
   return fmt::format(
       "H={} F={} E={} K={} {} scale={} aux={} z={} align={}{} {} (grads {}){} EP={} DP={}{}",
       hidden, ffn_hidden, num_experts, topk, router, scaling_factor, aux_loss_coeff, z_loss_coeff,
@@ -546,6 +554,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       {"shared_gate", flag(&MoEConfig::shared_gate)},
       {"shared_expert_overlap", flag(&MoEConfig::shared_expert_overlap)},
       {"fp8", flag(&MoEConfig::fp8)},
+      {"fp8_dispatch", flag(&MoEConfig::fp8_dispatch)},
       {"dtype",
        [&](const YAML::Node& n, const std::string& k) {
          config.dtype = parse_named(n, k, source, [](const std::string& text) {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "fp8_device.cuh"
 #include "fp8_quantize.cuh"
 #include "moe/error.h"
 
@@ -39,12 +40,13 @@ __device__ __forceinline__ std::uint8_t to_e4m3(float value, float inverse_scale
   return __nv_cvt_float_to_fp8(value * inverse_scale, __NV_SATFINITE, __NV_E4M3);
 }
 
-// Whether whole 8-value accesses line up: 16-byte loads of bf16 need x 16-byte aligned, 8-byte
-// stores of codes need q 8-byte aligned, and every row then starts aligned when its length is a
-// multiple of 8.
-__device__ __forceinline__ bool whole_lanes(const void* x, const void* q, std::int64_t row_length) {
+// Whether whole 8-value accesses line up: 16-byte loads of bf16 need x 16-byte aligned, the
+// stores what `store` says, and every row then starts aligned when its length is a multiple of 8.
+template <typename Store>
+__device__ __forceinline__ bool whole_lanes(const void* x, const Store& store,
+                                            std::int64_t row_length) {
   return row_length % kPerLane == 0 && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
-         reinterpret_cast<std::uintptr_t>(q) % 8 == 0;
+         store.aligned();
 }
 
 // A lane's 8 columns from `col` (fewer at a row's end: the rest read as 0). `vector`: cols is a
@@ -114,11 +116,74 @@ struct SegmentedScales {
   }
 };
 
-// Each group of 16 lanes quantizes one row block: its amax, then its values.
+// Codes row-major [rows, cols] (8-byte stores), each block's scale where scale_index puts it.
 template <typename ScaleIndex>
+struct SeparateScales {
+  std::uint8_t* q;
+  float* scales;
+  ScaleIndex scale_index;
+  __device__ bool aligned() const { return reinterpret_cast<std::uintptr_t>(q) % 8 == 0; }
+  __device__ void operator()(std::int64_t r, std::int64_t c, std::int64_t blocks_per_row,
+                             std::int64_t col, std::int64_t cols, bool vector, int lane,
+                             const float (&v)[kPerLane], int exponent) const {
+    std::uint8_t codes[kPerLane];
+    encode8(v, ldexpf(1.0f, -exponent), codes);
+    put8(q + r * cols, col, cols, vector, codes);
+    if (lane == 0) scales[scale_index(r, c, blocks_per_row)] = ldexpf(1.0f, exponent);
+  }
+};
+
+// Records of fp8_row_bytes(cols) a row: its codes, its blocks' scales, zero bytes to the end.
+struct Records {
+  std::uint8_t* records;
+  std::int64_t record_bytes;
+  __device__ bool aligned() const { return reinterpret_cast<std::uintptr_t>(records) % 16 == 0; }
+  __device__ void operator()(std::int64_t r, std::int64_t c, std::int64_t blocks_per_row,
+                             std::int64_t col, std::int64_t cols, bool vector, int lane,
+                             const float (&v)[kPerLane], int exponent) const {
+    std::uint8_t* row = records + r * record_bytes;
+    std::uint8_t codes[kPerLane];
+    encode8(v, ldexpf(1.0f, -exponent), codes);
+    put8(row, col, cols, vector, codes);
+    if (lane != 0) return;
+    auto* tail = reinterpret_cast<float*>(row + cols);  // cols is a multiple of 16
+    tail[c] = ldexpf(1.0f, exponent);
+    if (c + 1 == blocks_per_row) {
+      for (std::int64_t i = blocks_per_row; i < (record_bytes - cols) / 4; ++i) tail[i] = 0.0f;
+    }
+  }
+};
+
+// Quantized and decoded again in registers, into bf16 [rows, cols].
+struct RoundTrip {
+  __nv_bfloat16* out;
+  __device__ bool aligned() const { return reinterpret_cast<std::uintptr_t>(out) % 16 == 0; }
+  __device__ void operator()(std::int64_t r, std::int64_t, std::int64_t, std::int64_t col,
+                             std::int64_t cols, bool vector, int, const float (&v)[kPerLane],
+                             int exponent) const {
+    std::uint8_t codes[kPerLane];
+    encode8(v, ldexpf(1.0f, -exponent), codes);
+    const float scale = ldexpf(1.0f, exponent);
+    __nv_bfloat16* row = out + r * cols;
+    if (vector && col + kPerLane <= cols) {
+      uint2 packed;
+      packed.x = codes[0] | (codes[1] << 8) | (codes[2] << 16) |
+                 (static_cast<std::uint32_t>(codes[3]) << 24);
+      packed.y = codes[4] | (codes[5] << 8) | (codes[6] << 16) |
+                 (static_cast<std::uint32_t>(codes[7]) << 24);
+      *reinterpret_cast<uint4*>(row + col) = fp8_device::decode8(packed, scale);
+      return;
+    }
+    for (int i = 0; i < kPerLane; ++i)
+      if (col + i < cols) row[col + i] = fp8_device::decode(codes[i], scale);
+  }
+};
+
+// Each group of 16 lanes quantizes one row block: its amax, then its values, which `store`
+// writes.
+template <typename Store>
 __global__ void quantize_row_blocks_kernel(const __nv_bfloat16* __restrict__ x, std::int64_t rows,
-                                           std::int64_t cols, std::uint8_t* __restrict__ q,
-                                           float* __restrict__ scales, ScaleIndex scale_index) {
+                                           std::int64_t cols, Store store) {
   const std::int64_t blocks_per_row = (cols + kFP8Block - 1) / kFP8Block;
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   // Whole warps leave together (blockDim is a multiple of 32); a warp whose second block lies
@@ -129,17 +194,14 @@ __global__ void quantize_row_blocks_kernel(const __nv_bfloat16* __restrict__ x, 
   const int lane = threadIdx.x % kLanesPerBlock;
   const std::int64_t r = valid ? block / blocks_per_row : 0, c = valid ? block % blocks_per_row : 0;
   const std::int64_t col = c * kFP8Block + lane * kPerLane;
-  const bool vector = whole_lanes(x, q, cols);
+  const bool vector = whole_lanes(x, store, cols);
   float v[kPerLane];
   load8(x + r * cols, col, cols, vector, v);
   float amax = 0.0f;
   for (float value : v) amax = fmaxf(amax, fabsf(value));
   const int exponent = scale_exponent(group_max(amax));
   if (!valid) return;
-  std::uint8_t codes[kPerLane];
-  encode8(v, ldexpf(1.0f, -exponent), codes);
-  put8(q + r * cols, col, cols, vector, codes);
-  if (lane == 0) scales[scale_index(r, c, blocks_per_row)] = ldexpf(1.0f, exponent);
+  store(r, c, blocks_per_row, col, cols, vector, lane, v, exponent);
 }
 
 // One thread block a tile: 16 rows a pass, 8 passes, the values kept in registers between the
@@ -160,7 +222,7 @@ __global__ void quantize_tiles_kernel(const __nv_bfloat16* __restrict__ x, std::
   const int lane = threadIdx.x % kLanesPerBlock, row_in_pass = threadIdx.x / kLanesPerBlock;
   const std::int64_t col = tile_col * kFP8Block + lane * kPerLane;
   const std::int64_t first_row = tile_row * kFP8Block;
-  const bool vector = whole_lanes(x, out.codes, cols);
+  const bool vector = whole_lanes(x, SeparateScales<StridedScales>{out.codes, nullptr, {}}, cols);
   float v[kTilePasses][kPerLane];
   float amax = 0.0f;
 #pragma unroll
@@ -251,18 +313,30 @@ void check_arguments(const char* what, const void* x, std::int64_t rows, std::in
        " columns are too many for one launch");
 }
 
-template <typename ScaleIndex>
+template <typename Store>
 void launch_row_blocks(const char* what, const void* x, std::int64_t rows, std::int64_t cols,
-                       std::uint8_t* q, float* scales, const ScaleIndex& scale_index,
-                       cudaStream_t stream) {
+                       const Store& store, cudaStream_t stream) {
   const std::int64_t row_blocks = rows * ((cols + kFP8Block - 1) / kFP8Block);
   constexpr int kThreads = 256;
   const std::int64_t threads = (row_blocks + 1) / 2 * kWarp;
   const std::int64_t blocks = (threads + kThreads - 1) / kThreads;
   if (blocks > 0x7fffffff) too_large(what, rows, cols);
   quantize_row_blocks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), rows, cols, q, scales, scale_index);
+      static_cast<const __nv_bfloat16*>(x), rows, cols, store);
   MOE_CHECK_LAUNCH();
+}
+
+// The rows that travel take whole 16-byte records and whole 8-value lanes.
+void check_travelling_rows(const char* what, const void* x, std::int64_t rows, std::int64_t cols,
+                           const void* out) {
+  if (rows < 0 || cols < 0 || cols % 16 != 0) {
+    fail(std::string(what) + ": rows = " + std::to_string(rows) +
+         " and cols = " + std::to_string(cols) + " must be >= 0, cols a multiple of 16");
+  }
+  if (rows > 0 && cols > 0 && (x == nullptr || out == nullptr)) {
+    fail(std::string(what) + ": x and out must be device pointers, got " + text(x) + ", " +
+         text(out));
+  }
 }
 
 }  // namespace
@@ -271,7 +345,8 @@ void quantize_row_blocks(const void* x, std::int64_t rows, std::int64_t cols, st
                          float* scales, ScaleLayout layout, cudaStream_t stream) {
   check_arguments("quantize_row_blocks", x, rows, cols, q, scales);
   if (rows == 0 || cols == 0) return;
-  launch_row_blocks("quantize_row_blocks", x, rows, cols, q, scales, StridedScales{layout}, stream);
+  launch_row_blocks("quantize_row_blocks", x, rows, cols,
+                    SeparateScales<StridedScales>{q, scales, StridedScales{layout}}, stream);
 }
 
 void quantize_row_blocks_segmented(const void* x, std::span<const std::int64_t> offsets,
@@ -295,7 +370,7 @@ void quantize_row_blocks_segmented(const void* x, std::span<const std::int64_t> 
   const std::int64_t rows = offsets.back();
   check_arguments(what, x, rows, cols, q, scales);
   if (rows == 0 || cols == 0) return;
-  launch_row_blocks(what, x, rows, cols, q, scales, index, stream);
+  launch_row_blocks(what, x, rows, cols, SeparateScales<SegmentedScales>{q, scales, index}, stream);
 }
 
 void quantize_tiles(const void* x, std::int64_t matrices, std::int64_t rows, std::int64_t cols,
@@ -327,6 +402,22 @@ void quantize_tiles(const void* x, std::int64_t rows, std::int64_t cols, std::ui
                     float* scales, ScaleLayout layout, cudaStream_t stream) {
   check_arguments("quantize_tiles", x, rows, cols, q, scales);
   quantize_tiles(x, 1, rows, cols, TileOutput{q, scales, {layout, 0}}, TileOutput{}, stream);
+}
+
+void quantize_row_records(const void* x, std::int64_t rows, std::int64_t cols, void* records,
+                          cudaStream_t stream) {
+  check_travelling_rows("quantize_row_records", x, rows, cols, records);
+  if (rows == 0 || cols == 0) return;
+  launch_row_blocks("quantize_row_records", x, rows, cols,
+                    Records{static_cast<std::uint8_t*>(records), fp8_row_bytes(cols)}, stream);
+}
+
+void round_rows_through_fp8(const void* x, std::int64_t rows, std::int64_t cols, void* out,
+                            cudaStream_t stream) {
+  check_travelling_rows("round_rows_through_fp8", x, rows, cols, out);
+  if (rows == 0 || cols == 0) return;
+  launch_row_blocks("round_rows_through_fp8", x, rows, cols,
+                    RoundTrip{static_cast<__nv_bfloat16*>(out)}, stream);
 }
 
 }  // namespace moe

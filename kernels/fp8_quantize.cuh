@@ -47,6 +47,20 @@ void quantize_row_blocks_segmented(const void* x, std::span<const std::int64_t> 
                                    std::int64_t cols, std::uint8_t* q, float* scales,
                                    cudaStream_t stream);
 
+// ---- Rows that travel (fp8_dispatch): a record a row, its E4M3 codes then its row blocks' fp32
+// scales, zero bytes to a multiple of 16, so that an exchange moves each row as one piece of
+// about half the bytes of bf16 (docs/design.md, "FP8 dispatch").
+inline constexpr std::int64_t fp8_row_bytes(std::int64_t cols) {
+  return (cols + 4 * ((cols + kFP8Block - 1) / kFP8Block) + 15) / 16 * 16;
+}
+// x bf16 [rows, cols] (cols a multiple of 16) into records [rows, fp8_row_bytes(cols)].
+void quantize_row_records(const void* x, std::int64_t rows, std::int64_t cols, void* records,
+                          cudaStream_t stream);
+// What the records of x give back once decoded (each code times its scale, rounded to bf16), in
+// one pass: out bf16 [rows, cols], which must not overlap x.
+void round_rows_through_fp8(const void* x, std::int64_t rows, std::int64_t cols, void* out,
+                            cudaStream_t stream);
+
 // Tiles: the scale of tile (i, j) (rows [128i, 128i + 128), columns [128j, 128j + 128); edge tiles
 // may be smaller) goes to scales[i · stride_a + j · stride_b].
 void quantize_tiles(const void* x, std::int64_t rows, std::int64_t cols, std::uint8_t* q,

@@ -89,6 +89,11 @@ struct ChunkArgs {
 std::size_t chunk_workspace_bytes(int sources, int local_experts);
 void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tensor& expert_major,
                  cudaStream_t stream);
+// The sort of rows that travelled as records of E4M3 codes and scales (fp8_dispatch;
+// kernels/fp8_quantize.cuh): `rows` source-major records of fp8_row_bytes(H) bytes, each decoded
+// into its bf16 row of expert_major [.., H] (H a multiple of 16), padding zeroed as sort_chunks.
+void sort_chunk_records(const ChunkArgs& chunks, const void* records, std::int64_t rows,
+                        const Tensor& expert_major, cudaStream_t stream);
 void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,
                    cudaStream_t stream);
 // Only the padding rows of the expert-major layout (of the chunk's experts) become zero: where the

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "fp8_device.cuh"
+#include "fp8_quantize.cuh"
 #include "moe/error.h"
 #include "permute.cuh"
 #include "permute_device.cuh"
@@ -76,28 +78,20 @@ struct RowSpan {
   int local_experts = 0, first = 0, end = 0;
 };
 
-// One warp per source-major row: finds its chunk by binary search and copies the row to or from
-// its expert-major place.
-template <typename T, int kElems, bool kToExpertMajor>
-__global__ void __launch_bounds__(kRowWarps* kWarpSize)
-    chunk_copy_kernel(const T* __restrict__ from, T* __restrict__ to, RowSpan span, int hidden,
-                      int chunks, const std::int32_t* __restrict__ source_start,
-                      const std::int32_t* __restrict__ expert_start, Padding pad) {
-  // The padding blocks (after the rows' blocks) zero it once, in the grid's first row.
-  const bool padding_block =
-      static_cast<int>(blockIdx.x) >= static_cast<int>(gridDim.x) - pad.groups;
-  if (kToExpertMajor && padding_block && blockIdx.y > 0) return;
-  if (kToExpertMajor && zero_padding_block<T, kElems>(pad, hidden, to)) return;
-  using P = Pack<T, kElems>;
-  const int lane = threadIdx.x % kWarpSize;
-  std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+// The source-major row of this warp (`row`, in the grid's span) and its expert-major place; false
+// where the warp has no row.
+__device__ __forceinline__ bool locate_row(const RowSpan& span, int chunks,
+                                           const std::int32_t* __restrict__ source_start,
+                                           const std::int32_t* __restrict__ expert_start,
+                                           std::int64_t& row, std::int64_t& expert_row) {
+  row = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   std::int64_t end = span.rows;
   if (gridDim.y > 1 || span.end > 0) {  // source blockIdx.y's rows of the span's experts
     const int first_chunk = static_cast<int>(blockIdx.y) * span.local_experts;
     row += source_start[first_chunk + span.first];
     end = source_start[first_chunk + span.end];
   }
-  if (row >= end) return;
+  if (row >= end) return false;
   int lo = 0, hi = chunks;  // last chunk with source_start <= row (empty chunks share starts)
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -106,7 +100,32 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     else
       hi = mid;
   }
-  const std::int64_t expert_row = expert_start[lo] + (row - source_start[lo]);
+  expert_row = expert_start[lo] + (row - source_start[lo]);
+  return true;
+}
+
+// The padding blocks (after the rows' blocks) zero it once, in the grid's first row; true in
+// them.
+template <typename T, int kElems>
+__device__ __forceinline__ bool padding_done(const Padding& pad, int hidden, T* to) {
+  const bool padding_block =
+      static_cast<int>(blockIdx.x) >= static_cast<int>(gridDim.x) - pad.groups;
+  if (padding_block && blockIdx.y > 0) return true;
+  return zero_padding_block<T, kElems>(pad, hidden, to);
+}
+
+// One warp per source-major row: finds its chunk by binary search and copies the row to or from
+// its expert-major place.
+template <typename T, int kElems, bool kToExpertMajor>
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    chunk_copy_kernel(const T* __restrict__ from, T* __restrict__ to, RowSpan span, int hidden,
+                      int chunks, const std::int32_t* __restrict__ source_start,
+                      const std::int32_t* __restrict__ expert_start, Padding pad) {
+  if (kToExpertMajor && padding_done<T, kElems>(pad, hidden, to)) return;
+  using P = Pack<T, kElems>;
+  const int lane = threadIdx.x % kWarpSize;
+  std::int64_t row = 0, expert_row = 0;
+  if (!locate_row(span, chunks, source_start, expert_start, row, expert_row)) return;
   const std::int64_t src_row = kToExpertMajor ? row : expert_row;
   const std::int64_t dst_row = kToExpertMajor ? expert_row : row;
   const P* src = reinterpret_cast<const P*>(from + src_row * hidden);
@@ -114,9 +133,32 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   for (int u = lane; u < hidden / kElems; u += kWarpSize) dst[u] = src[u];
 }
 
+// The sort of rows that travelled as records: each lane decodes 8 codes of a row with their
+// block's scale into 8 bf16 values of its expert-major place.
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    chunk_decode_kernel(const std::uint8_t* __restrict__ records, __nv_bfloat16* __restrict__ to,
+                        RowSpan span, int hidden, std::int64_t record_bytes, int chunks,
+                        const std::int32_t* __restrict__ source_start,
+                        const std::int32_t* __restrict__ expert_start, Padding pad) {
+  if (padding_done<__nv_bfloat16, 8>(pad, hidden, to)) return;
+  const int lane = threadIdx.x % kWarpSize;
+  std::int64_t row = 0, expert_row = 0;
+  if (!locate_row(span, chunks, source_start, expert_start, row, expert_row)) return;
+  const std::uint8_t* record = records + row * record_bytes;
+  const auto* scales = reinterpret_cast<const float*>(record + hidden);
+  auto* dst = reinterpret_cast<uint4*>(to + expert_row * hidden);
+  for (int u = lane; u < hidden / 8; u += kWarpSize) {
+    const uint2 codes = reinterpret_cast<const uint2*>(record)[u];
+    dst[u] = fp8_device::decode8(codes, scales[u * 8 / kFP8Block]);
+  }
+}
+
+// With `records`, the source-major rows are fp8_dispatch's records, source_major only their shape
+// (bf16 [rows, hidden]), decoded into expert_major.
 template <bool kToExpertMajor>
 void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
-                 const Tensor& source_major, const Tensor& expert_major, cudaStream_t stream) {
+                 const Tensor& source_major, const Tensor& expert_major, cudaStream_t stream,
+                 const void* records = nullptr) {
   if (c.sources < 1 || c.local_experts < 1 || c.uniform_count < 0 || c.workspace == nullptr) {
     fail("chunk sort: sources = " + std::to_string(c.sources) +
          ", local_experts = " + std::to_string(c.local_experts) +
@@ -156,6 +198,21 @@ void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
   const unsigned grid = row_grid(part ? c.widest_source : span.rows, pad);
   if (grid == 0) return;
   const dim3 blocks(grid, part ? static_cast<unsigned>(c.sources) : 1u);
+  if (records != nullptr) {
+    const bool whole = hidden % 16 == 0 && expert_major.dtype == DType::kBF16 &&
+                       reinterpret_cast<std::uintptr_t>(records) % 16 == 0 &&
+                       reinterpret_cast<std::uintptr_t>(expert_major.data) % 16 == 0;
+    if (!kToExpertMajor || !whole)
+      fail(
+          "chunk sort of records: bf16 rows of a multiple of 16 values, 16-byte aligned, into the "
+          "expert-major layout; got " +
+          expert_major.describe());
+    chunk_decode_kernel<<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
+        static_cast<const std::uint8_t*>(records), expert_major.as<__nv_bfloat16>(), span, hidden,
+        fp8_row_bytes(hidden), chunks, table.source_start, table.expert_start, pad);
+    MOE_CHECK_LAUNCH();
+    return;
+  }
   dispatch_rows(source_major, {from.data, to.data}, [&]<typename T, int kElems>() {
     chunk_copy_kernel<T, kElems, kToExpertMajor><<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
         from.as<const T>(), to.as<T>(), span, hidden, chunks, table.source_start,
@@ -174,6 +231,14 @@ std::size_t chunk_workspace_bytes(int sources, int local_experts) {
 void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tensor& expert_major,
                  cudaStream_t stream) {
   copy_chunks<true>(chunks, source_major, expert_major, source_major, expert_major, stream);
+}
+
+void sort_chunk_records(const ChunkArgs& chunks, const void* records, std::int64_t rows,
+                        const Tensor& expert_major, cudaStream_t stream) {
+  if (records == nullptr && rows > 0)
+    fail("chunk sort of records: no records for " + std::to_string(rows) + " rows");
+  const Tensor shape(nullptr, DType::kBF16, {rows, expert_major.dim(1)});
+  copy_chunks<true>(chunks, shape, expert_major, shape, expert_major, stream, records);
 }
 
 void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,

@@ -95,6 +95,10 @@ BlockQuantized quantize_tiles(const Matrix& x) {
   return quantize(x, kBlock);
 }
 
+Matrix round_rows_through_fp8(const Matrix& x) {
+  return round_to(quantize_row_blocks(x).dequantized(), DType::kBF16);
+}
+
 namespace {
 
 // rows · tilesᵀ with both operands quantized and dequantized, rounded to bf16 as stored.

@@ -269,6 +269,7 @@ Forward forward(const MoEConfig& config, const Params& params, const ExpertSourc
   f.layout = make_layout(f.front.routing, f.front.kept, config.num_experts, config.align_size,
                          capacity_block_rows(config, x.rows));  // step 4
   f.X = permute(x, f.layout, f.front.routing);
+  if (config.fp8_dispatch) f.X = round_rows_through_fp8(f.X);  // the rows as the experts get them
   const bool experts_weigh_rows = fp8_experts_weigh_rows(config, options);
   if (experts_weigh_rows) f.row_weights = row_probabilities(f.layout, f.front.routing);
   f.combine_routing = experts_weigh_rows ? unweighed(f.front.routing) : f.front.routing;
@@ -299,6 +300,7 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Exper
   // Backward, the mirror: combine, experts, permute, router, gate; then the shared expert.
   Matrix dY = combine_backward_rows(dy, f.layout, f.combine_routing);
   if (config.fp8) dY = round_to(dY, DType::kBF16);  // FP8 quantizes the bf16 rows the GPU stores
+  if (config.fp8_dispatch) dY = round_rows_through_fp8(dY);  // as they reach the experts
   const bool dprob_in_experts = options.dprob_from == ProbabilityGradient::kExperts;
   std::vector<double> dprob = dprob_in_experts
                                   ? std::vector<double>(f.front.routing.expert.size(), 0.0)

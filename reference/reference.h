@@ -248,6 +248,9 @@ struct BlockQuantized {
 };
 BlockQuantized quantize_row_blocks(const Matrix& x);
 BlockQuantized quantize_tiles(const Matrix& x);
+// What fp8_dispatch makes of the rows on their way to the experts: quantized in row blocks, each
+// value decoded and rounded to bf16 (as the GPU's chunk sort decodes the records that crossed).
+Matrix round_rows_through_fp8(const Matrix& x);
 
 // One expert's step as fp8 forms it: each data product's activation operand quantized in row
 // blocks and its weight operand in tiles, both dequantized, the product in fp64, and h, a, y, dA,

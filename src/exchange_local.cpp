@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/elementwise.cuh"
+#include "kernels/fp8_quantize.cuh"
 #include "kernels/permute.cuh"
 #include "moe/error.h"
 #include "src/exchange_impl.h"
@@ -65,9 +66,9 @@ class LocalExchange final : public TokenExchange {
                                   std::int64_t{E_} * routing.expert_group_rows;
     X_.reserve(std::max<std::int64_t>(max_rows * H_, 1) * dtype_size(dtype_));
     row_prob_.reserve(std::max<std::int64_t>(max_rows, 1) * sizeof(float));
-    permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_,
-                 Tensor(X_.data(), dtype_, {max_rows, H_}), stream_, routing.topk_p,
-                 row_prob_.as<float>());
+    permute_rows(toward_experts(x, x_rounded_), layout_.row_map(), K_, layout_.offsets(),
+                 layout_.counts(), groups_, Tensor(X_.data(), dtype_, {max_rows, H_}), stream_,
+                 routing.topk_p, row_prob_.as<float>());
   }
 
   void dispatch(const Tensor&, void* totals) override {
@@ -122,8 +123,8 @@ class LocalExchange final : public TokenExchange {
   void unpermute_backward(const Tensor& dy, float*) override {
     // One row buffer: dY over the dead Y. Else the scratch's dY.
     const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.reserved_rows, H_});
-    permute_rows(dy, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, dY,
-                 stream_);
+    permute_rows(toward_experts(dy, dy_rounded_), layout_.row_map(), K_, layout_.offsets(),
+                 layout_.counts(), groups_, dY, stream_);
   }
 
   void combine_backward() override {}
@@ -136,8 +137,12 @@ class LocalExchange final : public TokenExchange {
     if (one_row_buffer()) {
       // X permuted from x again over dY once dY is dead, dX over X once dw13 has read it.
       g.dY = g.dX = g.input;
-      g.refill = [this, x, X = g.input](cudaStream_t on) {
-        permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, X, on);
+      // From the forward's rounded rows under fp8_dispatch (x_rounded_ is kept until then).
+      const Tensor source =
+          config_.fp8_dispatch ? Tensor(x_rounded_.data(), dtype_, {tokens_, H_}) : x;
+      g.refill = [this, source, X = g.input](cudaStream_t on) {
+        permute_rows(source, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, X,
+                     on);
       };
     } else {
       g.dY = rows(dY_);
@@ -160,6 +165,14 @@ class LocalExchange final : public TokenExchange {
 
  private:
   bool one_row_buffer() const { return !config_.keep_expert_input; }
+  // The rows the experts get from `rows` [T, H]: themselves, or under fp8_dispatch what their
+  // records would decode to over a mesh, in `rounded` (docs/design.md, "FP8 dispatch").
+  Tensor toward_experts(const Tensor& rows, DeviceBuffer& rounded) {
+    if (!config_.fp8_dispatch) return rows;
+    const Tensor out = view(rounded, dtype_, {rows.dim(0), H_});
+    round_rows_through_fp8(rows.data, rows.dim(0), H_, out.data, stream_);
+    return out;
+  }
   Tensor rows(const DeviceBuffer& buffer) const {
     return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
   }
@@ -199,6 +212,8 @@ class LocalExchange final : public TokenExchange {
   // the block's own, not the scratch's.
   DeviceBuffer Y_;
   DeviceBuffer& dY_;  // the scratch's; with keep_expert_input
+  // fp8_dispatch: x and dy as the experts get them (x's kept for the backward's refill).
+  DeviceBuffer x_rounded_, dy_rounded_;
   // The counts go to the host on their own stream, off the permute's path.
   Stream count_stream_;
   Event layout_built_, copied_;

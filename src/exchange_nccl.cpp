@@ -57,6 +57,7 @@
 #include "comm/peer_copy.h"
 #include "comm/peer_memory.h"
 #include "kernels/elementwise.cuh"
+#include "kernels/fp8_quantize.cuh"
 #include "kernels/permute.cuh"
 #include "src/copy_plan.h"
 #include "src/exchange_impl.h"
@@ -84,6 +85,9 @@ class NcclExchange final : public TokenExchange {
         H_(setup.config.hidden),
         dtype_(setup.config.dtype),
         row_bytes_(H_ * dtype_size(dtype_)),
+        records_toward_experts_(setup.config.fp8_dispatch),
+        toward_experts_bytes_(records_toward_experts_ ? fp8_row_bytes(H_)
+                                                      : static_cast<std::int64_t>(row_bytes_)),
         exchange_(setup.mesh, setup.config.num_experts),
         layout_(setup.scratch.layout_ws),
         Y_(setup.scratch.Y),
@@ -133,10 +137,21 @@ class NcclExchange final : public TokenExchange {
     // MoEBlock refuses fixed blocks over the copy exchange; this names the cause if not.
     if (fixed_ && copies_)
       fail("pad_to_capacity under EP runs over the NCCL exchange (fixed blocks), for now");
+    if (records_toward_experts_ && copies_)
+      fail("fp8_dispatch runs over the NCCL exchange, not the copy exchange, for now");
     layout_.build(routing.topk_idx, saved_.tokens, K_, groups_, /*align=*/1, stream_,
                   static_cast<int>(fixed_rows_), fixed_rows_ > 0 ? E_ : 0);  // C = 0 at T = 0
-    permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, slots(),
-                 stream_);
+    const Tensor slot_rows_bf16 = slots();  // grows send_rows to what the combine returns into
+    if (!records_toward_experts_) {
+      permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_,
+                   slot_rows_bf16, stream_);
+      return;
+    }
+    // Each token's row quantized once into its record, the records gathered slot by slot (a
+    // token's K slots share one); the buffer holds the backward's dY records too.
+    quantize_row_records(x.data, saved_.tokens, H_, records(records_, slot_rows()).data, stream_);
+    permute_rows(records(records_, saved_.tokens), layout_.row_map(), K_, layout_.offsets(),
+                 layout_.counts(), groups_, records(send_rows_, slot_rows()), stream_);
   }
 
   void dispatch(const Tensor&, void* totals) override {
@@ -207,7 +222,12 @@ class NcclExchange final : public TokenExchange {
     // send_rows grows here, on the block's stream alone (its Y returned is dead once the
     // unpermute backward read it): nothing of the exchange's stream is queued yet.
     view(send_rows_, dtype_, {std::max(counts().total_received(), slot_rows()), H_});
-    send_chunks(Y_, send_rows_, dY_);
+    if (!records_toward_experts_) return send_chunks(Y_, send_rows_, dY_);
+    // The rows sent (every expert's; the dropped group's stay) as records, in the buffer the
+    // forward's records took, sized for them then.
+    quantize_row_records(Y_.data(), saved_.sent_rows, H_, records(records_, saved_.sent_rows).data,
+                         stream_);
+    send_chunks(records_, send_rows_, dY_);
   }
 
   // dX over dY (X is kept), since Y holds the dY still to send.
@@ -244,6 +264,11 @@ class NcclExchange final : public TokenExchange {
   }
   // The padded expert-major rows in a buffer.
   Tensor rows(void* buffer) const { return Tensor(buffer, dtype_, {saved_.rows, H_}); }
+  // fp8_dispatch's records of `count` rows in a buffer (grown where needed), as the row kernels
+  // move them: 4-byte words, whose bits they copy unchanged.
+  Tensor records(DeviceBuffer& buffer, std::int64_t count) {
+    return view(buffer, DType::kFP32, {count, fp8_row_bytes(H_) / 4});
+  }
   const ExchangeCounts& counts() const {
     if (fixed_) return fixed_counts_;
     return copies_ ? copy_plan_.counts : exchange_.counts();
@@ -440,9 +465,14 @@ class NcclExchange final : public TokenExchange {
     for (int chunk = 0; chunk < std::ssize(spans_); ++chunk) {
       const ChunkRanges& r = ranges_[chunk];
       exchange_.exchange_row_ranges(slots_buffer.data(), r.send_offsets, r.send_rows,
-                                    staging.data(), r.recv_offsets, r.recv_rows, row_bytes_,
-                                    pipe_.get());
-      sort_chunks(chunks(chunk), received(staging.data()), rows(rows_out.data()), pipe_.get());
+                                    staging.data(), r.recv_offsets, r.recv_rows,
+                                    static_cast<std::size_t>(toward_experts_bytes_), pipe_.get());
+      if (records_toward_experts_) {
+        sort_chunk_records(chunks(chunk), staging.data(), counts().total_received(),
+                           rows(rows_out.data()), pipe_.get());
+      } else {
+        sort_chunks(chunks(chunk), received(staging.data()), rows(rows_out.data()), pipe_.get());
+      }
       arrived_[chunk].record(pipe_.get());
     }
   }
@@ -529,6 +559,11 @@ class NcclExchange final : public TokenExchange {
   std::int64_t H_;
   DType dtype_;
   std::size_t row_bytes_;
+  // fp8_dispatch: the rows toward the experts (x, then dY) cross as records of E4M3 codes and
+  // scales, toward_experts_bytes_ a row, and the chunk sort decodes them; the rows back stay bf16.
+  bool records_toward_experts_;
+  std::int64_t toward_experts_bytes_;
+  DeviceBuffer records_;     // x's records [T], then dY's to send [sent rows]
   ExpertExchange exchange_;  // the counts (kept for the backward) and the rows' all-to-allv
   SlotLayout layout_;
   DeviceBuffer send_rows_, X_;

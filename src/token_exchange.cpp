@@ -62,8 +62,10 @@ std::unique_ptr<TokenExchange> make_token_exchange(const ExchangeSetup& setup) {
   const MoEConfig& config = setup.config;
   const Mesh& mesh = setup.mesh;
   if (mesh.ep() == 1) return make_local_exchange(setup);
-  // Fixed blocks (pad_to_capacity) run over NCCL alone (the config refuses peer with them).
-  if (config.capacity_mode() && config.pad_to_capacity) return make_nccl_exchange(setup);
+  // Fixed blocks (pad_to_capacity) and E4M3 rows (fp8_dispatch) run over NCCL alone (the config
+  // refuses peer and copy with them).
+  if ((config.capacity_mode() && config.pad_to_capacity) || config.fp8_dispatch)
+    return make_nccl_exchange(setup);
   bool use_peer = false;
   if (config.ep_transport != EpTransport::kNccl) {
     use_peer = ep_group_has_peer_access(mesh, setup.stream);

@@ -101,6 +101,11 @@ struct MoEConfig {
   // Hopper, their weight gradients in bf16 products; everything else as without. Needs bf16,
   // align_size a multiple of 16, and hidden and ffn_hidden multiples of 16.
   bool fp8 = false;
+  // With fp8: the rows the exchange carries toward the experts (x in the forward, dY in the
+  // backward) travel as E4M3 with their 1 × 128 scales, half the bytes of bf16, and the experts
+  // see them as dequantized (docs/design.md, "FP8 dispatch"). On one EP rank nothing travels, but
+  // the rows are rounded the same way, so that a mesh equals one GPU. Runs over the NCCL exchange.
+  bool fp8_dispatch = false;
 
   DType dtype = DType::kBF16;  // activations and weights: bf16 or fp32
   // The expert weight gradients: fp32 (a trainer's fp32 main gradients) or bf16 (half the memory,

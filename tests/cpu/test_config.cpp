@@ -254,6 +254,7 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"fp8", "true"}, {"align_size", "16"}, {"hidden", "72"}},
        "fp8 = true needs hidden and ffn_hidden multiples of 16, got 72 and 32"},
       {{{"fp8", "yes please"}}, "fp8"},
+      {{{"fp8_dispatch", "true"}}, "fp8_dispatch = true needs fp8 = true"},
       {{{"fp8", "true"}, {"align_size", "16"}, {"num_experts", "1024"}},
        "fp8 = true takes at most 512 experts a rank, got num_experts / ep = 1024 / 1"},
   };
@@ -519,6 +520,16 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
                                   "ep_transport: copy\n")
                  .unsupported_by_gpu_layer(),
              test::contains_text("pad_to_capacity with ep_transport = copy"));
+  const std::string fp8_dispatch = "fp8: true\nfp8_dispatch: true\nalign_size: 16\nep: 2\n";
+  CHECK(parse_config(kBase + fp8_dispatch).unsupported_by_gpu_layer().empty());
+  CHECK(parse_config(kBase + fp8_dispatch + "ep_transport: nccl\n")
+            .unsupported_by_gpu_layer()
+            .empty());
+  CHECK(parse_config(kBase + fp8_dispatch + "ep_transport: peer\n").unsupported_by_gpu_layer() ==
+        "fp8_dispatch with ep_transport = peer: E4M3 rows and their scales cross over the NCCL "
+        "exchange (auto or nccl), for now");
+  CHECK_THAT(parse_config(kBase + fp8_dispatch + "ep_transport: copy\n").unsupported_by_gpu_layer(),
+             test::contains_text("fp8_dispatch with ep_transport = copy"));
   CHECK(parse_config(kBase + "shared_ffn_hidden: 8\nshared_gate: true\n")
             .unsupported_by_gpu_layer()
             .empty());

@@ -331,3 +331,57 @@ TEST_CASE("fp8 reference: the layer with FP8 experts and with fp8 off", "[cpu][r
   const std::vector<Matrix> xs(2, round_to(test::random_matrix(8, 128, rng), DType::kBF16));
   CHECK_THROWS_WITH(run_mesh(mesh, params, xs, xs), test::contains_text("fp8"));
 }
+
+// fp8_dispatch's rows: what they round to is a fixed point of the rounding, and the FP8 products
+// quantize it into the very values they would take from the unrounded rows (a block's largest
+// value, in (224, 448] times its scale, rounds into [224, 448]: the scale stays, or halves when it
+// lands on 224, and the codes double exactly). So the layer's out, dx and gate gradient do not
+// move; only the weight gradients, which read the rows unquantized, do.
+TEST_CASE("fp8 reference: rows rounded through FP8 on their way to the experts",
+          "[cpu][reference][fp8]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  // Rows of mixed magnitudes, and blocks whose largest value lies just above 224 times a power of
+  // two, where the rounded block's scale halves.
+  Matrix x = round_to(test::random_matrix(64, 384, rng), DType::kBF16);
+  std::uniform_real_distribution<double> above(224.0, 232.0);
+  for (std::int64_t r = 0; r < x.rows; r += 3)
+    x(r, (r * 7) % x.cols) = above(rng) * std::ldexp(1.0, r % 9 - 12);
+  for (std::int64_t r = 1; r < x.rows; r += 5)
+    for (std::int64_t c = 0; c < 128; ++c) x(r, c) *= 1e-5;
+  x = round_to(x, DType::kBF16);
+  const Matrix rounded = round_rows_through_fp8(x);
+  CHECK(rounded.data == round_to(rounded, DType::kBF16).data);
+  CHECK(round_rows_through_fp8(rounded).data == rounded.data);
+  CHECK(quantize_row_blocks(rounded).dequantized().data ==
+        quantize_row_blocks(x).dequantized().data);
+  CHECK(test::relative_error(rounded, x) <= 0.05);
+  CHECK(test::relative_error(rounded, x) > 0.0);
+
+  for (const MoEConfig& base :
+       {test::fp8_config(128, 128, 8, 2), test::deepseek_like(test::fp8_config(256, 144, 8, 2))}) {
+    MoEConfig dispatch = base;
+    dispatch.fp8_dispatch = true;
+    dispatch.validate();
+    INFO(dispatch.describe());
+    const Params params = test::round_params(test::random_params(base, rng), base.dtype);
+    const Matrix xs = round_to(test::random_matrix(40, base.hidden, rng), base.dtype);
+    const Matrix dy = round_to(test::random_matrix(40, base.hidden, rng), base.dtype);
+    for (const auto dprob_from : {ProbabilityGradient::kCombine, ProbabilityGradient::kExperts}) {
+      const LayerResult plain =
+          run_layer(base, params, xs, dy, Intermediates::kAsStored, dprob_from);
+      const LayerResult rows =
+          run_layer(dispatch, params, xs, dy, Intermediates::kAsStored, dprob_from);
+      CHECK(rows.out.data == plain.out.data);
+      CHECK(rows.dx.data == plain.dx.data);
+      CHECK(rows.d_gate_weight.data == plain.d_gate_weight.data);
+      double moved = 0;
+      for (int e = 0; e < base.num_experts; ++e) {
+        moved = std::max(
+            moved, test::relative_error(rows.expert_grads.dw13[e], plain.expert_grads.dw13[e]));
+        CHECK(test::relative_error(rows.expert_grads.dw2[e], plain.expert_grads.dw2[e]) <= 0.1);
+      }
+      CHECK(moved > 0.0);
+      CHECK(moved <= 0.1);
+    }
+  }
+}

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "kernels/fp8_quantize.cuh"
+#include "kernels/permute.cuh"
 #include "reference/reference.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
@@ -233,4 +234,90 @@ TEST_CASE("fp8 quantize: bad arguments are named", "[gpu][fp8][quantize]") {
       test::contains_text("514 offsets"));
   // Nothing to do is no error.
   quantize_tiles(nullptr, 0, 128, nullptr, nullptr, {1, 1}, stream.get());
+}
+
+namespace {
+
+// bf16 values as the device holds them, back in fp64.
+Matrix download_bf16(const DeviceBuffer& buffer, std::int64_t rows, std::int64_t cols) {
+  Matrix m(rows, cols);
+  const auto values = test::download<BF16>(buffer, static_cast<std::size_t>(rows * cols));
+  for (std::size_t i = 0; i < values.size(); ++i) m.data[i] = from_bf16(values[i]);
+  return m;
+}
+
+}  // namespace
+
+// fp8_dispatch's rows: each record holds the row's codes, then its blocks' scales, then zeros;
+// rounding through FP8 gives what decoding the records gives; the chunk sort decodes records into
+// the padded expert-major layout. Every byte against the reference.
+TEST_CASE("fp8 quantize: travelling rows as records, rounded, and sorted from records",
+          "[gpu][fp8][quantize]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  Stream stream;
+  for (const Shape& s : std::vector<Shape>{{1, 16}, {37, 144}, {300, 2048}, {5, 7168}, {0, 64}}) {
+    INFO(s.rows << "x" << s.cols);
+    const Matrix x = draw(s.rows, s.cols, rng);
+    const reference::BlockQuantized want = reference::quantize_row_blocks(x);
+    const std::int64_t record = fp8_row_bytes(s.cols), blocks = want.scale_cols;
+    CHECK(record % 16 == 0);
+    CHECK(record >= s.cols + 4 * blocks);
+    CHECK(record < s.cols + 4 * blocks + 16);
+    const DeviceBuffer x_dev = test::upload_as(x, DType::kBF16);
+    DeviceBuffer records(static_cast<std::size_t>(s.rows * record) + 16),
+        rounded(static_cast<std::size_t>(s.rows * s.cols) * 2 + 16);
+    test::poison(records);
+    test::poison(rounded);
+    quantize_row_records(x_dev.data(), s.rows, s.cols, records.data(), stream.get());
+    round_rows_through_fp8(x_dev.data(), s.rows, s.cols, rounded.data(), stream.get());
+    stream.synchronize();
+    const auto bytes =
+        test::download<std::uint8_t>(records, static_cast<std::size_t>(s.rows * record));
+    std::int64_t wrong_codes = 0, wrong_scales = 0, wrong_padding = 0;
+    for (std::int64_t r = 0; r < s.rows; ++r) {
+      const std::uint8_t* row = bytes.data() + r * record;
+      for (std::int64_t c = 0; c < s.cols; ++c)
+        wrong_codes += row[c] != want.codes[static_cast<std::size_t>(r * s.cols + c)];
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        float scale = 0.0f;
+        std::memcpy(&scale, row + s.cols + 4 * b, sizeof(float));
+        wrong_scales += scale != want.scales[static_cast<std::size_t>(r * blocks + b)];
+      }
+      for (std::int64_t i = s.cols + 4 * blocks; i < record; ++i) wrong_padding += row[i] != 0;
+    }
+    CHECK(wrong_codes == 0);
+    CHECK(wrong_scales == 0);
+    CHECK(wrong_padding == 0);
+    CHECK(download_bf16(rounded, s.rows, s.cols).data == reference::round_rows_through_fp8(x).data);
+
+    // The records of 3 sources for 4 local experts, sorted into a layout padded to 16.
+    const int sources = 3, local_experts = 4;
+    reference::ChunkLayout chunks{sources, local_experts, {}};
+    std::vector<std::int32_t> counts32;
+    std::int64_t left = s.rows;
+    for (int i = 0; i < sources * local_experts; ++i) {
+      const std::int64_t take = i + 1 == sources * local_experts ? left : left / 3;
+      chunks.counts.push_back(take);
+      counts32.push_back(static_cast<std::int32_t>(take));
+      left -= take;
+    }
+    const Matrix sorted =
+        reference::sort_chunks(reference::round_rows_through_fp8(x), chunks, /*align=*/16);
+    const auto counts_dev = test::upload(counts32);
+    DeviceBuffer workspace(chunk_workspace_bytes(sources, local_experts));
+    DeviceBuffer expert_major(static_cast<std::size_t>(sorted.rows * s.cols) * 2 + 16);
+    test::poison(expert_major);
+    const ChunkArgs args{counts_dev.as<std::int32_t>(), sources, local_experts, 16,
+                         workspace.data()};
+    sort_chunk_records(args, records.data(), s.rows,
+                       Tensor(expert_major.data(), DType::kBF16, {sorted.rows, s.cols}),
+                       stream.get());
+    stream.synchronize();
+    CHECK(download_bf16(expert_major, sorted.rows, s.cols).data == sorted.data);
+  }
+  // Bad shapes are refused by name.
+  CHECK_THROWS_WITH(quantize_row_records(nullptr, 2, 24, nullptr, stream.get()),
+                    test::contains_text("cols = 24 must be >= 0, cols a multiple of 16"));
+  CHECK_THROWS_WITH(round_rows_through_fp8(nullptr, 2, 32, nullptr, stream.get()),
+                    test::contains_text("x and out must be device pointers"));
 }

@@ -103,7 +103,7 @@ void run_case(const MoEConfig& c, std::int64_t tokens, bool outliers, std::mt199
   const auto emulated =
       reference::run_layer(c, params, x, dy, test::kAsStored, test::dprob_path(block));
   MoEConfig exact_config = c;
-  exact_config.fp8 = false;
+  exact_config.fp8 = exact_config.fp8_dispatch = false;
   const auto exact = reference::run_layer(exact_config, params, x, dy);
 
   // Relative errors of out, dx, dgate, and the worst expert's dw13 and dw2, against `want`.
@@ -158,6 +158,56 @@ TEST_CASE("MoEBlock with fp8 matches the FP8 reference and stays near the exact 
     shared.shared_ffn_hidden = 64;
     shared.keep_expert_input = true;
     run_case(shared, 100, outliers, rng);
+  }
+}
+
+// fp8_dispatch rounds the experts' rows through FP8 as their records would decode (on one GPU
+// nothing travels). The FP8 products quantize those rows again into the same values (a block's
+// largest value stays in [224, 448] times its scale, so the scale stays or halves and the codes
+// double), so out, dx and the gate's gradient equal the fp8 block's bit for bit; only the weight
+// gradients, which read the rows unquantized, see the rounding. Against the reference, which rounds
+// the same rows, the bounds of fp8 hold.
+TEST_CASE("MoEBlock with fp8_dispatch equals fp8 but for the weight gradients, and its reference",
+          "[gpu][block][fp8]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  for (const bool outliers : {false, true}) {
+    MoEConfig c = test::fp8_config(128, 128, 8, 2);
+    c.fp8_dispatch = true;
+    run_case(c, 45, outliers, rng);
+    MoEConfig deepseek = test::deepseek_like(test::fp8_config(256, 144, 8, 2));
+    deepseek.fp8_dispatch = true;
+    deepseek.keep_expert_input = true;
+    run_case(deepseek, 200, outliers, rng);
+  }
+  for (const bool keep_expert_input : {false, true}) {
+    MoEConfig plain = test::fp8_config(256, 144, 16, 4);
+    plain.keep_expert_input = keep_expert_input;
+    MoEConfig dispatch = plain;
+    dispatch.fp8_dispatch = true;
+    INFO(dispatch.describe());
+    const auto params = test::round_params(test::random_params(plain, rng), plain.dtype);
+    Matrix x;
+    test::draw_separated(plain, params, x, 77, rng);
+    add_outliers(plain, params, x, rng);
+    const Matrix dy = test::round_to(test::random_matrix(77, plain.hidden, rng), plain.dtype);
+    const auto run = [&](const MoEConfig& config) {
+      Stream stream;
+      const Mesh mesh = Mesh::single();
+      MoEBlock block(config, mesh, stream.get());
+      test::load_params(block, params, 0, config.num_experts);
+      return test::run_block(block, config, x, dy);
+    };
+    const Results a = run(plain), b = run(dispatch);
+    CHECK(a.out.data == b.out.data);
+    CHECK(a.dx.data == b.dx.data);
+    CHECK(a.dgate.data == b.dgate.data);
+    bool weight_gradients_moved = false;
+    for (std::size_t e = 0; e < a.dw13.size(); ++e) {
+      weight_gradients_moved = weight_gradients_moved || a.dw13[e].data != b.dw13[e].data;
+      CHECK(relative_error(b.dw13[e], a.dw13[e]) <= kFp8Bound);
+      CHECK(relative_error(b.dw2[e], a.dw2[e]) <= kFp8Bound);
+    }
+    CHECK(weight_gradients_moved);
   }
 }
 

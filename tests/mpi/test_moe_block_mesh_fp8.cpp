@@ -14,6 +14,10 @@
 //   before it is quantized. Over the NCCL exchange the unpermute weighs the rows instead, so the
 //   experts quantize dY unweighed: other E4M3 roundings of the same values, within FP8's bound
 //   only.
+//
+// With fp8_dispatch the rows toward the experts cross as E4M3 records (over NCCL whatever the
+// transport asked, auto included), and out, dx and the gate's gradient must equal the same mesh's
+// without it bit for bit.
 #include <mpi.h>
 
 #include <cstdint>
@@ -63,20 +67,40 @@ void run_fp8_mesh_case(MoEConfig c, int ep, int dp, std::uint64_t seed) {
   const std::int64_t T = tokens[rank];
 
   const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, ep, dp, c.num_experts);
-  Stream stream;
-  MoEBlock block(c, mesh, stream.get());
   const int E_loc = c.num_experts / ep;
   const int first_expert = mesh.ep_index() * E_loc;
-  test::load_params(block, params, first_expert, E_loc);
-  test::Pending pending = test::start_block(block, c, rank_rows(x, first, T));
   const auto dy_dev = test::upload_as(rank_rows(dy, first, T), c.dtype);
-  const Tensor dx = block.backward(Tensor(dy_dev.data(), c.dtype, {T, c.hidden}));
-  block.reduce_gradients();
-  MOE_CHECK_CUDA(cudaDeviceSynchronize());
-  test::Results& got = pending.results;
-  got.dx = test::read(dx, T, c.hidden);
-  test::read_gradients(block, c, got);
-  INFO("transport " << ep_transport_name(block.ep_transport()));
+  Stream stream;
+  // A mesh block of `config` on this rank's rows: its results, and whether its experts weigh
+  // their rows.
+  const auto run_mesh_block = [&](const MoEConfig& config, bool& experts_weigh_rows) {
+    MoEBlock block(config, mesh, stream.get());
+    test::load_params(block, params, first_expert, E_loc);
+    test::Pending pending = test::start_block(block, config, rank_rows(x, first, T));
+    const Tensor dx = block.backward(Tensor(dy_dev.data(), config.dtype, {T, config.hidden}));
+    block.reduce_gradients();
+    MOE_CHECK_CUDA(cudaDeviceSynchronize());
+    test::Results results = pending.results;
+    results.dx = test::read(dx, T, config.hidden);
+    test::read_gradients(block, config, results);
+    experts_weigh_rows = block.probabilities_in_experts();
+    return results;
+  };
+  bool same_operands = false;
+  const test::Results got = run_mesh_block(c, same_operands);
+  if (c.fp8_dispatch) {
+    // The FP8 products quantize the decoded rows into the values that the rows' own quantization
+    // gives (tests/gpu/test_moe_block_fp8.cpp says why), so out, dx and the gate's gradient equal
+    // the mesh's without fp8_dispatch bit for bit: the records crossed and were decoded in place.
+    MoEConfig bf16_rows = c;
+    bf16_rows.fp8_dispatch = false;
+    if (ep > 1) bf16_rows.ep_transport = EpTransport::kNccl;  // the exchange fp8_dispatch took
+    bool unused = false;
+    const test::Results plain = run_mesh_block(bf16_rows, unused);
+    CHECK(got.out.data == plain.out.data);
+    CHECK(got.dx.data == plain.dx.data);
+    CHECK(got.dgate.data == plain.dgate.data);
+  }
 
   // The one-GPU FP8 block on the whole batch, on this rank's GPU.
   MoEConfig one = c.for_one_rank();
@@ -86,11 +110,11 @@ void run_fp8_mesh_case(MoEConfig c, int ep, int dp, std::uint64_t seed) {
   test::load_params(whole, params, 0, c.num_experts);
   const test::Results want_fp8 = test::run_block(whole, one, x, dy);
   MoEConfig exact = one;
-  exact.fp8 = false;  // the exact layer: under fp8 the reference forms the FP8 experts
-  const auto want =
-      reference::run_layer(exact, params, x, dy, test::kAsStored, test::dprob_path(block));
+  exact.fp8 = exact.fp8_dispatch = false;  // the exact layer (under fp8 the reference is FP8's)
+  const auto want = reference::run_layer(exact, params, x, dy, test::kAsStored,
+                                         same_operands ? reference::ProbabilityGradient::kExperts
+                                                       : reference::ProbabilityGradient::kCombine);
 
-  const bool same_operands = block.probabilities_in_experts();
   auto check = [&](const char* name, const Matrix& value, const Matrix& fp8_run,
                    const Matrix& exact) {
     INFO(name);
@@ -124,13 +148,17 @@ TEST_CASE("MoEBlock with fp8 on every mesh shape equals the one-GPU FP8 run on t
         ep == 1 ? std::vector{EpTransport::kAuto}
                 : std::vector{EpTransport::kNccl, EpTransport::kAuto};
     for (const EpTransport transport : transports) {
-      MoEConfig plain = test::fp8_config(128, 128, 8, 2);
-      MoEConfig deepseek = test::deepseek_like(test::fp8_config(256, 144, 8, 2));
-      for (MoEConfig* c : {&plain, &deepseek}) {
-        c->ep_transport = transport;
-        c->z_loss_coeff = 0.001;
-        c->keep_expert_input = index % 2 == 1;  // else X is stored again in the backward
-        run_fp8_mesh_case(*c, ep, world / ep, seed + static_cast<std::uint64_t>(index++));
+      // fp8_dispatch: E4M3 records toward the experts (over NCCL; auto takes it).
+      for (const bool fp8_dispatch : {false, true}) {
+        MoEConfig plain = test::fp8_config(128, 128, 8, 2);
+        MoEConfig deepseek = test::deepseek_like(test::fp8_config(256, 144, 8, 2));
+        for (MoEConfig* c : {&plain, &deepseek}) {
+          c->ep_transport = transport;
+          c->fp8_dispatch = fp8_dispatch;
+          c->z_loss_coeff = 0.001;
+          c->keep_expert_input = index % 2 == 1;  // else X is stored again in the backward
+          run_fp8_mesh_case(*c, ep, world / ep, seed + static_cast<std::uint64_t>(index++));
+        }
       }
     }
   }
