@@ -33,8 +33,10 @@ Matrix draw(std::int64_t rows, std::int64_t cols, std::mt19937_64& rng) {
       for (std::int64_t c = c0; c < std::min(c0 + 128, cols); ++c) x(r, c) = factor * normal(rng);
     }
   }
-  std::uniform_int_distribution<std::int64_t> any(0, rows * cols - 1);
-  for (int i = 0; i < 3; ++i) x.data[static_cast<std::size_t>(any(rng))] = 3e4 * normal(rng);
+  if (rows * cols > 0) {
+    std::uniform_int_distribution<std::int64_t> any(0, rows * cols - 1);
+    for (int i = 0; i < 3; ++i) x.data[static_cast<std::size_t>(any(rng))] = 3e4 * normal(rng);
+  }
   return round_to(x, DType::kBF16);
 }
 
