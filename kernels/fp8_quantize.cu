@@ -24,21 +24,8 @@ __device__ __forceinline__ float group_max(float value) {  // over the 16 lanes 
   return value;
 }
 
-// The block's scale 2^e, e the least with amax <= 448 · 2^e (so the block's largest value maps
-// into (224, 448]), in [-126, 127]: a power of two, so that x / 2^e is exact and costs one
-// multiplication. 448 = 0.875 · 2^9.
-__device__ __forceinline__ int scale_exponent(float amax) {
-  if (amax == 0.0f) return 0;
-  if (!(amax < INFINITY)) return 127;
-  int exponent = 0;
-  const float mantissa = frexpf(amax, &exponent);  // amax = mantissa · 2^exponent, [0.5, 1)
-  return min(max(mantissa <= 0.875f ? exponent - 9 : exponent - 8, -126), 127);
-}
-
-// E4M3 of value / 2^e, given 2^-e: exact scaling, then one rounding, to nearest even.
-__device__ __forceinline__ std::uint8_t to_e4m3(float value, float inverse_scale) {
-  return __nv_cvt_float_to_fp8(value * inverse_scale, __NV_SATFINITE, __NV_E4M3);
-}
+using fp8_device::scale_exponent;
+using fp8_device::to_e4m3;
 
 // Whether whole 8-value accesses line up: 16-byte loads of bf16 need x 16-byte aligned, the
 // stores what `store` says, and every row then starts aligned when its length is a multiple of 8.

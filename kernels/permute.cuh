@@ -68,6 +68,15 @@ void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row
                       const std::int32_t* counts, int experts, const Tensor& dY, float* dprob,
                       cudaStream_t stream);
 
+// combine_backward whose dY rows are written as fp8_dispatch's records (kernels/fp8_quantize.cuh:
+// fp8_row_bytes(H) bytes a row, H a multiple of 16, bf16 dy and y, every pointer 16-byte aligned)
+// instead of bf16: each record that of the bf16 row combine_backward would store, in one pass.
+// Padding rows' records are zero bytes (their codes decode to zeros, as a quantized zero row's).
+void combine_backward_records(const Tensor& dy, const Tensor& y, const std::int32_t* row_map,
+                              const float* prob, int topk, const std::int32_t* offsets,
+                              const std::int32_t* counts, int experts, void* records, float* dprob,
+                              cudaStream_t stream);
+
 // The EP receiver: rows ordered by (source, local expert) with counts[s · E_loc + e], unpadded,
 // moved to or from the expert-major layout padded to `align` (padding rows zero when writing it).
 struct ChunkArgs {

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "fp8_device.cuh"
+#include "fp8_quantize.cuh"
 #include "moe/error.h"
 #include "moe/types.h"
 #include "permute.cuh"
@@ -262,6 +264,74 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   }
 }
 
+// The combine backward whose rows leave as fp8_dispatch's records: each lane holds 8 values of a
+// slot's row, bf16(p · dy) as combine_backward stores them, and the 16 lanes of a 128-value block
+// share its largest magnitude; codes and scale go into the slot's record. The warp walks the row
+// in steps of 32 lanes together, so that every lane takes part in each block's shuffle.
+template <int kSlots>
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    combine_backward_records_kernel(const __nv_bfloat16* __restrict__ dy,
+                                    const __nv_bfloat16* __restrict__ y, LocalRows rows,
+                                    const float* __restrict__ prob, int topk, std::int64_t tokens,
+                                    int hidden, std::int64_t record_bytes,
+                                    std::uint8_t* __restrict__ records, float* __restrict__ dprob,
+                                    Padding pad) {
+  if (zero_padding_block<float, 4>(pad, static_cast<int>(record_bytes / 4),
+                                   reinterpret_cast<float*>(records)))
+    return;
+  using P = Pack<__nv_bfloat16, 8>;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t t =
+      static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  if (t >= tokens) return;
+  const auto slots = rows.template load<kSlots>(t, topk, lane);
+  const auto probs = load_probs<kSlots>(prob, t, topk, lane);
+  const int units = hidden / 8;
+  float dot[kSlots] = {};
+  for (int base = 0; base < units; base += kWarpSize) {
+    const int u = base + lane;
+    const bool mine = u < units;
+    P g{};
+    if (mine) g = reinterpret_cast<const P*>(dy + t * hidden)[u];
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      if (k >= topk) continue;  // uniform over the warp
+      float scaled[8];
+      float amax = 0.0f;
+      P row_in{};
+      if (mine) row_in = reinterpret_cast<const P*>(slots.at(y, k, hidden))[u];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float ge = mine ? to_float(g.v[e]) : 0.0f;
+        dot[k] += ge * (mine ? to_float(row_in.v[e]) : 0.0f);
+        scaled[e] = __bfloat162float(__float2bfloat16_rn(probs.p[k] * ge));
+        amax = fmaxf(amax, fabsf(scaled[e]));
+      }
+      for (int offset = 8; offset > 0; offset /= 2)  // the 16 lanes of one block
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+      if (!mine) continue;
+      const int exponent = fp8_device::scale_exponent(amax);
+      std::uint8_t* record = slots.at(records, k, static_cast<int>(record_bytes));
+      reinterpret_cast<uint2*>(record)[u] = fp8_device::encode8(scaled, ldexpf(1.0f, -exponent));
+      auto* tail = reinterpret_cast<float*>(record + hidden);
+      if (lane % 16 == 0) tail[u / 16] = ldexpf(1.0f, exponent);
+      if (u == 0) {  // the zero bytes after the scales
+        const int blocks = (hidden + kFP8Block - 1) / kFP8Block;
+        for (std::int64_t i = blocks; i < (record_bytes - hidden) / 4; ++i) tail[i] = 0.0f;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    if (k < topk) {
+      float v = dot[k];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+      if (lane == 0) dprob[t * topk + k] = v;
+    }
+  }
+}
+
 // rows[i] = row_map[i] + shift[topk_idx[i]]: a slot's row on its expert's rank; with dropped,
 // each slot's group there, the dropped group (topk_idx >= experts) named as the sender's own.
 __global__ void peer_row_map_kernel(const std::int32_t* __restrict__ row_map,
@@ -372,6 +442,38 @@ void combine_backward(const Tensor& dy, const Tensor& y, const std::int32_t* row
           dY.as<T>(), dprob, pad);
       MOE_CHECK_LAUNCH();
     });
+  });
+}
+
+void combine_backward_records(const Tensor& dy, const Tensor& y, const std::int32_t* row_map,
+                              const float* prob, int topk, const std::int32_t* offsets,
+                              const std::int32_t* counts, int experts, void* records, float* dprob,
+                              cudaStream_t stream) {
+  check_activation(dy, "combine_backward_records dy");
+  check_activation(y, "combine_backward_records y");
+  check_same_width(dy, y, "combine_backward_records");
+  check_topk(topk, "combine_backward_records");
+  if (prob == nullptr || dprob == nullptr)
+    fail("combine_backward_records: prob and dprob are required");
+  const std::int64_t tokens = dy.dim(0);
+  const int hidden = static_cast<int>(dy.dim(1));
+  const bool whole = dy.dtype == DType::kBF16 && hidden % 16 == 0 &&
+                     reinterpret_cast<std::uintptr_t>(dy.data) % 16 == 0 &&
+                     reinterpret_cast<std::uintptr_t>(y.data) % 16 == 0 &&
+                     reinterpret_cast<std::uintptr_t>(records) % 16 == 0;
+  if (!whole || (records == nullptr && tokens > 0))
+    fail(
+        "combine_backward_records: bf16 rows of a multiple of 16 values and records, all 16-byte "
+        "aligned; got dy " +
+        dy.describe());
+  const Padding pad{offsets, counts, experts};
+  const unsigned grid = row_grid(tokens, pad);
+  if (grid == 0) return;
+  dispatch_slots(topk, [&]<int kSlots>() {
+    combine_backward_records_kernel<kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
+        dy.as<const __nv_bfloat16>(), y.as<const __nv_bfloat16>(), LocalRows{row_map}, prob, topk,
+        tokens, hidden, fp8_row_bytes(hidden), static_cast<std::uint8_t*>(records), dprob, pad);
+    MOE_CHECK_LAUNCH();
   });
 }
 

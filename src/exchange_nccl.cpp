@@ -211,6 +211,14 @@ class NcclExchange final : public TokenExchange {
     // dY's buffer grows, where it must, before the backward queues a collective: a growth frees
     // the old buffer, which waits for the device, and so would wait for the peers too.
     if (!copies_) view(dY_, dtype_, {saved_.rows, H_});
+    if (records_toward_experts_) {
+      // dY to send as records, in one pass, into the buffer the forward's records took (sized
+      // for every slot's row then).
+      combine_backward_records(dy, returned(send_rows_), layout_.row_map(), saved_.routing.topk_p,
+                               K_, layout_.offsets(), layout_.counts(), groups_,
+                               records(records_, slot_rows()).data, dprob, stream_);
+      return;
+    }
     // dY to send goes over Y, dead since the combine (which kept the rows it got back).
     const Tensor dY_sent = view(Y_, dtype_, {slot_rows(), H_});
     moe::combine_backward(dy, returned(send_rows_), layout_.row_map(), saved_.routing.topk_p, K_,
@@ -222,12 +230,7 @@ class NcclExchange final : public TokenExchange {
     // send_rows grows here, on the block's stream alone (its Y returned is dead once the
     // unpermute backward read it): nothing of the exchange's stream is queued yet.
     view(send_rows_, dtype_, {std::max(counts().total_received(), slot_rows()), H_});
-    if (!records_toward_experts_) return send_chunks(Y_, send_rows_, dY_);
-    // The rows sent (every expert's; the dropped group's stay) as records, in the buffer the
-    // forward's records took, sized for them then.
-    quantize_row_records(Y_.data(), saved_.sent_rows, H_, records(records_, saved_.sent_rows).data,
-                         stream_);
-    send_chunks(records_, send_rows_, dY_);
+    send_chunks(records_toward_experts_ ? records_ : Y_, send_rows_, dY_);
   }
 
   // dX over dY (X is kept), since Y holds the dY still to send.
@@ -563,7 +566,7 @@ class NcclExchange final : public TokenExchange {
   // scales, toward_experts_bytes_ a row, and the chunk sort decodes them; the rows back stay bf16.
   bool records_toward_experts_;
   std::int64_t toward_experts_bytes_;
-  DeviceBuffer records_;     // x's records [T], then dY's to send [sent rows]
+  DeviceBuffer records_;     // x's records [T], then dY's to send [T·K, more with fixed blocks]
   ExpertExchange exchange_;  // the counts (kept for the backward) and the rows' all-to-allv
   SlotLayout layout_;
   DeviceBuffer send_rows_, X_;

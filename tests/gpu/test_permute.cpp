@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "kernels/fp8_quantize.cuh"
 #include "kernels/permute.cuh"
 #include "reference/reference.h"
 #include "support/catch.h"
@@ -167,6 +168,43 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   stream.synchronize();
   CHECK(download_matrix(y_then_dY, rows, H, c.dtype).data == got_dY.data);
   CHECK(test::download<float>(dprob_in_place, static_cast<std::size_t>(T * K)) ==
+        test::download<float>(dprob, static_cast<std::size_t>(T * K)));
+
+  // fp8_dispatch: the combine backward writing records in one pass. Each slot's record is that
+  // of the bf16 dY row above (its quantization in a pass of its own), a padding row's record is
+  // zero bytes, and dprob is the same bits.
+  if (c.dtype != DType::kBF16 || H % 16 != 0) return;
+  const std::int64_t record = fp8_row_bytes(H);
+  const auto record_buffer = [&] {
+    return DeviceBuffer(static_cast<std::size_t>(rows * record) + 16);
+  };
+  DeviceBuffer records = record_buffer(), want_records = record_buffer(),
+               dprob_records(static_cast<std::size_t>(T * K) * 4 + 16);
+  for (const auto* b : {&records, &want_records, &dprob_records}) test::poison(*b);
+  combine_backward_records(dy_t, y_t, rm, prob_dev.as<float>(), K, offsets.as<std::int32_t>(),
+                           counts.as<std::int32_t>(), E, records.data(), dprob_records.as<float>(),
+                           stream.get());
+  quantize_row_records(dY.data(), rows, H, want_records.data(), stream.get());
+  stream.synchronize();
+  const auto bytes = test::download<std::uint8_t>(records, static_cast<std::size_t>(rows * record));
+  const auto want_bytes =
+      test::download<std::uint8_t>(want_records, static_cast<std::size_t>(rows * record));
+  std::vector<bool> slot_row(static_cast<std::size_t>(rows), false);
+  for (const auto row : layout.row) slot_row[static_cast<std::size_t>(row)] = true;
+  std::int64_t wrong_slot_bytes = 0, wrong_padding_bytes = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t b = r * record; b < (r + 1) * record; ++b) {
+      const auto i = static_cast<std::size_t>(b);
+      if (slot_row[static_cast<std::size_t>(r)]) {
+        wrong_slot_bytes += bytes[i] != want_bytes[i];
+      } else {
+        wrong_padding_bytes += bytes[i] != 0;
+      }
+    }
+  }
+  CHECK(wrong_slot_bytes == 0);
+  CHECK(wrong_padding_bytes == 0);
+  CHECK(test::download<float>(dprob_records, static_cast<std::size_t>(T * K)) ==
         test::download<float>(dprob, static_cast<std::size_t>(T * K)));
 }
 
