@@ -314,15 +314,20 @@ void launch_row_blocks(const char* what, const void* x, std::int64_t rows, std::
 }
 
 // The rows that travel take whole 16-byte records and whole 8-value lanes.
+// `out` (named out_name) must be 16-byte aligned where `aligned` says so (records, whose scales
+// are stored as floats after the codes).
 void check_travelling_rows(const char* what, const void* x, std::int64_t rows, std::int64_t cols,
-                           const void* out) {
+                           const void* out, const char* out_name, bool aligned) {
   if (rows < 0 || cols < 0 || cols % 16 != 0) {
     fail(std::string(what) + ": rows = " + std::to_string(rows) +
          " and cols = " + std::to_string(cols) + " must be >= 0, cols a multiple of 16");
   }
   if (rows > 0 && cols > 0 && (x == nullptr || out == nullptr)) {
-    fail(std::string(what) + ": x and out must be device pointers, got " + text(x) + ", " +
-         text(out));
+    fail(std::string(what) + ": x and " + out_name + " must be device pointers, got " + text(x) +
+         ", " + text(out));
+  }
+  if (aligned && reinterpret_cast<std::uintptr_t>(out) % 16 != 0) {
+    fail(std::string(what) + ": " + out_name + " = " + text(out) + " must be 16-byte aligned");
   }
 }
 
@@ -393,7 +398,7 @@ void quantize_tiles(const void* x, std::int64_t rows, std::int64_t cols, std::ui
 
 void quantize_row_records(const void* x, std::int64_t rows, std::int64_t cols, void* records,
                           cudaStream_t stream) {
-  check_travelling_rows("quantize_row_records", x, rows, cols, records);
+  check_travelling_rows("quantize_row_records", x, rows, cols, records, "records", true);
   if (rows == 0 || cols == 0) return;
   launch_row_blocks("quantize_row_records", x, rows, cols,
                     Records{static_cast<std::uint8_t*>(records), fp8_row_bytes(cols)}, stream);
@@ -401,7 +406,7 @@ void quantize_row_records(const void* x, std::int64_t rows, std::int64_t cols, v
 
 void round_rows_through_fp8(const void* x, std::int64_t rows, std::int64_t cols, void* out,
                             cudaStream_t stream) {
-  check_travelling_rows("round_rows_through_fp8", x, rows, cols, out);
+  check_travelling_rows("round_rows_through_fp8", x, rows, cols, out, "out", false);
   if (rows == 0 || cols == 0) return;
   launch_row_blocks("round_rows_through_fp8", x, rows, cols,
                     RoundTrip{static_cast<__nv_bfloat16*>(out)}, stream);

@@ -53,7 +53,8 @@ void quantize_row_blocks_segmented(const void* x, std::span<const std::int64_t> 
 inline constexpr std::int64_t fp8_row_bytes(std::int64_t cols) {
   return (cols + 4 * ((cols + kFP8Block - 1) / kFP8Block) + 15) / 16 * 16;
 }
-// x bf16 [rows, cols] (cols a multiple of 16) into records [rows, fp8_row_bytes(cols)].
+// x bf16 [rows, cols] (cols a multiple of 16) into records [rows, fp8_row_bytes(cols)], 16-byte
+// aligned.
 void quantize_row_records(const void* x, std::int64_t rows, std::int64_t cols, void* records,
                           cudaStream_t stream);
 // What the records of x give back once decoded (each code times its scale, rounded to bf16), in

@@ -235,8 +235,16 @@ void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tens
 
 void sort_chunk_records(const ChunkArgs& chunks, const void* records, std::int64_t rows,
                         const Tensor& expert_major, cudaStream_t stream) {
-  if (records == nullptr && rows > 0)
-    fail("chunk sort of records: no records for " + std::to_string(rows) + " rows");
+  const std::int64_t hidden = expert_major.rank() == 2 ? expert_major.dim(1) : 0;
+  if (rows < 0 || hidden % 16 != 0 || expert_major.dtype != DType::kBF16)
+    fail("chunk sort of records: rows = " + std::to_string(rows) +
+         " must be >= 0, into bf16 rows "
+         "of a multiple of 16 values; got " +
+         expert_major.describe());
+  if ((records == nullptr && rows > 0) || reinterpret_cast<std::uintptr_t>(records) % 16 != 0)
+    fail("chunk sort of records: records = " +
+         std::to_string(reinterpret_cast<std::uintptr_t>(records)) + " for " +
+         std::to_string(rows) + " rows must be a 16-byte aligned device pointer");
   const Tensor shape(nullptr, DType::kBF16, {rows, expert_major.dim(1)});
   copy_chunks<true>(chunks, shape, expert_major, shape, expert_major, stream, records);
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "fp8_device.cuh"
 #include "fp8_quantize.cuh"
@@ -457,15 +458,16 @@ void combine_backward_records(const Tensor& dy, const Tensor& y, const std::int3
     fail("combine_backward_records: prob and dprob are required");
   const std::int64_t tokens = dy.dim(0);
   const int hidden = static_cast<int>(dy.dim(1));
-  const bool whole = dy.dtype == DType::kBF16 && hidden % 16 == 0 &&
-                     reinterpret_cast<std::uintptr_t>(dy.data) % 16 == 0 &&
-                     reinterpret_cast<std::uintptr_t>(y.data) % 16 == 0 &&
-                     reinterpret_cast<std::uintptr_t>(records) % 16 == 0;
-  if (!whole || (records == nullptr && tokens > 0))
-    fail(
-        "combine_backward_records: bf16 rows of a multiple of 16 values and records, all 16-byte "
-        "aligned; got dy " +
-        dy.describe());
+  if (dy.dtype != DType::kBF16 || hidden % 16 != 0)
+    fail("combine_backward_records: dy " + dy.describe() +
+         " must be bf16 rows of a multiple of 16 values");
+  for (const auto& [name, pointer] :
+       {std::pair<const char*, const void*>{"dy", dy.data}, {"y", y.data}, {"records", records}}) {
+    if (reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0 || (pointer == nullptr && tokens > 0))
+      fail(std::string("combine_backward_records: ") + name + " = " +
+           std::to_string(reinterpret_cast<std::uintptr_t>(pointer)) +
+           " must be a 16-byte aligned device pointer");
+  }
   const Padding pad{offsets, counts, experts};
   const unsigned grid = row_grid(tokens, pad);
   if (grid == 0) return;

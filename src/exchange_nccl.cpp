@@ -26,9 +26,12 @@
 // and read at different times, no buffer holds two layouts at once (docs/design.md, "Buffers"):
 //   send_rows [T·K, H]: (with fixed blocks T·K + E·C rows) x gathered to send → Y returned (kept
 //                       for dprob) → received dY → staging of dX
-//   X [rows, H]:        the experts' input (kept)
+//   X [rows, H]:        (fp8_dispatch: x's records, T of them, gathered from here) → the experts'
+//                       input (kept)
 //   Y (scratch):        the experts' output → dY to send → returned dX
 //   dY (scratch):       received rows → staging of the combine's sends → dY → dX (in place)
+// Under fp8_dispatch the rows sent toward the experts are records (fp8_row_bytes(H) each, at most
+// a bf16 row's bytes) in the same buffers: x gathered in send_rows, dY to send in Y.
 //
 // The copy exchange (ep_transport: copy) is this exchange with its rows moved by the copy engines
 // instead of NCCL's kernels, between the GPUs of one host (docs/design.md, "Transports"). The
@@ -148,10 +151,12 @@ class NcclExchange final : public TokenExchange {
       return;
     }
     // Each token's row quantized once into its record, the records gathered slot by slot (a
-    // token's K slots share one); the buffer holds the backward's dY records too.
-    quantize_row_records(x.data, saved_.tokens, H_, records(records_, slot_rows()).data, stream_);
-    permute_rows(records(records_, saved_.tokens), layout_.row_map(), K_, layout_.offsets(),
-                 layout_.counts(), groups_, records(send_rows_, slot_rows()), stream_);
+    // token's K slots share one). The records wait in X, dead since the last backward and written
+    // again only by this dispatch's sort, after this permute.
+    const Tensor token_records = records(X_, saved_.tokens);
+    quantize_row_records(x.data, saved_.tokens, H_, token_records.data, stream_);
+    permute_rows(token_records, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_,
+                 records(send_rows_, slot_rows()), stream_);
   }
 
   void dispatch(const Tensor&, void* totals) override {
@@ -211,15 +216,14 @@ class NcclExchange final : public TokenExchange {
     // dY's buffer grows, where it must, before the backward queues a collective: a growth frees
     // the old buffer, which waits for the device, and so would wait for the peers too.
     if (!copies_) view(dY_, dtype_, {saved_.rows, H_});
+    // dY to send goes over Y, dead since the combine (which kept the rows it got back); as records
+    // under fp8_dispatch, written in one pass (smaller than the bf16 rows Y was sized for).
     if (records_toward_experts_) {
-      // dY to send as records, in one pass, into the buffer the forward's records took (sized
-      // for every slot's row then).
       combine_backward_records(dy, returned(send_rows_), layout_.row_map(), saved_.routing.topk_p,
                                K_, layout_.offsets(), layout_.counts(), groups_,
-                               records(records_, slot_rows()).data, dprob, stream_);
+                               records(Y_, slot_rows()).data, dprob, stream_);
       return;
     }
-    // dY to send goes over Y, dead since the combine (which kept the rows it got back).
     const Tensor dY_sent = view(Y_, dtype_, {slot_rows(), H_});
     moe::combine_backward(dy, returned(send_rows_), layout_.row_map(), saved_.routing.topk_p, K_,
                           layout_.offsets(), layout_.counts(), groups_, dY_sent, dprob, stream_);
@@ -230,7 +234,7 @@ class NcclExchange final : public TokenExchange {
     // send_rows grows here, on the block's stream alone (its Y returned is dead once the
     // unpermute backward read it): nothing of the exchange's stream is queued yet.
     view(send_rows_, dtype_, {std::max(counts().total_received(), slot_rows()), H_});
-    send_chunks(records_toward_experts_ ? records_ : Y_, send_rows_, dY_);
+    send_chunks(Y_, send_rows_, dY_);
   }
 
   // dX over dY (X is kept), since Y holds the dY still to send.
@@ -564,9 +568,9 @@ class NcclExchange final : public TokenExchange {
   std::size_t row_bytes_;
   // fp8_dispatch: the rows toward the experts (x, then dY) cross as records of E4M3 codes and
   // scales, toward_experts_bytes_ a row, and the chunk sort decodes them; the rows back stay bf16.
+  // The records take no buffer of their own (see the buffers' roles above).
   bool records_toward_experts_;
   std::int64_t toward_experts_bytes_;
-  DeviceBuffer records_;     // x's records [T], then dY's to send [T·K, more with fixed blocks]
   ExpertExchange exchange_;  // the counts (kept for the backward) and the rows' all-to-allv
   SlotLayout layout_;
   DeviceBuffer send_rows_, X_;

@@ -104,7 +104,8 @@ struct MoEConfig {
   // With fp8: the rows the exchange carries toward the experts (x in the forward, dY in the
   // backward) travel as E4M3 with their 1 × 128 scales, half the bytes of bf16, and the experts
   // see them as dequantized (docs/design.md, "FP8 dispatch"). On one EP rank nothing travels, but
-  // the rows are rounded the same way, so that a mesh equals one GPU. Runs over the NCCL exchange.
+  // the rows are rounded the same way, so that the experts see alike rows on a mesh and on one GPU.
+  // Runs over the NCCL exchange.
   bool fp8_dispatch = false;
 
   DType dtype = DType::kBF16;  // activations and weights: bf16 or fp32

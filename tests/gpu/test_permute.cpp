@@ -245,6 +245,9 @@ TEST_CASE("permute at many tokens and odd widths", "[gpu][permute]") {
   run_case({many, 128, 8, 2, 16, true, DType::kFP32}, rng);
   run_case({300, 7, 8, 2, 8, false, DType::kFP32}, rng);  // fp32 rows of 28 bytes: element path
   run_case({300, 7168, 256, 8, 64, false, DType::kBF16}, rng);
+  // Widths whose last 128-value scale block is partial, for the combine backward's records.
+  run_case({300, 144, 8, 2, 16, false, DType::kBF16}, rng);
+  run_case({77, 272, 16, 4, 8, true, DType::kBF16}, rng);
 }
 
 // The layout's scan splits each expert's column of block histograms over 32 lanes (E ≤ 32) down
