@@ -1,52 +1,113 @@
 #!/usr/bin/env bash
-# The layer's step with FP8 expert products against bf16 at the model shapes on one GPU, both at
-# one alignment (FP8 needs multiples of 16), dropless. Writes one moe_bench JSON per run to
-# OUTDIR and prints a table last.
-#   scripts/bench-fp8.sh [--configs "a b"] [--tokens "1024 8192"] OUTDIR
+# The layer's step with FP8 expert products against bf16 at the model shapes, dropless, at one
+# alignment (FP8 needs multiples of 16); on an EP mesh (--ranks N) also FP8 with the rows toward
+# the experts sent as E4M3 records (fp8_dispatch), all over the NCCL exchange. Writes one moe_bench
+# JSON per run to OUTDIR and prints a table last.
+#   scripts/bench-fp8.sh [--configs "a b"] [--tokens "1024 8192"] [--ranks N]
+#                        [--modes "bf16 fp8 dispatch"] [--repeat R] OUTDIR
+# --ranks 1 (the default) runs on one GPU, where modes bf16 and fp8 apply; from 2 on, mpirun
+# launches an EP mesh of N ranks on this host and the modes default to "fp8 dispatch". --repeat
+# runs every mode R times, alternating, and the table takes the means.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-configs="mixtral-8x7b qwen3-30b-a3b deepseek-v3" tokens="8192" out=""
+usage() {
+  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--modes M] [--repeat R] OUTDIR" >&2
+  exit 2
+}
+configs="mixtral-8x7b qwen3-30b-a3b deepseek-v3" tokens="8192" ranks=1 modes="" repeat=1 out=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --configs) configs=$2; shift 2 ;;
-    --tokens) tokens=$2; shift 2 ;;
-    -*) echo "usage: $0 [--configs C] [--tokens T] OUTDIR" >&2; exit 2 ;;
-    *) out=$1; shift ;;
+    --configs | --tokens | --ranks | --modes | --repeat)
+      [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; usage; }
+      case $1 in
+        --configs) configs=$2 ;;
+        --tokens) tokens=$2 ;;
+        --ranks) ranks=$2 ;;
+        --modes) modes=$2 ;;
+        --repeat) repeat=$2 ;;
+      esac
+      shift 2 ;;
+    -*) usage ;;
+    *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
+       out=$1; shift ;;
   esac
 done
-[ -n "$out" ] || { echo "usage: $0 [options] OUTDIR" >&2; exit 2; }
+[ -n "$out" ] || usage
+moe_require_configs_and_tokens "$configs" "$tokens"
+[[ "$ranks" =~ ^[1-9][0-9]?$ ]] || { echo "error: --ranks '$ranks' is not 1 to 99" >&2; exit 2; }
+[[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
+if [ -z "$modes" ]; then
+  if [ "$ranks" -eq 1 ]; then modes="bf16 fp8"; else modes="fp8 dispatch"; fi
+fi
+set -f
+for mode in $modes; do
+  case $mode in
+    bf16 | fp8) ;;
+    dispatch)
+      [ "$ranks" -ge 2 ] ||
+        { echo "error: --modes dispatch sends rows over an EP mesh: it needs --ranks 2 or more" >&2
+          exit 2; } ;;
+    *) echo "error: --modes '$mode' is none of bf16, fp8, dispatch" >&2; exit 2 ;;
+  esac
+done
+set +f
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
+launch=()
+mesh=()
+if [ "$ranks" -ge 2 ]; then
+  export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared hosts
+  if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+  launch=(mpirun -np "$ranks" --bind-to none -x NCCL_NVLS_ENABLE)
+  mesh=(--ep "$ranks" --ep-transport nccl)
+fi
 status=0
+written=()
 for config in $configs; do
   for t in $tokens; do
-    for mode in bf16 fp8; do
-      name=$config-T$t-$mode
-      flags=(--config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" --iters 10 --stage-lead-ms 0
-             --align-size 16)
-      [ "$mode" = fp8 ] && flags+=(--fp8)
-      "$bench" "${flags[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1 ||
-        { status=1; echo "FAILED: $name"; tail -3 "$out/$name.txt"; }
+    for ((round = 1; round <= repeat; round++)); do
+      for mode in $modes; do
+        name=$config-T$t-EP$ranks-$mode-$round
+        flags=(--config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" --iters 10 --stage-lead-ms 0
+               --align-size 16 "${mesh[@]}")
+        [ "$mode" != bf16 ] && flags+=(--fp8)
+        [ "$mode" = dispatch ] && flags+=(--fp8-dispatch)
+        if "${launch[@]}" "$bench" "${flags[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1
+        then
+          written+=("$out/$name.json")
+        else
+          status=1
+          echo "FAILED: $name"
+          tail -3 "$out/$name.txt"
+        fi
+      done
     done
   done
 done
-python3 - "$out" <<'PY'
-import json, pathlib, sys
-runs = {}
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    r = json.loads(path.read_text())
-    runs[(r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["fp8"])] = r
-print(f"{'config':<16} {'T':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'speedup':>8} {'bf16 experts':>12} "
-      f"{'fp8 experts':>11} {'bf16 GiB':>9} {'fp8 GiB':>8}")
-for (config, t, fp8), r in sorted(runs.items()):
-    if fp8 or (config, t, True) not in runs:
-        continue
-    f = runs[(config, t, True)]
-    experts = lambda run: sum(v for k, v in run["stages_ms"].items() if "experts" in k)
-    print(f"{config:<16} {t:>5} {r['total_ms']:>9.3f} {f['total_ms']:>9.3f} "
-          f"{r['total_ms'] / f['total_ms']:>7.2f}x {experts(r):>12.3f} {experts(f):>11.3f} "
-          f"{r['memory_bytes'] / 2**30:>9.2f} {f['memory_bytes'] / 2**30:>8.2f}")
+[ ${#written[@]} -gt 0 ] || exit 1
+python3 - "${written[@]}" <<'PY'
+import json, pathlib, statistics, sys
+EXCHANGE = ("moe dispatch", "moe combine", "moe combine backward", "moe dispatch backward")
+runs = {}  # (config, T, EP, mode) -> every run's figures
+for path in sys.argv[1:]:
+    r = json.loads(pathlib.Path(path).read_text())
+    mode = "dispatch" if r.get("fp8_dispatch") else ("fp8" if r["fp8"] else "bf16")
+    s = r["stages_ms"]
+    runs.setdefault((r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["ep"], mode),
+                    []).append((r["total_ms"], r["step_floor_ms"],
+                                sum(v for k, v in s.items() if "experts" in k),
+                                sum(s.get(k, 0.0) for k in EXCHANGE),
+                                r["memory_bytes"] / 2**30))
+print(f"{'config':<16} {'T':>5} {'EP':>3} {'mode':<9} {'runs':>4} {'step ms':>9} {'floor ms':>9} "
+      f"{'experts ms':>10} {'exchange ms':>11} {'GiB':>6} {'vs first':>8}")
+first = {}
+for key in sorted(runs, key=lambda k: (k[0], k[1], k[2], ("bf16", "fp8", "dispatch").index(k[3]))):
+    step, floor, experts, exchange, gib = (statistics.mean(v[i] for v in runs[key]) for i in range(5))
+    group = key[:3]
+    first.setdefault(group, step)
+    print(f"{key[0]:<16} {key[1]:>5} {key[2]:>3} {key[3]:<9} {len(runs[key]):>4} {step:>9.3f} "
+          f"{floor:>9.3f} {experts:>10.3f} {exchange:>11.3f} {gib:>6.2f} {first[group] / step:>7.3f}x")
 PY
 exit $status
