@@ -26,8 +26,8 @@
 // and read at different times, no buffer holds two layouts at once (docs/design.md, "Buffers"):
 //   send_rows [T·K, H]: (with fixed blocks T·K + E·C rows) x gathered to send → Y returned (kept
 //                       for dprob) → received dY → staging of dX
-//   X [rows, H]:        (fp8_dispatch: x's records, T of them, gathered from here) → the experts'
-//                       input (kept)
+//   X [rows, H]:        (fp8_dispatch: x's records, T of them, gathered from here; more than
+//                       [rows, H] where rows < about T / 2) → the experts' input (kept)
 //   Y (scratch):        the experts' output → dY to send → returned dX
 //   dY (scratch):       received rows → staging of the combine's sends → dY → dX (in place)
 // Under fp8_dispatch the rows sent toward the experts are records (fp8_row_bytes(H) each, at most
