@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -84,6 +85,10 @@ struct Mesh::Comms {
   comm::NcclComm ep;
   comm::NcclComm dp;
   std::atomic<bool> aborted = false;
+  // on_abort's releases, by id; the mutex is held while an abort runs them.
+  std::mutex releases_mutex;
+  std::map<std::uint64_t, std::function<void()>> releases;
+  std::uint64_t next_release = 1;
   std::unique_ptr<Watchdog> watchdog;  // last: stopped before the communicators go
   // The three aborts run side by side. An abort sets its communicator's abort flag, which its
   // kernels poll, and then frees the communicator's memory; a cudaFree waits for every kernel on
@@ -95,6 +100,12 @@ struct Mesh::Comms {
   // their own threads whenever the device lets them.
   void abort_all(std::chrono::milliseconds grace) noexcept {
     if (aborted.exchange(true)) return;
+    {
+      // First what no communicator's abort would release: an NCCL abort waits for the device's
+      // work, which may sit behind such a wait.
+      std::lock_guard lock(releases_mutex);
+      for (auto& [id, release] : releases) release();
+    }
     struct Pending {
       std::mutex mutex;
       std::condition_variable finished;
@@ -385,6 +396,28 @@ void Mesh::abort() const noexcept {
 
 bool Mesh::aborted() const noexcept {
   return comms_ && comms_->aborted;
+}
+
+std::uint64_t Mesh::on_abort(std::function<void()> release) const {
+  if (!comms_) return 0;
+  {
+    std::lock_guard lock(comms_->releases_mutex);
+    // An abort that has begun runs the releases registered before it takes the mutex; a later
+    // one sees the flag set here.
+    if (!comms_->aborted) {
+      const std::uint64_t id = comms_->next_release++;
+      comms_->releases.emplace(id, std::move(release));
+      return id;
+    }
+  }
+  release();
+  return 0;
+}
+
+void Mesh::forget_on_abort(std::uint64_t id) const noexcept {
+  if (!comms_ || id == 0) return;
+  std::lock_guard lock(comms_->releases_mutex);
+  comms_->releases.erase(id);
 }
 
 }  // namespace moe

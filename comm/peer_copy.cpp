@@ -8,13 +8,11 @@
 
 namespace moe {
 
-PeerRowCopies::PeerRowCopies(const Mesh& mesh) : mesh_(mesh) {
+PeerRowCopies::PeerRowCopies(const Mesh& mesh, cudaStream_t stream)
+    : mesh_(mesh), barrier_(mesh, stream) {
   const int EP = mesh.ep();
   peer_streams_.resize(EP);
   copied_.resize(EP);
-  barrier_.reserve(sizeof(int));
-  const int zero = 0;
-  copy_to_device(barrier_.data(), &zero, sizeof(zero));
 }
 
 void PeerRowCopies::copy(const void* source, std::span<const RowCopy> copies,
@@ -75,7 +73,7 @@ void PeerRowCopies::copy(const void* source, std::span<const RowCopy> copies,
   }
   // A copy has landed in the peer's memory once it completes in stream order, so the barrier,
   // behind every rank's copies, marks every rank's rows as landed everywhere.
-  mesh_.all_reduce_sum(barrier_.data(), 1, ncclInt32, MeshGroup::kExpertParallel, stream);
+  barrier_.arrive_and_wait(stream);
 }
 
 }  // namespace moe

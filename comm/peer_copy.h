@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/peer_memory.h"
+#include "comm/stream_barrier.h"
 #include "moe/device.h"
 #include "moe/mesh.h"
 
@@ -25,13 +26,15 @@ struct RowCopy {
 
 class PeerRowCopies {
  public:
-  // The mesh must outlive the copies.
-  explicit PeerRowCopies(const Mesh& mesh);
+  // Collective over the EP group (its barrier's setup, on `stream`). The mesh must outlive the
+  // copies.
+  PeerRowCopies(const Mesh& mesh, cudaStream_t stream);
 
   // Collective over the EP group: every rank calls it with its own copies (any number, to any
   // rank, itself included). Each peer's copies run as one batch on a stream of that peer, forked
-  // from `stream` and joined back to it; a barrier over the EP group follows on `stream`, so that
-  // the work queued after it on any rank finds every rank's rows to it landed.
+  // from `stream` and joined back to it; a barrier over the EP group follows on `stream` (a
+  // StreamBarrier, which needs no SM), so that the work queued after it on any rank finds every
+  // rank's rows to it landed.
   void copy(const void* source, std::span<const RowCopy> copies, const PeerBuffer& destination,
             std::size_t row_bytes, cudaStream_t stream);
 
@@ -40,7 +43,7 @@ class PeerRowCopies {
   std::vector<Stream> peer_streams_;  // [EP]
   std::vector<Event> copied_;         // [EP]
   Event forked_;
-  DeviceBuffer barrier_;  // one int that the EP group all-reduces as a barrier
+  StreamBarrier barrier_;
   // One peer's batch, reused from call to call.
   std::vector<void*> destinations_;
   std::vector<void*> sources_;  // not const: CUDA 12's batch copy takes void**

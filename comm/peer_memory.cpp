@@ -9,22 +9,6 @@
 namespace moe {
 namespace {
 
-// Every EP rank's `mine` on every rank, through `staging` (device) and the mesh's timed wait.
-template <typename T>
-std::vector<T> all_gather_host(const Mesh& mesh, const T& mine, DeviceBuffer& staging,
-                               const Event& done, cudaStream_t stream, const char* what) {
-  const int EP = mesh.ep();
-  staging.reserve(sizeof(T) * (EP + 1));
-  auto* gathered = staging.as<char>() + sizeof(T);
-  MOE_CHECK_CUDA(cudaMemcpyAsync(staging.data(), &mine, sizeof(T), cudaMemcpyHostToDevice, stream));
-  mesh.all_gather(staging.data(), gathered, sizeof(T), MeshGroup::kExpertParallel, stream);
-  done.record(stream);
-  mesh.wait(done.get(), what);
-  std::vector<T> out(EP);
-  copy_to_host(out.data(), gathered, sizeof(T) * EP);
-  return out;
-}
-
 // A GPU by its UUID, unique across machines: a peer's GPU that this process can find among its
 // own devices is on this host, whatever the host names say (names can repeat, or be cut short).
 using GpuUuid = std::array<char, 16>;

@@ -13,6 +13,7 @@
 
 #include "moe/config.h"
 #include "moe/device.h"
+#include "moe/error.h"
 #include "moe/mesh.h"
 
 namespace moe {
@@ -21,6 +22,23 @@ namespace moe {
 // all on this host, and every rank's GPU can map every other's memory; false on every rank
 // otherwise (the answer is agreed, never half the group).
 bool ep_group_has_peer_access(const Mesh& mesh, cudaStream_t stream);
+
+// Every EP rank's `mine` on every rank, in EP rank order, through `staging` (device) and the
+// mesh's timed wait: how the EP group agrees on host values (handles, votes) outside a step.
+template <typename T>
+std::vector<T> all_gather_host(const Mesh& mesh, const T& mine, DeviceBuffer& staging,
+                               const Event& done, cudaStream_t stream, const char* what) {
+  const int EP = mesh.ep();
+  staging.reserve(sizeof(T) * (EP + 1));
+  auto* gathered = staging.as<char>() + sizeof(T);
+  MOE_CHECK_CUDA(cudaMemcpyAsync(staging.data(), &mine, sizeof(T), cudaMemcpyHostToDevice, stream));
+  mesh.all_gather(staging.data(), gathered, sizeof(T), MeshGroup::kExpertParallel, stream);
+  done.record(stream);
+  mesh.wait(done.get(), what);
+  std::vector<T> out(EP);
+  copy_to_host(out.data(), gathered, sizeof(T) * EP);
+  return out;
+}
 
 // One grow-only device buffer per EP rank, each mapped into every rank of the group.
 class PeerBuffer {

@@ -6,6 +6,8 @@
 # 1-chunk step, the share of the exchange time the pipeline covers (docs/design.md, "Cost model",
 # calls it s). Writes one moe_bench JSON per run to OUTDIR and prints a table last.
 # --repeat R runs the chunk counts R times in turn and takes each one's median step.
+# A transport `copy:nccl` is the copy exchange with its barriers run by NCCL (MOE_STREAM_BARRIER=
+# nccl) instead of by the GPUs' front ends on flags: `--transports "copy copy:nccl"` compares them.
 #   scripts/bench-pipeline.sh [--configs "a b"] [--tokens "8192"] [--ranks N] [--chunks "4 8"]
 #                             [--transports "nccl copy"] [--nccl-channels "default 4 8"]
 #                             [--repeat R] OUTDIR
@@ -51,8 +53,8 @@ for c in $chunk_counts; do
   fi
 done
 for x in $transports; do
-  [ "$x" = nccl ] || [ "$x" = copy ] ||
-    { echo "error: --transports '$x' is neither 'nccl' nor 'copy'" >&2; exit 2; }
+  [ "$x" = nccl ] || [ "$x" = copy ] || [ "$x" = copy:nccl ] ||
+    { echo "error: --transports '$x' is none of 'nccl', 'copy' and 'copy:nccl'" >&2; exit 2; }
 done
 for n in $channel_counts; do
   [ "$n" = default ] || [[ "$n" =~ ^[1-9][0-9]*$ ]] ||
@@ -81,11 +83,14 @@ for config in $configs; do
       fi
       for ((round = 1; round <= repeat; round++)); do
         for transport in $transports; do
+          barrier=()
+          if [ "$transport" = copy:nccl ]; then barrier=(-x MOE_STREAM_BARRIER=nccl); fi
           for chunks in 1 $chunk_counts; do
-            name=$config-T$t-EP$ranks-$transport-ch$channels-c$chunks
+            name=$config-T$t-EP$ranks-${transport/:/-barrier-}-ch$channels-c$chunks
             [ "$repeat" -gt 1 ] && name+=-$round
-            if mpirun -np "$ranks" --bind-to none "${environment[@]}" "$bench" --config "$file" \
-              --tokens "$t" --ep "$ranks" --ep-transport "$transport" --exchange-chunks "$chunks" \
+            if mpirun -np "$ranks" --bind-to none "${environment[@]}" "${barrier[@]}" "$bench" \
+              --config "$file" --tokens "$t" --ep "$ranks" --ep-transport "${transport%%:*}" \
+              --exchange-chunks "$chunks" \
               --iters 20 --json "$out/$name.json" >"$out/$name.txt" 2>&1; then
               written+=("$transport,$channels,$chunks=$out/$name.json")
             else

@@ -97,7 +97,7 @@ class NcclExchange final : public TokenExchange {
         dY_(setup.scratch.dY),
         chunk_ws_(setup.scratch.chunk_ws) {
     if (setup.config.ep_transport == EpTransport::kCopy) {
-      copies_ = std::make_unique<PeerRowCopies>(mesh_);
+      copies_ = std::make_unique<PeerRowCopies>(mesh_, stream_);
       expert_input_ = std::make_unique<PeerBuffer>(mesh_);
       expert_grads_ = std::make_unique<PeerBuffer>(mesh_);
       returned_ = std::make_unique<PeerBuffer>(mesh_);

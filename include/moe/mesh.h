@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string_view>
 
@@ -87,6 +88,14 @@ class Mesh {
   void abort() const noexcept;
   // Whether the communicators were aborted (by abort(), a timeout or an NCCL error).
   bool aborted() const noexcept;
+  // Registers `release` for the mesh's abort, which calls it once, on the aborting thread, before
+  // it aborts the communicators: for device work that waits on a peer outside NCCL (a stream
+  // waiting on a flag in memory, which no communicator's abort ends). Called at once if the mesh
+  // is already aborted. It must neither throw nor block. Returns the id that forget_on_abort
+  // takes; a mesh without communicators (one GPU) never aborts and keeps nothing.
+  std::uint64_t on_abort(std::function<void()> release) const;
+  // Unregisters; once it returns, the abort no longer runs (nor is running) that release.
+  void forget_on_abort(std::uint64_t id) const noexcept;
 
  private:
   Mesh() = default;
