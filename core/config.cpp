@@ -326,13 +326,11 @@ int MoEConfig::effective_exchange_chunks() const {
   const int local_experts = ep >= 1 ? num_experts / ep : num_experts;
   if (ep <= 1 || fp8 || local_experts <= 1) return 1;
   // Automatic: four chunks hide all but about a quarter of each exchange's time (the first
-  // dispatch chunk and the last combine chunk stay exposed) at four times the launches. The copy
-  // exchange takes four from EP 4 on and one below: each of its chunks ends in a collective,
-  // whose kernel waits for an SM behind the products. At EP 2, where half the rows stay, that
-  // wait cost more than the pipeline hid; at EP 4, where three quarters leave, four chunks
-  // measured faster (docs/performance.md, "Exchange").
-  const int automatic = ep_transport == EpTransport::kCopy && ep < 4 ? 1 : 4;
-  const int wanted = exchange_chunks == 0 ? automatic : exchange_chunks;
+  // dispatch chunk and the last combine chunk stay exposed) at four times the launches, over
+  // NCCL and over the copy engines alike (whose chunks end in barriers that need no SM):
+  // docs/performance.md, "Exchange".
+  constexpr int kAutomaticChunks = 4;
+  const int wanted = exchange_chunks == 0 ? kAutomaticChunks : exchange_chunks;
   return std::min(wanted, local_experts);
 }
 

@@ -96,12 +96,11 @@ def exchange_efficiency(args):
 def exchange_chunks(transport, ep, local_experts, asked=None):
     """The chunks the layer pipelines the exchange in, as MoEConfig::effective_exchange_chunks
     picks them: none to pipeline on one GPU or over the peer exchange; else as asked or
-    automatic (4, but 1 over the copy engines below EP 4), at most the local experts. (The
+    automatic (4), at most the local experts. (The
     layer's FP8 experts take one chunk too; the model has no FP8 term.)"""
     if ep <= 1 or transport == "peer" or local_experts <= 1:
         return 1
-    automatic = 1 if transport == "copy" and ep < 4 else 4
-    return min(asked if asked is not None else automatic, local_experts)
+    return min(asked if asked is not None else 4, local_experts)
 
 
 def predict(config, tokens, ep, args):

@@ -148,7 +148,7 @@ struct MoEConfig {
   // results are bitwise those of one chunk. 0: automatic (effective_exchange_chunks), 1: the
   // exchange in one piece (still on its own stream, beside a split-phase caller's work). At most
   // the local experts; the peer exchange and FP8 experts take one chunk. The copy exchange
-  // pipelines as the NCCL one does; its automatic count is 1 below EP 4.
+  // pipelines as the NCCL one does.
   int exchange_chunks = 0;
   int effective_exchange_chunks() const;
 

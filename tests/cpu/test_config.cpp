@@ -315,9 +315,9 @@ TEST_CASE("the exchange's chunks: automatic four under EP, at most the local exp
   CHECK(parse_config(kBase + "ep: 4\n").effective_exchange_chunks() == 2);  // 2 experts a rank
   CHECK(parse_config(kBase + "ep: 8\n").effective_exchange_chunks() == 1);
   CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 3\n").effective_exchange_chunks() == 3);
-  // The copy exchange pipelines where asked; by default in one piece below EP 4 and in four from
-  // there, at most the local experts (kBase has 2 a rank at EP 4).
-  CHECK(parse_config(kBase + "ep: 2\nep_transport: copy\n").effective_exchange_chunks() == 1);
+  // The copy exchange pipelines as NCCL's does: in four chunks by default, at most the local
+  // experts (kBase has 2 a rank at EP 4).
+  CHECK(parse_config(kBase + "ep: 2\nep_transport: copy\n").effective_exchange_chunks() == 4);
   CHECK(parse_config(kBase + "ep: 4\nep_transport: copy\n").effective_exchange_chunks() == 2);
   const std::string many_experts = "hidden: 64\nffn_hidden: 32\nnum_experts: 64\ntopk: 2\n";
   CHECK(parse_config(many_experts + "ep: 4\nep_transport: copy\n").effective_exchange_chunks() ==

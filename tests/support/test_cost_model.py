@@ -180,18 +180,19 @@ class CostModel(unittest.TestCase):
         self.assertEqual(chunks("nccl", 1, 256), 1)  # one GPU: nothing to pipeline
         self.assertEqual(chunks("peer", 4, 64), 1)  # the peer exchange does not pipeline
         self.assertEqual(chunks("nccl", 2, 128), 4)
-        self.assertEqual(chunks("copy", 2, 128), 1)  # over the copy engines one piece below EP 4
+        self.assertEqual(chunks("copy", 2, 128), 4)  # over the copy engines as over NCCL
         self.assertEqual(chunks("copy", 4, 64), 4)
         self.assertEqual(chunks("copy", 8, 32, asked=2), 2)
         self.assertEqual(chunks("nccl", 4, 2), 2)  # at most the local experts
         self.assertEqual(chunks("nccl", 8, 1), 1)
         # In one piece nothing overlaps: the step is the serial one.
         H, F, E, K, T = 7168, 2048, 256, 8, 8192
-        p = cost_model.predict(layer(H, F, E, K), T, 2, rates(transport="copy"))
+        p = cost_model.predict(layer(H, F, E, K), T, 2, rates(transport="copy", chunks=1))
         self.assertEqual((p["chunks"], p["overlap_ms"]), (1, p["serial_ms"]))
-        p = cost_model.predict(layer(H, F, E, K), T, 4, rates(transport="copy"))
-        self.assertEqual(p["chunks"], 4)
-        self.assertLess(p["overlap_ms"], p["serial_ms"])
+        for ep in (2, 4):
+            p = cost_model.predict(layer(H, F, E, K), T, ep, rates(transport="copy"))
+            self.assertEqual(p["chunks"], 4)
+            self.assertLess(p["overlap_ms"], p["serial_ms"])
 
     def test_the_peer_exchange_stores_x_again_unless_the_input_is_kept(self):
         H, F, E, K, T = 2048, 512, 16, 4, 8192
