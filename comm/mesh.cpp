@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "comm/bootstrap.h"
 #include "moe/device.h"
@@ -78,6 +79,21 @@ class Watchdog {
   std::thread thread_;
 };
 
+// on_abort's releases, by id. The mutex is held while the abort runs them, so that an
+// AbortRelease's destruction waits for a release running on another thread.
+struct AbortReleases {
+  std::mutex mutex;
+  std::map<std::uint64_t, std::function<void()>> releases;
+  bool ran = false;
+
+  void run() noexcept {
+    std::lock_guard lock(mutex);
+    ran = true;
+    for (auto& [id, release] : releases) release();
+    releases.clear();
+  }
+};
+
 // Every communicator here is the mesh's own: from_nccl splits a private world from the trainer's,
 // so that an abort after a failure never touches a communicator the trainer still uses.
 struct Mesh::Comms {
@@ -85,10 +101,7 @@ struct Mesh::Comms {
   comm::NcclComm ep;
   comm::NcclComm dp;
   std::atomic<bool> aborted = false;
-  // on_abort's releases, by id; the mutex is held while an abort runs them.
-  std::mutex releases_mutex;
-  std::map<std::uint64_t, std::function<void()>> releases;
-  std::uint64_t next_release = 1;
+  std::shared_ptr<AbortReleases> releases = std::make_shared<AbortReleases>();
   std::unique_ptr<Watchdog> watchdog;  // last: stopped before the communicators go
   // The three aborts run side by side. An abort sets its communicator's abort flag, which its
   // kernels poll, and then frees the communicator's memory; a cudaFree waits for every kernel on
@@ -100,12 +113,9 @@ struct Mesh::Comms {
   // their own threads whenever the device lets them.
   void abort_all(std::chrono::milliseconds grace) noexcept {
     if (aborted.exchange(true)) return;
-    {
-      // First what no communicator's abort would release: an NCCL abort waits for the device's
-      // work, which may sit behind such a wait.
-      std::lock_guard lock(releases_mutex);
-      for (auto& [id, release] : releases) release();
-    }
+    // First what no communicator's abort would release: an NCCL abort waits for the device's
+    // work, which may sit behind such a wait.
+    releases->run();
     struct Pending {
       std::mutex mutex;
       std::condition_variable finished;
@@ -398,26 +408,42 @@ bool Mesh::aborted() const noexcept {
   return comms_ && comms_->aborted;
 }
 
-std::uint64_t Mesh::on_abort(std::function<void()> release) const {
-  if (!comms_) return 0;
+Mesh::AbortRelease Mesh::on_abort(std::function<void()> release) const {
+  AbortRelease registered;
+  if (!comms_) return registered;
+  // Ids are unique in the process, so that no release can ever unregister another mesh's.
+  static std::atomic<std::uint64_t> next_id{1};
+  AbortReleases& registry = *comms_->releases;
   {
-    std::lock_guard lock(comms_->releases_mutex);
-    // An abort that has begun runs the releases registered before it takes the mutex; a later
-    // one sees the flag set here.
-    if (!comms_->aborted) {
-      const std::uint64_t id = comms_->next_release++;
-      comms_->releases.emplace(id, std::move(release));
-      return id;
+    std::lock_guard lock(registry.mutex);
+    // An abort that has run its releases sets `ran` under the mutex: later ones run here.
+    if (!registry.ran) {
+      registered.registry_ = comms_->releases;
+      registered.id_ = next_id++;
+      registry.releases.emplace(registered.id_, std::move(release));
+      return registered;
     }
   }
   release();
-  return 0;
+  return registered;
 }
 
-void Mesh::forget_on_abort(std::uint64_t id) const noexcept {
-  if (!comms_ || id == 0) return;
-  std::lock_guard lock(comms_->releases_mutex);
-  comms_->releases.erase(id);
+Mesh::AbortRelease::~AbortRelease() {
+  if (!registry_) return;
+  std::lock_guard lock(registry_->mutex);
+  registry_->releases.erase(id_);
+}
+
+Mesh::AbortRelease::AbortRelease(AbortRelease&& other) noexcept
+    : registry_(std::move(other.registry_)), id_(std::exchange(other.id_, 0)) {}
+
+Mesh::AbortRelease& Mesh::AbortRelease::operator=(AbortRelease&& other) noexcept {
+  if (this != &other) {
+    AbortRelease old(std::move(*this));
+    registry_ = std::move(other.registry_);
+    id_ = std::exchange(other.id_, 0);
+  }
+  return *this;
 }
 
 }  // namespace moe

@@ -72,10 +72,17 @@ void check_driver(CUresult status, const char* call) {
 }
 
 // Whether this process can run the flags: the driver's calls, 64-bit waits, host registration,
-// and no MOE_STREAM_BARRIER=nccl.
+// more than one hardware queue, and no MOE_STREAM_BARRIER=nccl. Never throws: a rank that cannot
+// votes no, so that the group agrees at once.
 bool flags_possible_here(int device) {
   if (const char* asked = std::getenv("MOE_STREAM_BARRIER");
       asked != nullptr && std::strcmp(asked, "nccl") == 0)
+    return false;
+  // With one hardware queue for every stream, a wait on flags would hold all the device's later
+  // work, other streams' included, until the barrier passes: the overlap the copy exchange
+  // pipelines for would be gone. An NCCL kernel holds an SM but not the queue.
+  if (const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+      connections != nullptr && std::strcmp(connections, "1") == 0)
     return false;
   const DriverCalls* calls = driver_calls();
   if (calls == nullptr) return false;
@@ -86,7 +93,10 @@ bool flags_possible_here(int device) {
           CUDA_SUCCESS)
     return false;
   int registers = 0;
-  MOE_CHECK_CUDA(cudaDeviceGetAttribute(&registers, cudaDevAttrHostRegisterSupported, device));
+  if (cudaDeviceGetAttribute(&registers, cudaDevAttrHostRegisterSupported, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
   return wait64 != 0 && registers != 0;
 }
 
@@ -177,11 +187,16 @@ StreamBarrier::StreamBarrier(const Mesh& mesh, cudaStream_t stream)
     unmap();  // NCCL runs the barrier on every rank
     return;
   }
-  abort_release_ = mesh.on_abort([this] { release(); });
+  try {
+    abort_release_ = mesh.on_abort([this] { release(); });
+  } catch (...) {
+    unmap();
+    throw;
+  }
 }
 
 StreamBarrier::~StreamBarrier() {
-  mesh_.forget_on_abort(abort_release_);
+  abort_release_ = {};          // no abort runs release() from here on
   if (mesh_.aborted()) return;  // this GPU's stream may still reach its flags: left mapped
   unmap();
 }
@@ -208,9 +223,9 @@ void StreamBarrier::arrive_and_wait(cudaStream_t stream) {
     mesh_.all_reduce_sum(fallback_.data(), 1, ncclInt32, MeshGroup::kExpertParallel, stream);
     return;
   }
-  // A barrier after an abort would pass at once: the group is gone, as NCCL's would say.
-  if (mesh_.aborted())
-    fail("rank {}: the stream barrier after the mesh's communicators were aborted", mesh_.rank());
+  // A barrier after an abort would pass at once: the group is gone, as NCCL's would say (and
+  // comm() names a mesh that was moved from, whose abort no longer reaches this barrier).
+  (void)mesh_.comm(MeshGroup::kExpertParallel);
   if (stream_is_capturing(stream))
     fail(
         "StreamBarrier: a barrier on flags cannot be captured in a CUDA graph (a replay would wait "

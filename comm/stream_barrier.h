@@ -23,12 +23,13 @@ namespace moe {
 class StreamBarrier {
  public:
   // Collective over the EP group, on `stream` (host waits under the mesh's timeout). Every rank
-  // maps the group's flags; if any rank cannot (no shared memory, no stream memory operations, or
-  // MOE_STREAM_BARRIER=nccl in its environment), the whole group agrees to run the barrier as an
-  // NCCL all-reduce of one zero instead. The mesh must outlive the barrier.
+  // maps the group's flags; if any rank cannot (no shared memory, no stream memory operations,
+  // CUDA_DEVICE_MAX_CONNECTIONS=1, or MOE_STREAM_BARRIER=nccl in its environment), the whole group
+  // agrees to run the barrier as an NCCL all-reduce of one zero instead. The mesh must outlive the
+  // barrier, and not be moved from.
   StreamBarrier(const Mesh& mesh, cudaStream_t stream);
   // The work that used the barrier must have finished (after an abort, the flags stay mapped to
-  // the process's end, as a peer's front end may still write them).
+  // the process's end: this GPU's stream, released, may still be writing and reading them).
   ~StreamBarrier();
   StreamBarrier(const StreamBarrier&) = delete;
   StreamBarrier& operator=(const StreamBarrier&) = delete;
@@ -55,7 +56,7 @@ class StreamBarrier {
   std::size_t mapped_bytes_ = 0;
   bool registered_ = false;
   std::uint32_t count_ = 0;  // barriers this rank has queued
-  std::uint64_t abort_release_ = 0;
+  Mesh::AbortRelease abort_release_;
   DeviceBuffer fallback_;  // one int that the EP group all-reduces, when NCCL runs the barrier
 };
 

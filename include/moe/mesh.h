@@ -23,6 +23,8 @@ namespace moe {
 
 enum class MeshGroup { kWorld, kExpertParallel, kDataParallel };
 
+struct AbortReleases;  // comm/mesh.cpp
+
 class Mesh {
  public:
   using Timeout = std::chrono::milliseconds;
@@ -88,14 +90,29 @@ class Mesh {
   void abort() const noexcept;
   // Whether the communicators were aborted (by abort(), a timeout or an NCCL error).
   bool aborted() const noexcept;
+  // A release registered by on_abort, for as long as it lives: its destruction unregisters it,
+  // and once that returns the abort neither runs nor is running it. It holds the mesh's registry
+  // itself, so it stays valid across moves of the Mesh.
+  class AbortRelease {
+   public:
+    AbortRelease() = default;
+    ~AbortRelease();
+    AbortRelease(AbortRelease&& other) noexcept;
+    AbortRelease& operator=(AbortRelease&& other) noexcept;
+    AbortRelease(const AbortRelease&) = delete;
+    AbortRelease& operator=(const AbortRelease&) = delete;
+
+   private:
+    friend class Mesh;
+    std::shared_ptr<AbortReleases> registry_;
+    std::uint64_t id_ = 0;
+  };
   // Registers `release` for the mesh's abort, which calls it once, on the aborting thread, before
   // it aborts the communicators: for device work that waits on a peer outside NCCL (a stream
   // waiting on a flag in memory, which no communicator's abort ends). Called at once if the mesh
-  // is already aborted. It must neither throw nor block. Returns the id that forget_on_abort
-  // takes; a mesh without communicators (one GPU) never aborts and keeps nothing.
-  std::uint64_t on_abort(std::function<void()> release) const;
-  // Unregisters; once it returns, the abort no longer runs (nor is running) that release.
-  void forget_on_abort(std::uint64_t id) const noexcept;
+  // is already aborted. It must neither throw nor block. A mesh without communicators (one GPU)
+  // never aborts and keeps nothing.
+  [[nodiscard]] AbortRelease on_abort(std::function<void()> release) const;
 
  private:
   Mesh() = default;

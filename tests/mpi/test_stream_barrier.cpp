@@ -1,9 +1,11 @@
 // The stream barrier over an EP group of every rank (one host): it holds each rank's stream until
-// the last rank's stream arrives, orders the copies into peers' memory before the work after it
-// (on its flags, and run by NCCL as the group falls back), and an abort releases a wait for a rank
-// that never arrives.
+// the last rank's stream arrives, orders copies into peers' memory (queued on another stream and
+// joined by an event, as the copy exchange queues them) before the work after it, on its flags
+// and run by NCCL as the group falls back (one rank's asking is enough); and a rank's own abort,
+// not a peer's, releases a wait for a rank that never arrives.
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -91,43 +93,56 @@ TEST_CASE("the stream barrier orders copies into peers' memory before the work a
           "[mpi][mesh]") {
   const int world = test::world_size(), rank = test::world_rank();
   if (!can_run(world)) return;
-  for (const char* runner : {"flags", "nccl"}) {
+  // On flags; with NCCL asked for on every rank; and on one rank alone, which the group's vote
+  // extends to every rank.
+  for (const char* runner : {"flags", "nccl", "nccl on rank 1"}) {
     DYNAMIC_SECTION("run by " << runner) {
-      const BarrierEnvironment environment(std::string_view(runner) == "nccl" ? "nccl" : nullptr);
+      const std::string_view asked(runner);
+      const bool nccl_here = asked == "nccl" || (asked == "nccl on rank 1" && rank == 1);
+      const BarrierEnvironment environment(nccl_here ? "nccl" : nullptr);
       const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, world, kTimeout);
-      const Stream stream;
+      const Stream stream, copies;
       StreamBarrier barrier(mesh, stream.get());
-      CHECK(barrier.without_sm() == (std::string_view(runner) == "flags"));
-      // Each rank's slot in every rank's buffer: one int a rank.
+      CHECK(barrier.without_sm() == (asked == "flags"));
+      // Each rank's slot of 1 MiB in every rank's buffer, copied as the copy exchange copies: on
+      // a stream of its own, joined to the barrier's stream by an event.
+      constexpr std::size_t kSlotInts = std::size_t{1} << 18;
+      const std::size_t slot_bytes = kSlotInts * sizeof(std::int32_t);
       PeerBuffer slots(mesh);
-      const std::vector<std::size_t> bytes(world, world * sizeof(std::int32_t));
+      const std::vector<std::size_t> bytes(world, world * slot_bytes);
       slots.reserve(bytes, stream.get());
-      DeviceBuffer round_value(sizeof(std::int32_t));
-      PinnedBuffer seen;
-      seen.reserve(world * sizeof(std::int32_t));
-      const Event landed;
+      DeviceBuffer source(slot_bytes);
+      PinnedBuffer filled, seen;
+      filled.reserve(slot_bytes);
+      seen.reserve(world * slot_bytes);
+      const Event forked, copied, landed;
       std::mt19937 rng(11 + rank);
       for (std::int32_t round = 1; round <= 40; ++round) {
         // One rank at a time is late: the others' barriers must hold them until its copies land.
         if (round % world == rank)
           std::this_thread::sleep_for(std::chrono::milliseconds(5 + rng() % 15));
-        MOE_CHECK_CUDA(cudaMemcpyAsync(round_value.data(), &round, sizeof(round),
+        std::fill_n(filled.as<std::int32_t>(), kSlotInts, round);
+        MOE_CHECK_CUDA(cudaMemcpyAsync(source.data(), filled.as<void>(), slot_bytes,
                                        cudaMemcpyHostToDevice, stream.get()));
+        forked.record(stream.get());
+        MOE_CHECK_CUDA(cudaStreamWaitEvent(copies.get(), forked.get(), 0));
         for (int peer = 0; peer < world; ++peer) {
-          auto* slot = static_cast<char*>(slots.ranks()[peer]) + rank * sizeof(std::int32_t);
-          MOE_CHECK_CUDA(cudaMemcpyAsync(slot, round_value.data(), sizeof(round),
-                                         cudaMemcpyDeviceToDevice, stream.get()));
+          auto* slot = static_cast<char*>(slots.ranks()[peer]) + rank * slot_bytes;
+          MOE_CHECK_CUDA(cudaMemcpyAsync(slot, source.data(), slot_bytes, cudaMemcpyDeviceToDevice,
+                                         copies.get()));
         }
+        copied.record(copies.get());
+        MOE_CHECK_CUDA(cudaStreamWaitEvent(stream.get(), copied.get(), 0));
         barrier.arrive_and_wait(stream.get());
-        MOE_CHECK_CUDA(cudaMemcpyAsync(seen.as<void>(), slots.local(), world * sizeof(std::int32_t),
+        MOE_CHECK_CUDA(cudaMemcpyAsync(seen.as<void>(), slots.local(), world * slot_bytes,
                                        cudaMemcpyDeviceToHost, stream.get()));
         landed.record(stream.get());
         mesh.wait(landed.get(), "the round's copies");
         const auto* values = seen.as<const std::int32_t>();
-        for (int source = 0; source < world; ++source) {
-          INFO("round " << round << ", rank " << rank << "'s slot of rank " << source);
-          REQUIRE(values[source] == round);
-        }
+        std::size_t stale = 0;
+        for (std::size_t i = 0; i < world * kSlotInts; ++i) stale += values[i] != round ? 1 : 0;
+        INFO("round " << round << ", rank " << rank);
+        REQUIRE(stale == 0);
         // The next round's copies must not land before every rank has read this one.
         barrier.arrive_and_wait(stream.get());
       }
@@ -152,17 +167,22 @@ TEST_CASE("an abort releases a stream barrier that waits for a rank that never a
       passed.record(stream.get());
     }
     MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+    // Every other rank fails first: their aborts must not release rank 0's wait, which would
+    // let it go on with rows that never came.
+    if (rank != 0) mesh.abort();
+    MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
     if (rank == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      CHECK_FALSE(event_done(passed));  // rank 1 never arrives
-      mesh.abort();
+      CHECK_FALSE(event_done(passed));
+      // Its own abort releases it, before the communicators' aborts (which would otherwise wait
+      // for the device's work, the wait included, up to the mesh's timeout).
       const auto start = std::chrono::steady_clock::now();
+      mesh.abort();
+      CHECK(std::chrono::steady_clock::now() - start < kTimeout / 2);
       while (!event_done(passed) && std::chrono::steady_clock::now() - start < kTimeout)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       CHECK(event_done(passed));
       CHECK_THROWS_WITH(barrier.arrive_and_wait(stream.get()), test::contains_text("aborted"));
-    } else {
-      mesh.abort();  // a failure here, as it ends every rank's mesh
     }
     stream.synchronize();
   }
