@@ -8,9 +8,9 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <string>
 
 #include "comm/peer_memory.h"
@@ -139,9 +139,12 @@ StreamBarrier::StreamBarrier(const Mesh& mesh, cudaStream_t stream)
   bool ok = flags_possible_here(mesh.device());
   Offer offer;
   if (me_ == 0 && ok) {
-    std::random_device entropy;
-    offer.id = (static_cast<std::uint64_t>(entropy()) << 32) ^ entropy() ^
-               static_cast<std::uint64_t>(::getpid());
+    // A name no other job on this host uses; should it exist (O_EXCL), the group votes no.
+    // Nothing here may throw (std::random_device can): the peers wait in the all-gather below.
+    const auto now =
+        static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    offer.id = (now * 0x9E3779B97F4A7C15ull) ^ (static_cast<std::uint64_t>(::getpid()) << 32) ^
+               reinterpret_cast<std::uintptr_t>(this);
     const std::string name = shared_name(offer.id);
     shared.fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (shared.fd >= 0) shared.created = name;
