@@ -7,9 +7,13 @@
 //     Fp8ExpertFFN, its activations' quantization included, against the bf16 ExpertFFN as the
 //     layer runs it, forward and forward + backward; and the weights' quantization, once per
 //     step.
+//  4. the grouped products (kernels/grouped_fp8_gemm.cuh, every expert in one launch) against
+//     cuBLASLt's, one expert a call, at the same shapes: the forward's two products; and in part
+//     3, the FP8 experts with their passes grouped (columns "fwd grp", "step grp").
 #include <fmt/format.h>
 
 #include <cmath>
+#include <memory>
 #include <random>
 
 #include "bench/bench_util.h"
@@ -17,6 +21,7 @@
 #include "kernels/experts_fp8.h"
 #include "kernels/fp8_quantize.cuh"
 #include "kernels/gemm_fp8.h"
+#include "kernels/grouped_fp8_gemm.cuh"
 #include "moe/config.h"
 #include "reference/reference.h"
 
@@ -213,7 +218,7 @@ nlohmann::json dense_rates(BlockScaledGemm& gemm, cudaStream_t stream) {
 // backward replayed from CUDA graphs (the GPU's time: queueing hundreds of per-expert products
 // keeps the host busier than the device otherwise, as in a captured step).
 nlohmann::json expert_step(const std::string& name, const bench::Options& options, int streams,
-                           cudaStream_t stream) {
+                           bool grouped, cudaStream_t stream) {
   const auto config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
   const std::int64_t T = 8192, H = config.hidden, F = config.ffn_hidden;
   const DType d = DType::kBF16, g = config.grad_dtype;
@@ -225,7 +230,7 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
   MOE_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   std::int64_t E = config.num_experts;
   const auto expert_bytes = [&](std::int64_t experts) {
-    return static_cast<double>(experts * 3 * H * F) * (2.0 + dtype_size(g) + 2.0);
+    return static_cast<double>(experts * 3 * H * F) * (2.0 + dtype_size(g) + (grouped ? 4.0 : 2.0));
   };
   while (E > 1 && expert_bytes(E) > 0.5 * static_cast<double>(free_bytes)) E /= 2;
   auto offsets = bench::routed_offsets(T, config.topk, config.num_experts, 16);
@@ -235,6 +240,12 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
                  ExpertSchedule::kBatched, 4,
                  static_cast<std::size_t>(config.activation_chunk_mib * (1 << 20)));
   Fp8ExpertFFN fp8(static_cast<int>(H), static_cast<int>(F), static_cast<int>(E), streams);
+  grouped = grouped && E <= kMaxGroupedGemmGroups;
+  std::unique_ptr<Fp8ExpertFFN> fp8_grouped;
+  if (grouped)
+    fp8_grouped = std::make_unique<Fp8ExpertFFN>(static_cast<int>(H), static_cast<int>(F),
+                                                 static_cast<int>(E), 1, kDefaultGemmWorkspaceBytes,
+                                                 Fp8Products::kGrouped);
   const std::int64_t chunk_rows = bf16.activation_rows(offsets);
   DeviceBuffer X(rows * H * 2), dY(rows * H * 2), y(rows * H * 2), dX(rows * H * 2),
       h(rows * 2 * F * 2), a(rows * F * 2), dA(rows * F * 2), w13(E * 2 * F * H * 2),
@@ -263,6 +274,12 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
   };
   auto quantize_weights = [&](int) { fp8.quantize_weights(w13_t, w2_t, stream); };
   quantize_weights(0);
+  if (grouped) fp8_grouped->quantize_weights(w13_t, w2_t, stream);
+  auto grouped_forward = [&](int) { fp8_grouped->forward(X_t, offsets, fp8_act, y_t, stream); };
+  auto grouped_step = [&](int i) {
+    grouped_forward(i);
+    fp8_grouped->backward(dY_t, X_t, offsets, fp8_act, dX_t, dw13_t, dw2_t, stream);
+  };
   auto fp8_forward = [&](int) { fp8.forward(X_t, offsets, fp8_act, y_t, stream); };
   auto fp8_step = [&](int i) {
     fp8_forward(i);
@@ -272,6 +289,7 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
       [&](int i) {
         bf16_step(i);
         fp8_step(i);
+        if (grouped) grouped_step(i);
       },
       stream, bench::kSteadyStateMs);
   const int warmup = options.quick ? 2 : 5, repeats = options.quick ? 5 : 15;
@@ -284,13 +302,21 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
   const double fp8_step_ms =
       bench::median_ms([&](int) { fp8_graph.replay(stream); }, stream, warmup, repeats);
   const double weight_ms = bench::median_ms(quantize_weights, stream, warmup, repeats);
+  double grouped_ms = 0, grouped_step_ms = 0;
+  if (grouped) {
+    grouped_ms = bench::median_ms(grouped_forward, stream, warmup, repeats);
+    const CudaGraph grouped_graph(stream, [&] { grouped_step(0); });
+    grouped_step_ms =
+        bench::median_ms([&](int) { grouped_graph.replay(stream); }, stream, warmup, repeats);
+  }
   // The weights' quantization reads bf16 and writes E4M3 twice (each weight and its transpose).
   const double weight_bytes = 4.0 * static_cast<double>(E * 3 * H * F);
   fmt::print(
       "{:<16} {:>4} {:>7} {:>9.3f} {:>9.3f} {:>6.2f}x {:>10.3f} {:>10.3f} {:>6.2f}x {:>8.3f} "
-      "{:>8.0f}\n",
+      "{:>8.0f} {:>9.3f} {:>10.3f}\n",
       name, E, rows / E, bf16_ms, fp8_ms, bf16_ms / fp8_ms, bf16_step_ms, fp8_step_ms,
-      bf16_step_ms / fp8_step_ms, weight_ms, weight_bytes / (weight_ms * 1e-3) / 1e9);
+      bf16_step_ms / fp8_step_ms, weight_ms, weight_bytes / (weight_ms * 1e-3) / 1e9, grouped_ms,
+      grouped_step_ms);
   return {{"name", name},
           {"experts", E},
           {"rows", rows},
@@ -302,7 +328,78 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
           {"fp8_step_graph_ms", fp8_step_ms},
           {"step_speedup", bf16_step_ms / fp8_step_ms},
           {"quantize_weights_ms", weight_ms},
-          {"quantize_weights_GBps", weight_bytes / (weight_ms * 1e-3) / 1e9}};
+          {"quantize_weights_GBps", weight_bytes / (weight_ms * 1e-3) / 1e9},
+          {"fp8_grouped_forward_ms", grouped_ms},
+          {"fp8_grouped_step_graph_ms", grouped_step_ms}};
+}
+
+// Part 4: one model shape's forward products (h = X·w13ᵀ, then y = a·w2ᵀ), every expert's rows
+// as routing gives them: cuBLASLt one expert a call, against the grouped products in one launch,
+// each product's TFLOP/s and the two outputs' largest difference relative to their largest value.
+nlohmann::json grouped_products(const std::string& name, const bench::Options& options,
+                                BlockScaledGemm& gemm, cudaStream_t stream) {
+  const auto config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
+  const std::int64_t T = 8192, H = config.hidden, F = config.ffn_hidden;
+  const std::int64_t E = std::min<std::int64_t>(config.num_experts, kMaxGroupedGemmGroups);
+  auto offsets = bench::routed_offsets(T, config.topk, config.num_experts, 16);
+  offsets.resize(static_cast<std::size_t>(E) + 1);
+  const std::int64_t rows = offsets.back();
+  nlohmann::json out = {{"name", name}, {"experts", E}, {"rows", rows}};
+  for (const auto& [product, n, k] : {std::tuple{"X·w13", 2 * F, H}, std::tuple{"a·w2", H, F}}) {
+    const std::int64_t kb = (k + kFP8Block - 1) / kFP8Block;
+    const ScaleBuffer tiles = tile_scales(n, k);
+    DeviceBuffer x(rows * k * 2), w(E * n * k * 2), x_codes(rows * k), x_scales(rows * kb * 4),
+        w_codes(E * n * k), w_scales(E * tiles.count * 4), c_each(rows * n * 2),
+        c_grouped(rows * n * 2);
+    init_normal(Tensor(x.data(), DType::kBF16, {rows, k}), 41, 0, 1.0f, stream);
+    init_normal(Tensor(w.data(), DType::kBF16, {E * n, k}), 42, 0, 0.02f, stream);
+    quantize_row_blocks_segmented(x.data(), offsets, k, x_codes.as<std::uint8_t>(),
+                                  x_scales.as<float>(), stream);
+    quantize_tiles(w.data(), E, n, k,
+                   TileOutput{w_codes.as<std::uint8_t>(), w_scales.as<float>(), tiles},
+                   TileOutput{}, stream);
+    auto each = [&](int) {
+      for (std::int64_t e = 0; e < E; ++e) {
+        const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
+        if (m == 0) continue;
+        gemm.run(m, n, k, x_codes.as<std::uint8_t>() + first * k, x_scales.as<float>() + first * kb,
+                 w_codes.as<std::uint8_t>() + e * n * k, w_scales.as<float>() + e * tiles.count,
+                 c_each.as<char>() + first * n * 2, DType::kBF16, stream);
+      }
+    };
+    GroupedFp8Operands operands;
+    operands.a = x_codes.as<std::uint8_t>();
+    operands.a_scales = x_scales.as<float>();
+    operands.b = w_codes.as<std::uint8_t>();
+    operands.b_scales = w_scales.as<float>();
+    operands.b_scale_stride = tiles.count;
+    operands.c = c_grouped.data();
+    auto grouped = [&](int) { grouped_fp8_gemm(offsets, n, k, operands, stream); };
+    const int warmup = options.quick ? 2 : 5, repeats = options.quick ? 5 : 15;
+    const double each_ms = bench::median_ms(each, stream, warmup, repeats);
+    const double grouped_ms = bench::median_ms(grouped, stream, warmup, repeats);
+    const auto a = to_host<BF16>(c_each), b = to_host<BF16>(c_grouped);
+    double largest = 0, difference = 0;
+    for (std::size_t i = 0; i < static_cast<std::size_t>(rows * n); ++i) {
+      const double u = from_bf16(a[i]), v = from_bf16(b[i]);
+      largest = std::max(largest, std::fabs(u));
+      difference = std::max(difference, std::isfinite(v) ? std::fabs(u - v) : 1e30);
+    }
+    const double flop = 2.0 * static_cast<double>(rows * n * k);
+    fmt::print(
+        "{:<16} {:>6} {:>4} {:>7} {:>10.3f} {:>8.0f} {:>10.3f} {:>8.0f} {:>6.2f}x {:>9.1e}\n", name,
+        product, E, rows / E, each_ms, flop / (each_ms * 1e-3) / 1e12, grouped_ms,
+        flop / (grouped_ms * 1e-3) / 1e12, each_ms / grouped_ms,
+        difference / std::max(largest, 1e-30));
+    out[product] = {{"n", n},
+                    {"k", k},
+                    {"per_expert_ms", each_ms},
+                    {"grouped_ms", grouped_ms},
+                    {"per_expert_TFLOPs", flop / (each_ms * 1e-3) / 1e12},
+                    {"grouped_TFLOPs", flop / (grouped_ms * 1e-3) / 1e12},
+                    {"largest_relative_difference", difference / std::max(largest, 1e-30)}};
+  }
+  return out;
 }
 
 }  // namespace
@@ -331,13 +428,28 @@ int main(int argc, char** argv) try {
       "forward eager, forward + backward replayed from a graph; the weights' quantization "
       "once per step\n",
       fp8_streams);
-  fmt::print("{:<16} {:>4} {:>7} {:>9} {:>9} {:>7} {:>10} {:>10} {:>7} {:>8} {:>8}\n", "shape", "E",
-             "rows/E", "fwd bf16", "fwd fp8", "", "step bf16", "step fp8", "", "q w ms",
-             "q w GB/s");
+  int device = 0;
+  MOE_CHECK_CUDA(cudaGetDevice(&device));
+  const bool grouped = grouped_fp8_gemm_supported(device);
+  fmt::print("{:<16} {:>4} {:>7} {:>9} {:>9} {:>7} {:>10} {:>10} {:>7} {:>8} {:>8} {:>9} {:>10}\n",
+             "shape", "E", "rows/E", "fwd bf16", "fwd fp8", "", "step bf16", "step fp8", "",
+             "q w ms", "q w GB/s", "fwd grp", "step grp");
   report["fp8_streams"] = fp8_streams;
   for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
     if (!options.selected(name)) continue;
-    report["experts"].push_back(expert_step(name, options, fp8_streams, stream.get()));
+    report["experts"].push_back(expert_step(name, options, fp8_streams, grouped, stream.get()));
+  }
+  if (grouped) {
+    fmt::print(
+        "the forward's products at T = 8192: cuBLASLt one expert a call against the grouped "
+        "products in one launch\n");
+    fmt::print("{:<16} {:>6} {:>4} {:>7} {:>10} {:>8} {:>10} {:>8} {:>7} {:>9}\n", "shape",
+               "product", "E", "rows/E", "each ms", "TFLOP/s", "grouped ms", "TFLOP/s", "",
+               "rel diff");
+    for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
+      if (!options.selected(name)) continue;
+      report["grouped"].push_back(grouped_products(name, options, gemm, stream.get()));
+    }
   }
   options.check_matched();
   bench::write_json(options, report);

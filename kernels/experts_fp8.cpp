@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "fp8_quantize.cuh"
+#include "grouped_fp8_gemm.cuh"
 #include "moe/error.h"
 #include "swiglu.cuh"
 
@@ -16,8 +17,8 @@ std::int64_t column_blocks(std::int64_t cols) {
 }  // namespace
 
 Fp8ExpertFFN::Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams,
-                           std::size_t workspace_bytes)
-    : hidden_(hidden), ffn_(ffn), experts_(local_experts) {
+                           std::size_t workspace_bytes, Fp8Products products)
+    : hidden_(hidden), ffn_(ffn), experts_(local_experts), products_(products) {
   if (hidden <= 0 || hidden % 16 != 0 || ffn <= 0 || ffn % 16 != 0) {
     fail("Fp8ExpertFFN: hidden = {} and ffn = {} must be positive multiples of 16", hidden, ffn);
   }
@@ -26,6 +27,15 @@ Fp8ExpertFFN::Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams,
          kMaxQuantizeSegments);
   }
   if (streams < 1) fail("Fp8ExpertFFN: streams = {} must be >= 1", streams);
+  if (products == Fp8Products::kGrouped) {
+    int device = 0;
+    MOE_CHECK_CUDA(cudaGetDevice(&device));
+    if (!grouped_fp8_gemm_supported(device))
+      fail("Fp8ExpertFFN: the grouped FP8 products need a GPU of compute capability 9.0");
+    if (local_experts > kMaxGroupedGemmGroups)
+      fail("Fp8ExpertFFN: local_experts = {} exceeds the grouped products' {} groups",
+           local_experts, kMaxGroupedGemmGroups);
+  }
   const std::int64_t H = hidden, F = ffn, E = local_experts;
   auto allocate = [E](Weights& w, std::int64_t rows, std::int64_t cols) {
     w.tiles = tile_scales(rows, cols);
@@ -101,17 +111,13 @@ void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offset
     codes_[i].reserve(static_cast<std::size_t>(rows * width));
     scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
   }
-  std::vector<Product> products;
   quantize_row_blocks_segmented(X.data, offsets, H, codes_[0].as<std::uint8_t>(),
                                 scales_[0].as<float>(), stream);
-  add_fp8_products(offsets, codes_[0], scales_[0], H, w13_, 2 * F, act.h, products);
-  run(products, stream);  // h = X·w13ᵀ
+  fp8_pass(offsets, codes_[0], scales_[0], H, w13_, 2 * F, act.h, stream);  // h = X·w13ᵀ
   swiglu_forward(act.h, act.a, stream, act.scale);
   quantize_row_blocks_segmented(act.a.data, offsets, F, codes_[1].as<std::uint8_t>(),
                                 scales_[1].as<float>(), stream);
-  products.clear();
-  add_fp8_products(offsets, codes_[1], scales_[1], F, w2_, H, y, products);
-  run(products, stream);  // y = a·w2ᵀ
+  fp8_pass(offsets, codes_[1], scales_[1], F, w2_, H, y, stream);  // y = a·w2ᵀ
 }
 
 void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
@@ -143,11 +149,9 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
     scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
   }
 
-  std::vector<Product> products;
   quantize_row_blocks_segmented(dY.data, offsets, H, codes_[0].as<std::uint8_t>(),
                                 scales_[0].as<float>(), stream);
-  add_fp8_products(offsets, codes_[0], scales_[0], H, w2_transposed_, F, act.dA, products);
-  run(products, stream);  // dA = dY·w2
+  fp8_pass(offsets, codes_[0], scales_[0], H, w2_transposed_, F, act.dA, stream);  // dA = dY·w2
   swiglu_backward(act.h, act.dA, act.dh, act.a, stream, act.scale, act.dscale);
   quantize_row_blocks_segmented(act.dh.data, offsets, 2 * F, codes_[1].as<std::uint8_t>(),
                                 scales_[1].as<float>(), stream);
@@ -155,8 +159,7 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
   // codes: dX comes last, so that it may be written over dY or X, which the weight gradients
   // read. With refill_input, X is written again (over dY) between the two weight gradients.
   const std::size_t g = dtype_size(grad);
-  std::vector<Product> dw13_products;
-  products.clear();
+  std::vector<Product> products, dw13_products;
   for (int e = 0; e < experts_; ++e) {
     const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
     products.push_back({H, F, m, dY.as<char>() + first * H * 2, nullptr,
@@ -175,8 +178,25 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
     products.insert(products.end(), dw13_products.begin(), dw13_products.end());
     run(products, stream);
   }
-  products.clear();
-  add_fp8_products(offsets, codes_[1], scales_[1], 2 * F, w13_transposed_, H, dX, products);
+  fp8_pass(offsets, codes_[1], scales_[1], 2 * F, w13_transposed_, H, dX, stream);  // dX = dh·w13
+}
+
+void Fp8ExpertFFN::fp8_pass(std::span<const std::int64_t> offsets, const DeviceBuffer& codes,
+                            const DeviceBuffer& scales, std::int64_t k, const Weights& weights,
+                            std::int64_t n, const Tensor& out, cudaStream_t stream) {
+  if (products_ == Fp8Products::kGrouped) {
+    GroupedFp8Operands operands;
+    operands.a = codes.as<std::uint8_t>();
+    operands.a_scales = scales.as<float>();
+    operands.b = weights.codes.as<std::uint8_t>();
+    operands.b_scales = weights.scales.as<float>();
+    operands.b_scale_stride = weights.tiles.count;
+    operands.c = out.data;
+    grouped_fp8_gemm(offsets, n, k, operands, stream);
+    return;
+  }
+  std::vector<Product> products;
+  add_fp8_products(offsets, codes, scales, k, weights, n, out, products);
   run(products, stream);
 }
 

@@ -2,7 +2,8 @@
 // operands, quantized by the reference (reference::quantize_row_blocks / quantize_tiles): h, a, y
 // forward; dA, dh, the row weights' gradient, dX and the weight gradients backward; at shapes
 // with partial blocks and tiles, empty experts, rows weighed inside the experts, and dh and dA
-// over h and a; outputs poisoned before each run.
+// over h and a; outputs poisoned before each run; the products as cuBLASLt runs them, one expert a
+// call, and as the grouped products (kernels/grouped_fp8_gemm.cuh) run them in one launch.
 //
 // The bound, from the arithmetic: the products' inputs are the dequantized values exactly (the
 // quantizers are bit-exact against the reference, tests/gpu/test_fp8_quantize.cpp), so what
@@ -21,6 +22,7 @@
 #include <sstream>
 
 #include "kernels/experts_fp8.h"
+#include "kernels/grouped_fp8_gemm.cuh"
 #include "reference/reference.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
@@ -97,7 +99,7 @@ std::int64_t count_wgrad_outside(const std::vector<float>& got, std::size_t at, 
   return outside;
 }
 
-void check_case(const Case& c, std::mt19937_64& rng) {
+void check_case(const Case& c, Fp8Products products, std::mt19937_64& rng) {
   INFO(c.describe());
   const int E = static_cast<int>(c.rows.size());
   const std::int64_t H = c.hidden, F = c.ffn;
@@ -125,7 +127,7 @@ void check_case(const Case& c, std::mt19937_64& rng) {
   for (const auto* b : {&h, &a, &y}) test::poison(*b);
 
   Stream stream;
-  Fp8ExpertFFN ffn(c.hidden, c.ffn, E, 3);
+  Fp8ExpertFFN ffn(c.hidden, c.ffn, E, 3, kDefaultGemmWorkspaceBytes, products);
   ffn.quantize_weights(Tensor(w13_dev.data(), DType::kBF16, {E, 2 * F, H}),
                        Tensor(w2_dev.data(), DType::kBF16, {E, H, F}), stream.get());
   ExpertActivations act;
@@ -264,7 +266,16 @@ TEST_CASE("fp8 experts: forward and backward equal the products of the dequantiz
       {64, 48, {16}, false},                  // smaller than one block
       {208, 144, {48, 0, 32}, true, true},    // dh over h and dA over a
   };
-  for (const Case& c : cases) check_case(c, rng);
+  int device = 0;
+  MOE_CHECK_CUDA(cudaGetDevice(&device));
+  for (const Fp8Products products : {Fp8Products::kPerExpert, Fp8Products::kGrouped}) {
+    if (products == Fp8Products::kGrouped && !grouped_fp8_gemm_supported(device)) {
+      WARN("the grouped FP8 products need compute capability 9.0");
+      continue;
+    }
+    INFO((products == Fp8Products::kGrouped ? "grouped products" : "cuBLASLt, one expert a call"));
+    for (const Case& c : cases) check_case(c, products, rng);
+  }
 }
 
 TEST_CASE("fp8 experts: bad input is named", "[gpu][fp8][experts]") {
