@@ -367,13 +367,12 @@ nlohmann::json grouped_products(const std::string& name, const bench::Options& o
                  c_each.as<char>() + first * n * 2, DType::kBF16, stream);
       }
     };
-    GroupedFp8Operands operands;
-    operands.a = x_codes.as<std::uint8_t>();
-    operands.a_scales = x_scales.as<float>();
-    operands.b = w_codes.as<std::uint8_t>();
-    operands.b_scales = w_scales.as<float>();
-    operands.b_scale_stride = tiles.count;
-    operands.c = c_grouped.data();
+    const GroupedFp8Operands operands{.a = x_codes.as<std::uint8_t>(),
+                                      .a_scales = x_scales.as<float>(),
+                                      .b = w_codes.as<std::uint8_t>(),
+                                      .b_scales = w_scales.as<float>(),
+                                      .b_scale_stride = tiles.count,
+                                      .c = c_grouped.data()};
     auto grouped = [&](int) { grouped_fp8_gemm(offsets, n, k, operands, stream); };
     const int warmup = options.quick ? 2 : 5, repeats = options.quick ? 5 : 15;
     const double each_ms = bench::median_ms(each, stream, warmup, repeats);

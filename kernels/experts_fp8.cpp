@@ -185,13 +185,12 @@ void Fp8ExpertFFN::fp8_pass(std::span<const std::int64_t> offsets, const DeviceB
                             const DeviceBuffer& scales, std::int64_t k, const Weights& weights,
                             std::int64_t n, const Tensor& out, cudaStream_t stream) {
   if (products_ == Fp8Products::kGrouped) {
-    GroupedFp8Operands operands;
-    operands.a = codes.as<std::uint8_t>();
-    operands.a_scales = scales.as<float>();
-    operands.b = weights.codes.as<std::uint8_t>();
-    operands.b_scales = weights.scales.as<float>();
-    operands.b_scale_stride = weights.tiles.count;
-    operands.c = out.data;
+    const GroupedFp8Operands operands{.a = codes.as<std::uint8_t>(),
+                                      .a_scales = scales.as<float>(),
+                                      .b = weights.codes.as<std::uint8_t>(),
+                                      .b_scales = weights.scales.as<float>(),
+                                      .b_scale_stride = weights.tiles.count,
+                                      .c = out.data};
     grouped_fp8_gemm(offsets, n, k, operands, stream);
     return;
   }

@@ -82,13 +82,12 @@ void check_case(const Case& c, std::mt19937_64& rng) {
                  stream.get());
   stream.synchronize();
   test::poison(out);
-  GroupedFp8Operands operands;
-  operands.a = a_codes.as<std::uint8_t>();
-  operands.a_scales = a_scales.as<float>();
-  operands.b = b_codes.as<std::uint8_t>();
-  operands.b_scales = b_scales.as<float>();
-  operands.b_scale_stride = tiles.count;
-  operands.c = out.data();
+  const GroupedFp8Operands operands{.a = a_codes.as<std::uint8_t>(),
+                                    .a_scales = a_scales.as<float>(),
+                                    .b = b_codes.as<std::uint8_t>(),
+                                    .b_scales = b_scales.as<float>(),
+                                    .b_scale_stride = tiles.count,
+                                    .c = out.data()};
   grouped_fp8_gemm(offsets, N, K, operands, stream.get());
   stream.synchronize();
   if (M == 0) return;
