@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <string>
 
 #include "moe/error.h"
@@ -167,6 +168,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     asm volatile("cp.async.commit_group;\n" ::);
 
+    // The block's scales, loaded while the products run.
+    const float b_scale = b_scales[kb];
+    const std::int64_t scale_row = static_cast<std::int64_t>(kb) * rows + m0;
+    const float scale0 = m0 + row0 < rows ? a_scales[scale_row + row0] * b_scale : 0.0f;
+    const float scale1 = m0 + row1 < rows ? a_scales[scale_row + row1] * b_scale : 0.0f;
     const int s = kb % kStages;
     const std::uint32_t a_rows = stage_a(s) + warpgroup * 64 * 128;
     fence_registers(part);
@@ -179,13 +185,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_registers(part);
 
-    const float b_scale = b_scales[kb];
-    const float scale0 = m0 + row0 < rows
-                             ? a_scales[static_cast<std::int64_t>(kb) * rows + m0 + row0] * b_scale
-                             : 0.0f;
-    const float scale1 = m0 + row1 < rows
-                             ? a_scales[static_cast<std::int64_t>(kb) * rows + m0 + row1] * b_scale
-                             : 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       acc[4 * j + 0] += part[4 * j + 0] * scale0;
@@ -209,9 +208,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-#else  // another architecture: never launched (grouped_fp8_gemm_supported is false there)
+#else  // built without sm_90a's warpgroup instructions: a launch traps rather than write nothing
 
-__global__ void grouped_fp8_gemm_kernel(const __grid_constant__ GroupedParams) {}
+__global__ void grouped_fp8_gemm_kernel(const __grid_constant__ GroupedParams) {
+  __trap();
+}
 
 #endif
 
@@ -262,7 +263,7 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
     if (g == p.groups) break;
     p.first[g] = static_cast<int>(offsets[g]);
     p.rows[g] = static_cast<int>(offsets[g + 1] - offsets[g]);
-    tiles += (p.rows[g] + kTileRows - 1) / kTileRows * static_cast<std::int64_t>(p.n_tiles);
+    tiles += (static_cast<std::int64_t>(p.rows[g]) + kTileRows - 1) / kTileRows * p.n_tiles;
   }
   if (tiles > 0x7fffffff) fail(what + ": " + std::to_string(tiles) + " tiles exceed one grid");
   if (tiles == 0) return;
@@ -270,12 +271,22 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
   if (operands.a == nullptr || operands.a_scales == nullptr || operands.b == nullptr ||
       operands.b_scales == nullptr || operands.c == nullptr)
     fail(what + ": a null operand (a, a_scales, b, b_scales and c are all needed)");
-  static const bool sized = [] {
+  // cp.async moves 16 bytes at a time, and the output is stored two bf16 at a time.
+  const auto misaligned = [](const void* pointer, std::uintptr_t bytes) {
+    return reinterpret_cast<std::uintptr_t>(pointer) % bytes != 0;
+  };
+  if (misaligned(operands.a, 16) || misaligned(operands.b, 16) || misaligned(operands.c, 4) ||
+      misaligned(operands.a_scales, 4) || misaligned(operands.b_scales, 4))
+    fail(what + ": a and b must be 16-byte aligned, c and the scales 4-byte aligned");
+  // The shared memory beyond the default 48 KiB is asked for once on each device.
+  static std::atomic<bool> sized[64];
+  int device = 0;
+  MOE_CHECK_CUDA(cudaGetDevice(&device));
+  if (device >= 64 || !sized[device].load(std::memory_order_acquire)) {
     MOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_fp8_gemm_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
-    return true;
-  }();
-  (void)sized;
+    if (device < 64) sized[device].store(true, std::memory_order_release);
+  }
   grouped_fp8_gemm_kernel<<<static_cast<unsigned>(tiles), kThreads, kSharedBytes, stream>>>(p);
   MOE_CHECK_LAUNCH();
 }

@@ -1,8 +1,9 @@
 // The grouped block-scaled FP8 products (kernels/grouped_fp8_gemm.cuh) against the fp64 products
 // of the dequantized operands, as the layer's quantizers write them: groups without rows, of 16
 // rows, of more than a tile and of a few tiles with a remainder; N and K with partial tiles and
-// blocks, and more K blocks than the pipeline's stages; outliers; the output poisoned before the
-// launch, so a row or column left unwritten fails.
+// blocks, one K block and more than the pipeline's stages; many groups; every block and tile at
+// a scale of its own, and outliers; the output poisoned before the launch, so a row or column
+// left unwritten fails.
 //
 // The bound is test_experts_fp8's: 2^-9 of the exact value (the bf16 output's rounding) plus
 // 2^-8 of Σ|a·b| (the tensor cores' accumulation of a block's products). A scale read from the
@@ -43,6 +44,19 @@ std::int64_t blocks(std::int64_t cols) {
   return (cols + kFP8Block - 1) / kFP8Block;
 }
 
+// Each block of `rows` x 128 columns (A's row blocks: 1; B's tiles: 128) times its own 2^e, e in
+// [-4, 4]: blocks of different scales, so that a scale read for the wrong block, tile or group
+// shows.
+void scale_blocks(Matrix& m, std::int64_t rows, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> exponent(-4, 4);
+  for (std::int64_t r0 = 0; r0 < m.rows; r0 += rows)
+    for (std::int64_t c0 = 0; c0 < m.cols; c0 += kFP8Block) {
+      const double factor = std::ldexp(1.0, exponent(rng));
+      for (std::int64_t r = r0; r < std::min(r0 + rows, m.rows); ++r)
+        for (std::int64_t c = c0; c < std::min(c0 + kFP8Block, m.cols); ++c) m(r, c) *= factor;
+    }
+}
+
 // A few tokens 8 times larger or smaller, and single values 30 times their row's.
 void add_outliers(Matrix& m, std::mt19937_64& rng) {
   std::uniform_int_distribution<std::int64_t> row(0, m.rows - 1), col(0, m.cols - 1);
@@ -64,6 +78,14 @@ void check_case(const Case& c, std::mt19937_64& rng) {
 
   Matrix a = test::random_matrix(std::max<std::int64_t>(M, 1), K, rng);
   Matrix b = test::random_matrix(groups * N, K, rng, 1.0 / std::sqrt(static_cast<double>(K)));
+  scale_blocks(a, 1, rng);
+  // Tiles of 128 rows from each group's first: N is a multiple of 128 or the last tile is short.
+  for (std::int64_t g = 0; g < groups; ++g) {
+    Matrix tile_rows(N, K);
+    std::copy_n(b.data.begin() + g * N * K, N * K, tile_rows.data.begin());
+    scale_blocks(tile_rows, kFP8Block, rng);
+    std::copy_n(tile_rows.data.begin(), N * K, b.data.begin() + g * N * K);
+  }
   if (c.outliers) {
     if (M > 0) add_outliers(a, rng);
     add_outliers(b, rng);
@@ -147,8 +169,14 @@ TEST_CASE("grouped FP8 products equal the dequantized operands' fp64 products", 
       {128, 128, {0, 0, 0}},                  // no rows: nothing to launch
       {272, 400, {112, 208}, true},           // outliers; N and K both partial
       {1536, 512, {64, 400}},                 // twelve N tiles
+      {128, 112, {16, 96}},                   // one K block: the pipeline's prologue alone
   };
   for (const Case& c : cases) check_case(c, rng);
+  // Many groups, a third of them without rows: the blocks' search for their group.
+  Case many{160, 256, {}};
+  std::uniform_int_distribution<int> sixteens(0, 12);
+  for (int g = 0; g < 40; ++g) many.rows.push_back(g % 3 == 1 ? 0 : 16 * sixteens(rng));
+  check_case(many, rng);
 }
 
 TEST_CASE("grouped FP8 products refuse what they cannot run, naming it", "[gpu][fp8]") {
