@@ -409,6 +409,8 @@ bool Mesh::aborted() const noexcept {
 }
 
 Mesh::AbortRelease Mesh::on_abort(std::function<void()> release) const {
+  // The abort runs releases where nothing may throw: an empty one would end the process there.
+  if (!release) fail("Mesh::on_abort: release is empty (a callable is needed)");
   AbortRelease registered;
   if (!comms_) return registered;
   // Ids are unique in the process, so that no release can ever unregister another mesh's.

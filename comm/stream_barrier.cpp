@@ -74,10 +74,17 @@ void check_driver(CUresult status, const char* call) {
 // Whether this process can run the flags: the driver's calls, 64-bit waits, host registration,
 // more than one hardware queue, and no MOE_STREAM_BARRIER=nccl. Never throws: a rank that cannot
 // votes no, so that the group agrees at once.
+// MOE_STREAM_BARRIER: unset or "flags" (the flags where they can run), or "nccl"; anything else
+// is kBadSetting, which the group reports on every rank.
+enum class Asked { kFlags, kNccl, kBadSetting };
+Asked asked_runner() {
+  const char* asked = std::getenv("MOE_STREAM_BARRIER");
+  if (asked == nullptr || std::strcmp(asked, "flags") == 0) return Asked::kFlags;
+  return std::strcmp(asked, "nccl") == 0 ? Asked::kNccl : Asked::kBadSetting;
+}
+
 bool flags_possible_here(int device) {
-  if (const char* asked = std::getenv("MOE_STREAM_BARRIER");
-      asked != nullptr && std::strcmp(asked, "nccl") == 0)
-    return false;
+  if (asked_runner() != Asked::kFlags) return false;
   // With one hardware queue for every stream, a wait on flags would hold all the device's later
   // work, other streams' included, until the barrier passes: the overlap the copy exchange
   // pipelines for would be gone. An NCCL kernel holds an SM but not the queue.
@@ -108,6 +115,7 @@ std::string shared_name(std::uint64_t id) {
 struct Offer {
   std::uint64_t id = 0;
   int made = 0;
+  int bad_setting = 0;  // this rank's MOE_STREAM_BARRIER is neither "flags" nor "nccl"
 };
 
 // Closes a descriptor, and unlinks the shared memory that this rank created, at scope exit.
@@ -151,8 +159,18 @@ StreamBarrier::StreamBarrier(const Mesh& mesh, cudaStream_t stream)
     ok = shared.fd >= 0 && ::ftruncate(shared.fd, static_cast<off_t>(bytes)) == 0;
   }
   offer.made = ok ? 1 : 0;
+  offer.bad_setting = asked_runner() == Asked::kBadSetting ? 1 : 0;
   const auto offers =
       all_gather_host(mesh, offer, staging, done, stream, "the stream barrier's shared flags");
+  // A setting one rank got wrong fails every rank alike (the creator's guard unlinks its name).
+  for (int r = 0; r < ranks_; ++r) {
+    if (offers[r].bad_setting == 0) continue;
+    const char* here = std::getenv("MOE_STREAM_BARRIER");
+    fail(
+        "StreamBarrier: MOE_STREAM_BARRIER must be \"flags\" or \"nccl\"; EP rank {} has another "
+        "value (this rank's: \"{}\")",
+        r, here != nullptr ? here : "");
+  }
   ok = ok && offers[0].made == 1;
   if (me_ != 0 && ok) {
     shared.fd = ::shm_open(shared_name(offers[0].id).c_str(), O_RDWR, 0);

@@ -25,8 +25,9 @@ class StreamBarrier {
   // Collective over the EP group, on `stream` (host waits under the mesh's timeout). Every rank
   // maps the group's flags; if any rank cannot (no shared memory, no stream memory operations,
   // CUDA_DEVICE_MAX_CONNECTIONS=1, or MOE_STREAM_BARRIER=nccl in its environment), the whole group
-  // agrees to run the barrier as an NCCL all-reduce of one zero instead. The mesh must outlive the
-  // barrier, and not be moved from.
+  // agrees to run the barrier as an NCCL all-reduce of one zero instead. MOE_STREAM_BARRIER
+  // other than "flags" or "nccl" on any rank is a moe::Error on every rank. The mesh must outlive
+  // the barrier, and not be moved from.
   StreamBarrier(const Mesh& mesh, cudaStream_t stream);
   // The work that used the barrier must have finished (after an abort, the flags stay mapped to
   // the process's end: this GPU's stream, released, may still be writing and reading them).

@@ -188,3 +188,23 @@ TEST_CASE("an abort releases a stream barrier that waits for a rank that never a
   }
   MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
 }
+
+TEST_CASE("a stream barrier setting one rank got wrong, and an empty abort release, are refused",
+          "[mpi][mesh]") {
+  const int world = test::world_size(), rank = test::world_rank();
+  if (!can_run(world)) return;
+  const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, world, kTimeout);
+  const Stream stream;
+  {
+    const BarrierEnvironment environment(rank == 1 ? "nccl-please" : nullptr);
+    CHECK_THROWS_WITH(StreamBarrier(mesh, stream.get()),
+                      test::contains_text("EP rank 1 has another value"));
+  }
+  CHECK_THROWS_WITH(mesh.on_abort({}), test::contains_text("release is empty"));
+  // The mesh is still whole: a barrier after the refusals runs.
+  StreamBarrier barrier(mesh, stream.get());
+  barrier.arrive_and_wait(stream.get());
+  const Event passed;
+  passed.record(stream.get());
+  mesh.wait(passed.get(), "the barrier after the refusals");
+}
