@@ -14,6 +14,7 @@
 #include <string>
 
 #include "comm/peer_memory.h"
+#include "core/driver_entry.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -23,8 +24,7 @@ namespace {
 constexpr std::size_t kFlagsPerRank = 8;
 static_assert(kMaxPeerRanks <= static_cast<int>(kFlagsPerRank));
 
-// The driver's stream memory operations, found at run time: the runtime has no such calls, and
-// linking the driver library would keep every binary from starting on a machine without one.
+// The driver's stream memory operations (core/driver_entry.h).
 struct DriverCalls {
   CUresult (*write_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
   CUresult (*wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
@@ -32,23 +32,6 @@ struct DriverCalls {
   CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
   CUresult (*error_name)(CUresult, const char**) = nullptr;
 };
-
-template <typename Function>
-bool find_driver_call(const char* symbol, Function*& call) {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-  const cudaError_t status =
-      cudaGetDriverEntryPointByVersion(symbol, &address, 12000, cudaEnableDefault, &found);
-#else
-  const cudaError_t status = cudaGetDriverEntryPoint(symbol, &address, cudaEnableDefault, &found);
-#endif
-  if (status != cudaSuccess) (void)cudaGetLastError();
-  if (status != cudaSuccess || found != cudaDriverEntryPointSuccess || address == nullptr)
-    return false;
-  call = reinterpret_cast<Function*>(address);
-  return true;
-}
 
 // The calls, or null where the driver lacks one.
 const DriverCalls* driver_calls() {
