@@ -1,38 +1,73 @@
 #include "grouped_fp8_gemm.cuh"
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 
+#include "core/driver_entry.h"
 #include "moe/error.h"
 
-// The tile and its pipeline. A block of 256 threads (two warpgroups) computes a 128 x 128 tile of
-// one group's C: warpgroup w its rows [64w, 64w + 64), with m64n128k32 warpgroup products on
-// operands in shared memory. The K dimension goes in 128-column blocks, the scales' blocks:
-// each block's four products accumulate into a fresh fp32 partial sum, which the block's two
-// scales then weigh into the tile's accumulator (so every block's sum is scaled once, in fp32).
-// Operand tiles stream in through cp.async in a three-stage ring, each row of 128 codes stored
-// with the 128-byte swizzle that the products' shared-memory descriptors name.
+// The tiles and their pipeline. A persistent block (one per SM) walks the tiles of C in steps of
+// the grid. A group's rows are cut into tiles of 256 rows while more than 192 are left, then one
+// of 128 and one of 64 as the rest needs: few rows of a tile go to waste however an expert's count
+// falls, and the large tiles read fewer operand bytes a product (the products' feed from L2 bounds
+// them). A 256- or 128-row tile spans 128 columns of C, a 64-row tile 256.
+// The block's last warpgroup produces: one lane loads every tile's operands, 128 K-columns at a
+// time (one scale block), through the tensor memory accelerator into a ring of stages, each stage's
+// arrival counted on its "full" barrier. The first two warpgroups consume: each computes its half
+// of the tile (its rows, or in a 64-row tile its 128 columns) in 64-row parts with m64n128k32
+// warpgroup products on the stage, frees the stage on its "empty" barrier, and weighs each part's
+// fp32 sums of the block by the block's two scales into the tile's accumulator (every block's sum
+// is scaled once, in fp32). The loads of the next stages, and of the next tile while this one's
+// results are stored, run beside the products; the two warpgroups drift apart, so one's products
+// run while the other scales.
+// The tensor maps load rows past a group's end (the next group's, or zeros past the matrix) and
+// columns past K as zeros: rows and columns past a tile's valid ones are never stored, and every
+// row of C depends on its own row of A alone.
 
 namespace moe {
 namespace {
 
-constexpr int kTileRows = 128;  // M and N of a tile
-constexpr int kBlock = 128;     // K of a stage: one scale block
-constexpr int kStages = 3;
-constexpr int kThreads = 256;
-constexpr int kOperandBytes = kTileRows * kBlock;                 // one operand's tile in one stage
-constexpr int kSharedBytes = kStages * 2 * kOperandBytes + 1024;  // + alignment to 1024
+constexpr int kBlock = 128;    // K of a stage (one scale block), and N of a part's product
+constexpr int kPartRows = 64;  // M of a warpgroup's product
+constexpr int kStages = 4;
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kBoxBytes = kPartRows * kBlock;  // one 64-row box of codes
+// A stage holds a tile's A rows, then its B rows (columns of C): 256 + 128, 128 + 128 or 64 + 256.
+constexpr int kStageBytes = 6 * kBoxBytes;
+// The stages, 1024-byte aligned for the 128-byte swizzle, then the barriers.
+constexpr int kSharedBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+static_assert(kSharedBytes <= 227 * 1024, "an SM's shared memory holds the stages");
+
+// How a group of `rows` rows is cut: `large` tiles of 256 rows, then `middle` (0 or 1) of 128 and
+// `small` (0 or 1) of 64.
+struct GroupCut {
+  int large, middle, small;
+};
+__host__ __device__ constexpr GroupCut cut_rows(int rows) {
+  const int rest = rows % 256;
+  return {rows / 256 + (rest > 192 ? 1 : 0), rest > 64 && rest <= 192 ? 1 : 0,
+          (rest > 0 && rest <= 64) || (rest > 128 && rest <= 192) ? 1 : 0};
+}
+// The group's tiles, given C's tiles of 128 and of 256 columns across N.
+__host__ __device__ constexpr int group_tiles(int rows, int n_tiles128, int n_tiles256) {
+  const GroupCut cut = cut_rows(rows);
+  return (cut.large + cut.middle) * n_tiles128 + cut.small * n_tiles256;
+}
 
 struct GroupedParams {
-  const std::uint8_t* a;
+  CUtensorMap a_map;  // A as [Σ m_g, K] codes, 64 x 128 boxes, 128-byte swizzle
+  CUtensorMap b_map;  // B as [groups · N, K] codes, the same boxes
   const float* a_scales;
-  const std::uint8_t* b;
   const float* b_scales;
   __nv_bfloat16* c;
   std::int64_t b_scale_stride;
-  int n, k, groups, k_blocks, n_tiles, tile_scale_row;
+  int n, groups, k_blocks, n_tiles128, n_tiles256, tile_scale_row, tiles;
   int first[kMaxGroupedGemmGroups];
   int rows[kMaxGroupedGemmGroups];
   int tile_start[kMaxGroupedGemmGroups + 1];
@@ -49,10 +84,41 @@ __device__ __forceinline__ std::uint32_t shared_address(const void* pointer) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
-// 16 bytes from global to shared memory, or 16 zero bytes where `valid` is false.
-__device__ __forceinline__ void copy16(std::uint32_t to, const void* from, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from),
-               "r"(valid ? 16 : 0));
+__device__ __forceinline__ void barrier_init(std::uint32_t barrier, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals));
+}
+
+__device__ __forceinline__ void barrier_arrive(std::uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+
+// One arrival that also expects `bytes` from the tensor memory accelerator before the phase ends.
+__device__ __forceinline__ void barrier_expect(std::uint32_t barrier, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes)
+               : "memory");
+}
+
+// Returns once the barrier's phase of parity `parity` has ended.
+__device__ __forceinline__ void barrier_wait(std::uint32_t barrier, std::uint32_t parity) {
+  std::uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+
+// A 128 x 128 box of `map` at (column, row) into shared memory, counted on `barrier`.
+__device__ __forceinline__ void load_box(std::uint32_t to, const CUtensorMap& map, int column,
+                                         int row, std::uint32_t barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(to),
+      "l"(reinterpret_cast<std::uint64_t>(&map)), "r"(column), "r"(row), "r"(barrier)
+      : "memory");
 }
 
 // A shared-memory matrix descriptor: K-major rows of 128 bytes under the 128-byte swizzle, groups
@@ -96,31 +162,12 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], std::uint64_t a
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// Row `row` of a tile (128 codes from column `column` of a row-major [*, k] matrix) into a stage,
-// chunk by 16-byte chunk, chunk c at (c ^ (row mod 8)) · 16 of the row's 128 bytes.
-__device__ __forceinline__ void load_tile(std::uint32_t stage, const std::uint8_t* matrix,
-                                          int valid_rows, int k, int column) {
-#pragma unroll
-  for (int i = 0; i < kOperandBytes / 16 / kThreads; ++i) {
-    const int chunk = threadIdx.x + i * kThreads;
-    const int row = chunk / 8, c = chunk % 8;
-    const int col = column + c * 16;
-    const bool valid = row < valid_rows && col < k;
-    const std::uint8_t* from = valid ? matrix + static_cast<std::int64_t>(row) * k + col : matrix;
-    copy16(stage + row * 128 + ((c ^ (row & 7)) << 4), from, valid);
-  }
-}
-
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_fp8_gemm_kernel(const __grid_constant__ GroupedParams p) {
-  extern __shared__ std::uint8_t shared_raw[];
-  const std::uint32_t base = (shared_address(shared_raw) + 1023) & ~1023u;
-  const auto stage_a = [&](int s) { return base + s * 2 * kOperandBytes; };
-  const auto stage_b = [&](int s) { return base + s * 2 * kOperandBytes + kOperandBytes; };
-
-  // The group whose tiles hold this block's: the last one starting at or before it (a group
-  // without rows starts where the next begins).
-  const int tile = blockIdx.x;
+// Where tile `tile` lies: its group (the last one starting at or before it; a group without rows
+// starts where the next begins), its first row and column within the group, and its rows.
+struct TilePlace {
+  int group, m0, n0, rows;
+};
+__device__ __forceinline__ TilePlace place(const GroupedParams& p, int tile) {
   int lo = 0, hi = p.groups - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -129,82 +176,159 @@ __global__ void __launch_bounds__(kThreads, 1)
     else
       hi = mid - 1;
   }
-  const int g = lo, local = tile - p.tile_start[g];
-  const int m0 = local / p.n_tiles * kTileRows, n0 = local % p.n_tiles * kTileRows;
-  const int rows = p.rows[g];
-  const int valid_m = min(kTileRows, rows - m0), valid_n = min(kTileRows, p.n - n0);
-  const std::uint8_t* a = p.a + static_cast<std::int64_t>(p.first[g] + m0) * p.k;
-  const std::uint8_t* b = p.b + (static_cast<std::int64_t>(g) * p.n + n0) * p.k;
-  const float* a_scales = p.a_scales + static_cast<std::int64_t>(p.first[g]) * p.k_blocks;
-  const float* b_scales = p.b_scales + g * p.b_scale_stride +
-                          static_cast<std::int64_t>(n0 / kTileRows) * p.tile_scale_row;
+  // Down a column of tiles first: the blocks at work at once share its columns of B, read from
+  // memory once, and the group's rows of A stay in L2 from one column to the next.
+  int local = tile - p.tile_start[lo];
+  const GroupCut cut = cut_rows(p.rows[lo]);
+  const int tall = cut.large + cut.middle;  // the tiles of 256 and 128 rows down a column
+  if (local < tall * p.n_tiles128) {
+    const int m = local % tall, n0 = local / tall * kBlock;
+    return m < cut.large ? TilePlace{lo, m * 256, n0, 256} : TilePlace{lo, m * 256, n0, 128};
+  }
+  local -= tall * p.n_tiles128;
+  return {lo, cut.large * 256 + cut.middle * 128, local * 2 * kBlock, 64};
+}
 
+// A tile's rows of A in a stage, then its rows of B: 64-row boxes, 1024-byte aligned.
+__device__ __forceinline__ int a_boxes(int tile_rows) {
+  return tile_rows / kPartRows;
+}
+__device__ __forceinline__ int b_boxes(int tile_rows) {
+  return tile_rows == 64 ? 4 : 2;
+}
+
+__device__ void produce(const GroupedParams& p, std::uint32_t stages, std::uint32_t full,
+                        std::uint32_t empty) {
+  std::uint32_t step = 0;  // stages filled so far, over every tile
+  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const TilePlace at = place(p, tile);
+    const int a_row = p.first[at.group] + at.m0, b_row = at.group * p.n + at.n0;
+    const int na = a_boxes(at.rows), nb = b_boxes(at.rows);
+    for (int kb = 0; kb < p.k_blocks; ++kb, ++step) {
+      const std::uint32_t s = step % kStages;
+      // The consumers' last reading of this stage is over: its previous filling's phase.
+      if (step >= kStages) barrier_wait(empty + 8 * s, (step / kStages - 1) & 1);
+      barrier_expect(full + 8 * s, (na + nb) * kBoxBytes);
+      const std::uint32_t stage = stages + s * kStageBytes;
+      for (int i = 0; i < na; ++i)
+        load_box(stage + i * kBoxBytes, p.a_map, kb * kBlock, a_row + i * kPartRows, full + 8 * s);
+      for (int i = 0; i < nb; ++i)
+        load_box(stage + (na + i) * kBoxBytes, p.b_map, kb * kBlock, b_row + i * kPartRows,
+                 full + 8 * s);
+    }
+  }
+}
+
+__device__ void consume(const GroupedParams& p, std::uint32_t stages, std::uint32_t full,
+                        std::uint32_t empty) {
   const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  // This thread's two rows of the tile, and its columns 8j + 2(lane mod 4) + {0, 1}.
-  const int row0 = warpgroup * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
-
-  float acc[64], part[64];
+  // This thread's two rows of a part, and its columns 8j + 2(lane mod 4) + {0, 1}.
+  const int row0 = warp * 16 + lane / 4, row1 = row0 + 8;
+  float acc[2][64], part[64];
+  std::uint32_t step = 0;  // stages consumed so far, over every tile
+  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const TilePlace at = place(p, tile);
+    const int group_rows = p.rows[at.group];
+    // This warpgroup's parts: two of 64 rows in a 256-row tile, else one; in a 64-row tile it
+    // takes 128 columns, elsewhere its rows.
+    const int parts = at.rows == 256 ? 2 : 1;
+    const int m0 = at.m0 + (at.rows == 64 ? 0 : warpgroup * parts * kPartRows);
+    const int n0 = at.n0 + (at.rows == 64 ? warpgroup * kBlock : 0);
+    const int a_offset = (at.rows == 64 ? 0 : warpgroup * parts) * kBoxBytes;
+    const int b_offset = (a_boxes(at.rows) + (at.rows == 64 ? 2 * warpgroup : 0)) * kBoxBytes;
+    const int valid_n = min(kBlock, p.n - n0);
+    const float* a_scales =
+        p.a_scales + static_cast<std::int64_t>(p.first[at.group]) * p.k_blocks + m0;
+    const float* b_scales = p.b_scales + at.group * p.b_scale_stride +
+                            static_cast<std::int64_t>(n0 / kBlock) * p.tile_scale_row;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < p.k_blocks) {
-      load_tile(stage_a(s), a, valid_m, p.k, s * kBlock);
-      load_tile(stage_b(s), b, valid_n, p.k, s * kBlock);
+      for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    for (int kb = 0; kb < p.k_blocks; ++kb, ++step) {
+      // The block's scales, loaded while the stage arrives; none past N or the group's rows.
+      const float b_scale = valid_n > 0 ? b_scales[kb] : 0.0f;
+      const std::int64_t scale_row = static_cast<std::int64_t>(kb) * group_rows;
+      float scale[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r0 = m0 + h * kPartRows + row0, r1 = r0 + 8;
+        scale[h][0] = h < parts && r0 < group_rows ? a_scales[scale_row + r0 - m0] * b_scale : 0.0f;
+        scale[h][1] = h < parts && r1 < group_rows ? a_scales[scale_row + r1 - m0] * b_scale : 0.0f;
+      }
+      const std::uint32_t s = step % kStages;
+      barrier_wait(full + 8 * s, (step / kStages) & 1);
+      const std::uint32_t b_rows = stages + s * kStageBytes + b_offset;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (h >= parts) break;
+        const std::uint32_t a_rows = stages + s * kStageBytes + a_offset + h * kBoxBytes;
+        fence_registers(part);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < kBlock / 32; ++k)
+          wgmma_m64n128k32(part, descriptor(a_rows + k * 32), descriptor(b_rows + k * 32), k);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_registers(part);
+        // This warp is done reading the stage once its last part's products are.
+        if (h + 1 == parts) {
+          __syncwarp();
+          if (lane == 0) barrier_arrive(empty + 8 * s);
+        }
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          acc[h][4 * j + 0] += part[4 * j + 0] * scale[h][0];
+          acc[h][4 * j + 1] += part[4 * j + 1] * scale[h][0];
+          acc[h][4 * j + 2] += part[4 * j + 2] * scale[h][1];
+          acc[h][4 * j + 3] += part[4 * j + 3] * scale[h][1];
+        }
+      }
     }
-    asm volatile("cp.async.commit_group;\n" ::);
+    __nv_bfloat16* c = p.c + static_cast<std::int64_t>(p.first[at.group] + m0) * p.n + n0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h >= parts) break;
+      const int valid_m = min(kPartRows, group_rows - m0 - h * kPartRows);
+      __nv_bfloat16* rows = c + static_cast<std::int64_t>(h * kPartRows) * p.n;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        if (col >= valid_n) continue;
+        if (row0 < valid_m)
+          *reinterpret_cast<__nv_bfloat162*>(rows + static_cast<std::int64_t>(row0) * p.n + col) =
+              __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+        if (row1 < valid_m)
+          *reinterpret_cast<__nv_bfloat162*>(rows + static_cast<std::int64_t>(row1) * p.n + col) =
+              __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+      }
+    }
   }
-  for (int kb = 0; kb < p.k_blocks; ++kb) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
-    // The copies are the generic proxy's writes, the products read through the async proxy.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    // The stage the previous block's products read, done with (they were waited for).
-    const int next = kb + kStages - 1;
-    if (next < p.k_blocks) {
-      load_tile(stage_a(next % kStages), a, valid_m, p.k, next * kBlock);
-      load_tile(stage_b(next % kStages), b, valid_n, p.k, next * kBlock);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
+}
 
-    // The block's scales, loaded while the products run.
-    const float b_scale = b_scales[kb];
-    const std::int64_t scale_row = static_cast<std::int64_t>(kb) * rows + m0;
-    const float scale0 = m0 + row0 < rows ? a_scales[scale_row + row0] * b_scale : 0.0f;
-    const float scale1 = m0 + row1 < rows ? a_scales[scale_row + row1] * b_scale : 0.0f;
-    const int s = kb % kStages;
-    const std::uint32_t a_rows = stage_a(s) + warpgroup * 64 * 128;
-    fence_registers(part);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int step = 0; step < kBlock / 32; ++step)
-      wgmma_m64n128k32(part, descriptor(a_rows + step * 32), descriptor(stage_b(s) + step * 32),
-                       step);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    fence_registers(part);
-
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      acc[4 * j + 0] += part[4 * j + 0] * scale0;
-      acc[4 * j + 1] += part[4 * j + 1] * scale0;
-      acc[4 * j + 2] += part[4 * j + 2] * scale1;
-      acc[4 * j + 3] += part[4 * j + 3] * scale1;
+// A consumer holds two parts' accumulators and a part's sums (192 registers): the producer
+// warpgroup gives up registers for the consumers to take, three warps of each quarter of the SM
+// sharing its 16384 (40 + 2 · 232, times 32 lanes).
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_fp8_gemm_kernel(const __grid_constant__ GroupedParams p) {
+  extern __shared__ std::uint8_t shared_raw[];
+  const std::uint32_t stages = (shared_address(shared_raw) + 1023) & ~1023u;
+  const std::uint32_t full = stages + kStages * kStageBytes, empty = full + 8 * kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(full + 8 * s, 1);
+      barrier_init(empty + 8 * s, kConsumerWarps);
     }
+    // The barriers' initialization, seen by the tensor memory accelerator's arrivals.
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-
-  __nv_bfloat16* c = p.c + static_cast<std::int64_t>(p.first[g] + m0) * p.n + n0;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int col = 8 * j + 2 * (lane % 4);
-    if (col >= valid_n) continue;
-    if (row0 < valid_m)
-      *reinterpret_cast<__nv_bfloat162*>(c + static_cast<std::int64_t>(row0) * p.n + col) =
-          __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
-    if (row1 < valid_m)
-      *reinterpret_cast<__nv_bfloat162*>(c + static_cast<std::int64_t>(row1) * p.n + col) =
-          __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+  __syncthreads();
+  if (threadIdx.x >= kConsumerThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == kConsumerThreads) produce(p, stages, full, empty);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    consume(p, stages, full, empty);
   }
 }
 
@@ -216,13 +340,46 @@ __global__ void grouped_fp8_gemm_kernel(const __grid_constant__ GroupedParams) {
 
 #endif
 
+// The driver's tensor-map encoder (core/driver_entry.h), or null where the driver lacks it.
+using EncodeTiled = CUresult(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                             const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                             const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                             CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled* encode_tiled() {
+  static EncodeTiled* const call = [] {
+    EncodeTiled* found = nullptr;
+    return find_driver_call("cuTensorMapEncodeTiled", found) ? found : nullptr;
+  }();
+  return call;
+}
+
+// A row-major [rows, k] matrix of codes, loaded in 64 x 128 boxes under the 128-byte swizzle
+// that the products' descriptors name; outside the matrix a box holds zeros.
+CUtensorMap box_map(const std::uint8_t* matrix, std::int64_t rows, std::int64_t k,
+                    const char* operand) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};
+  const cuuint32_t box[2] = {kBlock, kPartRows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult status = encode_tiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<std::uint8_t*>(matrix), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS)
+    fail(std::string("grouped_fp8_gemm: cuTensorMapEncodeTiled failed (") +
+         std::to_string(static_cast<int>(status)) + ") for " + operand + " as [" +
+         std::to_string(rows) + ", " + std::to_string(k) + "] codes");
+  return map;
+}
+
 }  // namespace
 
 bool grouped_fp8_gemm_supported(int device) {
   int major = 0, minor = 0;
   MOE_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOE_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
+  return major == 9 && minor == 0 && encode_tiled() != nullptr;
 }
 
 void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std::int64_t k,
@@ -236,22 +393,20 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
          " must be positive multiples of 16 below 2^31");
   const std::int64_t k_blocks = (k + kBlock - 1) / kBlock;
   const std::int64_t tile_scale_row = (k_blocks + 3) / 4 * 4;
-  if (operands.b_scale_stride < (n + kTileRows - 1) / kTileRows * tile_scale_row)
+  const std::int64_t n_tiles128 = (n + kBlock - 1) / kBlock;
+  if (operands.b_scale_stride < n_tiles128 * tile_scale_row)
     fail(what + ": b_scale_stride = " + std::to_string(operands.b_scale_stride) +
-         " is less than one group's tile scales, " +
-         std::to_string((n + kTileRows - 1) / kTileRows * tile_scale_row));
+         " is less than one group's tile scales, " + std::to_string(n_tiles128 * tile_scale_row));
   GroupedParams p{};
-  p.a = operands.a;
   p.a_scales = operands.a_scales;
-  p.b = operands.b;
   p.b_scales = operands.b_scales;
   p.c = static_cast<__nv_bfloat16*>(operands.c);
   p.b_scale_stride = operands.b_scale_stride;
   p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
   p.groups = static_cast<int>(offsets.size()) - 1;
   p.k_blocks = static_cast<int>(k_blocks);
-  p.n_tiles = static_cast<int>((n + kTileRows - 1) / kTileRows);
+  p.n_tiles128 = static_cast<int>(n_tiles128);
+  p.n_tiles256 = static_cast<int>((n + 2 * kBlock - 1) / (2 * kBlock));
   p.tile_scale_row = static_cast<int>(tile_scale_row);
   std::int64_t tiles = 0;
   for (int g = 0; g <= p.groups; ++g) {
@@ -263,7 +418,7 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
     if (g == p.groups) break;
     p.first[g] = static_cast<int>(offsets[g]);
     p.rows[g] = static_cast<int>(offsets[g + 1] - offsets[g]);
-    tiles += (static_cast<std::int64_t>(p.rows[g]) + kTileRows - 1) / kTileRows * p.n_tiles;
+    tiles += group_tiles(p.rows[g], p.n_tiles128, p.n_tiles256);
   }
   if (tiles > 0x7fffffff) fail(what + ": " + std::to_string(tiles) + " tiles exceed one grid");
   if (tiles == 0) return;
@@ -271,13 +426,18 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
   if (operands.a == nullptr || operands.a_scales == nullptr || operands.b == nullptr ||
       operands.b_scales == nullptr || operands.c == nullptr)
     fail(what + ": a null operand (a, a_scales, b, b_scales and c are all needed)");
-  // cp.async moves 16 bytes at a time, and the output is stored two bf16 at a time.
+  // The tensor maps take 16-byte aligned matrices, and the output is stored two bf16 at a time.
   const auto misaligned = [](const void* pointer, std::uintptr_t bytes) {
     return reinterpret_cast<std::uintptr_t>(pointer) % bytes != 0;
   };
   if (misaligned(operands.a, 16) || misaligned(operands.b, 16) || misaligned(operands.c, 4) ||
       misaligned(operands.a_scales, 4) || misaligned(operands.b_scales, 4))
     fail(what + ": a and b must be 16-byte aligned, c and the scales 4-byte aligned");
+  if (encode_tiled() == nullptr)
+    fail(what + ": the driver has no cuTensorMapEncodeTiled (grouped_fp8_gemm_supported says so)");
+  p.a_map = box_map(operands.a, offsets.back(), k, "a");
+  p.b_map = box_map(operands.b, static_cast<std::int64_t>(p.groups) * n, k, "b");
+  p.tiles = static_cast<int>(tiles);
   // The shared memory beyond the default 48 KiB is asked for once on each device.
   static std::atomic<bool> sized[64];
   int device = 0;
@@ -287,7 +447,11 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
     if (device < 64) sized[device].store(true, std::memory_order_release);
   }
-  grouped_fp8_gemm_kernel<<<static_cast<unsigned>(tiles), kThreads, kSharedBytes, stream>>>(p);
+  // One persistent block an SM, or one a tile where there are fewer.
+  int sms = 0;
+  MOE_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(tiles, sms));
+  grouped_fp8_gemm_kernel<<<blocks, kThreads, kSharedBytes, stream>>>(p);
   MOE_CHECK_LAUNCH();
 }
 

@@ -165,11 +165,12 @@ TEST_CASE("grouped FP8 products equal the dequantized operands' fp64 products", 
   const Case cases[] = {
       {256, 256, {16, 0, 128, 144, 272}},
       {144, 144, {32, 160}},                  // a partial tile and a partial block
-      {384, 640, {528, 0, 16, 48, 256, 80}},  // five K blocks, past the three stages
+      {384, 640, {528, 0, 16, 48, 256, 80}},  // five K blocks, past the four stages
       {128, 128, {0, 0, 0}},                  // no rows: nothing to launch
       {272, 400, {112, 208}, true},           // outliers; N and K both partial
       {1536, 512, {64, 400}},                 // twelve N tiles
       {128, 112, {16, 96}},                   // one K block: the pipeline's prologue alone
+      {4096, 256, {1200, 16}},  // 192 tiles: a block's second and later tiles, past the SMs
   };
   for (const Case& c : cases) check_case(c, rng);
   // Many groups, a third of them without rows: the blocks' search for their group.
