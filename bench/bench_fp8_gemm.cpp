@@ -239,7 +239,8 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
   ExpertFFN bf16(static_cast<int>(H), static_cast<int>(F), static_cast<int>(E), d,
                  ExpertSchedule::kBatched, 4,
                  static_cast<std::size_t>(config.activation_chunk_mib * (1 << 20)));
-  Fp8ExpertFFN fp8(static_cast<int>(H), static_cast<int>(F), static_cast<int>(E), streams);
+  Fp8ExpertFFN fp8(static_cast<int>(H), static_cast<int>(F), static_cast<int>(E), streams,
+                   kDefaultGemmWorkspaceBytes, Fp8Products::kPerExpert);
   grouped = grouped && E <= kMaxGroupedGemmGroups;
   std::unique_ptr<Fp8ExpertFFN> fp8_grouped;
   if (grouped)
@@ -423,7 +424,8 @@ int main(int argc, char** argv) try {
   report["batched"] = check_batched(gemm, stream.get());
   report["dense"] = dense_rates(gemm, stream.get());
   fmt::print(
-      "experts at T = 8192: bf16 ExpertFFN (batched) against Fp8ExpertFFN ({} streams), the "
+      "experts at T = 8192: bf16 ExpertFFN (batched) against Fp8ExpertFFN (cuBLASLt over {} "
+      "streams; grp: the grouped products), the "
       "forward eager, forward + backward replayed from a graph; the weights' quantization "
       "once per step\n",
       fp8_streams);

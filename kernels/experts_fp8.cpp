@@ -27,15 +27,14 @@ Fp8ExpertFFN::Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams,
          kMaxQuantizeSegments);
   }
   if (streams < 1) fail("Fp8ExpertFFN: streams = {} must be >= 1", streams);
-  if (products == Fp8Products::kGrouped) {
-    int device = 0;
-    MOE_CHECK_CUDA(cudaGetDevice(&device));
-    if (!grouped_fp8_gemm_supported(device))
-      fail("Fp8ExpertFFN: the grouped FP8 products need a GPU of compute capability 9.0");
-    if (local_experts > kMaxGroupedGemmGroups)
-      fail("Fp8ExpertFFN: local_experts = {} exceeds the grouped products' {} groups",
-           local_experts, kMaxGroupedGemmGroups);
-  }
+  int device = 0;
+  MOE_CHECK_CUDA(cudaGetDevice(&device));
+  grouped_available_ = grouped_fp8_gemm_supported(device) && local_experts <= kMaxGroupedGemmGroups;
+  if (products == Fp8Products::kGrouped && !grouped_fp8_gemm_supported(device))
+    fail("Fp8ExpertFFN: the grouped FP8 products need a GPU of compute capability 9.0");
+  if (products == Fp8Products::kGrouped && local_experts > kMaxGroupedGemmGroups)
+    fail("Fp8ExpertFFN: local_experts = {} exceeds the grouped products' {} groups", local_experts,
+         kMaxGroupedGemmGroups);
   const std::int64_t H = hidden, F = ffn, E = local_experts;
   auto allocate = [E](Weights& w, std::int64_t rows, std::int64_t cols) {
     w.tiles = tile_scales(rows, cols);
@@ -184,7 +183,7 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
 void Fp8ExpertFFN::fp8_pass(std::span<const std::int64_t> offsets, const DeviceBuffer& codes,
                             const DeviceBuffer& scales, std::int64_t k, const Weights& weights,
                             std::int64_t n, const Tensor& out, cudaStream_t stream) {
-  if (products_ == Fp8Products::kGrouped) {
+  if (grouped_pass(offsets)) {
     const GroupedFp8Operands operands{.a = codes.as<std::uint8_t>(),
                                       .a_scales = scales.as<float>(),
                                       .b = weights.codes.as<std::uint8_t>(),
@@ -197,6 +196,14 @@ void Fp8ExpertFFN::fp8_pass(std::span<const std::int64_t> offsets, const DeviceB
   std::vector<Product> products;
   add_fp8_products(offsets, codes, scales, k, weights, n, out, products);
   run(products, stream);
+}
+
+bool Fp8ExpertFFN::grouped_pass(std::span<const std::int64_t> offsets) const {
+  if (products_ != Fp8Products::kAuto) return products_ == Fp8Products::kGrouped;
+  if (!grouped_available_) return false;
+  std::int64_t with_rows = 0;
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) with_rows += offsets[e + 1] > offsets[e];
+  return offsets.back() < kGroupedRowsLimit * std::max<std::int64_t>(with_rows, 1);
 }
 
 void Fp8ExpertFFN::run(std::vector<Product> products, cudaStream_t stream) {

@@ -10,10 +10,10 @@
 //             quantized a second time, along the columns).
 // Weights are quantized by quantize_weights, with their transposes, and that copy serves every
 // step until the next call: a trainer calls it once after each update of the weights, and
-// micro-batches in between share it. Each FP8 pass runs as cuBLASLt's products, one expert a
-// call, spread over streams largest first (its block-scaled products take neither pointer arrays
-// nor strided batches: bench_fp8_gemm asks), or with Fp8Products::kGrouped as one launch of the
-// grouped products (kernels/grouped_fp8_gemm.cuh), every expert's tiles side by side.
+// micro-batches in between share it. Each FP8 pass runs as one launch of the grouped products
+// (kernels/grouped_fp8_gemm.cuh), every expert's tiles side by side, or as cuBLASLt's products,
+// one expert a call, spread over streams largest first (its block-scaled products take neither
+// pointer arrays nor strided batches: bench_fp8_gemm asks): Fp8Products says which.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -32,16 +32,21 @@ namespace moe {
 
 // How the four FP8 passes (h, y, dA, dX) run their experts' products.
 enum class Fp8Products {
+  // Each pass by its rows: grouped where the GPU runs them and the experts with rows average
+  // fewer than kGroupedRowsLimit, else one expert a call (measured in docs/performance.md, "FP8").
+  kAuto,
   kPerExpert,  // cuBLASLt, one expert a call, over the streams
   kGrouped,    // one grouped launch a pass (compute capability 9.0, at most 256 experts)
 };
+// Above this many rows an expert, cuBLASLt's products, one expert a call, beat the grouped ones.
+inline constexpr std::int64_t kGroupedRowsLimit = 1024;
 
 class Fp8ExpertFFN {
  public:
   // hidden and ffn: multiples of 16 (FP8 rows are read 16 bytes at a time).
   Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams = 4,
                std::size_t workspace_bytes = kDefaultGemmWorkspaceBytes,
-               Fp8Products products = Fp8Products::kPerExpert);
+               Fp8Products products = Fp8Products::kAuto);
 
   // w13 [E_loc, 2F, H], w2 [E_loc, H, F], bf16: quantized in tiles into this object's copy.
   void quantize_weights(const Tensor& w13, const Tensor& w2, cudaStream_t stream);
@@ -85,6 +90,8 @@ class Fp8ExpertFFN {
                         const DeviceBuffer& scales, std::int64_t k, const Weights& weights,
                         std::int64_t n, const Tensor& out, std::vector<Product>& products) const;
   void run(std::vector<Product> products, cudaStream_t stream);
+  // Whether a pass over these rows runs as the grouped products, by products_.
+  bool grouped_pass(std::span<const std::int64_t> offsets) const;
   // out = codes·weightsᵀ per expert, by products_.
   void fp8_pass(std::span<const std::int64_t> offsets, const DeviceBuffer& codes,
                 const DeviceBuffer& scales, std::int64_t k, const Weights& weights, std::int64_t n,
@@ -92,6 +99,7 @@ class Fp8ExpertFFN {
 
   int hidden_, ffn_, experts_;
   Fp8Products products_;
+  bool grouped_available_ = false;  // the GPU runs the grouped products, for this many experts
   bool has_weights_ = false;
   Weights w13_, w2_;                        // [E, 2F, H] and [E, H, F]
   Weights w13_transposed_, w2_transposed_;  // [E, H, 2F] and [E, F, H]
