@@ -245,8 +245,8 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
   std::unique_ptr<Fp8ExpertFFN> fp8_grouped;
   if (grouped)
     fp8_grouped = std::make_unique<Fp8ExpertFFN>(static_cast<int>(H), static_cast<int>(F),
-                                                 static_cast<int>(E), 1, kDefaultGemmWorkspaceBytes,
-                                                 Fp8Products::kGrouped);
+                                                 static_cast<int>(E), streams,
+                                                 kDefaultGemmWorkspaceBytes, Fp8Products::kGrouped);
   const std::int64_t chunk_rows = bf16.activation_rows(offsets);
   DeviceBuffer X(rows * H * 2), dY(rows * H * 2), y(rows * H * 2), dX(rows * H * 2),
       h(rows * 2 * F * 2), a(rows * F * 2), dA(rows * F * 2), w13(E * 2 * F * H * 2),
