@@ -55,7 +55,7 @@ __host__ __device__ constexpr GroupCut cut_rows(int rows) {
           (rest > 0 && rest <= 64) || (rest > 128 && rest <= 192) ? 1 : 0};
 }
 // The group's tiles, given C's tiles of 128 and of 256 columns across N.
-__host__ __device__ constexpr int group_tiles(int rows, int n_tiles128, int n_tiles256) {
+std::int64_t group_tiles(int rows, std::int64_t n_tiles128, std::int64_t n_tiles256) {
   const GroupCut cut = cut_rows(rows);
   return (cut.large + cut.middle) * n_tiles128 + cut.small * n_tiles256;
 }
@@ -379,7 +379,11 @@ bool grouped_fp8_gemm_supported(int device) {
   int major = 0, minor = 0;
   MOE_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOE_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+#ifdef MOE_GROUPED_FP8_BUILT
   return major == 9 && minor == 0 && encode_tiled() != nullptr;
+#else
+  return false;  // built without sm_90a: the kernel is a stub that traps
+#endif
 }
 
 void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std::int64_t k,
@@ -391,6 +395,12 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
   if (n <= 0 || n % 16 != 0 || n > 0x7fffffff || k <= 0 || k % 16 != 0 || k > 0x7fffffff)
     fail(what + ": n = " + std::to_string(n) + " and k = " + std::to_string(k) +
          " must be positive multiples of 16 below 2^31");
+  // The loads' row coordinates are 32-bit and reach up to 256 rows past a tile's first.
+  constexpr std::int64_t kRowLimit = 0x7fffffff - 256;
+  const auto groups = static_cast<std::int64_t>(offsets.size()) - 1;
+  if (groups * n > kRowLimit)
+    fail(what + ": " + std::to_string(groups) + " groups of n = " + std::to_string(n) +
+         " rows of b exceed 2^31 - 257");
   const std::int64_t k_blocks = (k + kBlock - 1) / kBlock;
   const std::int64_t tile_scale_row = (k_blocks + 3) / 4 * 4;
   const std::int64_t n_tiles128 = (n + kBlock - 1) / kBlock;
@@ -403,7 +413,7 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
   p.c = static_cast<__nv_bfloat16*>(operands.c);
   p.b_scale_stride = operands.b_scale_stride;
   p.n = static_cast<int>(n);
-  p.groups = static_cast<int>(offsets.size()) - 1;
+  p.groups = static_cast<int>(groups);
   p.k_blocks = static_cast<int>(k_blocks);
   p.n_tiles128 = static_cast<int>(n_tiles128);
   p.n_tiles256 = static_cast<int>((n + 2 * kBlock - 1) / (2 * kBlock));
@@ -411,16 +421,18 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
   std::int64_t tiles = 0;
   for (int g = 0; g <= p.groups; ++g) {
     const bool ordered = g == 0 ? offsets[g] == 0 : offsets[g] >= offsets[g - 1];
-    if (!ordered || offsets[g] > 0x7fffffff)
+    if (!ordered || offsets[g] > kRowLimit)
       fail(what + ": offsets[" + std::to_string(g) + "] = " + std::to_string(offsets[g]) +
-           " must start at 0, never decrease and stay below 2^31");
+           " must start at 0, never decrease and stay below 2^31 - 256");
     p.tile_start[g] = static_cast<int>(tiles);
     if (g == p.groups) break;
     p.first[g] = static_cast<int>(offsets[g]);
     p.rows[g] = static_cast<int>(offsets[g + 1] - offsets[g]);
     tiles += group_tiles(p.rows[g], p.n_tiles128, p.n_tiles256);
   }
-  if (tiles > 0x7fffffff) fail(what + ": " + std::to_string(tiles) + " tiles exceed one grid");
+  // The blocks step through the tiles by the grid, in 32-bit counts.
+  if (tiles > 0x7fffffff - 65536)
+    fail(what + ": " + std::to_string(tiles) + " tiles exceed 2^31 - 65537");
   if (tiles == 0) return;
   // Checked once there is work: without rows a caller may have no buffers yet.
   if (operands.a == nullptr || operands.a_scales == nullptr || operands.b == nullptr ||
@@ -433,15 +445,17 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
   if (misaligned(operands.a, 16) || misaligned(operands.b, 16) || misaligned(operands.c, 4) ||
       misaligned(operands.a_scales, 4) || misaligned(operands.b_scales, 4))
     fail(what + ": a and b must be 16-byte aligned, c and the scales 4-byte aligned");
-  if (encode_tiled() == nullptr)
-    fail(what + ": the driver has no cuTensorMapEncodeTiled (grouped_fp8_gemm_supported says so)");
+  int device = 0;
+  MOE_CHECK_CUDA(cudaGetDevice(&device));
+  if (!grouped_fp8_gemm_supported(device))
+    fail(what + ": device " + std::to_string(device) +
+         " cannot run it (grouped_fp8_gemm_supported: compute capability 9.0, a build for sm_90a "
+         "and the driver's tensor maps)");
   p.a_map = box_map(operands.a, offsets.back(), k, "a");
   p.b_map = box_map(operands.b, static_cast<std::int64_t>(p.groups) * n, k, "b");
   p.tiles = static_cast<int>(tiles);
   // The shared memory beyond the default 48 KiB is asked for once on each device.
   static std::atomic<bool> sized[64];
-  int device = 0;
-  MOE_CHECK_CUDA(cudaGetDevice(&device));
   if (device >= 64 || !sized[device].load(std::memory_order_acquire)) {
     MOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_fp8_gemm_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));

@@ -34,13 +34,15 @@ struct GroupedFp8Operands {
   void* c = nullptr;
 };
 
-// Whether `device` runs the grouped products (compute capability 9.0: the kernel is built for
-// sm_90a's warpgroup instructions).
+// Whether `device` runs the grouped products: compute capability 9.0, this library built for
+// sm_90a (the kernel's warpgroup instructions; CMAKE_CUDA_ARCHITECTURES holds 90a), and a driver
+// with tensor maps.
 bool grouped_fp8_gemm_supported(int device);
 
 // offsets: host, [groups + 1], 1 to kMaxGroupedGemmGroups groups, starting at 0, never
-// decreasing, below 2^31 (carried in the launch's parameters, so a CUDA graph captures them).
-// N and K positive multiples of 16. Throws moe::Error naming what is wrong.
+// decreasing, at most 2^31 - 257 (carried in the launch's parameters, so a CUDA graph captures
+// them). N and K positive multiples of 16, groups · N at most 2^31 - 257. Throws moe::Error naming
+// what is wrong, a device that cannot run it included.
 void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std::int64_t k,
                       const GroupedFp8Operands& operands, cudaStream_t stream);
 

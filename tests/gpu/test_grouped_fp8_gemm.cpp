@@ -95,7 +95,9 @@ void check_case(const Case& c, std::mt19937_64& rng) {
   DeviceBuffer a_codes(std::max<std::int64_t>(M * K, 16)),
       a_scales(std::max<std::int64_t>(M * KB, 4) * sizeof(float));
   DeviceBuffer b_codes(groups * N * K), b_scales(groups * tiles.count * sizeof(float));
-  DeviceBuffer out(std::max<std::int64_t>(M * N, 8) * 2);
+  // Past the output, guard bytes that stay poisoned unless a tile stores outside C.
+  constexpr std::int64_t kGuardBytes = 4096;
+  DeviceBuffer out(std::max<std::int64_t>(M * N, 8) * 2 + kGuardBytes);
   const Stream stream;
   quantize_row_blocks_segmented(a_bf16.data(), offsets, K, a_codes.as<std::uint8_t>(),
                                 a_scales.as<float>(), stream.get());
@@ -112,6 +114,13 @@ void check_case(const Case& c, std::mt19937_64& rng) {
                                     .c = out.data()};
   grouped_fp8_gemm(offsets, N, K, operands, stream.get());
   stream.synchronize();
+  {
+    const auto all = test::download<std::uint8_t>(out, out.bytes());
+    std::int64_t touched = 0;
+    for (std::size_t i = all.size() - kGuardBytes; i < all.size(); ++i) touched += all[i] != 0xFF;
+    INFO("guard bytes written past C: " << touched);
+    CHECK(touched == 0);
+  }
   if (M == 0) return;
 
   const auto qa = test::download<std::uint8_t>(a_codes, M * K);
@@ -171,6 +180,13 @@ TEST_CASE("grouped FP8 products equal the dequantized operands' fp64 products", 
       {1536, 512, {64, 400}},                 // twelve N tiles
       {128, 112, {16, 96}},                   // one K block: the pipeline's prologue alone
       {4096, 256, {1200, 16}},  // 192 tiles: a block's second and later tiles, past the SMs
+      // 162 tiles of all three heights, five K blocks: a block's ring of four stages wraps within
+      // a tile and carries on into its next one.
+      {1536, 640, {600, 300, 1000, 16, 0, 450, 200, 100, 40}},
+      // Rows that are no multiple of 16, rests of 192 and 255 past 256 rows.
+      {256, 256, {1, 17, 63, 65, 129, 193, 255, 448, 511}},
+      {64, 32, {16, 70}},  // N below a tile, one K block of 32
+      {16, 16, {3}},       // the smallest product
   };
   for (const Case& c : cases) check_case(c, rng);
   // Many groups, a third of them without rows: the blocks' search for their group.
@@ -178,6 +194,10 @@ TEST_CASE("grouped FP8 products equal the dequantized operands' fp64 products", 
   std::uniform_int_distribution<int> sixteens(0, 12);
   for (int g = 0; g < 40; ++g) many.rows.push_back(g % 3 == 1 ? 0 : 16 * sixteens(rng));
   check_case(many, rng);
+  // The most groups, empty ones first and last.
+  Case most{128, 128, std::vector<std::int64_t>(kMaxGroupedGemmGroups, 0)};
+  for (int g = 1; g + 1 < kMaxGroupedGemmGroups; ++g) most.rows[g] = g % 4 == 0 ? 0 : 8 * (g % 7);
+  check_case(most, rng);
 }
 
 TEST_CASE("grouped FP8 products refuse what they cannot run, naming it", "[gpu][fp8]") {
@@ -206,6 +226,32 @@ TEST_CASE("grouped FP8 products refuse what they cannot run, naming it", "[gpu][
   GroupedFp8Operands none;
   none.b_scale_stride = ok.b_scale_stride;
   CHECK_NOTHROW(grouped_fp8_gemm(std::vector<std::int64_t>{0, 0, 0}, 128, 128, none, stream.get()));
+  CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 128, 120, ok, stream.get()),
+                    test::contains_text("k = 120"));
+  CHECK_THROWS_WITH(grouped_fp8_gemm(std::vector<std::int64_t>{16, 32}, 128, 128, ok, stream.get()),
+                    test::contains_text("offsets[0] = 16"));
+  CHECK_THROWS_WITH(grouped_fp8_gemm(std::vector<std::int64_t>(kMaxGroupedGemmGroups + 2, 0), 128,
+                                     128, ok, stream.get()),
+                    test::contains_text("258 offsets"));
+  // The loads' 32-bit row coordinates: groups · N and the rows stay below 2^31 - 256.
+  CHECK_THROWS_WITH(grouped_fp8_gemm(std::vector<std::int64_t>{0, 16, 32}, std::int64_t{1} << 30,
+                                     128, ok, stream.get()),
+                    test::contains_text("rows of b exceed"));
+  CHECK_THROWS_WITH(
+      grouped_fp8_gemm(std::vector<std::int64_t>{0, 0x7fffff00}, 128, 128, ok, stream.get()),
+      test::contains_text("offsets[1] = 2147483392"));
+  GroupedFp8Operands no_a = ok;
+  no_a.a = nullptr;
+  CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 128, 128, no_a, stream.get()),
+                    test::contains_text("null operand"));
+  GroupedFp8Operands shifted = ok;
+  shifted.b = ok.b + 8;
+  CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 128, 128, shifted, stream.get()),
+                    test::contains_text("16-byte aligned"));
+  shifted = ok;
+  shifted.c = any.as<char>() + 2;
+  CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 128, 128, shifted, stream.get()),
+                    test::contains_text("4-byte aligned"));
   GroupedFp8Operands short_scales = ok;
   short_scales.b_scale_stride = 1;
   CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 256, 128, short_scales, stream.get()),
