@@ -199,6 +199,9 @@ void Fp8ExpertFFN::fp8_pass(std::span<const std::int64_t> offsets, const DeviceB
 }
 
 bool Fp8ExpertFFN::grouped_pass(std::span<const std::int64_t> offsets) const {
+  if (offsets.size() != static_cast<std::size_t>(experts_) + 1)
+    fail("Fp8ExpertFFN::grouped_pass: {} offsets for {} experts (need experts + 1)", offsets.size(),
+         experts_);
   if (products_ != Fp8Products::kAuto) return products_ == Fp8Products::kGrouped;
   if (!grouped_available_) return false;
   std::int64_t with_rows = 0;

@@ -51,6 +51,8 @@ class Fp8ExpertFFN {
   // w13 [E_loc, 2F, H], w2 [E_loc, H, F], bf16: quantized in tiles into this object's copy.
   void quantize_weights(const Tensor& w13, const Tensor& w2, cudaStream_t stream);
   bool has_weights() const { return has_weights_; }
+  // Whether a pass over these rows (host offsets, [E_loc + 1]) runs as the grouped products.
+  bool grouped_pass(std::span<const std::int64_t> offsets) const;
 
   // X [rows, H] bf16, offsets host [E_loc + 1] (each expert's rows a multiple of 16), act.h
   // [rows, 2F] and act.a [rows, F] bf16 (a over every row: no chunks), act.scale optional fp32
@@ -90,8 +92,6 @@ class Fp8ExpertFFN {
                         const DeviceBuffer& scales, std::int64_t k, const Weights& weights,
                         std::int64_t n, const Tensor& out, std::vector<Product>& products) const;
   void run(std::vector<Product> products, cudaStream_t stream);
-  // Whether a pass over these rows runs as the grouped products, by products_.
-  bool grouped_pass(std::span<const std::int64_t> offsets) const;
   // out = codes·weightsᵀ per expert, by products_.
   void fp8_pass(std::span<const std::int64_t> offsets, const DeviceBuffer& codes,
                 const DeviceBuffer& scales, std::int64_t k, const Weights& weights, std::int64_t n,

@@ -270,12 +270,32 @@ TEST_CASE("fp8 experts: forward and backward equal the products of the dequantiz
   MOE_CHECK_CUDA(cudaGetDevice(&device));
   for (const Fp8Products products : {Fp8Products::kPerExpert, Fp8Products::kGrouped}) {
     if (products == Fp8Products::kGrouped && !grouped_fp8_gemm_supported(device)) {
-      WARN("the grouped FP8 products need compute capability 9.0");
+      WARN("the grouped FP8 products need compute capability 9.0 and a build for sm_90a");
       continue;
     }
     INFO((products == Fp8Products::kGrouped ? "grouped products" : "cuBLASLt, one expert a call"));
     for (const Case& c : cases) check_case(c, products, rng);
   }
+  // The default picks by rows an expert: grouped below kGroupedRowsLimit on average, per expert
+  // at or above it (an expert without rows counts for neither).
+  INFO("Fp8Products::kAuto");
+  {
+    const Fp8ExpertFFN ffn(128, 64, 3);
+    const std::int64_t limit = kGroupedRowsLimit;
+    const bool grouped = grouped_fp8_gemm_supported(device);
+    CHECK(ffn.grouped_pass(std::vector<std::int64_t>{0, 48, 48, 64}) == grouped);
+    CHECK(ffn.grouped_pass(std::vector<std::int64_t>{0, limit - 16, limit - 16, 2 * limit - 16}) ==
+          grouped);
+    CHECK_FALSE(ffn.grouped_pass(std::vector<std::int64_t>{0, limit, limit, 2 * limit}));
+    CHECK_FALSE(ffn.grouped_pass(std::vector<std::int64_t>{0, 0, 0, limit}));
+    CHECK_THROWS_WITH(ffn.grouped_pass(std::vector<std::int64_t>{0, 16}),
+                      test::contains_text("2 offsets for 3 experts"));
+    CHECK(Fp8ExpertFFN(128, 64, 3, 4, kDefaultGemmWorkspaceBytes, Fp8Products::kPerExpert)
+              .grouped_pass(std::vector<std::int64_t>{0, 16, 32, 48}) == false);
+  }
+  check_case({128, 64, {48, 0, 16}, true}, Fp8Products::kAuto, rng);
+  check_case({128, 64, {kGroupedRowsLimit + 16, 0, kGroupedRowsLimit}, true}, Fp8Products::kAuto,
+             rng);
 }
 
 TEST_CASE("fp8 experts: bad input is named", "[gpu][fp8][experts]") {
