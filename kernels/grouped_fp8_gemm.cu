@@ -35,9 +35,9 @@ constexpr int kBlock = 128;    // K of a stage (one scale block), and N of a par
 constexpr int kPartRows = 64;  // M of a warpgroup's product
 constexpr int kStages = 4;
 constexpr int kConsumerThreads = 256;
-constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
-constexpr int kConsumerWarps = kConsumerThreads / 32;
-constexpr int kBoxBytes = kPartRows * kBlock;  // one 64-row box of codes
+constexpr int kThreads = kConsumerThreads + 128;                        // + the producer warpgroup
+[[maybe_unused]] constexpr int kConsumerWarps = kConsumerThreads / 32;  // the stub uses none
+constexpr int kBoxBytes = kPartRows * kBlock;                           // one 64-row box of codes
 // A stage holds a tile's A rows, then its B rows (columns of C): 256 + 128, 128 + 128 or 64 + 256.
 constexpr int kStageBytes = 6 * kBoxBytes;
 // The stages, 1024-byte aligned for the 128-byte swizzle, then the barriers.
