@@ -8,8 +8,9 @@
 //     layer runs it, forward and forward + backward; and the weights' quantization, once per
 //     step.
 //  4. the grouped products (kernels/grouped_fp8_gemm.cuh, every expert in one launch) against
-//     cuBLASLt's, one expert a call, at the same shapes: the forward's two products; and in part
-//     3, the FP8 experts with their passes grouped (columns "fwd grp", "step grp").
+//     cuBLASLt's, one expert a call, at the same shapes: the forward's two products, each against
+//     its floor (part 2's FP8 rate, the copy rate measured here); and in part 3, the FP8 experts
+//     with their passes grouped (columns "fwd grp", "step grp").
 #include <fmt/format.h>
 
 #include <cmath>
@@ -17,6 +18,7 @@
 #include <random>
 
 #include "bench/bench_util.h"
+#include "bench/stage_floors.h"
 #include "kernels/experts.h"
 #include "kernels/experts_fp8.h"
 #include "kernels/fp8_quantize.cuh"
@@ -336,9 +338,12 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
 
 // Part 4: one model shape's forward products (h = X·w13ᵀ, then y = a·w2ᵀ), every expert's rows
 // as routing gives them: cuBLASLt one expert a call, against the grouped products in one launch,
-// each product's TFLOP/s and the two outputs' largest difference relative to their largest value.
+// each product's TFLOP/s, its floor (the FLOPs at the dense FP8 rate or the operands' and output's
+// bytes at the copy rate, both measured in this run, whichever is larger) and each run's share of
+// it, and the two outputs' largest difference relative to their largest value.
 nlohmann::json grouped_products(const std::string& name, const bench::Options& options,
-                                BlockScaledGemm& gemm, cudaStream_t stream) {
+                                const bench::Rates& rates, BlockScaledGemm& gemm,
+                                cudaStream_t stream) {
   const auto config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
   const std::int64_t T = 8192, H = config.hidden, F = config.ffn_hidden;
   const std::int64_t E = std::min<std::int64_t>(config.num_experts, kMaxGroupedGemmGroups);
@@ -386,10 +391,17 @@ nlohmann::json grouped_products(const std::string& name, const bench::Options& o
       difference = std::max(difference, std::isfinite(v) ? std::fabs(u - v) : 1e30);
     }
     const double flop = 2.0 * static_cast<double>(rows * n * k);
+    const bench::StageWork work{.name = product,
+                                .flops = flop,
+                                .bytes = static_cast<double>(rows * k + E * n * k + rows * n * 2)};
+    const double floor_ms = work.floor_ms(rates);
     fmt::print(
-        "{:<16} {:>6} {:>4} {:>7} {:>10.3f} {:>8.0f} {:>10.3f} {:>8.0f} {:>6.2f}x {:>9.1e}\n", name,
-        product, E, rows / E, each_ms, flop / (each_ms * 1e-3) / 1e12, grouped_ms,
-        flop / (grouped_ms * 1e-3) / 1e12, each_ms / grouped_ms,
+        "{:<16} {:>6} {:>4} {:>7} {:>10.3f} {:>8.0f} {:>5.0f}% {:>10.3f} {:>8.0f} {:>5.0f}% "
+        "{:>6.2f}x "
+        "{:>9.3f} {:>9.1e}\n",
+        name, product, E, rows / E, each_ms, flop / (each_ms * 1e-3) / 1e12,
+        100 * floor_ms / each_ms, grouped_ms, flop / (grouped_ms * 1e-3) / 1e12,
+        100 * floor_ms / grouped_ms, each_ms / grouped_ms, floor_ms,
         difference / std::max(largest, 1e-30));
     out[product] = {{"n", n},
                     {"k", k},
@@ -397,6 +409,7 @@ nlohmann::json grouped_products(const std::string& name, const bench::Options& o
                     {"grouped_ms", grouped_ms},
                     {"per_expert_TFLOPs", flop / (each_ms * 1e-3) / 1e12},
                     {"grouped_TFLOPs", flop / (grouped_ms * 1e-3) / 1e12},
+                    {"floor_ms", floor_ms},
                     {"largest_relative_difference", difference / std::max(largest, 1e-30)}};
   }
   return out;
@@ -441,15 +454,20 @@ int main(int argc, char** argv) try {
     report["experts"].push_back(expert_step(name, options, fp8_streams, grouped, stream.get()));
   }
   if (grouped) {
+    bench::Rates rates;
+    rates.gemm_flops_per_s = report["dense"]["fp8_TFLOPs"].get<double>() * 1e12;
+    rates.copy_bytes_per_s = bench::copy_bandwidth(stream.get());
+    report["copy_GBps"] = rates.copy_bytes_per_s / 1e9;
     fmt::print(
         "the forward's products at T = 8192: cuBLASLt one expert a call against the grouped "
-        "products in one launch\n");
-    fmt::print("{:<16} {:>6} {:>4} {:>7} {:>10} {:>8} {:>10} {:>8} {:>7} {:>9}\n", "shape",
-               "product", "E", "rows/E", "each ms", "TFLOP/s", "grouped ms", "TFLOP/s", "",
-               "rel diff");
+        "products in one launch; floors at {:.0f} TFLOP/s and {:.0f} GB/s\n",
+        rates.gemm_flops_per_s / 1e12, rates.copy_bytes_per_s / 1e9);
+    fmt::print("{:<16} {:>6} {:>4} {:>7} {:>10} {:>8} {:>6} {:>10} {:>8} {:>6} {:>7} {:>9} {:>9}\n",
+               "shape", "product", "E", "rows/E", "each ms", "TFLOP/s", "floor", "grouped ms",
+               "TFLOP/s", "floor", "", "floor ms", "rel diff");
     for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
       if (!options.selected(name)) continue;
-      report["grouped"].push_back(grouped_products(name, options, gemm, stream.get()));
+      report["grouped"].push_back(grouped_products(name, options, rates, gemm, stream.get()));
     }
   }
   options.check_matched();
