@@ -160,6 +160,24 @@ PieceSource device_part(const std::string& name, const Tensor& t, std::int64_t c
   return [t](std::int64_t first, std::int64_t n) { return download_piece(t, first, n); };
 }
 
+// What the files ask for that the reference, one rank over the whole batch, does not do: said on
+// stderr rather than left aside without a word (the run goes on).
+void note_one_rank(const MoEConfig& config, const TensorSource& inputs) {
+  std::vector<std::string> unused;
+  if (config.ep > 1 || config.dp > 1)
+    unused.push_back(
+        fmt::format("the config's mesh (ep = {}, dp = {}){}", config.ep, config.dp,
+                    config.node_limited_routing() ? " beyond its nodes' routing" : ""));
+  if (inputs.contains("tokens_per_rank")) unused.push_back("the inputs' tokens_per_rank");
+  if (unused.empty()) return;
+  std::fprintf(
+      stderr, "moe_run: note: --reference runs the batch as one rank, so %s %s no effect%s\n",
+      fmt::format("{}", fmt::join(unused, " and ")).c_str(), unused.size() == 1 ? "has" : "have",
+      config.capacity_mode() ? "; each expert's capacity comes from all the batch's "
+                               "tokens, not a rank's (docs/design.md, \"Capacity mode\")"
+                             : "");
+}
+
 int run_reference(const MoEConfig& config, const TensorSource& weights, const TensorSource& inputs,
                   bool check_finite_values, const std::string& out_path) {
   const LayerInputs in = read_layer_inputs_without_experts(config, weights, inputs);
@@ -169,8 +187,10 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
   }
   reference::LayerOptions options;
   if (in.replay_experts) options.replay_experts = *in.replay_experts;
-  TensorFileWriter writer(out_path, layer_results_specs(config, in.x.rows),
-                          layer_results_metadata(config));
+  auto metadata = layer_results_metadata(config);
+  // Exact gradients, whatever grad_dtype says the GPU layer rounds them to.
+  metadata["computed_by"] = "the fp64 reference on the CPU, rounded to F32 once";
+  TensorFileWriter writer(out_path, layer_results_specs(config, in.x.rows), metadata);
   if (check_finite_values) writer.refuse_non_finite();
   const FileExperts experts(config, weights);
   FileExpertGrads expert_grads(config, writer);
@@ -402,6 +422,7 @@ int main(int argc, char** argv) {
             "max_nodes_per_token = {} depends on the mesh: set `ep:` in the config to the EP size "
             "the reference stands for (--reference runs the batch as one rank)",
             config.max_nodes_per_token);
+      note_one_rank(config, inputs);
       return run_reference(config.for_one_rank(), weights, inputs, check_finite_values, out_path);
     }
     const CheckedLayerFiles checked = check_layer_files(config, weights, inputs);

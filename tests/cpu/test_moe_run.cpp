@@ -632,3 +632,33 @@ TEST_CASE("layer files: shared weights and topk_idx are read only where the conf
   CHECK_THAT(idx_error(FileDType::kF32, {3, 2}, {0, 1, 2, 3, 3, 0}),
              test::contains_text("tensor 'topk_idx' is F32[3, 2]; expected I32 [3, 2]"));
 }
+
+TEST_CASE("moe_run --reference says what of a mesh it leaves aside, and that it computed exactly",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::string error;
+  const RunDir plain(rng);
+  REQUIRE(plain.run(plain.path("inputs.safetensors"), plain.path("out.safetensors"), &error) == 0);
+  CHECK(error.find("note") == std::string::npos);
+  const auto results = TensorFileReader(plain.dir / "out.safetensors");
+  REQUIRE(results.metadata().count("computed_by") == 1);
+  CHECK(results.metadata().at("computed_by").find("fp64 reference") != std::string::npos);
+
+  // A mesh in the config, in capacity mode: the run goes on, and says that C comes from the batch.
+  const RunDir mesh(rng, "ep: 2\ncapacity_factor: 1.0\n");
+  REQUIRE(mesh.run(mesh.path("inputs.safetensors"), mesh.path("out.safetensors"), &error) == 0);
+  CHECK_THAT(error, test::contains_text("the config's mesh (ep = 2, dp = 1) has no effect"));
+  CHECK_THAT(error, test::contains_text("capacity comes from all the batch's tokens"));
+
+  // A tokens split in the inputs: the same, without capacity mode.
+  const RunDir split(rng);
+  auto inputs = split.files.inputs;
+  const std::int64_t counts[2] = {2, 3};
+  inputs.add("tokens_per_rank", FileDType::kI64, {2}, counts);
+  inputs.write(split.dir / "split.safetensors");
+  REQUIRE(split.run(split.path("split.safetensors"), split.path("out.safetensors"), &error) == 0);
+  CHECK_THAT(error, test::contains_text("the inputs' tokens_per_rank has no effect"));
+  CHECK(error.find("capacity") == std::string::npos);
+}
