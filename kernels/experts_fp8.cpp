@@ -29,9 +29,13 @@ Fp8ExpertFFN::Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams,
   if (streams < 1) fail("Fp8ExpertFFN: streams = {} must be >= 1", streams);
   int device = 0;
   MOE_CHECK_CUDA(cudaGetDevice(&device));
-  grouped_available_ = grouped_fp8_gemm_supported(device) && local_experts <= kMaxGroupedGemmGroups;
-  if (products == Fp8Products::kGrouped && !grouped_fp8_gemm_supported(device))
-    fail("Fp8ExpertFFN: the grouped FP8 products need a GPU of compute capability 9.0");
+  const bool supported = grouped_fp8_gemm_supported(device);
+  grouped_available_ = supported && local_experts <= kMaxGroupedGemmGroups;
+  if (products == Fp8Products::kGrouped && !supported)
+    fail(
+        "Fp8ExpertFFN: device {} cannot run the grouped FP8 products (compute capability 9.0, a "
+        "build for sm_90a and the driver's tensor maps)",
+        device);
   if (products == Fp8Products::kGrouped && local_experts > kMaxGroupedGemmGroups)
     fail("Fp8ExpertFFN: local_experts = {} exceeds the grouped products' {} groups", local_experts,
          kMaxGroupedGemmGroups);

@@ -27,10 +27,7 @@
 using namespace moe;
 using reference::Matrix;
 using test::add;
-using test::error_from;
 using test::file_bytes;
-using test::Files;
-using test::layer_error;
 using test::make_files;
 using test::RunDir;
 

@@ -1,18 +1,15 @@
 // moe_run --reference on the CPU with the layer's modes: node-limited routing as the config's
 // mesh routes, capacity mode, shared experts and routing replay round trips, the tokens split and
 // the tensors each mode reads, and what of a mesh the reference leaves aside.
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
@@ -28,9 +25,7 @@
 using namespace moe;
 using reference::Matrix;
 using test::add;
-using test::error_from;
 using test::file_bytes;
-using test::Files;
 using test::layer_error;
 using test::make_files;
 using test::RunDir;
