@@ -117,9 +117,8 @@ void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offset
   quantize_row_blocks_segmented(X.data, offsets, H, codes_[0].as<std::uint8_t>(),
                                 scales_[0].as<float>(), stream);
   fp8_pass(offsets, codes_[0], scales_[0], H, w13_, 2 * F, act.h, stream);  // h = X·w13ᵀ
-  swiglu_forward(act.h, act.a, stream, act.scale);
-  quantize_row_blocks_segmented(act.a.data, offsets, F, codes_[1].as<std::uint8_t>(),
-                                scales_[1].as<float>(), stream);
+  swiglu_forward_fp8(act.h, act.a, {codes_[1].as<std::uint8_t>(), scales_[1].as<float>(), offsets},
+                     stream, act.scale);
   fp8_pass(offsets, codes_[1], scales_[1], F, w2_, H, y, stream);  // y = a·w2ᵀ
 }
 
@@ -155,9 +154,9 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
   quantize_row_blocks_segmented(dY.data, offsets, H, codes_[0].as<std::uint8_t>(),
                                 scales_[0].as<float>(), stream);
   fp8_pass(offsets, codes_[0], scales_[0], H, w2_transposed_, F, act.dA, stream);  // dA = dY·w2
-  swiglu_backward(act.h, act.dA, act.dh, act.a, stream, act.scale, act.dscale);
-  quantize_row_blocks_segmented(act.dh.data, offsets, 2 * F, codes_[1].as<std::uint8_t>(),
-                                scales_[1].as<float>(), stream);
+  swiglu_backward_fp8(act.h, act.dA, act.dh, act.a,
+                      {codes_[1].as<std::uint8_t>(), scales_[1].as<float>(), offsets}, stream,
+                      act.scale, act.dscale);
   // dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 (zero without rows), then dX = dh·w13 in FP8 from dh's
   // codes: dX comes last, so that it may be written over dY or X, which the weight gradients
   // read. With refill_input, X is written again (over dY) between the two weight gradients.

@@ -7,6 +7,11 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <span>
+#include <string>
+
+#include "fp8_quantize.cuh"
+#include "moe/error.h"
 
 namespace moe::fp8_device {
 
@@ -53,6 +58,76 @@ __device__ __forceinline__ uint4 decode8(uint2 codes, float scale) {
     values[4 + i] = decode(static_cast<std::uint8_t>(codes.y >> (8 * i)), scale);
   }
   return out;
+}
+
+// ---- Row blocks (1 × 128) as the row kernels read them: 16 lanes a block, 8 values (16 bytes of
+// bf16) a lane, so that a warp covers two blocks.
+inline constexpr int kValuesPerLane = 8;
+inline constexpr int kLanesPerRowBlock = kFP8Block / kValuesPerLane;  // 16
+
+// The largest of `value` over the 16 lanes of a row block. Every lane of the warp takes part.
+__device__ __forceinline__ float row_block_max(float value) {
+  for (int offset = kLanesPerRowBlock / 2; offset > 0; offset /= 2)
+    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// The experts' row groups, carried in a launch's parameters: segment s owns rows
+// [first[s], first[s + 1]).
+struct Segments {
+  int count = 0;
+  std::int32_t first[kMaxQuantizeSegments + 1];
+};
+
+// Where a product over one segment alone reads its row blocks' scales: block c of the segment's
+// row i at first · blocks_per_row + c · rows + i (quantize_row_blocks_segmented).
+struct SegmentedScales {
+  Segments segments;
+
+  struct Segment {
+    std::int64_t first, rows;
+  };
+  // The last segment whose first row is <= r.
+  __device__ Segment locate(std::int64_t r) const {
+    int lo = 0, hi = segments.count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (segments.first[mid] <= r) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return {segments.first[lo], segments.first[lo + 1] - segments.first[lo]};
+  }
+  __device__ static std::int64_t at(Segment s, std::int64_t r, std::int64_t c,
+                                    std::int64_t blocks_per_row) {
+    return s.first * blocks_per_row + c * s.rows + (r - s.first);
+  }
+  __device__ std::int64_t operator()(std::int64_t r, std::int64_t c,
+                                     std::int64_t blocks_per_row) const {
+    return at(locate(r), r, c, blocks_per_row);
+  }
+};
+
+// Host: the segments of `offsets` ([segments + 1], starting at 0, never decreasing, below 2^31,
+// 1 to kMaxQuantizeSegments segments), or moe::Error naming `what` and the offending value.
+inline SegmentedScales segmented_scales(std::span<const std::int64_t> offsets, const char* what) {
+  if (offsets.size() < 2 || offsets.size() > kMaxQuantizeSegments + 1) {
+    fail(std::string(what) + ": " + std::to_string(offsets.size()) + " offsets; it takes 1 to " +
+         std::to_string(kMaxQuantizeSegments) + " segments, one offset more");
+  }
+  SegmentedScales index;
+  index.segments.count = static_cast<int>(offsets.size()) - 1;
+  for (std::size_t s = 0; s < offsets.size(); ++s) {
+    const bool ordered = s == 0 ? offsets[s] == 0 : offsets[s] >= offsets[s - 1];
+    if (!ordered || offsets[s] > 0x7fffffff) {
+      fail(std::string(what) + ": offsets[" + std::to_string(s) + "] = " +
+           std::to_string(offsets[s]) + " must start at 0, never decrease and stay below 2^31");
+    }
+    index.segments.first[s] = static_cast<std::int32_t>(offsets[s]);
+  }
+  return index;
 }
 
 }  // namespace moe::fp8_device

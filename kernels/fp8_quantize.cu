@@ -15,16 +15,12 @@ namespace {
 // A block's 128 columns are read by 16 lanes of 8 columns (16 bytes of bf16) each, so a warp
 // covers two row blocks, or two rows of a tile.
 constexpr int kWarp = 32;
-constexpr int kPerLane = 8;
-constexpr int kLanesPerBlock = kFP8Block / kPerLane;  // 16
+constexpr int kPerLane = fp8_device::kValuesPerLane;
+constexpr int kLanesPerBlock = fp8_device::kLanesPerRowBlock;
 
-__device__ __forceinline__ float group_max(float value) {  // over the 16 lanes of a block
-  for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
-}
-
+using fp8_device::row_block_max;
 using fp8_device::scale_exponent;
+using fp8_device::SegmentedScales;
 using fp8_device::to_e4m3;
 
 // Whether whole 8-value accesses line up: 16-byte loads of bf16 need x 16-byte aligned, the
@@ -77,29 +73,6 @@ struct StridedScales {
   ScaleLayout layout;
   __device__ std::int64_t operator()(std::int64_t r, std::int64_t c, std::int64_t) const {
     return r * layout.stride_a + c * layout.stride_b;
-  }
-};
-
-struct Segments {
-  int count = 0;
-  std::int32_t first[kMaxQuantizeSegments + 1];
-};
-
-struct SegmentedScales {
-  Segments segments;
-  __device__ std::int64_t operator()(std::int64_t r, std::int64_t c,
-                                     std::int64_t blocks_per_row) const {
-    int lo = 0, hi = segments.count - 1;  // the last segment whose first row is <= r
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (segments.first[mid] <= r) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    const std::int64_t first = segments.first[lo], rows = segments.first[lo + 1] - first;
-    return first * blocks_per_row + c * rows + (r - first);
   }
 };
 
@@ -186,7 +159,7 @@ __global__ void quantize_row_blocks_kernel(const __nv_bfloat16* __restrict__ x, 
   load8(x + r * cols, col, cols, vector, v);
   float amax = 0.0f;
   for (float value : v) amax = fmaxf(amax, fabsf(value));
-  const int exponent = scale_exponent(group_max(amax));
+  const int exponent = scale_exponent(row_block_max(amax));
   if (!valid) return;
   store(r, c, blocks_per_row, col, cols, vector, lane, v, exponent);
 }
@@ -345,20 +318,7 @@ void quantize_row_blocks_segmented(const void* x, std::span<const std::int64_t> 
                                    std::int64_t cols, std::uint8_t* q, float* scales,
                                    cudaStream_t stream) {
   const char* what = "quantize_row_blocks_segmented";
-  if (offsets.size() < 2 || offsets.size() > kMaxQuantizeSegments + 1) {
-    fail(std::string(what) + ": " + std::to_string(offsets.size()) + " offsets; it takes 1 to " +
-         std::to_string(kMaxQuantizeSegments) + " segments, one offset more");
-  }
-  SegmentedScales index;
-  index.segments.count = static_cast<int>(offsets.size()) - 1;
-  for (std::size_t s = 0; s < offsets.size(); ++s) {
-    const bool ordered = s == 0 ? offsets[s] == 0 : offsets[s] >= offsets[s - 1];
-    if (!ordered || offsets[s] > 0x7fffffff) {
-      fail(std::string(what) + ": offsets[" + std::to_string(s) + "] = " +
-           std::to_string(offsets[s]) + " must start at 0, never decrease and stay below 2^31");
-    }
-    index.segments.first[s] = static_cast<std::int32_t>(offsets[s]);
-  }
+  const SegmentedScales index = fp8_device::segmented_scales(offsets, what);
   const std::int64_t rows = offsets.back();
   check_arguments(what, x, rows, cols, q, scales);
   if (rows == 0 || cols == 0) return;

@@ -1,8 +1,12 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 
+#include "fp8_device.cuh"
+#include "fp8_quantize.cuh"
 #include "moe/error.h"
 #include "swiglu.cuh"
 #include "vector_access.cuh"
@@ -16,6 +20,48 @@ using device::to_float;
 
 __device__ __forceinline__ float sigmoid(float x) {
   return 1.0f / (1.0f + __expf(-x));
+}
+
+// a = w · silu(gate) · up for one pack, rounded to T: the one expression of the forward, whether
+// or not its output is quantized after.
+template <typename T, int kElems>
+__device__ __forceinline__ Pack<T, kElems> swiglu_values(const Pack<T, kElems>& gate,
+                                                         const Pack<T, kElems>& up, float w) {
+  Pack<T, kElems> out;
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) {
+    const float g = to_float(gate.v[e]);
+    out.v[e] = from_float<T>(w * (g * sigmoid(g) * to_float(up.v[e])));
+  }
+  return out;
+}
+
+// The backward of one pack, with the row's weight w (1 unweighed): dh's two halves from w·dA,
+// a = w·silu(gate)·up again for dw2, and the pack's share of Σ dA·silu·up, the weight's gradient.
+template <typename T, int kElems>
+struct BackwardPack {
+  Pack<T, kElems> dgate, dup, act;
+  float dot = 0.0f;
+};
+
+template <typename T, int kElems>
+__device__ __forceinline__ BackwardPack<T, kElems> swiglu_backward_values(
+    const Pack<T, kElems>& gate, const Pack<T, kElems>& up, const Pack<T, kElems>& grad, float w) {
+  BackwardPack<T, kElems> out;
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) {
+    const float g = to_float(gate.v[e]);
+    const float u = to_float(up.v[e]);
+    const float s = sigmoid(g);
+    const float silu = g * s;
+    const float unweighed = silu * u;
+    out.dot += to_float(grad.v[e]) * unweighed;
+    const float d = w * to_float(grad.v[e]);
+    out.dgate.v[e] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // silu' = σ(1 + g(1 − σ))
+    out.dup.v[e] = from_float<T>(d * silu);
+    out.act.v[e] = from_float<T>(w * unweighed);
+  }
+  return out;
 }
 
 // Grid-stride over (row, column pack) of the [rows, F] output.
@@ -32,45 +78,25 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ h, T* __restrict__ a
     const P gate = *reinterpret_cast<const P*>(h + r * 2 * ffn + c);
     const P up = *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c);
     const float weight = scale != nullptr ? scale[r] : 1.0f;
-    P out;
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      const float g = to_float(gate.v[e]);
-      out.v[e] = from_float<T>(weight * (g * sigmoid(g) * to_float(up.v[e])));
-    }
-    *reinterpret_cast<P*>(a + r * ffn + c) = out;
+    *reinterpret_cast<P*>(a + r * ffn + c) = swiglu_values(gate, up, weight);
   }
 }
 
-// One pack of the SwiGLU backward at row r, columns [c, c + kElems), with the row's weight w (1
-// unweighed): dh from w·dA, a = w·silu(gate)·up for dw2, and the pack's share of Σ dA·silu·up, the
-// weight's gradient. Reads every element before it writes dh and a, so they may be h and dA.
+// One pack of the SwiGLU backward at row r, columns [c, c + kElems), with the row's weight w;
+// returns the pack's share of the weight's gradient. Reads every element before it writes dh and
+// a, so they may be h and dA.
 template <typename T, int kElems>
 __device__ __forceinline__ float swiglu_backward_pack(const T* h, const T* dA, T* dh, T* a,
                                                       std::int64_t r, int ffn, int c, float w) {
   using P = Pack<T, kElems>;
-  const P gate = *reinterpret_cast<const P*>(h + r * 2 * ffn + c);
-  const P up = *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c);
-  const P grad = *reinterpret_cast<const P*>(dA + r * ffn + c);
-  P dgate, dup, act;
-  float dot = 0.0f;
-#pragma unroll
-  for (int e = 0; e < kElems; ++e) {
-    const float g = to_float(gate.v[e]);
-    const float u = to_float(up.v[e]);
-    const float s = sigmoid(g);
-    const float silu = g * s;
-    const float unweighed = silu * u;
-    dot += to_float(grad.v[e]) * unweighed;
-    const float d = w * to_float(grad.v[e]);
-    dgate.v[e] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // silu'(g) = σ(1 + g(1 − σ))
-    dup.v[e] = from_float<T>(d * silu);
-    act.v[e] = from_float<T>(w * unweighed);
-  }
-  *reinterpret_cast<P*>(dh + r * 2 * ffn + c) = dgate;
-  *reinterpret_cast<P*>(dh + r * 2 * ffn + ffn + c) = dup;
-  *reinterpret_cast<P*>(a + r * ffn + c) = act;
-  return dot;
+  const auto out =
+      swiglu_backward_values<T, kElems>(*reinterpret_cast<const P*>(h + r * 2 * ffn + c),
+                                        *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c),
+                                        *reinterpret_cast<const P*>(dA + r * ffn + c), w);
+  *reinterpret_cast<P*>(dh + r * 2 * ffn + c) = out.dgate;
+  *reinterpret_cast<P*>(dh + r * 2 * ffn + ffn + c) = out.dup;
+  *reinterpret_cast<P*>(a + r * ffn + c) = out.act;
+  return out.dot;
 }
 
 // In place allowed: dh may be h and a may be dA; no other thread touches a thread's elements.
@@ -109,6 +135,116 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
       dot += __shfl_xor_sync(0xffffffffu, dot, offset);
     if (lane == 0) dscale[r] = dot;
+  }
+}
+
+// ---- The FP8 variants: a warp a row, each half-warp a 128-column block of F at a time, so that
+// lane L takes F's packs L, L + 32, ..., as the weighed backward above does (its row sums come out
+// the same, bit for bit), and each of the output's row blocks lies in one half-warp's registers.
+using Bf16Pack = Pack<__nv_bfloat16, fp8_device::kValuesPerLane>;
+
+struct Fp8Output {
+  std::uint8_t* codes;
+  float* scales;
+  fp8_device::SegmentedScales index;
+};
+
+// One lane's 8 values of a row block into codes (8 bytes at `codes`), the 16 lanes of the block
+// together; the block's first lane stores its scale. Every lane of the warp calls it, `valid` or
+// not (the block's largest value is found across lanes).
+__device__ __forceinline__ void quantize_lane(const Bf16Pack& values, bool valid,
+                                              std::uint8_t* codes, float* scale, bool first_lane) {
+  float v[fp8_device::kValuesPerLane];
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < fp8_device::kValuesPerLane; ++e) {
+    v[e] = valid ? to_float(values.v[e]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[e]));
+  }
+  const int exponent = fp8_device::scale_exponent(fp8_device::row_block_max(amax));
+  if (!valid) return;
+  *reinterpret_cast<uint2*>(codes) = fp8_device::encode8(v, ldexpf(1.0f, -exponent));
+  if (first_lane) *scale = ldexpf(1.0f, exponent);
+}
+
+struct RowLanes {
+  int half;    // which of the warp's two blocks
+  int column;  // the lane's first column within its block
+  __device__ RowLanes()
+      : half(static_cast<int>(threadIdx.x % kWarpSize) / fp8_device::kLanesPerRowBlock),
+        column(static_cast<int>(threadIdx.x % fp8_device::kLanesPerRowBlock) *
+               fp8_device::kValuesPerLane) {}
+};
+
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    swiglu_forward_fp8_kernel(const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ a,
+                              std::int64_t rows, int ffn, const float* __restrict__ scale,
+                              Fp8Output out) {
+  const RowLanes lanes;
+  const int blocks = ffn / kFP8Block;
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+       r < rows; r += static_cast<std::int64_t>(gridDim.x) * kRowWarps) {
+    const float w = scale != nullptr ? scale[r] : 1.0f;
+    const auto segment = out.index.locate(r);
+    for (int pair = 0; pair < blocks; pair += 2) {
+      const int b = pair + lanes.half;
+      const bool valid = b < blocks;
+      const std::int64_t c = static_cast<std::int64_t>(b) * kFP8Block + lanes.column;
+      Bf16Pack values;
+      float* block_scale = nullptr;
+      if (valid) {
+        values = swiglu_values(*reinterpret_cast<const Bf16Pack*>(h + r * 2 * ffn + c),
+                               *reinterpret_cast<const Bf16Pack*>(h + r * 2 * ffn + ffn + c), w);
+        *reinterpret_cast<Bf16Pack*>(a + r * ffn + c) = values;
+        block_scale = out.scales + fp8_device::SegmentedScales::at(segment, r, b, blocks);
+      }
+      quantize_lane(values, valid, out.codes + r * ffn + c, block_scale, lanes.column == 0);
+    }
+  }
+}
+
+// In place as swiglu_weighed_backward_kernel: each lane reads its columns of h and dA before it
+// writes them, and dscale may be scale.
+template <bool kWeighed>
+__global__ void __launch_bounds__(kRowWarps* kWarpSize)
+    swiglu_backward_fp8_kernel(const __nv_bfloat16* h, const __nv_bfloat16* dA, __nv_bfloat16* dh,
+                               __nv_bfloat16* a, std::int64_t rows, int ffn, const float* scale,
+                               float* dscale, Fp8Output out) {
+  const RowLanes lanes;
+  const int blocks = ffn / kFP8Block;
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+       r < rows; r += static_cast<std::int64_t>(gridDim.x) * kRowWarps) {
+    const float w = kWeighed ? scale[r] : 1.0f;
+    const auto segment = out.index.locate(r);
+    float dot = 0.0f;
+    for (int pair = 0; pair < blocks; pair += 2) {
+      const int b = pair + lanes.half;
+      const bool valid = b < blocks;
+      const std::int64_t c = static_cast<std::int64_t>(b) * kFP8Block + lanes.column;
+      BackwardPack<__nv_bfloat16, fp8_device::kValuesPerLane> values;
+      float *gate_scale = nullptr, *up_scale = nullptr;
+      if (valid) {
+        values =
+            swiglu_backward_values(*reinterpret_cast<const Bf16Pack*>(h + r * 2 * ffn + c),
+                                   *reinterpret_cast<const Bf16Pack*>(h + r * 2 * ffn + ffn + c),
+                                   *reinterpret_cast<const Bf16Pack*>(dA + r * ffn + c), w);
+        *reinterpret_cast<Bf16Pack*>(dh + r * 2 * ffn + c) = values.dgate;
+        *reinterpret_cast<Bf16Pack*>(dh + r * 2 * ffn + ffn + c) = values.dup;
+        *reinterpret_cast<Bf16Pack*>(a + r * ffn + c) = values.act;
+        dot += values.dot;
+        gate_scale = out.scales + fp8_device::SegmentedScales::at(segment, r, b, 2 * blocks);
+        up_scale = out.scales + fp8_device::SegmentedScales::at(segment, r, blocks + b, 2 * blocks);
+      }
+      std::uint8_t* codes = out.codes + r * 2 * ffn + c;
+      quantize_lane(values.dgate, valid, codes, gate_scale, lanes.column == 0);
+      quantize_lane(values.dup, valid, codes + ffn, up_scale, lanes.column == 0);
+    }
+    if constexpr (kWeighed) {
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
+        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      if (threadIdx.x % kWarpSize == 0) dscale[r] = dot;
+    }
   }
 }
 
@@ -193,6 +329,100 @@ void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const 
         h.as<const T>(), dA.as<const T>(), dh.as<T>(), a.as<T>(), rows, ffn);
     MOE_CHECK_LAUNCH();
   });
+}
+
+namespace {
+
+// What the FP8 variants check beside the SwiGLU's own arguments: the codes and scales, and offsets
+// that cover the rows. Returns where the scales go.
+fp8_device::SegmentedScales check_fp8_output(const char* what, const Fp8RowBlocks& out,
+                                             std::int64_t rows, DType dtype) {
+  const auto index = fp8_device::segmented_scales(out.offsets, what);
+  if (out.offsets.back() != rows) {
+    fail(std::string(what) + ": offsets end at " + std::to_string(out.offsets.back()) + ", h has " +
+         std::to_string(rows) + " rows");
+  }
+  if (rows > 0 && (out.codes == nullptr || out.scales == nullptr))
+    fail(std::string(what) + ": out.codes and out.scales must be device pointers");
+  if (dtype != DType::kBF16) {
+    fail(std::string(what) + ": a is " + std::string(dtype_name(dtype)) +
+         "; FP8 quantizes bf16 rows");
+  }
+  return index;
+}
+
+// Whether one pass does it: each of F's 128-column blocks whole in a half-warp, every access of
+// 16 bytes (8 for the codes) aligned.
+bool one_pass(const Fp8RowBlocks& out, int ffn, std::initializer_list<const Tensor*> tensors) {
+  bool aligned = reinterpret_cast<std::uintptr_t>(out.codes) % 8 == 0;
+  for (const Tensor* t : tensors)
+    aligned = aligned && reinterpret_cast<std::uintptr_t>(t->data) % 16 == 0;
+  return ffn % kFP8Block == 0 && aligned;
+}
+
+unsigned row_warp_blocks(std::int64_t rows) {
+  return static_cast<unsigned>(
+      std::min<std::int64_t>((rows + kRowWarps - 1) / kRowWarps, 132 * 16));
+}
+
+}  // namespace
+
+void swiglu_forward_fp8(const Tensor& h, const Tensor& a, const Fp8RowBlocks& out,
+                        cudaStream_t stream, const Tensor& scale) {
+  const char* what = "swiglu_forward_fp8";
+  const std::int64_t rows = h.dim(0);
+  const int ffn = static_cast<int>(h.dim(1) / 2);
+  check(h, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "h");
+  check(a, rows, ffn, a.dtype, "a");
+  const float* weights = optional_rows(scale, rows, "scale");
+  const auto index = check_fp8_output(what, out, rows, a.dtype);
+  if (!one_pass(out, ffn, {&h, &a})) {
+    swiglu_forward(h, a, stream, scale);
+    quantize_row_blocks_segmented(a.data, out.offsets, ffn, out.codes, out.scales, stream);
+    return;
+  }
+  if (rows == 0) return;
+  swiglu_forward_fp8_kernel<<<row_warp_blocks(rows), kRowWarps * kWarpSize, 0, stream>>>(
+      h.as<const __nv_bfloat16>(), a.as<__nv_bfloat16>(), rows, ffn, weights,
+      Fp8Output{out.codes, out.scales, index});
+  MOE_CHECK_LAUNCH();
+}
+
+void swiglu_backward_fp8(const Tensor& h, const Tensor& dA, const Tensor& dh, const Tensor& a,
+                         const Fp8RowBlocks& out, cudaStream_t stream, const Tensor& scale,
+                         const Tensor& dscale) {
+  const char* what = "swiglu_backward_fp8";
+  const std::int64_t rows = h.dim(0);
+  const int ffn = static_cast<int>(h.dim(1) / 2);
+  check(h, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "h");
+  check(dA, rows, ffn, a.dtype, "dA");
+  check(dh, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "dh");
+  check(a, rows, ffn, a.dtype, "a");
+  const float* weights = optional_rows(scale, rows, "scale");
+  float* weight_grads = const_cast<float*>(optional_rows(dscale, rows, "dscale"));
+  if (scale.shape.empty() != dscale.shape.empty())
+    fail(std::string(what) + ": scale is " + scale.describe() + " and dscale " + dscale.describe() +
+         "; give both or neither");
+  const auto index = check_fp8_output(what, out, rows, a.dtype);
+  if (!one_pass(out, ffn, {&h, &dA, &dh, &a})) {
+    swiglu_backward(h, dA, dh, a, stream, scale, dscale);
+    quantize_row_blocks_segmented(dh.data, out.offsets, 2 * static_cast<std::int64_t>(ffn),
+                                  out.codes, out.scales, stream);
+    return;
+  }
+  if (rows == 0) return;
+  const Fp8Output output{out.codes, out.scales, index};
+  const unsigned blocks = row_warp_blocks(rows);
+  if (weights != nullptr) {
+    swiglu_backward_fp8_kernel<true><<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
+        h.as<const __nv_bfloat16>(), dA.as<const __nv_bfloat16>(), dh.as<__nv_bfloat16>(),
+        a.as<__nv_bfloat16>(), rows, ffn, weights, weight_grads, output);
+  } else {
+    swiglu_backward_fp8_kernel<false><<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
+        h.as<const __nv_bfloat16>(), dA.as<const __nv_bfloat16>(), dh.as<__nv_bfloat16>(),
+        a.as<__nv_bfloat16>(), rows, ffn, nullptr, nullptr, output);
+  }
+  MOE_CHECK_LAUNCH();
 }
 
 }  // namespace moe

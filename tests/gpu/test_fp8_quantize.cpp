@@ -1,7 +1,9 @@
 // FP8 block quantization on the GPU (kernels/fp8_quantize.cuh) against the reference
 // (reference::quantize_row_blocks / quantize_tiles): every code and every scale bit for bit, at
 // shapes with partial blocks, with outliers, zero blocks and values in E4M3's subnormal range,
-// the scales written through both strides, outputs poisoned before each launch.
+// the scales written through both strides, outputs poisoned before each launch. The SwiGLU with
+// its output quantized in the same pass (kernels/swiglu.cuh) against the SwiGLU, then the
+// quantizer.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,6 +12,7 @@
 
 #include "kernels/fp8_quantize.cuh"
 #include "kernels/permute.cuh"
+#include "kernels/swiglu.cuh"
 #include "reference/reference.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
@@ -322,4 +325,121 @@ TEST_CASE("fp8 quantize: travelling rows as records, rounded, and sorted from re
                     test::contains_text("cols = 24 must be >= 0, cols a multiple of 16"));
   CHECK_THROWS_WITH(round_rows_through_fp8(nullptr, 2, 32, nullptr, stream.get()),
                     test::contains_text("x and out must be device pointers"));
+}
+
+namespace {
+
+// Row groups of 0 to 60 rows (some empty, some odd), as the experts' come.
+std::vector<std::int64_t> draw_segments(int segments, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> size(0, 60);
+  std::vector<std::int64_t> offsets{0};
+  for (int s = 0; s < segments; ++s)
+    offsets.push_back(offsets.back() + (s % 4 == 1 ? 0 : size(rng)));
+  return offsets;
+}
+
+template <typename T>
+std::vector<T> read(const DeviceBuffer& buffer, std::int64_t count) {
+  return test::download<T>(buffer, static_cast<std::size_t>(count));
+}
+
+DeviceBuffer poisoned(std::int64_t bytes) {
+  DeviceBuffer buffer(static_cast<std::size_t>(bytes) + 16);
+  test::poison(buffer);
+  return buffer;
+}
+
+}  // namespace
+
+TEST_CASE("fp8 swiglu: the output quantized in the same pass equals SwiGLU then the quantizer",
+          "[gpu][fp8][quantize]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  Stream stream;
+  const DType bf16 = DType::kBF16;
+  // F a multiple of 128 takes one pass (odd block counts included); 200 and 136 the two calls.
+  for (const std::int64_t F : {128, 384, 768, 1152, 200, 136}) {
+    for (const int segments : {1, 7, 33}) {
+      for (const bool weighed : {false, true}) {
+        const std::vector<std::int64_t> offsets = draw_segments(segments, rng);
+        const std::int64_t rows = offsets.back();
+        INFO(rows << " rows in " << segments << " segments, F = " << F
+                  << (weighed ? ", weighed" : ""));
+        const Matrix h = draw(rows, 2 * F, rng), dA = draw(rows, F, rng);
+        std::vector<float> weights(static_cast<std::size_t>(rows));
+        std::uniform_real_distribution<float> unit(0.01f, 1.0f);
+        for (float& w : weights) w = unit(rng);
+        const DeviceBuffer h_dev = test::upload_as(h, bf16), dA_dev = test::upload_as(dA, bf16),
+                           scale_dev = test::upload(weights);
+        const Tensor h_t(h_dev.data(), bf16, {rows, 2 * F});
+        const Tensor scale = weighed ? Tensor(scale_dev.data(), DType::kFP32, {rows}) : Tensor{};
+        const std::int64_t blocks = (F + 127) / 128;
+
+        // The forward: a and its codes and scales.
+        DeviceBuffer a_want = poisoned(rows * F * 2), a_got = poisoned(rows * F * 2);
+        DeviceBuffer q_want = poisoned(rows * F), q_got = poisoned(rows * F);
+        DeviceBuffer s_want = poisoned(rows * blocks * 4), s_got = poisoned(rows * blocks * 4);
+        swiglu_forward(h_t, Tensor(a_want.data(), bf16, {rows, F}), stream.get(), scale);
+        quantize_row_blocks_segmented(a_want.data(), offsets, F, q_want.as<std::uint8_t>(),
+                                      s_want.as<float>(), stream.get());
+        swiglu_forward_fp8(h_t, Tensor(a_got.data(), bf16, {rows, F}),
+                           {q_got.as<std::uint8_t>(), s_got.as<float>(), offsets}, stream.get(),
+                           scale);
+        stream.synchronize();
+        CHECK(read<std::uint16_t>(a_got, rows * F) == read<std::uint16_t>(a_want, rows * F));
+        CHECK(read<std::uint8_t>(q_got, rows * F) == read<std::uint8_t>(q_want, rows * F));
+        CHECK(read<std::uint32_t>(s_got, rows * blocks) ==
+              read<std::uint32_t>(s_want, rows * blocks));
+
+        // The backward: apart, against in place (dh over h, a over dA, dscale over scale).
+        const std::int64_t dh_blocks = (2 * F + 127) / 128;
+        DeviceBuffer dh_want = poisoned(rows * 2 * F * 2), a2_want = poisoned(rows * F * 2);
+        DeviceBuffer ds_want = poisoned(rows * 4);
+        DeviceBuffer dq_want = poisoned(rows * 2 * F), dq_got = poisoned(rows * 2 * F);
+        DeviceBuffer ds2_want = poisoned(rows * dh_blocks * 4),
+                     ds2_got = poisoned(rows * dh_blocks * 4);
+        const Tensor dscale_want =
+            weighed ? Tensor(ds_want.data(), DType::kFP32, {rows}) : Tensor{};
+        swiglu_backward(h_t, Tensor(dA_dev.data(), bf16, {rows, F}),
+                        Tensor(dh_want.data(), bf16, {rows, 2 * F}),
+                        Tensor(a2_want.data(), bf16, {rows, F}), stream.get(), scale, dscale_want);
+        quantize_row_blocks_segmented(dh_want.data(), offsets, 2 * F, dq_want.as<std::uint8_t>(),
+                                      ds2_want.as<float>(), stream.get());
+        const DeviceBuffer h_in = test::upload_as(h, bf16), dA_in = test::upload_as(dA, bf16),
+                           scale_in = test::upload(weights);
+        const Tensor h_in_t(h_in.data(), bf16, {rows, 2 * F}),
+            dA_in_t(dA_in.data(), bf16, {rows, F});
+        const Tensor scale_in_t =
+            weighed ? Tensor(scale_in.data(), DType::kFP32, {rows}) : Tensor{};
+        swiglu_backward_fp8(h_in_t, dA_in_t, h_in_t, dA_in_t,
+                            {dq_got.as<std::uint8_t>(), ds2_got.as<float>(), offsets}, stream.get(),
+                            scale_in_t, scale_in_t);
+        stream.synchronize();
+        CHECK(read<std::uint16_t>(h_in, rows * 2 * F) ==
+              read<std::uint16_t>(dh_want, rows * 2 * F));
+        CHECK(read<std::uint16_t>(dA_in, rows * F) == read<std::uint16_t>(a2_want, rows * F));
+        CHECK(read<std::uint8_t>(dq_got, rows * 2 * F) ==
+              read<std::uint8_t>(dq_want, rows * 2 * F));
+        CHECK(read<std::uint32_t>(ds2_got, rows * dh_blocks) ==
+              read<std::uint32_t>(ds2_want, rows * dh_blocks));
+        if (weighed)
+          CHECK(read<std::uint32_t>(scale_in, rows) == read<std::uint32_t>(ds_want, rows));
+      }
+    }
+  }
+  // Bad arguments are refused by name.
+  const std::vector<std::int64_t> offsets{0, 3, 5};
+  DeviceBuffer h(6 * 256 * 2), a(6 * 128 * 4), q(6 * 256), scales(64);
+  const Tensor h_t(h.data(), bf16, {6, 256}), a_t(a.data(), bf16, {6, 128});
+  CHECK_THROWS_WITH(
+      swiglu_forward_fp8(h_t, a_t, {q.as<std::uint8_t>(), scales.as<float>(), offsets},
+                         stream.get()),
+      test::contains_text("swiglu_forward_fp8: offsets end at 5, h has 6 rows"));
+  const std::vector<std::int64_t> six{0, 6};
+  CHECK_THROWS_WITH(swiglu_forward_fp8(h_t, a_t, {nullptr, scales.as<float>(), six}, stream.get()),
+                    test::contains_text("out.codes and out.scales must be device pointers"));
+  const Tensor h32(h.data(), DType::kFP32, {6, 256}), a32(a.data(), DType::kFP32, {6, 128});
+  CHECK_THROWS_WITH(
+      swiglu_backward_fp8(h32, a32, h32, a32, {q.as<std::uint8_t>(), scales.as<float>(), six},
+                          stream.get()),
+      test::contains_text("a is fp32; FP8 quantizes bf16 rows"));
 }
