@@ -10,12 +10,17 @@
 //  4. the grouped products (kernels/grouped_fp8_gemm.cuh, every expert in one launch) against
 //     cuBLASLt's, one expert a call, at the same shapes: the forward's two products, each against
 //     its floor (part 2's FP8 rate, the copy rate measured here); and in part 3, the FP8 experts
-//     with their passes grouped (columns "fwd grp", "step grp").
+//     with their passes grouped (columns "fwd grp", "step grp");
+//  5. the SwiGLU with its output quantized for the next product, forward and backward, in one
+//     pass (kernels/swiglu.cuh) against the SwiGLU then the quantizer, each against its bytes at
+//     the copy rate.
 #include <fmt/format.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <random>
+#include <tuple>
 
 #include "bench/bench_util.h"
 #include "bench/stage_floors.h"
@@ -24,6 +29,7 @@
 #include "kernels/fp8_quantize.cuh"
 #include "kernels/gemm_fp8.h"
 #include "kernels/grouped_fp8_gemm.cuh"
+#include "kernels/swiglu.cuh"
 #include "moe/config.h"
 #include "reference/reference.h"
 
@@ -415,6 +421,64 @@ nlohmann::json grouped_products(const std::string& name, const bench::Options& o
   return out;
 }
 
+// Part 5: at one model shape's routed rows, the SwiGLU and the quantization of its output (a in
+// the forward, dh in the backward, the operands of the next FP8 product), the rows weighed as the
+// layer weighs them on one GPU: two passes against one. The floor is the one pass's bytes (what
+// it must read and write) at the copy rate; the two passes read a or dh once more.
+nlohmann::json swiglu_quantization(const std::string& name, const bench::Options& options,
+                                   const bench::Rates& rates, cudaStream_t stream) {
+  const auto config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
+  const std::int64_t T = 8192, F = config.ffn_hidden;
+  const std::int64_t E = std::min<std::int64_t>(config.num_experts, kMaxQuantizeSegments);
+  auto offsets = bench::routed_offsets(T, config.topk, config.num_experts, 16);
+  offsets.resize(static_cast<std::size_t>(E) + 1);
+  const std::int64_t rows = offsets.back(), blocks = (F + kFP8Block - 1) / kFP8Block;
+  const DType d = DType::kBF16;
+  DeviceBuffer h(rows * 2 * F * 2), dh(rows * 2 * F * 2), a(rows * F * 2), dA(rows * F * 2),
+      scale(rows * 4), dscale(rows * 4), codes(rows * 2 * F), scales(rows * 2 * blocks * 4);
+  init_normal(Tensor(h.data(), d, {rows, 2 * F}), 51, 0, 1.0f, stream);
+  init_normal(Tensor(dA.data(), d, {rows, F}), 52, 0, 1.0f, stream);
+  init_normal(Tensor(scale.data(), DType::kFP32, {rows}), 53, 0, 1.0f, stream);
+  const Tensor h_t(h.data(), d, {rows, 2 * F}), dh_t(dh.data(), d, {rows, 2 * F}),
+      a_t(a.data(), d, {rows, F}), dA_t(dA.data(), d, {rows, F}),
+      scale_t(scale.data(), DType::kFP32, {rows}), dscale_t(dscale.data(), DType::kFP32, {rows});
+  const Fp8RowBlocks out{codes.as<std::uint8_t>(), scales.as<float>(), offsets};
+  const auto forward_two = [&](int) {
+    swiglu_forward(h_t, a_t, stream, scale_t);
+    quantize_row_blocks_segmented(a.data(), offsets, F, out.codes, out.scales, stream);
+  };
+  const auto forward_one = [&](int) { swiglu_forward_fp8(h_t, a_t, out, stream, scale_t); };
+  const auto backward_two = [&](int) {
+    swiglu_backward(h_t, dA_t, dh_t, a_t, stream, scale_t, dscale_t);
+    quantize_row_blocks_segmented(dh.data(), offsets, 2 * F, out.codes, out.scales, stream);
+  };
+  const auto backward_one = [&](int) {
+    swiglu_backward_fp8(h_t, dA_t, dh_t, a_t, out, stream, scale_t, dscale_t);
+  };
+  const int warmup = options.quick ? 2 : 5, repeats = options.quick ? 5 : 15;
+  const double r = static_cast<double>(rows), f = static_cast<double>(F);
+  const double scale_bytes = r * static_cast<double>(blocks) * 4;
+  // Forward: h in; a, its codes and scales out. Backward: h, dA and the weights in; dh, a, the
+  // weights' gradients, dh's codes and scales out.
+  const double forward_bytes = r * f * (4 + 2 + 1) + scale_bytes + r * 4;
+  const double backward_bytes = r * f * (4 + 2 + 4 + 2 + 2) + 2 * scale_bytes + r * 8;
+  nlohmann::json result = {{"name", name}, {"rows", rows}};
+  for (const auto& [pass, two, one, bytes] :
+       {std::tuple{"forward", std::function<void(int)>(forward_two),
+                   std::function<void(int)>(forward_one), forward_bytes},
+        std::tuple{"backward", std::function<void(int)>(backward_two),
+                   std::function<void(int)>(backward_one), backward_bytes}}) {
+    const double two_ms = bench::median_ms(two, stream, warmup, repeats);
+    const double one_ms = bench::median_ms(one, stream, warmup, repeats);
+    const double floor_ms = bytes / rates.copy_bytes_per_s * 1e3;
+    fmt::print("{:<16} {:>8} {:>7} {:>9.3f} {:>5.0f}% {:>9.3f} {:>5.0f}% {:>6.2f}x {:>9.3f}\n",
+               name, pass, rows, two_ms, 100 * floor_ms / two_ms, one_ms, 100 * floor_ms / one_ms,
+               two_ms / one_ms, floor_ms);
+    result[pass] = {{"two_passes_ms", two_ms}, {"one_pass_ms", one_ms}, {"floor_ms", floor_ms}};
+  }
+  return result;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -453,11 +517,11 @@ int main(int argc, char** argv) try {
     if (!options.selected(name)) continue;
     report["experts"].push_back(expert_step(name, options, fp8_streams, grouped, stream.get()));
   }
+  bench::Rates rates;
+  rates.gemm_flops_per_s = report["dense"]["fp8_TFLOPs"].get<double>() * 1e12;
+  rates.copy_bytes_per_s = bench::copy_bandwidth(stream.get());
+  report["copy_GBps"] = rates.copy_bytes_per_s / 1e9;
   if (grouped) {
-    bench::Rates rates;
-    rates.gemm_flops_per_s = report["dense"]["fp8_TFLOPs"].get<double>() * 1e12;
-    rates.copy_bytes_per_s = bench::copy_bandwidth(stream.get());
-    report["copy_GBps"] = rates.copy_bytes_per_s / 1e9;
     fmt::print(
         "the forward's products at T = 8192: cuBLASLt one expert a call against the grouped "
         "products in one launch; floors at {:.0f} TFLOP/s and {:.0f} GB/s\n",
@@ -469,6 +533,17 @@ int main(int argc, char** argv) try {
       if (!options.selected(name)) continue;
       report["grouped"].push_back(grouped_products(name, options, rates, gemm, stream.get()));
     }
+  }
+  fmt::print(
+      "the SwiGLU and its output's quantization at T = 8192, rows weighed: two passes against "
+      "one; floors at {:.0f} GB/s\n",
+      rates.copy_bytes_per_s / 1e9);
+  fmt::print("{:<16} {:>8} {:>7} {:>9} {:>6} {:>9} {:>6} {:>7} {:>9}\n", "shape", "pass", "rows",
+             "two ms", "floor", "one ms", "floor", "", "floor ms");
+  for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
+    if (!options.selected(name)) continue;
+    report["swiglu_quantization"].push_back(
+        swiglu_quantization(name, options, rates, stream.get()));
   }
   options.check_matched();
   bench::write_json(options, report);
