@@ -23,7 +23,9 @@
 // fp32 sums of the block by the block's two scales into the tile's accumulator (every block's sum
 // is scaled once, in fp32). The loads of the next stages, and of the next tile while this one's
 // results are stored, run beside the products; the two warpgroups drift apart, so one's products
-// run while the other scales.
+// run while the other scales. Each warpgroup stores its results through shared memory, a 64-row
+// part at a time, as whole rows: stored straight from the products' fragments, a warp's store
+// touches 8 rows and fills half of each sector, and the stores held the products back.
 // The tensor maps load rows past a group's end (the next group's, or zeros past the matrix) and
 // columns past K as zeros: rows and columns past a tile's valid ones are never stored, and every
 // row of C depends on its own row of A alone.
@@ -40,8 +42,11 @@ constexpr int kThreads = kConsumerThreads + 128;                        // + the
 constexpr int kBoxBytes = kPartRows * kBlock;                           // one 64-row box of codes
 // A stage holds a tile's A rows, then its B rows (columns of C): 256 + 128, 128 + 128 or 64 + 256.
 constexpr int kStageBytes = 6 * kBoxBytes;
-// The stages, 1024-byte aligned for the 128-byte swizzle, then the barriers.
-constexpr int kSharedBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+// Each consumer warpgroup's results leave through shared memory, a 64-row part of bf16 at a time.
+constexpr int kStagingBytes = kPartRows * kBlock * 2;
+// The stages, 1024-byte aligned for the 128-byte swizzle, then the barriers, then the two
+// warpgroups' staging.
+constexpr int kSharedBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + 2 * kStagingBytes;
 static_assert(kSharedBytes <= 227 * 1024, "an SM's shared memory holds the stages");
 
 // How a group of `rows` rows is cut: `large` tiles of 256 rows, then `middle` (0 or 1) of 128 and
@@ -219,8 +224,13 @@ __device__ void produce(const GroupedParams& p, std::uint32_t stages, std::uint3
   }
 }
 
+// The consumer warpgroup's 128 threads meet (named barriers 1 and 2; 0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int warpgroup) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
+}
+
 __device__ void consume(const GroupedParams& p, std::uint32_t stages, std::uint32_t full,
-                        std::uint32_t empty) {
+                        std::uint32_t empty, std::uint8_t* staging) {
   const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   // This thread's two rows of a part, and its columns 8j + 2(lane mod 4) + {0, 1}.
   const int row0 = warp * 16 + lane / 4, row1 = row0 + 8;
@@ -286,21 +296,33 @@ __device__ void consume(const GroupedParams& p, std::uint32_t stages, std::uint3
       }
     }
     __nv_bfloat16* c = p.c + static_cast<std::int64_t>(p.first[at.group] + m0) * p.n + n0;
+    // Through shared memory: the part's fragments into its 64 rows of 256 bytes, each row's
+    // 16-byte chunks XOR-swizzled by the row (the fragments' writes, 8 rows of a warp, and the
+    // rows' reads, 8 chunks of a row, each meet 32 distinct banks), then whole rows out, 16
+    // bytes a lane, so that every store fills its sectors.
+    const int t = threadIdx.x % 128;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (h >= parts) break;
       const int valid_m = min(kPartRows, group_rows - m0 - h * kPartRows);
       __nv_bfloat16* rows = c + static_cast<std::int64_t>(h * kPartRows) * p.n;
+      warpgroup_sync(warpgroup);  // the last part's rows have left
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const int col = 8 * j + 2 * (lane % 4);
-        if (col >= valid_n) continue;
-        if (row0 < valid_m)
-          *reinterpret_cast<__nv_bfloat162*>(rows + static_cast<std::int64_t>(row0) * p.n + col) =
-              __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
-        if (row1 < valid_m)
-          *reinterpret_cast<__nv_bfloat162*>(rows + static_cast<std::int64_t>(row1) * p.n + col) =
-              __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+        const int byte = ((j ^ (row0 % 8)) * 16) + 4 * (lane % 4);
+        *reinterpret_cast<__nv_bfloat162*>(staging + row0 * 256 + byte) =
+            __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(staging + row1 * 256 + byte) =
+            __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+      }
+      warpgroup_sync(warpgroup);
+#pragma unroll
+      for (int i = 0; i < kPartRows * 16 / 128; ++i) {
+        const int row = i * 8 + t / 16, chunk = t % 16;
+        if (row >= valid_m || chunk * 8 >= valid_n) continue;
+        const uint4 v =
+            *reinterpret_cast<const uint4*>(staging + row * 256 + ((chunk ^ (row % 8)) * 16));
+        *reinterpret_cast<uint4*>(rows + static_cast<std::int64_t>(row) * p.n + chunk * 8) = v;
       }
     }
   }
@@ -328,7 +350,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == kConsumerThreads) produce(p, stages, full, empty);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    consume(p, stages, full, empty);
+    const std::uint32_t staging = empty + 8 * kStages + (threadIdx.x / 128) * kStagingBytes;
+    consume(p, stages, full, empty, shared_raw + (staging - shared_address(shared_raw)));
   }
 }
 
@@ -442,9 +465,9 @@ void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std
   const auto misaligned = [](const void* pointer, std::uintptr_t bytes) {
     return reinterpret_cast<std::uintptr_t>(pointer) % bytes != 0;
   };
-  if (misaligned(operands.a, 16) || misaligned(operands.b, 16) || misaligned(operands.c, 4) ||
+  if (misaligned(operands.a, 16) || misaligned(operands.b, 16) || misaligned(operands.c, 16) ||
       misaligned(operands.a_scales, 4) || misaligned(operands.b_scales, 4))
-    fail(what + ": a and b must be 16-byte aligned, c and the scales 4-byte aligned");
+    fail(what + ": a, b and c must be 16-byte aligned, the scales 4-byte aligned");
   int device = 0;
   MOE_CHECK_CUDA(cudaGetDevice(&device));
   if (!grouped_fp8_gemm_supported(device))

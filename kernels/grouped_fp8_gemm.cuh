@@ -41,8 +41,9 @@ bool grouped_fp8_gemm_supported(int device);
 
 // offsets: host, [groups + 1], 1 to kMaxGroupedGemmGroups groups, starting at 0, never
 // decreasing, at most 2^31 - 257 (carried in the launch's parameters, so a CUDA graph captures
-// them). N and K positive multiples of 16, groups · N at most 2^31 - 257. Throws moe::Error naming
-// what is wrong, a device that cannot run it included.
+// them). N and K positive multiples of 16, groups · N at most 2^31 - 257; a, b and c 16-byte
+// aligned, the scales 4-byte aligned. Throws moe::Error naming what is wrong, a device that cannot
+// run it included.
 void grouped_fp8_gemm(std::span<const std::int64_t> offsets, std::int64_t n, std::int64_t k,
                       const GroupedFp8Operands& operands, cudaStream_t stream);
 

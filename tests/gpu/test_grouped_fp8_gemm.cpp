@@ -249,9 +249,13 @@ TEST_CASE("grouped FP8 products refuse what they cannot run, naming it", "[gpu][
   CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 128, 128, shifted, stream.get()),
                     test::contains_text("16-byte aligned"));
   shifted = ok;
-  shifted.c = any.as<char>() + 2;
+  shifted.c = any.as<char>() + 8;  // its rows are stored 16 bytes at a time
   CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 128, 128, shifted, stream.get()),
-                    test::contains_text("4-byte aligned"));
+                    test::contains_text("a, b and c must be 16-byte aligned"));
+  shifted = ok;
+  shifted.a_scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(ok.a_scales) + 2);
+  CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 128, 128, shifted, stream.get()),
+                    test::contains_text("the scales 4-byte aligned"));
   GroupedFp8Operands short_scales = ok;
   short_scales.b_scale_stride = 1;
   CHECK_THROWS_WITH(grouped_fp8_gemm(offsets, 256, 128, short_scales, stream.get()),
