@@ -304,4 +304,48 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   run(dw13_products, stream, &dX_products);  // dX over X_e once dw13_e has read it
 }
 
+void ExpertFFN::weight_gradients(const Tensor& dY, const Tensor& X,
+                                 std::span<const std::int64_t> offsets, const Tensor& a,
+                                 const Tensor& dh, const Tensor& dw13, const Tensor& dw2,
+                                 cudaStream_t stream, const RefillInput& refill_input) {
+  if (offsets.size() != static_cast<std::size_t>(experts_) + 1)
+    fail("ExpertFFN::weight_gradients: {} offsets for {} experts (need experts + 1)",
+         offsets.size(), experts_);
+  const std::int64_t rows = offsets.back(), H = hidden_, F = ffn_, E = experts_;
+  expect_tensor(dY, "ExpertFFN dY", dtype_, {rows, H});
+  expect_tensor(X, "ExpertFFN X", dtype_, {rows, H});
+  expect_tensor(a, "ExpertFFN a", dtype_, {rows, F});
+  expect_tensor(dh, "ExpertFFN dh", dtype_, {rows, 2 * F});
+  const DType grad_type = dw13.dtype;
+  if (grad_type != DType::kBF16 && grad_type != DType::kFP32)
+    fail("ExpertFFN: dw13 dtype {} must be bf16 or fp32", dtype_name(grad_type));
+  expect_tensor(dw13, "ExpertFFN dw13", grad_type, {E, 2 * F, H});
+  expect_tensor(dw2, "ExpertFFN dw2", grad_type, {E, H, F});
+  const std::size_t elem = dtype_size(dtype_), grad_elem = dtype_size(grad_type);
+  std::vector<Product> dw2_products, dw13_products;
+  for (int e = 0; e < experts_; ++e) {
+    const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
+    dw2_products.push_back({{H, F, m, true, false, dtype_, dtype_, grad_type},
+                            dY.as<char>() + first * H * elem,
+                            a.as<char>() + first * F * elem,
+                            dw2.as<char>() + e * H * F * grad_elem,
+                            0.0f,
+                            e});
+    dw13_products.push_back({{2 * F, H, m, true, false, dtype_, dtype_, grad_type},
+                             dh.as<char>() + first * 2 * F * elem,
+                             X.as<char>() + first * H * elem,
+                             dw13.as<char>() + e * 2 * F * H * grad_elem,
+                             0.0f,
+                             e});
+  }
+  if (refill_input) {
+    run(dw2_products, stream);
+    refill_input(stream);
+    run(dw13_products, stream);
+    return;
+  }
+  dw2_products.insert(dw2_products.end(), dw13_products.begin(), dw13_products.end());
+  run(dw2_products, stream);
+}
+
 }  // namespace moe

@@ -110,6 +110,14 @@ class ExpertFFN {
                 const Tensor& dX, const Tensor& dw13, const Tensor& dw2, cudaStream_t stream,
                 const RefillInput& refill_input = {}, ExpertSpan span = {});
 
+  // The weight gradients alone, as backward batches them: dw2 = dYᵀ·a and dw13 = dhᵀ·X, a [rows,
+  // F] and dh [rows, 2F] over every row (no chunks), zero for an expert without rows. With
+  // refill_input, X is written (over dY, say) once dw2's products, dY's last readers, are done.
+  // For callers that form a and dh themselves (the FP8 experts).
+  void weight_gradients(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
+                        const Tensor& a, const Tensor& dh, const Tensor& dw13, const Tensor& dw2,
+                        cudaStream_t stream, const RefillInput& refill_input = {});
+
   ExpertSchedule schedule() const { return schedule_; }
 
   // Rows that act.a and act.dA must have for these offsets: the largest chunk's.

@@ -6,8 +6,8 @@
 //   backward: dA = dY·w2 and dX = dh·w13 in FP8 (dY and dh quantized in row blocks, the weights'
 //             transposes in tiles); dh, a again and the row weights' gradient by SwiGLU's
 //             backward; the weight gradients dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 products with
-//             fp32 accumulation (their inner dimension is the tokens, which FP8 would need
-//             quantized a second time, along the columns).
+//             fp32 accumulation, batched as ExpertFFN batches them (their inner dimension is the
+//             tokens, which FP8 would need quantized a second time, along the columns).
 // Weights are quantized by quantize_weights, with their transposes, and that copy serves every
 // step until the next call: a trainer calls it once after each update of the weights, and
 // micro-batches in between share it. Each FP8 pass runs as one launch of the grouped products
@@ -76,7 +76,7 @@ class Fp8ExpertFFN {
     ScaleBuffer tiles;  // one expert's
     DeviceBuffer codes, scales;
   };
-  // One product C = A·Bᵀ: FP8 (a_scales set) or bf16 (GemmRunner, shape given).
+  // One expert's FP8 product C = A·Bᵀ.
   struct Product {
     std::int64_t m, n, k;
     const void* a;
@@ -84,7 +84,6 @@ class Fp8ExpertFFN {
     const void* b;
     const float* b_scales;
     void* c;
-    GemmShape bf16_shape{};
   };
   void check_offsets(std::span<const std::int64_t> offsets, const char* call) const;
   // Products of an FP8 pass: each expert's rows of `codes` against its weights.
@@ -104,7 +103,8 @@ class Fp8ExpertFFN {
   Weights w13_, w2_;                        // [E, 2F, H] and [E, H, F]
   Weights w13_transposed_, w2_transposed_;  // [E, H, 2F] and [E, F, H]
   DeviceBuffer codes_[2], scales_[2];       // the activations of the pass at hand, and the next
-  std::vector<std::unique_ptr<GemmRunner>> bf16_;  // one a stream
+  // The bf16 weight gradients' products, batched as the bf16 experts batch them.
+  std::unique_ptr<ExpertFFN> weight_grads_;
   std::vector<Stream> streams_;
   std::vector<std::unique_ptr<BlockScaledGemm>> gemms_;  // one a stream
   Event fork_;
