@@ -52,6 +52,7 @@ Fp8ExpertFFN::Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams,
   for (int s = 0; s < streams; ++s) {
     streams_.emplace_back();
     gemms_.push_back(std::make_unique<BlockScaledGemm>(workspace_bytes));
+    bf16_.push_back(std::make_unique<GemmRunner>(workspace_bytes));
     joins_.emplace_back();
   }
   // Untimed (the heuristic's first algorithm): timing would wait on the host inside a step.
@@ -160,11 +161,36 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
   swiglu_backward_fp8(act.h, act.dA, act.dh, act.a,
                       {codes_[1].as<std::uint8_t>(), scales_[1].as<float>(), offsets}, stream,
                       act.scale, act.dscale);
-  // dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 (zero without rows), batched as the bf16 experts batch
-  // them, then dX = dh·w13 in FP8 from dh's codes: dX comes last, so that it may be written over dY
-  // or X, which the weight gradients read. With refill_input, X is written again (over dY) between
-  // the two weight gradients.
-  weight_grads_->weight_gradients(dY, X, offsets, act.a, act.dh, dw13, dw2, stream, refill_input);
+  // dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 (zero without rows), then dX = dh·w13 in FP8 from dh's
+  // codes: dX comes last, so that it may be written over dY or X, which the weight gradients
+  // read. With refill_input, X is written again (over dY) between the two weight gradients.
+  // They follow the FP8 passes: where those are grouped (small experts), batched as the bf16
+  // experts batch them (the experts of one row count in one call); else one a call, largest first
+  // (each measured faster where it runs: docs/performance.md, "FP8").
+  if (grouped_pass(offsets)) {
+    weight_grads_->weight_gradients(dY, X, offsets, act.a, act.dh, dw13, dw2, stream, refill_input);
+  } else {
+    const std::size_t g = dtype_size(grad);
+    std::vector<Product> products, dw13_products;
+    for (int e = 0; e < experts_; ++e) {
+      const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
+      products.push_back({H, F, m, dY.as<char>() + first * H * 2, nullptr,
+                          act.a.as<char>() + first * F * 2, nullptr, dw2.as<char>() + e * H * F * g,
+                          GemmShape{H, F, m, true, false, d, d, grad}});
+      dw13_products.push_back({2 * F, H, m, act.dh.as<char>() + first * 2 * F * 2, nullptr,
+                               X.as<char>() + first * H * 2, nullptr,
+                               dw13.as<char>() + e * 2 * F * H * g,
+                               GemmShape{2 * F, H, m, true, false, d, d, grad}});
+    }
+    if (refill_input) {
+      run(products, stream);
+      refill_input(stream);
+      run(dw13_products, stream);
+    } else {
+      products.insert(products.end(), dw13_products.begin(), dw13_products.end());
+      run(products, stream);
+    }
+  }
   fp8_pass(offsets, codes_[1], scales_[1], 2 * F, w13_transposed_, H, dX, stream);  // dX = dh·w13
 }
 
@@ -212,9 +238,13 @@ void Fp8ExpertFFN::run(std::vector<Product> products, cudaStream_t stream) {
     const auto lane =
         static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
     load[lane] += work(p);
-    gemms_[lane]->run(p.m, p.n, p.k, static_cast<const std::uint8_t*>(p.a), p.a_scales,
-                      static_cast<const std::uint8_t*>(p.b), p.b_scales, p.c, DType::kBF16,
-                      streams_[lane].get());
+    if (p.a_scales != nullptr) {
+      gemms_[lane]->run(p.m, p.n, p.k, static_cast<const std::uint8_t*>(p.a), p.a_scales,
+                        static_cast<const std::uint8_t*>(p.b), p.b_scales, p.c, DType::kBF16,
+                        streams_[lane].get());
+    } else {
+      bf16_[lane]->run(p.bf16_shape, p.a, p.b, p.c, streams_[lane].get());
+    }
   }
   for (std::size_t s = 0; s < lanes; ++s) {
     joins_[s].record(streams_[s].get());

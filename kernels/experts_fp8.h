@@ -6,8 +6,9 @@
 //   backward: dA = dY·w2 and dX = dh·w13 in FP8 (dY and dh quantized in row blocks, the weights'
 //             transposes in tiles); dh, a again and the row weights' gradient by SwiGLU's
 //             backward; the weight gradients dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 products with
-//             fp32 accumulation, batched as ExpertFFN batches them (their inner dimension is the
-//             tokens, which FP8 would need quantized a second time, along the columns).
+//             fp32 accumulation, batched as ExpertFFN batches them where the FP8 passes are
+//             grouped (their inner dimension is the tokens, which FP8 would need quantized a
+//             second time, along the columns).
 // Weights are quantized by quantize_weights, with their transposes, and that copy serves every
 // step until the next call: a trainer calls it once after each update of the weights, and
 // micro-batches in between share it. Each FP8 pass runs as one launch of the grouped products
@@ -51,7 +52,8 @@ class Fp8ExpertFFN {
   // w13 [E_loc, 2F, H], w2 [E_loc, H, F], bf16: quantized in tiles into this object's copy.
   void quantize_weights(const Tensor& w13, const Tensor& w2, cudaStream_t stream);
   bool has_weights() const { return has_weights_; }
-  // Whether a pass over these rows (host offsets, [E_loc + 1]) runs as the grouped products.
+  // Whether a pass over these rows (host offsets, [E_loc + 1]) runs as the grouped products (and
+  // the weight gradients' bf16 products batched).
   bool grouped_pass(std::span<const std::int64_t> offsets) const;
 
   // X [rows, H] bf16, offsets host [E_loc + 1] (each expert's rows a multiple of 16), act.h
@@ -76,7 +78,7 @@ class Fp8ExpertFFN {
     ScaleBuffer tiles;  // one expert's
     DeviceBuffer codes, scales;
   };
-  // One expert's FP8 product C = A·Bᵀ.
+  // One product C = A·Bᵀ: FP8 (a_scales set) or bf16 (GemmRunner, shape given).
   struct Product {
     std::int64_t m, n, k;
     const void* a;
@@ -84,6 +86,7 @@ class Fp8ExpertFFN {
     const void* b;
     const float* b_scales;
     void* c;
+    GemmShape bf16_shape{};
   };
   void check_offsets(std::span<const std::int64_t> offsets, const char* call) const;
   // Products of an FP8 pass: each expert's rows of `codes` against its weights.
@@ -103,8 +106,10 @@ class Fp8ExpertFFN {
   Weights w13_, w2_;                        // [E, 2F, H] and [E, H, F]
   Weights w13_transposed_, w2_transposed_;  // [E, H, 2F] and [E, F, H]
   DeviceBuffer codes_[2], scales_[2];       // the activations of the pass at hand, and the next
-  // The bf16 weight gradients' products, batched as the bf16 experts batch them.
+  // The bf16 weight gradients' products: batched as the bf16 experts batch them where the FP8
+  // passes are grouped, else one a call (bf16_, one a stream).
   std::unique_ptr<ExpertFFN> weight_grads_;
+  std::vector<std::unique_ptr<GemmRunner>> bf16_;
   std::vector<Stream> streams_;
   std::vector<std::unique_ptr<BlockScaledGemm>> gemms_;  // one a stream
   Event fork_;
