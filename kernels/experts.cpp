@@ -31,9 +31,7 @@ void ExpertFFN::set_host_wait(std::function<void(cudaEvent_t)> wait) {
   host_wait_ = std::move(wait);
 }
 
-void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offsets,
-                             const Tensor& w13, const Tensor& w2,
-                             const ExpertActivations& act) const {
+void ExpertFFN::check_offsets(std::span<const std::int64_t> offsets) const {
   if (std::ssize(offsets) != experts_ + 1) {
     fail("ExpertFFN: {} offsets for {} local experts (expected {})", offsets.size(), experts_,
          experts_ + 1);
@@ -42,6 +40,12 @@ void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offs
     if (offsets[e] < 0 || offsets[e + 1] < offsets[e])
       fail("ExpertFFN: offsets[{}..{}] = {}, {} decrease", e, e + 1, offsets[e], offsets[e + 1]);
   }
+}
+
+void ExpertFFN::check_shapes(const Tensor& X, std::span<const std::int64_t> offsets,
+                             const Tensor& w13, const Tensor& w2,
+                             const ExpertActivations& act) const {
+  check_offsets(offsets);
   const std::int64_t rows = offsets.back();
   const std::int64_t H = hidden_, F = ffn_, E = experts_;
   expect_tensor(X, "ExpertFFN X", dtype_, {rows, H});
@@ -308,9 +312,7 @@ void ExpertFFN::weight_gradients(const Tensor& dY, const Tensor& X,
                                  std::span<const std::int64_t> offsets, const Tensor& a,
                                  const Tensor& dh, const Tensor& dw13, const Tensor& dw2,
                                  cudaStream_t stream, const RefillInput& refill_input) {
-  if (offsets.size() != static_cast<std::size_t>(experts_) + 1)
-    fail("ExpertFFN::weight_gradients: {} offsets for {} experts (need experts + 1)",
-         offsets.size(), experts_);
+  check_offsets(offsets);
   const std::int64_t rows = offsets.back(), H = hidden_, F = ffn_, E = experts_;
   expect_tensor(dY, "ExpertFFN dY", dtype_, {rows, H});
   expect_tensor(X, "ExpertFFN X", dtype_, {rows, H});

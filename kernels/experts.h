@@ -158,6 +158,8 @@ class ExpertFFN {
   std::vector<Chunk> plan_chunks(std::span<const std::int64_t> offsets) const;
   // The rows {first, count} of a chunk that the span's experts own ({0, 0}: none).
   static std::pair<std::int64_t, std::int64_t> span_rows(const Chunk& chunk, ExpertSpan span);
+  // E_loc + 1 offsets, starting at or above 0, never decreasing.
+  void check_offsets(std::span<const std::int64_t> offsets) const;
   void check_shapes(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,
                     const Tensor& w2, const ExpertActivations& act) const;
   void up_products(const Tensor& X, std::span<const std::int64_t> offsets, const Tensor& w13,

@@ -266,16 +266,24 @@ void check(const Tensor& t, std::int64_t rows, std::int64_t cols, DType dtype, c
   }
 }
 
-// 16-byte packs when F allows them (every row then starts 16-byte aligned too).
+bool aligned16(std::initializer_list<const Tensor*> tensors) {
+  return std::all_of(tensors.begin(), tensors.end(), [](const Tensor* t) {
+    return reinterpret_cast<std::uintptr_t>(t->data) % 16 == 0;
+  });
+}
+
+// 16-byte packs when F and the tensors allow them (every row then starts 16-byte aligned too),
+// else one element at a time.
 template <typename Launch>
-void dispatch(DType dtype, int ffn, Launch&& launch) {
+void dispatch(DType dtype, int ffn, std::initializer_list<const Tensor*> tensors, Launch&& launch) {
+  const bool aligned = aligned16(tensors);
   if (dtype == DType::kBF16) {
-    if (ffn % 8 == 0) return launch.template operator()<__nv_bfloat16, 8>();
+    if (ffn % 8 == 0 && aligned) return launch.template operator()<__nv_bfloat16, 8>();
     return launch.template operator()<__nv_bfloat16, 1>();
   }
   if (dtype != DType::kFP32)
     fail("swiglu: dtype " + std::string(dtype_name(dtype)) + " must be bf16 or fp32");
-  if (ffn % 4 == 0) return launch.template operator()<float, 4>();
+  if (ffn % 4 == 0 && aligned) return launch.template operator()<float, 4>();
   launch.template operator()<float, 1>();
 }
 
@@ -292,7 +300,7 @@ void swiglu_forward(const Tensor& h, const Tensor& a, cudaStream_t stream, const
   check(a, rows, ffn, a.dtype, "a");
   const float* weights = optional_rows(scale, rows, "scale");
   if (rows == 0) return;
-  dispatch(a.dtype, ffn, [&]<typename T, int kElems>() {
+  dispatch(a.dtype, ffn, {&h, &a}, [&]<typename T, int kElems>() {
     swiglu_forward_kernel<T, kElems><<<blocks_for(rows * ffn / kElems), 256, 0, stream>>>(
         h.as<const T>(), a.as<T>(), rows, ffn, weights);
     MOE_CHECK_LAUNCH();
@@ -314,7 +322,7 @@ void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const 
          "; give both or neither");
   if (rows == 0) return;
   if (!scale.shape.empty()) {
-    dispatch(a.dtype, ffn, [&]<typename T, int kElems>() {
+    dispatch(a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems>() {
       const auto blocks = static_cast<unsigned>(
           std::min<std::int64_t>((rows + kRowWarps - 1) / kRowWarps, 132 * 16));
       swiglu_weighed_backward_kernel<T, kElems><<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
@@ -324,7 +332,7 @@ void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const 
     });
     return;
   }
-  dispatch(a.dtype, ffn, [&]<typename T, int kElems>() {
+  dispatch(a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems>() {
     swiglu_backward_kernel<T, kElems><<<blocks_for(rows * ffn / kElems), 256, 0, stream>>>(
         h.as<const T>(), dA.as<const T>(), dh.as<T>(), a.as<T>(), rows, ffn);
     MOE_CHECK_LAUNCH();
@@ -354,10 +362,8 @@ fp8_device::SegmentedScales check_fp8_output(const char* what, const Fp8RowBlock
 // Whether one pass does it: each of F's 128-column blocks whole in a half-warp, every access of
 // 16 bytes (8 for the codes) aligned.
 bool one_pass(const Fp8RowBlocks& out, int ffn, std::initializer_list<const Tensor*> tensors) {
-  bool aligned = reinterpret_cast<std::uintptr_t>(out.codes) % 8 == 0;
-  for (const Tensor* t : tensors)
-    aligned = aligned && reinterpret_cast<std::uintptr_t>(t->data) % 16 == 0;
-  return ffn % kFP8Block == 0 && aligned;
+  return ffn % kFP8Block == 0 && reinterpret_cast<std::uintptr_t>(out.codes) % 8 == 0 &&
+         aligned16(tensors);
 }
 
 unsigned row_warp_blocks(std::int64_t rows) {

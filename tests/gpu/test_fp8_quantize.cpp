@@ -338,15 +338,136 @@ std::vector<std::int64_t> draw_segments(int segments, std::mt19937_64& rng) {
   return offsets;
 }
 
-template <typename T>
-std::vector<T> read(const DeviceBuffer& buffer, std::int64_t count) {
-  return test::download<T>(buffer, static_cast<std::size_t>(count));
+// A poisoned output of `bytes` from `shift` bytes into its buffer (0 or 2: a bf16 row then starts
+// off 16-byte alignment), with 16 guard bytes after it.
+struct Output {
+  DeviceBuffer buffer;
+  std::int64_t bytes, shift;
+  Output(std::int64_t bytes_, std::int64_t shift_ = 0)
+      : buffer(static_cast<std::size_t>(bytes_ + shift_) + 16), bytes(bytes_), shift(shift_) {
+    test::poison(buffer);
+  }
+  void* data() const { return buffer.as<char>() + shift; }
+  // Its bytes as T, the guard bytes checked untouched.
+  template <typename T>
+  std::vector<T> read() const {
+    const auto all =
+        test::download<std::uint8_t>(buffer, static_cast<std::size_t>(bytes + shift + 16));
+    CHECK(std::all_of(all.end() - 16, all.end(), [](std::uint8_t b) { return b == 0xFF; }));
+    std::vector<T> out(static_cast<std::size_t>(bytes) / sizeof(T));
+    std::memcpy(out.data(), all.data() + shift, out.size() * sizeof(T));
+    return out;
+  }
+};
+
+// A device copy of `values` (bytes) from `shift` bytes into its buffer.
+Output upload_shifted(const std::vector<std::uint8_t>& values, std::int64_t shift) {
+  Output out(static_cast<std::int64_t>(values.size()), shift);
+  if (!values.empty()) copy_to_device(out.data(), values.data(), values.size());
+  return out;
 }
 
-DeviceBuffer poisoned(std::int64_t bytes) {
-  DeviceBuffer buffer(static_cast<std::size_t>(bytes) + 16);
-  test::poison(buffer);
-  return buffer;
+std::vector<std::uint8_t> bf16_bytes(const Matrix& m) {
+  std::vector<std::uint8_t> bytes(m.data.size() * 2);
+  for (std::size_t i = 0; i < m.data.size(); ++i) {
+    const BF16 v = to_bf16(static_cast<float>(m.data[i]));
+    std::memcpy(bytes.data() + 2 * i, &v, 2);
+  }
+  return bytes;
+}
+
+std::vector<std::uint8_t> float_bytes(const std::vector<float>& values) {
+  std::vector<std::uint8_t> bytes(values.size() * 4);
+  if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
+  return bytes;
+}
+
+struct SwigluCase {
+  std::int64_t F;
+  std::vector<std::int64_t> offsets;
+  bool weighed;
+  std::int64_t shift;  // of every bf16 tensor of the one-pass calls: 2 takes the two passes
+};
+
+// The SwiGLU with its output quantized, forward and backward (in place and apart), against the
+// SwiGLU then the quantizer: every output bit for bit, the guard bytes after each untouched.
+void check_swiglu_fp8(const SwigluCase& c, std::mt19937_64& rng, cudaStream_t stream) {
+  const DType bf16 = DType::kBF16, fp32 = DType::kFP32;
+  const std::int64_t F = c.F, rows = c.offsets.back(), blocks = (F + 127) / 128,
+                     dh_blocks = (2 * F + 127) / 128;
+  const Matrix h = draw(rows, 2 * F, rng), dA = draw(rows, F, rng);
+  std::vector<float> weights(static_cast<std::size_t>(rows));
+  std::uniform_real_distribution<float> unit(0.01f, 1.0f);
+  for (float& w : weights) w = unit(rng);
+  const auto h_bytes = bf16_bytes(h), dA_bytes = bf16_bytes(dA), w_bytes = float_bytes(weights);
+  auto bf16_t = [&](const Output& o, std::int64_t cols) {
+    return Tensor(o.data(), bf16, {rows, cols});
+  };
+  auto weight_t = [&](const Output& o) {
+    return c.weighed ? Tensor(o.data(), fp32, {rows}) : Tensor{};
+  };
+  const Output h_ref = upload_shifted(h_bytes, 0), dA_ref = upload_shifted(dA_bytes, 0),
+               w_ref = upload_shifted(w_bytes, 0);
+
+  // The forward: a, its codes and scales.
+  Output a_want(rows * F * 2), q_want(rows * F), s_want(rows * blocks * 4);
+  Output a_got(rows * F * 2, c.shift), q_got(rows * F), s_got(rows * blocks * 4);
+  const Output h_in = upload_shifted(h_bytes, c.shift);
+  swiglu_forward(bf16_t(h_ref, 2 * F), bf16_t(a_want, F), stream, weight_t(w_ref));
+  quantize_row_blocks_segmented(a_want.data(), c.offsets, F,
+                                static_cast<std::uint8_t*>(q_want.data()),
+                                static_cast<float*>(s_want.data()), stream);
+  swiglu_forward_fp8(
+      bf16_t(h_in, 2 * F), bf16_t(a_got, F),
+      {static_cast<std::uint8_t*>(q_got.data()), static_cast<float*>(s_got.data()), c.offsets},
+      stream, weight_t(w_ref));
+  MOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK(a_got.read<std::uint16_t>() == a_want.read<std::uint16_t>());
+  CHECK(q_got.read<std::uint8_t>() == q_want.read<std::uint8_t>());
+  CHECK(s_got.read<std::uint32_t>() == s_want.read<std::uint32_t>());
+
+  // The backward, two passes apart: dh, a again, dscale, dh's codes and scales.
+  Output dh_want(rows * 2 * F * 2), a2_want(rows * F * 2), ds_want(rows * 4);
+  Output dq_want(rows * 2 * F), dsc_want(rows * dh_blocks * 4);
+  swiglu_backward(bf16_t(h_ref, 2 * F), bf16_t(dA_ref, F), bf16_t(dh_want, 2 * F),
+                  bf16_t(a2_want, F), stream, weight_t(w_ref), weight_t(ds_want));
+  quantize_row_blocks_segmented(dh_want.data(), c.offsets, 2 * F,
+                                static_cast<std::uint8_t*>(dq_want.data()),
+                                static_cast<float*>(dsc_want.data()), stream);
+  // One pass apart.
+  const Output dA_in = upload_shifted(dA_bytes, c.shift);
+  Output dh_got(rows * 2 * F * 2, c.shift), a2_got(rows * F * 2, c.shift), ds_got(rows * 4);
+  Output dq_got(rows * 2 * F), dsc_got(rows * dh_blocks * 4);
+  swiglu_backward_fp8(
+      bf16_t(h_in, 2 * F), bf16_t(dA_in, F), bf16_t(dh_got, 2 * F), bf16_t(a2_got, F),
+      {static_cast<std::uint8_t*>(dq_got.data()), static_cast<float*>(dsc_got.data()), c.offsets},
+      stream, weight_t(w_ref), weight_t(ds_got));
+  // One pass in place: dh over h, a over dA, dscale over scale.
+  const Output h_place = upload_shifted(h_bytes, c.shift),
+               dA_place = upload_shifted(dA_bytes, c.shift), w_place = upload_shifted(w_bytes, 0);
+  Output dq_place(rows * 2 * F), dsc_place(rows * dh_blocks * 4);
+  swiglu_backward_fp8(bf16_t(h_place, 2 * F), bf16_t(dA_place, F), bf16_t(h_place, 2 * F),
+                      bf16_t(dA_place, F),
+                      {static_cast<std::uint8_t*>(dq_place.data()),
+                       static_cast<float*>(dsc_place.data()), c.offsets},
+                      stream, weight_t(w_place), weight_t(w_place));
+  MOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+  const auto dh = dh_want.read<std::uint16_t>(), a2 = a2_want.read<std::uint16_t>();
+  const auto dq = dq_want.read<std::uint8_t>();
+  const auto dsc = dsc_want.read<std::uint32_t>();
+  CHECK(dh_got.read<std::uint16_t>() == dh);
+  CHECK(a2_got.read<std::uint16_t>() == a2);
+  CHECK(dq_got.read<std::uint8_t>() == dq);
+  CHECK(dsc_got.read<std::uint32_t>() == dsc);
+  CHECK(h_place.read<std::uint16_t>() == dh);
+  CHECK(dA_place.read<std::uint16_t>() == a2);
+  CHECK(dq_place.read<std::uint8_t>() == dq);
+  CHECK(dsc_place.read<std::uint32_t>() == dsc);
+  if (c.weighed) {
+    const auto ds = ds_want.read<std::uint32_t>();
+    CHECK(ds_got.read<std::uint32_t>() == ds);
+    CHECK(w_place.read<std::uint32_t>() == ds);
+  }
 }
 
 }  // namespace
@@ -355,78 +476,28 @@ TEST_CASE("fp8 swiglu: the output quantized in the same pass equals SwiGLU then 
           "[gpu][fp8][quantize]") {
   std::mt19937_64 rng(test::fresh_seed());
   Stream stream;
-  const DType bf16 = DType::kBF16;
-  // F a multiple of 128 takes one pass (odd block counts included); 200 and 136 the two calls.
+  // F a multiple of 128 takes one pass (odd block counts included); 200 and 136, or rows off
+  // 16-byte alignment, the two calls.
   for (const std::int64_t F : {128, 384, 768, 1152, 200, 136}) {
     for (const int segments : {1, 7, 33}) {
       for (const bool weighed : {false, true}) {
-        const std::vector<std::int64_t> offsets = draw_segments(segments, rng);
-        const std::int64_t rows = offsets.back();
-        INFO(rows << " rows in " << segments << " segments, F = " << F
-                  << (weighed ? ", weighed" : ""));
-        const Matrix h = draw(rows, 2 * F, rng), dA = draw(rows, F, rng);
-        std::vector<float> weights(static_cast<std::size_t>(rows));
-        std::uniform_real_distribution<float> unit(0.01f, 1.0f);
-        for (float& w : weights) w = unit(rng);
-        const DeviceBuffer h_dev = test::upload_as(h, bf16), dA_dev = test::upload_as(dA, bf16),
-                           scale_dev = test::upload(weights);
-        const Tensor h_t(h_dev.data(), bf16, {rows, 2 * F});
-        const Tensor scale = weighed ? Tensor(scale_dev.data(), DType::kFP32, {rows}) : Tensor{};
-        const std::int64_t blocks = (F + 127) / 128;
-
-        // The forward: a and its codes and scales.
-        DeviceBuffer a_want = poisoned(rows * F * 2), a_got = poisoned(rows * F * 2);
-        DeviceBuffer q_want = poisoned(rows * F), q_got = poisoned(rows * F);
-        DeviceBuffer s_want = poisoned(rows * blocks * 4), s_got = poisoned(rows * blocks * 4);
-        swiglu_forward(h_t, Tensor(a_want.data(), bf16, {rows, F}), stream.get(), scale);
-        quantize_row_blocks_segmented(a_want.data(), offsets, F, q_want.as<std::uint8_t>(),
-                                      s_want.as<float>(), stream.get());
-        swiglu_forward_fp8(h_t, Tensor(a_got.data(), bf16, {rows, F}),
-                           {q_got.as<std::uint8_t>(), s_got.as<float>(), offsets}, stream.get(),
-                           scale);
-        stream.synchronize();
-        CHECK(read<std::uint16_t>(a_got, rows * F) == read<std::uint16_t>(a_want, rows * F));
-        CHECK(read<std::uint8_t>(q_got, rows * F) == read<std::uint8_t>(q_want, rows * F));
-        CHECK(read<std::uint32_t>(s_got, rows * blocks) ==
-              read<std::uint32_t>(s_want, rows * blocks));
-
-        // The backward: apart, against in place (dh over h, a over dA, dscale over scale).
-        const std::int64_t dh_blocks = (2 * F + 127) / 128;
-        DeviceBuffer dh_want = poisoned(rows * 2 * F * 2), a2_want = poisoned(rows * F * 2);
-        DeviceBuffer ds_want = poisoned(rows * 4);
-        DeviceBuffer dq_want = poisoned(rows * 2 * F), dq_got = poisoned(rows * 2 * F);
-        DeviceBuffer ds2_want = poisoned(rows * dh_blocks * 4),
-                     ds2_got = poisoned(rows * dh_blocks * 4);
-        const Tensor dscale_want =
-            weighed ? Tensor(ds_want.data(), DType::kFP32, {rows}) : Tensor{};
-        swiglu_backward(h_t, Tensor(dA_dev.data(), bf16, {rows, F}),
-                        Tensor(dh_want.data(), bf16, {rows, 2 * F}),
-                        Tensor(a2_want.data(), bf16, {rows, F}), stream.get(), scale, dscale_want);
-        quantize_row_blocks_segmented(dh_want.data(), offsets, 2 * F, dq_want.as<std::uint8_t>(),
-                                      ds2_want.as<float>(), stream.get());
-        const DeviceBuffer h_in = test::upload_as(h, bf16), dA_in = test::upload_as(dA, bf16),
-                           scale_in = test::upload(weights);
-        const Tensor h_in_t(h_in.data(), bf16, {rows, 2 * F}),
-            dA_in_t(dA_in.data(), bf16, {rows, F});
-        const Tensor scale_in_t =
-            weighed ? Tensor(scale_in.data(), DType::kFP32, {rows}) : Tensor{};
-        swiglu_backward_fp8(h_in_t, dA_in_t, h_in_t, dA_in_t,
-                            {dq_got.as<std::uint8_t>(), ds2_got.as<float>(), offsets}, stream.get(),
-                            scale_in_t, scale_in_t);
-        stream.synchronize();
-        CHECK(read<std::uint16_t>(h_in, rows * 2 * F) ==
-              read<std::uint16_t>(dh_want, rows * 2 * F));
-        CHECK(read<std::uint16_t>(dA_in, rows * F) == read<std::uint16_t>(a2_want, rows * F));
-        CHECK(read<std::uint8_t>(dq_got, rows * 2 * F) ==
-              read<std::uint8_t>(dq_want, rows * 2 * F));
-        CHECK(read<std::uint32_t>(ds2_got, rows * dh_blocks) ==
-              read<std::uint32_t>(ds2_want, rows * dh_blocks));
-        if (weighed)
-          CHECK(read<std::uint32_t>(scale_in, rows) == read<std::uint32_t>(ds_want, rows));
+        const SwigluCase c{F, draw_segments(segments, rng), weighed, 0};
+        INFO(c.offsets.back() << " rows in " << segments << " segments, F = " << F
+                              << (weighed ? ", weighed" : ""));
+        check_swiglu_fp8(c, rng, stream.get());
       }
     }
   }
+  {
+    INFO("rows off 16-byte alignment: the two passes");
+    check_swiglu_fp8({384, {0, 40, 40, 97}, true, 2}, rng, stream.get());
+  }
+  {
+    INFO("more rows than one sweep of the grid (2112 blocks of 8 warps)");
+    check_swiglu_fp8({128, {0, 9000, 9001, 17500}, true, 0}, rng, stream.get());
+  }
   // Bad arguments are refused by name.
+  const DType bf16 = DType::kBF16;
   const std::vector<std::int64_t> offsets{0, 3, 5};
   DeviceBuffer h(6 * 256 * 2), a(6 * 128 * 4), q(6 * 256), scales(64);
   const Tensor h_t(h.data(), bf16, {6, 256}), a_t(a.data(), bf16, {6, 128});
