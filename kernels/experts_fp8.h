@@ -58,7 +58,8 @@ class Fp8ExpertFFN {
 
   // X [rows, H] bf16, offsets host [E_loc + 1] (each expert's rows a multiple of 16), act.h
   // [rows, 2F] and act.a [rows, F] bf16 (a over every row: no chunks), act.scale optional fp32
-  // [rows]; y [rows, H] bf16.
+  // [rows]; y [rows, H] bf16. The grouped products store whole rows, 16 bytes at a time: their
+  // outputs (h and y here, dA and dX in backward) must be 16-byte aligned, or they throw.
   void forward(const Tensor& X, std::span<const std::int64_t> offsets, const ExpertActivations& act,
                const Tensor& y, cudaStream_t stream);
 
