@@ -307,8 +307,18 @@ void swiglu_forward(const Tensor& h, const Tensor& a, cudaStream_t stream, const
   });
 }
 
-void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const Tensor& a,
-                     cudaStream_t stream, const Tensor& scale, const Tensor& dscale) {
+namespace {
+
+// The backward's arguments, checked: its rows and F, and the row weights and their gradients
+// (null without).
+struct BackwardArgs {
+  std::int64_t rows;
+  int ffn;
+  const float* weights;
+  float* weight_grads;
+};
+BackwardArgs check_backward(const char* what, const Tensor& h, const Tensor& dA, const Tensor& dh,
+                            const Tensor& a, const Tensor& scale, const Tensor& dscale) {
   const std::int64_t rows = h.dim(0);
   const int ffn = static_cast<int>(h.dim(1) / 2);
   check(h, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "h");
@@ -318,8 +328,17 @@ void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const 
   const float* weights = optional_rows(scale, rows, "scale");
   const float* weight_grads = optional_rows(dscale, rows, "dscale");
   if (scale.shape.empty() != dscale.shape.empty())
-    fail("swiglu_backward: scale is " + scale.describe() + " and dscale " + dscale.describe() +
+    fail(std::string(what) + ": scale is " + scale.describe() + " and dscale " + dscale.describe() +
          "; give both or neither");
+  return {rows, ffn, weights, const_cast<float*>(weight_grads)};
+}
+
+}  // namespace
+
+void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const Tensor& a,
+                     cudaStream_t stream, const Tensor& scale, const Tensor& dscale) {
+  const auto [rows, ffn, weights, weight_grads] =
+      check_backward("swiglu_backward", h, dA, dh, a, scale, dscale);
   if (rows == 0) return;
   if (!scale.shape.empty()) {
     dispatch(a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems>() {
@@ -327,7 +346,7 @@ void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const 
           std::min<std::int64_t>((rows + kRowWarps - 1) / kRowWarps, 132 * 16));
       swiglu_weighed_backward_kernel<T, kElems><<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
           h.as<const T>(), dA.as<const T>(), dh.as<T>(), a.as<T>(), rows, ffn, weights,
-          const_cast<float*>(weight_grads));
+          weight_grads);
       MOE_CHECK_LAUNCH();
     });
     return;
@@ -398,17 +417,7 @@ void swiglu_backward_fp8(const Tensor& h, const Tensor& dA, const Tensor& dh, co
                          const Fp8RowBlocks& out, cudaStream_t stream, const Tensor& scale,
                          const Tensor& dscale) {
   const char* what = "swiglu_backward_fp8";
-  const std::int64_t rows = h.dim(0);
-  const int ffn = static_cast<int>(h.dim(1) / 2);
-  check(h, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "h");
-  check(dA, rows, ffn, a.dtype, "dA");
-  check(dh, rows, 2 * static_cast<std::int64_t>(ffn), a.dtype, "dh");
-  check(a, rows, ffn, a.dtype, "a");
-  const float* weights = optional_rows(scale, rows, "scale");
-  float* weight_grads = const_cast<float*>(optional_rows(dscale, rows, "dscale"));
-  if (scale.shape.empty() != dscale.shape.empty())
-    fail(std::string(what) + ": scale is " + scale.describe() + " and dscale " + dscale.describe() +
-         "; give both or neither");
+  const auto [rows, ffn, weights, weight_grads] = check_backward(what, h, dA, dh, a, scale, dscale);
   const auto index = check_fp8_output(what, out, rows, a.dtype);
   if (!one_pass(out, ffn, {&h, &dA, &dh, &a})) {
     swiglu_backward(h, dA, dh, a, stream, scale, dscale);
