@@ -13,8 +13,8 @@
 // step until the next call: a trainer calls it once after each update of the weights, and
 // micro-batches in between share it. Each FP8 pass runs as one launch of the grouped products
 // (kernels/grouped_fp8_gemm.cuh), every expert's tiles side by side, or as cuBLASLt's products,
-// one expert a call, spread over streams largest first (its block-scaled products take neither
-// pointer arrays nor strided batches: bench_fp8_gemm asks): Fp8Products says which.
+// one expert a call, spread over streams largest first (cuBLASLt refuses its block-scaled products
+// a strided batch: bench_fp8_gemm asks): Fp8Products says which.
 #pragma once
 
 #include <cuda_runtime_api.h>
