@@ -82,20 +82,42 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ h, T* __restrict__ a
   }
 }
 
+// A pack's elements from p and back: one access where kVector (p aligned to the pack), else one
+// element at a time. The pack, not the access, sets the order of a row's sums.
+template <bool kVector, typename T, int kElems>
+__device__ __forceinline__ Pack<T, kElems> load_pack(const T* p) {
+  if constexpr (kVector) {
+    return *reinterpret_cast<const Pack<T, kElems>*>(p);
+  } else {
+    Pack<T, kElems> out;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) out.v[e] = p[e];
+    return out;
+  }
+}
+template <bool kVector, typename T, int kElems>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, kElems>& values) {
+  if constexpr (kVector) {
+    *reinterpret_cast<Pack<T, kElems>*>(p) = values;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) p[e] = values.v[e];
+  }
+}
+
 // One pack of the SwiGLU backward at row r, columns [c, c + kElems), with the row's weight w;
 // returns the pack's share of the weight's gradient. Reads every element before it writes dh and
 // a, so they may be h and dA.
-template <typename T, int kElems>
+template <typename T, int kElems, bool kVector = true>
 __device__ __forceinline__ float swiglu_backward_pack(const T* h, const T* dA, T* dh, T* a,
                                                       std::int64_t r, int ffn, int c, float w) {
-  using P = Pack<T, kElems>;
   const auto out =
-      swiglu_backward_values<T, kElems>(*reinterpret_cast<const P*>(h + r * 2 * ffn + c),
-                                        *reinterpret_cast<const P*>(h + r * 2 * ffn + ffn + c),
-                                        *reinterpret_cast<const P*>(dA + r * ffn + c), w);
-  *reinterpret_cast<P*>(dh + r * 2 * ffn + c) = out.dgate;
-  *reinterpret_cast<P*>(dh + r * 2 * ffn + ffn + c) = out.dup;
-  *reinterpret_cast<P*>(a + r * ffn + c) = out.act;
+      swiglu_backward_values<T, kElems>(load_pack<kVector, T, kElems>(h + r * 2 * ffn + c),
+                                        load_pack<kVector, T, kElems>(h + r * 2 * ffn + ffn + c),
+                                        load_pack<kVector, T, kElems>(dA + r * ffn + c), w);
+  store_pack<kVector>(dh + r * 2 * ffn + c, out.dgate);
+  store_pack<kVector>(dh + r * 2 * ffn + ffn + c, out.dup);
+  store_pack<kVector>(a + r * ffn + c, out.act);
   return out.dot;
 }
 
@@ -119,7 +141,7 @@ constexpr int kRowWarps = 8;  // warps per block of the weighed backward: one ro
 // gradient Σ_f dA·act needs the whole row, summed across the warp in a fixed order (bitwise the
 // same on every run). In place allowed as in swiglu_backward_kernel; dscale may be scale: every
 // lane reads w before the warp's sum, after which lane 0 writes the gradient.
-template <typename T, int kElems>
+template <typename T, int kElems, bool kVector>
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     swiglu_weighed_backward_kernel(const T* h, const T* dA, T* dh, T* a, std::int64_t rows, int ffn,
                                    const float* scale, float* dscale) {
@@ -130,7 +152,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     const float w = scale[r];
     float dot = 0.0f;
     for (int i = lane; i < packs; i += kWarpSize)
-      dot += swiglu_backward_pack<T, kElems>(h, dA, dh, a, r, ffn, i * kElems, w);
+      dot += swiglu_backward_pack<T, kElems, kVector>(h, dA, dh, a, r, ffn, i * kElems, w);
 #pragma unroll
     for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
       dot += __shfl_xor_sync(0xffffffffu, dot, offset);
@@ -287,6 +309,24 @@ void dispatch(DType dtype, int ffn, std::initializer_list<const Tensor*> tensors
   launch.template operator()<float, 1>();
 }
 
+// For the row sums: 16-byte packs whenever F allows them, so that a row sums in the same order
+// wherever its tensors lie; moved one element at a time where the tensors are not aligned.
+template <typename Launch>
+void dispatch_row_sums(DType dtype, int ffn, std::initializer_list<const Tensor*> tensors,
+                       Launch&& launch) {
+  const bool aligned = aligned16(tensors);
+  if (dtype == DType::kBF16) {
+    if (ffn % 8 != 0) return launch.template operator()<__nv_bfloat16, 1, true>();
+    if (aligned) return launch.template operator()<__nv_bfloat16, 8, true>();
+    return launch.template operator()<__nv_bfloat16, 8, false>();
+  }
+  if (dtype != DType::kFP32)
+    fail("swiglu: dtype " + std::string(dtype_name(dtype)) + " must be bf16 or fp32");
+  if (ffn % 4 != 0) return launch.template operator()<float, 1, true>();
+  if (aligned) return launch.template operator()<float, 4, true>();
+  launch.template operator()<float, 4, false>();
+}
+
 unsigned blocks_for(std::int64_t work) {
   return static_cast<unsigned>(std::min<std::int64_t>((work + 255) / 256, 132 * 16));
 }
@@ -341,14 +381,16 @@ void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const 
       check_backward("swiglu_backward", h, dA, dh, a, scale, dscale);
   if (rows == 0) return;
   if (!scale.shape.empty()) {
-    dispatch(a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems>() {
-      const auto blocks = static_cast<unsigned>(
-          std::min<std::int64_t>((rows + kRowWarps - 1) / kRowWarps, 132 * 16));
-      swiglu_weighed_backward_kernel<T, kElems><<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
-          h.as<const T>(), dA.as<const T>(), dh.as<T>(), a.as<T>(), rows, ffn, weights,
-          weight_grads);
-      MOE_CHECK_LAUNCH();
-    });
+    dispatch_row_sums(
+        a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems, bool kVector>() {
+          const auto blocks = static_cast<unsigned>(
+              std::min<std::int64_t>((rows + kRowWarps - 1) / kRowWarps, 132 * 16));
+          swiglu_weighed_backward_kernel<T, kElems, kVector>
+              <<<blocks, kRowWarps * kWarpSize, 0, stream>>>(h.as<const T>(), dA.as<const T>(),
+                                                             dh.as<T>(), a.as<T>(), rows, ffn,
+                                                             weights, weight_grads);
+          MOE_CHECK_LAUNCH();
+        });
     return;
   }
   dispatch(a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems>() {
