@@ -173,7 +173,8 @@ void ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets, 
 void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                          const Tensor& w13, const Tensor& w2, const ExpertActivations& act,
                          bool recompute_h, const Tensor& dX, const Tensor& dw13, const Tensor& dw2,
-                         cudaStream_t stream, const RefillInput& refill_input, ExpertSpan span) {
+                         cudaStream_t stream, const RefillInput& refill_input, ExpertSpan span,
+                         const DXQueued& dX_queued) {
   check_shapes(X, offsets, w13, w2, act);
   span = {span.first, std::min(span.end, experts_)};
   if (span.first < 0 || span.first > span.end)
@@ -251,6 +252,8 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
   // on one stream. One buffer: dw2, X refilled, then each dw13 with its expert's dX behind it on
   // one stream.
   const bool dX_over_dY = !refill_input && dX.data == dY.data;
+  // With dX_queued (and no refill), dw13's products leave the fan-out and run after the call.
+  const bool dw13_last = dX_queued && !refill_input;
   std::vector<Product> all, dw2_products, dw13_products, dX_products;
   for (int e = 0; e < experts_; ++e) {
     const std::int64_t m = offsets[e + 1] - offsets[e];
@@ -283,29 +286,38 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
         dw2_products.push_back(dX_e);  // dY's readers of this expert ran chunk by chunk
         dX_products.push_back(none);
       }
-      dw2_products.push_back(dw13_e);
-      dX_products.push_back(none);
+      if (dw13_last) {
+        dw13_products.push_back(dw13_e);
+      } else {
+        dw2_products.push_back(dw13_e);
+        dX_products.push_back(none);
+      }
     } else if (refill_input) {
       if (dw2_here) dw2_products.push_back(dw2_e);
       dw13_products.push_back(dw13_e);
       dX_products.push_back(dX_e);  // aligned with dw13's, empty with no rows
     } else {
       if (dw2_here) all.push_back(dw2_e);
-      all.push_back(dw13_e);
+      (dw13_last ? dw13_products : all).push_back(dw13_e);
       if (m > 0) all.push_back(dX_e);
     }
   }
-  if (dX_over_dY) {
-    run(dw2_products, stream, &dX_products, span);
-    return;
-  }
   if (!refill_input) {
-    run(all, stream, nullptr, span);
+    if (dX_over_dY) {
+      run(dw2_products, stream, &dX_products, span);
+    } else {
+      run(all, stream, nullptr, span);
+    }
+    if (dw13_last) {
+      dX_queued();
+      run(dw13_products, stream, nullptr, span);
+    }
     return;
   }
   run(dw2_products, stream);                 // the last reads of dY
   refill_input(stream);                      // X over dY
   run(dw13_products, stream, &dX_products);  // dX over X_e once dw13_e has read it
+  if (dX_queued) dX_queued();
 }
 
 void ExpertFFN::weight_gradients(const Tensor& dY, const Tensor& X,

@@ -105,10 +105,16 @@ class ExpertFFN {
   //
   // recompute_h: act.h was not kept, so the first GEMM runs again (memory against time); it
   // needs X on entry, so it cannot be combined with refill_input.
+  //
+  // dX_queued, where given, is called once the span's dX is queued on `stream` and before the
+  // products that feed only dw13 (without refill_input), so that a caller can queue dX's transfer
+  // there and have it run beside them. With refill_input dX comes last, and so does the call.
+  using DXQueued = std::function<void()>;
   void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                 const Tensor& w13, const Tensor& w2, const ExpertActivations& act, bool recompute_h,
                 const Tensor& dX, const Tensor& dw13, const Tensor& dw2, cudaStream_t stream,
-                const RefillInput& refill_input = {}, ExpertSpan span = {});
+                const RefillInput& refill_input = {}, ExpertSpan span = {},
+                const DXQueued& dX_queued = {});
 
   // The weight gradients alone, as backward batches them: dw2 = dYᵀ·a and dw13 = dhᵀ·X, a [rows,
   // F] and dh [rows, 2F] over every row (no chunks), zero for an expert without rows. With

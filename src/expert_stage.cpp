@@ -86,7 +86,7 @@ void ExpertStage::forward(const ExpertRows& rows, const Tensor& w13, const Tenso
 
 void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const Tensor& w2,
                            const Tensor& w13_grad, const Tensor& w2_grad, cudaStream_t stream,
-                           ExpertSpan span) {
+                           ExpertSpan span, const ExpertFFN::DXQueued& dX_queued) {
   const std::int64_t n = rows.offsets.back();
   // In place: dh over h, dA over a (the SwiGLU backward reads each element before writing its
   // gradient, and writes a there again for dw2).
@@ -98,10 +98,11 @@ void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const 
     refuse_fp8_span(span, rows.offsets);
     fp8_->backward(rows.dY, rows.input, rows.offsets, act, rows.dX, w13_grad, w2_grad, stream,
                    rows.refill);
+    if (dX_queued) dX_queued();
     return;
   }
   ffn_->backward(rows.dY, rows.input, rows.offsets, w13, w2, act, false, rows.dX, w13_grad, w2_grad,
-                 stream, rows.refill, span);
+                 stream, rows.refill, span, dX_queued);
 }
 
 void ExpertStage::agree_gemm_algorithms(const Mesh& mesh, cudaStream_t stream) {

@@ -27,10 +27,12 @@ class ExpertStage {
   void forward(const ExpertRows& rows, const Tensor& w13, const Tensor& w2, cudaStream_t stream,
                bool weights_unchanged = false, ExpertSpan span = {});
   // dX and the weight gradients (overwritten) from dY, with the forward's h; the probabilities'
-  // gradients into rows.scale where it is given.
+  // gradients into rows.scale where it is given. dX_queued, where given, is called once dX is
+  // queued, ahead of the weight gradients' last products where the experts can order them so
+  // (ExpertFFN::backward), at the end otherwise.
   void backward(const ExpertGradRows& rows, const Tensor& w13, const Tensor& w2,
                 const Tensor& w13_grad, const Tensor& w2_grad, cudaStream_t stream,
-                ExpertSpan span = {});
+                ExpertSpan span = {}, const ExpertFFN::DXQueued& dX_queued = {});
   // The weights were written (bound or initialized): the next forward quantizes them for the
   // FP8 products whatever ForwardOptions::weights_unchanged says.
   void weights_changed() { fp8_w13_ = fp8_w2_ = nullptr; }

@@ -54,6 +54,9 @@ struct Case {
   bool weighed =
       false;  // rows weighed by probabilities inside the experts, their gradient in place
   int expert_chunks = 0;  // forward, then backward, over this many spans of experts in turn
+  // Backward with a dX_queued call that copies the span's rows of dX aside, as an exchange would
+  // send them: they must already be the final dX.
+  bool dX_queued = false;
   std::string describe() const {
     std::ostringstream s;
     s << "H=" << hidden << " F=" << ffn << " E=" << experts << " rows/expert~" << rows_per_expert
@@ -67,7 +70,8 @@ struct Case {
       << (dX_over_dY ? " dX over dY" : "")
       << (chunk_rows > 0 ? " a in chunks of " + std::to_string(chunk_rows) + " rows" : "")
       << (weighed ? " rows weighed" : "")
-      << (expert_chunks > 0 ? " in " + std::to_string(expert_chunks) + " spans" : "");
+      << (expert_chunks > 0 ? " in " + std::to_string(expert_chunks) + " spans" : "")
+      << (dX_queued ? " dX sent once queued" : "");
     return s.str();
   }
 };
@@ -75,6 +79,8 @@ struct Case {
 // What a case computed, as the GPU left it.
 struct Outputs {
   Matrix y, dX, dw13, dw2, dp;
+  Matrix dX_sent;    // with dX_queued: each span's rows of dX as the call found them
+  int dX_calls = 0;  // with dX_queued: how often it was called
 };
 
 // Consecutive near-equal spans of E experts (one span of all for 0).
@@ -190,6 +196,21 @@ Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullpt
   const Tensor dw13_t(dw13.data(), c.grad_dtype, {E, 2 * F, H}),
       dw2_t(dw2.data(), c.grad_dtype, {E, H, F});
   const std::size_t row_bytes = static_cast<std::size_t>(rows * H) * elem;
+  DeviceBuffer dX_sent(row_bytes + 16);
+  test::poison(dX_sent);
+  int dX_calls = 0;
+  // The call for one span: its rows of dX (in `from`) copied aside on the stream.
+  auto dX_queued = [&](const void* from, ExpertSpan span) -> ExpertFFN::DXQueued {
+    if (!c.dX_queued) return {};
+    return [&, from, span] {
+      ++dX_calls;
+      const std::int64_t first = offsets[span.first], end = offsets[std::min(span.end, E)];
+      const std::size_t at = static_cast<std::size_t>(first * H) * elem;
+      MOE_CHECK_CUDA(cudaMemcpyAsync(dX_sent.as<char>() + at, static_cast<const char*>(from) + at,
+                                     static_cast<std::size_t>((end - first) * H) * elem,
+                                     cudaMemcpyDeviceToDevice, stream.get()));
+    };
+  };
   if (c.one_buffer) {
     // y over X; then dY put there (MoEBlock's combine backward writes it over y); the backward
     // refills X over it when dY is dead and writes dX over X.
@@ -205,7 +226,7 @@ Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullpt
                                      cudaMemcpyDeviceToDevice, on));
     };
     ffn.backward(rows_t, rows_t, offsets, w13_t_, w2_t_, act, false, rows_t, dw13_t, dw2_t,
-                 stream.get(), refill);
+                 stream.get(), refill, {}, dX_queued(shared_rows.data(), {}));
     MOE_CHECK_CUDA(cudaMemcpyAsync(dX.data(), shared_rows.data(), row_bytes,
                                    cudaMemcpyDeviceToDevice, stream.get()));
     stream.synchronize();
@@ -224,7 +245,7 @@ Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullpt
                                    cudaMemcpyDeviceToDevice, stream.get()));
     for (const ExpertSpan span : expert_spans(E, c.expert_chunks)) {
       ffn.backward(rows_t, X_t, offsets, w13_t_, w2_t_, act, false, rows_t, dw13_t, dw2_t,
-                   stream.get(), {}, span);
+                   stream.get(), {}, span, dX_queued(shared_rows.data(), span));
     }
     MOE_CHECK_CUDA(cudaMemcpyAsync(dX.data(), shared_rows.data(), row_bytes,
                                    cudaMemcpyDeviceToDevice, stream.get()));
@@ -242,7 +263,7 @@ Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullpt
     for (const ExpertSpan span : expert_spans(E, c.expert_chunks)) {
       ffn.backward(Tensor(dY_dev.data(), d, {rows, H}), X_t, offsets, w13_t_, w2_t_, act,
                    c.recompute, Tensor(dX.data(), d, {rows, H}), dw13_t, dw2_t, stream.get(), {},
-                   span);
+                   span, dX_queued(dX.data(), span));
     }
     stream.synchronize();
   }
@@ -251,7 +272,13 @@ Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullpt
   Outputs got{download_matrix(y, rows, H, d), download_matrix(dX, rows, H, d),
               download_matrix(dw13, static_cast<std::int64_t>(E) * 2 * F, H, c.grad_dtype),
               download_matrix(dw2, static_cast<std::int64_t>(E) * H, F, c.grad_dtype),
-              download_matrix(scale_dev, rows, 1, DType::kFP32)};
+              download_matrix(scale_dev, rows, 1, DType::kFP32),
+              c.dX_queued ? download_matrix(dX_sent, rows, H, d) : Matrix{},
+              dX_calls};
+  if (c.dX_queued) {
+    CHECK(dX_calls == std::ssize(expert_spans(E, c.expert_chunks)));
+    CHECK(got.dX_sent.data == got.dX.data);
+  }
   CHECK(test::relative_error(got.y, want.y) <= tolerance);
   if (c.weighed) CHECK(test::relative_error(got.dp, want_dp) <= tolerance);
   CHECK(test::relative_error(got.dX, grads.dX) <= tolerance);
@@ -418,6 +445,21 @@ TEST_CASE("expert FFN run span by span of experts gives one call's bits", "[gpu]
       CHECK(spans.dw2.data == one.dw2.data);
       if (c.weighed) CHECK(spans.dp.data == one.dp.data);
     }
+    // dX sent once queued (the last chunk of a pipelined exchange's backward): dw13's products
+    // after the call change no bit, and the rows sent are the final dX.
+    for (const int chunks : {0, 3}) {
+      c.expert_chunks = chunks;
+      c.dX_queued = true;
+      INFO(c.describe());
+      same_inputs = rng;
+      const Outputs queued = run_case(c, same_inputs, &ffn);
+      CHECK(queued.y.data == one.y.data);
+      CHECK(queued.dX.data == one.dX.data);
+      CHECK(queued.dw13.data == one.dw13.data);
+      CHECK(queued.dw2.data == one.dw2.data);
+      if (c.weighed) CHECK(queued.dp.data == one.dp.data);
+    }
+    c.dX_queued = false;
     rng = same_inputs;
   }
 }
