@@ -1,8 +1,9 @@
 // Expert FFN (cuBLASLt / grouped GEMMs + SwiGLU) against the fp64 reference: forward and every
 // gradient, fp32 and bf16, every schedule, h kept or recomputed, X kept or refilled, uniform /
-// skewed / empty experts; and the experts run span by span (the pipelined exchange's chunks)
-// giving one call's bits.
+// skewed / empty experts; and the experts run span by span (the pipelined exchange's chunks), or
+// with dX handed on before dw13's products, giving one call's bits.
 #include <optional>
+#include <utility>
 #include <random>
 #include <sstream>
 
@@ -269,7 +270,8 @@ Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullpt
   }
 
   const double tolerance = c.dtype == DType::kBF16 ? 1e-2 : 1e-5;
-  Outputs got{download_matrix(y, rows, H, d), download_matrix(dX, rows, H, d),
+  Outputs got{download_matrix(y, rows, H, d),
+              download_matrix(dX, rows, H, d),
               download_matrix(dw13, static_cast<std::int64_t>(E) * 2 * F, H, c.grad_dtype),
               download_matrix(dw2, static_cast<std::int64_t>(E) * H, F, c.grad_dtype),
               download_matrix(scale_dev, rows, 1, DType::kFP32),
@@ -434,30 +436,22 @@ TEST_CASE("expert FFN run span by span of experts gives one call's bits", "[gpu]
                       dtype_size(c.dtype));
     std::mt19937_64 same_inputs = rng;
     const Outputs one = run_case(c, same_inputs, &ffn);
-    for (const int chunks : {2, 3, c.experts}) {
+    // In spans; then with dX sent once queued (the last chunk of a pipelined exchange's
+    // backward): dw13's products after the call change no bit, and the rows sent are the final
+    // dX (run_case checks).
+    const std::pair<int, bool> variants[] = {
+        {2, false}, {3, false}, {c.experts, false}, {0, true}, {3, true}};
+    for (const auto& [chunks, dX_queued] : variants) {
       c.expert_chunks = chunks;
+      c.dX_queued = dX_queued;
       INFO(c.describe());
       same_inputs = rng;
-      const Outputs spans = run_case(c, same_inputs, &ffn);
-      CHECK(spans.y.data == one.y.data);
-      CHECK(spans.dX.data == one.dX.data);
-      CHECK(spans.dw13.data == one.dw13.data);
-      CHECK(spans.dw2.data == one.dw2.data);
-      if (c.weighed) CHECK(spans.dp.data == one.dp.data);
-    }
-    // dX sent once queued (the last chunk of a pipelined exchange's backward): dw13's products
-    // after the call change no bit, and the rows sent are the final dX.
-    for (const int chunks : {0, 3}) {
-      c.expert_chunks = chunks;
-      c.dX_queued = true;
-      INFO(c.describe());
-      same_inputs = rng;
-      const Outputs queued = run_case(c, same_inputs, &ffn);
-      CHECK(queued.y.data == one.y.data);
-      CHECK(queued.dX.data == one.dX.data);
-      CHECK(queued.dw13.data == one.dw13.data);
-      CHECK(queued.dw2.data == one.dw2.data);
-      if (c.weighed) CHECK(queued.dp.data == one.dp.data);
+      const Outputs got = run_case(c, same_inputs, &ffn);
+      CHECK(got.y.data == one.y.data);
+      CHECK(got.dX.data == one.dX.data);
+      CHECK(got.dw13.data == one.dw13.data);
+      CHECK(got.dw2.data == one.dw2.data);
+      if (c.weighed) CHECK(got.dp.data == one.dp.data);
     }
     c.dX_queued = false;
     rng = same_inputs;
