@@ -326,6 +326,9 @@ int main(int argc, char** argv) {
     stream.synchronize();
     const std::size_t memory_peak = used_device_memory() - memory_before;
     const double warm_step_ms = warm_stop.elapsed_ms_since(warm_start) / std::max(warmup, 1);
+    // As a trainer's first reduce_gradients does: the ranks agree on the GEMM algorithms, so the
+    // steps timed run as a trainer's later steps do (docs/design.md, "Pipelined exchange").
+    block.reduce_gradients();
     int more_steps = warm_step_ms > 0
                          ? static_cast<int>(std::min(bench::kSteadyStateMs / warm_step_ms, 1e5))
                          : 0;

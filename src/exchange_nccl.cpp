@@ -484,10 +484,10 @@ class NcclExchange final : public TokenExchange {
     }
   }
 
-  // A chunk's results back to their senders once its experts (queued on the block's stream) are
-  // done: its rows of `results` unsorted into `staging` at the offsets they arrived at, then sent
-  // into the senders' `slots_buffer` at the offsets they left from. The last chunk ends the
-  // pipeline.
+  // A chunk's results back to their senders once the work queued on the block's stream so far
+  // (the chunk's experts; in the backward's last chunk, its dX products alone) is done: its rows of
+  // `results` unsorted into `staging` at the offsets they arrived at, then sent into the senders'
+  // `slots_buffer` at the offsets they left from. The last chunk ends the pipeline.
   void return_chunk(int chunk, const DeviceBuffer& results, DeviceBuffer& staging,
                     DeviceBuffer& slots_buffer) {
     const ChunkRanges& r = start_chunk(chunk);
@@ -505,7 +505,7 @@ class NcclExchange final : public TokenExchange {
     began_.record(stream_);
     wait(pipe_.get(), began_);
   }
-  // A chunk's return waits for its experts, queued on the block's stream.
+  // A chunk's return waits for what the block's stream queued so far (its experts' results).
   const ChunkRanges& start_chunk(int chunk) {
     computed_.at(chunk).record(stream_);
     wait(pipe_.get(), computed_[chunk]);

@@ -287,13 +287,21 @@ void MoEBlock::experts_backward_phase() {
     }
     // The last chunk's dX has no later chunk's products to run beside: where the transfers run
     // beside the stream, it leaves as soon as it is queued, and the chunk's dw13 products run
-    // beside it (only an event is queued on the block's stream in between, no stage time). The
-    // other chunks keep one fan-out of their products.
+    // beside it (only an event is queued on the block's stream in between). The other chunks
+    // keep one fan-out of their products. Algorithm trials want the device alone: until the
+    // ranks agree on the algorithms, the old order.
     const bool last = chunk + 1 == std::ssize(rows.chunks);
-    if (last && exchange.transfers_beside_the_stream()) {
+    if (last && exchange.transfers_beside_the_stream() &&
+        s.experts.gemm_algorithms_agreed(s.mesh)) {
       Range r("moe experts backward", s.times, stream);
       s.experts.backward(rows, s.params.w13, s.params.w2, s.grads.w13, s.grads.w2, stream,
-                         rows.chunks[chunk], [&] { exchange.dispatch_backward(chunk); });
+                         rows.chunks[chunk], [&] {
+                           {
+                             Range send("moe dispatch backward", s.times, stream);
+                             exchange.dispatch_backward(chunk);
+                           }
+                           s.times.current = "moe experts backward";  // dw13's products
+                         });
       continue;
     }
     {
