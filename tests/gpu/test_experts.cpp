@@ -3,9 +3,9 @@
 // skewed / empty experts; and the experts run span by span (the pipelined exchange's chunks), or
 // with dX handed on before dw13's products, giving one call's bits.
 #include <optional>
-#include <utility>
 #include <random>
 #include <sstream>
+#include <utility>
 
 #include "kernels/experts.h"
 #include "reference/reference.h"
