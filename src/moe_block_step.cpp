@@ -289,7 +289,7 @@ void MoEBlock::experts_backward_phase() {
     // beside the stream, it leaves as soon as it is queued, and the chunk's dw13 products run
     // beside it (only an event is queued on the block's stream in between). The other chunks
     // keep one fan-out of their products. Algorithm trials want the device alone: until the
-    // ranks agree on the algorithms, the old order.
+    // ranks agree on the algorithms, dw13 before the transfer.
     const bool last = chunk + 1 == std::ssize(rows.chunks);
     if (last && exchange.transfers_beside_the_stream() &&
         s.experts.gemm_algorithms_agreed(s.mesh)) {
