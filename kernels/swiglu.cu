@@ -294,37 +294,24 @@ bool aligned16(std::initializer_list<const Tensor*> tensors) {
   });
 }
 
-// 16-byte packs when F and the tensors allow them (every row then starts 16-byte aligned too),
-// else one element at a time.
-template <typename Launch>
+// 16-byte packs of kElems values where F allows them. launch<T, kElems, kVector>: kVector says
+// whether a pack moves as one 16-byte access, which needs every tensor 16-byte aligned (every row
+// then starts aligned too). Unaligned tensors move one element at a time: as packs moved element
+// by element where kFixedPacks (the row sums, so that a row sums in the same order wherever its
+// tensors lie), else as packs of one.
+template <bool kFixedPacks, typename Launch>
 void dispatch(DType dtype, int ffn, std::initializer_list<const Tensor*> tensors, Launch&& launch) {
   const bool aligned = aligned16(tensors);
-  if (dtype == DType::kBF16) {
-    if (ffn % 8 == 0 && aligned) return launch.template operator()<__nv_bfloat16, 8>();
-    return launch.template operator()<__nv_bfloat16, 1>();
-  }
+  auto packs = [&]<typename T, int kPack>() {
+    if (ffn % kPack != 0) return launch.template operator()<T, 1, true>();
+    if (aligned) return launch.template operator()<T, kPack, true>();
+    if constexpr (kFixedPacks) return launch.template operator()<T, kPack, false>();
+    return launch.template operator()<T, 1, true>();
+  };
+  if (dtype == DType::kBF16) return packs.template operator()<__nv_bfloat16, 8>();
   if (dtype != DType::kFP32)
     fail("swiglu: dtype " + std::string(dtype_name(dtype)) + " must be bf16 or fp32");
-  if (ffn % 4 == 0 && aligned) return launch.template operator()<float, 4>();
-  launch.template operator()<float, 1>();
-}
-
-// For the row sums: 16-byte packs whenever F allows them, so that a row sums in the same order
-// wherever its tensors lie; moved one element at a time where the tensors are not aligned.
-template <typename Launch>
-void dispatch_row_sums(DType dtype, int ffn, std::initializer_list<const Tensor*> tensors,
-                       Launch&& launch) {
-  const bool aligned = aligned16(tensors);
-  if (dtype == DType::kBF16) {
-    if (ffn % 8 != 0) return launch.template operator()<__nv_bfloat16, 1, true>();
-    if (aligned) return launch.template operator()<__nv_bfloat16, 8, true>();
-    return launch.template operator()<__nv_bfloat16, 8, false>();
-  }
-  if (dtype != DType::kFP32)
-    fail("swiglu: dtype " + std::string(dtype_name(dtype)) + " must be bf16 or fp32");
-  if (ffn % 4 != 0) return launch.template operator()<float, 1, true>();
-  if (aligned) return launch.template operator()<float, 4, true>();
-  launch.template operator()<float, 4, false>();
+  packs.template operator()<float, 4>();
 }
 
 unsigned blocks_for(std::int64_t work) {
@@ -340,7 +327,7 @@ void swiglu_forward(const Tensor& h, const Tensor& a, cudaStream_t stream, const
   check(a, rows, ffn, a.dtype, "a");
   const float* weights = optional_rows(scale, rows, "scale");
   if (rows == 0) return;
-  dispatch(a.dtype, ffn, {&h, &a}, [&]<typename T, int kElems>() {
+  dispatch<false>(a.dtype, ffn, {&h, &a}, [&]<typename T, int kElems, bool>() {
     swiglu_forward_kernel<T, kElems><<<blocks_for(rows * ffn / kElems), 256, 0, stream>>>(
         h.as<const T>(), a.as<T>(), rows, ffn, weights);
     MOE_CHECK_LAUNCH();
@@ -381,19 +368,18 @@ void swiglu_backward(const Tensor& h, const Tensor& dA, const Tensor& dh, const 
       check_backward("swiglu_backward", h, dA, dh, a, scale, dscale);
   if (rows == 0) return;
   if (!scale.shape.empty()) {
-    dispatch_row_sums(
-        a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems, bool kVector>() {
-          const auto blocks = static_cast<unsigned>(
-              std::min<std::int64_t>((rows + kRowWarps - 1) / kRowWarps, 132 * 16));
-          swiglu_weighed_backward_kernel<T, kElems, kVector>
-              <<<blocks, kRowWarps * kWarpSize, 0, stream>>>(h.as<const T>(), dA.as<const T>(),
-                                                             dh.as<T>(), a.as<T>(), rows, ffn,
-                                                             weights, weight_grads);
-          MOE_CHECK_LAUNCH();
-        });
+    dispatch<true>(a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems, bool kVector>() {
+      const auto blocks = static_cast<unsigned>(
+          std::min<std::int64_t>((rows + kRowWarps - 1) / kRowWarps, 132 * 16));
+      swiglu_weighed_backward_kernel<T, kElems, kVector>
+          <<<blocks, kRowWarps * kWarpSize, 0, stream>>>(h.as<const T>(), dA.as<const T>(),
+                                                         dh.as<T>(), a.as<T>(), rows, ffn, weights,
+                                                         weight_grads);
+      MOE_CHECK_LAUNCH();
+    });
     return;
   }
-  dispatch(a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems>() {
+  dispatch<false>(a.dtype, ffn, {&h, &dA, &dh, &a}, [&]<typename T, int kElems, bool>() {
     swiglu_backward_kernel<T, kElems><<<blocks_for(rows * ffn / kElems), 256, 0, stream>>>(
         h.as<const T>(), dA.as<const T>(), dh.as<T>(), a.as<T>(), rows, ffn);
     MOE_CHECK_LAUNCH();

@@ -290,25 +290,25 @@ void MoEBlock::experts_backward_phase() {
     // beside it (only an event is queued on the block's stream in between). The other chunks
     // keep one fan-out of their products. Algorithm trials want the device alone: until the
     // ranks agree on the algorithms, dw13 before the transfer.
-    const bool last = chunk + 1 == std::ssize(rows.chunks);
-    if (last && exchange.transfers_beside_the_stream() &&
-        s.experts.gemm_algorithms_agreed(s.mesh)) {
-      Range r("moe experts backward", s.times, stream);
-      s.experts.backward(rows, s.params.w13, s.params.w2, s.grads.w13, s.grads.w2, stream,
-                         rows.chunks[chunk], [&] {
-                           {
-                             Range send("moe dispatch backward", s.times, stream);
-                             exchange.dispatch_backward(chunk);
-                           }
-                           s.times.current = "moe experts backward";  // dw13's products
-                         });
-      continue;
+    const bool send_early = chunk + 1 == std::ssize(rows.chunks) &&
+                            exchange.transfers_beside_the_stream() &&
+                            s.experts.gemm_algorithms_agreed(s.mesh);
+    ExpertFFN::DXQueued send_dX;
+    if (send_early) {
+      send_dX = [&] {
+        {
+          Range send("moe dispatch backward", s.times, stream);
+          exchange.dispatch_backward(chunk);
+        }
+        s.times.current = "moe experts backward";  // dw13's products
+      };
     }
     {
       Range r("moe experts backward", s.times, stream);
       s.experts.backward(rows, s.params.w13, s.params.w2, s.grads.w13, s.grads.w2, stream,
-                         rows.chunks[chunk]);
+                         rows.chunks[chunk], send_dX);
     }
+    if (send_early) continue;
     Range r("moe dispatch backward", s.times, stream);
     exchange.dispatch_backward(chunk);
   }

@@ -2,6 +2,7 @@
 // gradient, fp32 and bf16, every schedule, h kept or recomputed, X kept or refilled, uniform /
 // skewed / empty experts; and the experts run span by span (the pipelined exchange's chunks), or
 // with dX handed on before dw13's products, giving one call's bits.
+#include <algorithm>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -199,17 +200,28 @@ Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullpt
   const std::size_t row_bytes = static_cast<std::size_t>(rows * H) * elem;
   DeviceBuffer dX_sent(row_bytes + 16);
   test::poison(dX_sent);
+  // The span's dw13 as the call found it: still poisoned where its products run after the call.
+  DeviceBuffer dw13_at_call(dw13.bytes());
+  MOE_CHECK_CUDA(cudaMemset(dw13_at_call.data(), 0, dw13_at_call.bytes()));
   int dX_calls = 0;
-  // The call for one span: its rows of dX (in `from`) copied aside on the stream.
+  // The call for one span: its rows of dX (in `from`) and its experts' dw13 copied aside on the
+  // stream.
   auto dX_queued = [&](const void* from, ExpertSpan span) -> ExpertFFN::DXQueued {
     if (!c.dX_queued) return {};
     return [&, from, span] {
       ++dX_calls;
-      const std::int64_t first = offsets[span.first], end = offsets[std::min(span.end, E)];
+      const int end_expert = std::min(span.end, E);
+      const std::int64_t first = offsets[span.first], end = offsets[end_expert];
       const std::size_t at = static_cast<std::size_t>(first * H) * elem;
       MOE_CHECK_CUDA(cudaMemcpyAsync(dX_sent.as<char>() + at, static_cast<const char*>(from) + at,
                                      static_cast<std::size_t>((end - first) * H) * elem,
                                      cudaMemcpyDeviceToDevice, stream.get()));
+      const std::size_t per_expert = static_cast<std::size_t>(2 * F) * H * gelem;
+      MOE_CHECK_CUDA(cudaMemcpyAsync(
+          dw13_at_call.as<char>() + static_cast<std::size_t>(span.first) * per_expert,
+          dw13.as<char>() + static_cast<std::size_t>(span.first) * per_expert,
+          static_cast<std::size_t>(end_expert - span.first) * per_expert, cudaMemcpyDeviceToDevice,
+          stream.get()));
     };
   };
   if (c.one_buffer) {
@@ -280,6 +292,12 @@ Outputs run_case(const Case& c, std::mt19937_64& rng, ExpertFFN* shared = nullpt
   if (c.dX_queued) {
     CHECK(dX_calls == std::ssize(expert_spans(E, c.expert_chunks)));
     CHECK(got.dX_sent.data == got.dX.data);
+    if (!c.one_buffer) {  // the refill's dw13 reads X before dX is written over it
+      std::vector<unsigned char> seen(dw13_at_call.bytes());
+      MOE_CHECK_CUDA(
+          cudaMemcpy(seen.data(), dw13_at_call.data(), seen.size(), cudaMemcpyDeviceToHost));
+      CHECK(std::count(seen.begin(), seen.end(), 0xFF) == std::ssize(seen));
+    }
   }
   CHECK(test::relative_error(got.y, want.y) <= tolerance);
   if (c.weighed) CHECK(test::relative_error(got.dp, want_dp) <= tolerance);
