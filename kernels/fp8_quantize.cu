@@ -68,6 +68,19 @@ __device__ __forceinline__ void put8(std::uint8_t* row, std::int64_t col, std::i
     if (col + i < cols) row[col + i] = out[i];
 }
 
+// The same, the 8 codes little-endian in a uint2.
+__device__ __forceinline__ void put8(std::uint8_t* row, std::int64_t col, std::int64_t cols,
+                                     bool vector, uint2 packed) {
+  if (vector && col + kPerLane <= cols) {
+    *reinterpret_cast<uint2*>(row + col) = packed;
+    return;
+  }
+  for (int i = 0; i < kPerLane; ++i) {
+    if (col + i < cols)
+      row[col + i] = static_cast<std::uint8_t>((i < 4 ? packed.x : packed.y) >> (8 * (i % 4)));
+  }
+}
+
 // Where row r's column block c keeps its scale.
 struct StridedScales {
   ScaleLayout layout;
@@ -164,39 +177,87 @@ __global__ void quantize_row_blocks_kernel(const __nv_bfloat16* __restrict__ x, 
   store(r, c, blocks_per_row, col, cols, vector, lane, v, exponent);
 }
 
-// One thread block a tile: 16 rows a pass, 8 passes, the values kept in registers between the
-// amax and the stores, so the tile is read once. A transposed copy goes through shared memory, so
-// that its stores too are whole rows.
+// A lane's 8 columns from `col` as bf16 (fewer at a row's end: the rest read as 0), as load8.
+__device__ __forceinline__ uint4 load8_bf16(const __nv_bfloat16* row, std::int64_t col,
+                                            std::int64_t cols, bool vector) {
+  if (vector && col < cols) return *reinterpret_cast<const uint4*>(row + col);
+  uint4 raw;
+  auto* values = reinterpret_cast<__nv_bfloat16*>(&raw);
+  for (int i = 0; i < kPerLane; ++i)
+    values[i] = col + i < cols ? row[col + i] : __float2bfloat16_rn(0.0f);
+  return raw;
+}
+
+// The largest magnitude of 8 bf16 values (NaN ignored, as fmaxf does), as a float.
+__device__ __forceinline__ float max_magnitude8(uint4 raw) {
+  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  __nv_bfloat162 m = __habs2(pairs[0]);
+  for (int i = 1; i < kPerLane / 2; ++i) m = __hmax2(m, __habs2(pairs[i]));
+  return fmaxf(__bfloat162float(m.x), __bfloat162float(m.y));
+}
+
+// 8 bf16 values' codes, little-endian, given 2^-e: each value scaled exactly in fp32, then
+// rounded once, as to_e4m3.
+__device__ __forceinline__ uint2 encode8_bf16(uint4 raw, float inverse_scale) {
+  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  std::uint32_t words[2];
+  for (int w = 0; w < 2; ++w) {
+    std::uint32_t word = 0;
+    for (int i = 0; i < 2; ++i) {
+      float2 pair = __bfloat1622float2(pairs[2 * w + i]);
+      pair.x *= inverse_scale;
+      pair.y *= inverse_scale;
+      word |= static_cast<std::uint32_t>(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3))
+              << (16 * i);
+    }
+    words[w] = word;
+  }
+  return {words[0], words[1]};
+}
+
+// One thread block a tile: 16 rows a pass, 8 passes, the values kept in registers (as bf16, so
+// that four blocks fit an SM) between the amax and the stores, so the tile is read once. A
+// transposed copy goes through shared memory, so that its stores too are whole rows.
 constexpr int kTileThreads = 256;
 constexpr int kTileRowsPerPass = kTileThreads / kLanesPerBlock;  // 16
 constexpr int kTilePasses = kFP8Block / kTileRowsPerPass;        // 8
-// Row stride of the shared tile, in bytes: rows 4-byte aligned for the word stores, and an odd
-// number of words (33) so that the transposed reads, 8 rows apart from lane to lane, spread over
-// 4 banks' groups instead of all landing in one.
-constexpr int kSharedStride = kFP8Block + 4;
+// The codes of a tile in shared memory for its transpose: 128 rows of 16 pairs of words, the
+// pair p of row r kept at p ^ (r / 8), so that both the rows' stores (16 lanes a row) and the
+// transposing reads (16 lanes down a column of 8 × 8 blocks) spread over every bank.
+__device__ __forceinline__ int swizzled_pair(int row, int pair) {
+  return pair ^ (row / 8 % 16);
+}
 
-__global__ void quantize_tiles_kernel(const __nv_bfloat16* __restrict__ x, std::int64_t rows,
-                                      std::int64_t cols, TileOutput out, TileOutput transposed) {
+// The transpose of a 4 × 4 block of bytes, a row a word.
+__device__ __forceinline__ void transpose4x4(std::uint32_t (&w)[4]) {
+  const std::uint32_t t0 = __byte_perm(w[0], w[1], 0x5140), t1 = __byte_perm(w[0], w[1], 0x7362);
+  const std::uint32_t t2 = __byte_perm(w[2], w[3], 0x5140), t3 = __byte_perm(w[2], w[3], 0x7362);
+  w[0] = __byte_perm(t0, t2, 0x5410);
+  w[1] = __byte_perm(t0, t2, 0x7632);
+  w[2] = __byte_perm(t1, t3, 0x5410);
+  w[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+__global__ void __launch_bounds__(kTileThreads, 4)
+    quantize_tiles_kernel(const __nv_bfloat16* __restrict__ x, std::int64_t rows, std::int64_t cols,
+                          TileOutput out, TileOutput transposed) {
   const std::int64_t tile_row = blockIdx.y, tile_col = blockIdx.x, matrix = blockIdx.z;
   x += matrix * rows * cols;
   const int lane = threadIdx.x % kLanesPerBlock, row_in_pass = threadIdx.x / kLanesPerBlock;
   const std::int64_t col = tile_col * kFP8Block + lane * kPerLane;
   const std::int64_t first_row = tile_row * kFP8Block;
   const bool vector = whole_lanes(x, SeparateScales<StridedScales>{out.codes, nullptr, {}}, cols);
-  float v[kTilePasses][kPerLane];
-  float amax = 0.0f;
+  uint4 v[kTilePasses];
 #pragma unroll
   for (int pass = 0; pass < kTilePasses; ++pass) {
     const std::int64_t r = first_row + pass * kTileRowsPerPass + row_in_pass;
-    if (r < rows) {
-      load8(x + r * cols, col, cols, vector, v[pass]);
-    } else {
-      for (float& value : v[pass]) value = 0.0f;
-    }
-    for (float value : v[pass]) amax = fmaxf(amax, fabsf(value));
+    v[pass] = r < rows ? load8_bf16(x + r * cols, col, cols, vector) : uint4{0u, 0u, 0u, 0u};
   }
+  float amax = 0.0f;
+#pragma unroll
+  for (int pass = 0; pass < kTilePasses; ++pass) amax = fmaxf(amax, max_magnitude8(v[pass]));
   __shared__ float warp_amax[kTileThreads / kWarp];
-  __shared__ __align__(4) std::uint8_t codes[kFP8Block][kSharedStride];
+  __shared__ uint2 codes[kFP8Block][kFP8Block / kPerLane];
   for (int offset = kWarp / 2; offset > 0; offset /= 2)
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   if (threadIdx.x % kWarp == 0) warp_amax[threadIdx.x / kWarp] = amax;
@@ -210,15 +271,10 @@ __global__ void quantize_tiles_kernel(const __nv_bfloat16* __restrict__ x, std::
   for (int pass = 0; pass < kTilePasses; ++pass) {
     const int local_row = pass * kTileRowsPerPass + row_in_pass;
     const std::int64_t r = first_row + local_row;
-    std::uint8_t q[kPerLane];
-    encode8(v[pass], inverse_scale, q);
+    const uint2 packed = encode8_bf16(v[pass], inverse_scale);
     if (out.codes != nullptr && r < rows)
-      put8(out.codes + (matrix * rows + r) * cols, col, cols, vector, q);
-    if (transposed.codes != nullptr) {
-      auto* word = reinterpret_cast<std::uint32_t*>(&codes[local_row][lane * kPerLane]);
-      word[0] = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<std::uint32_t>(q[3]) << 24);
-      word[1] = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<std::uint32_t>(q[7]) << 24);
-    }
+      put8(out.codes + (matrix * rows + r) * cols, col, cols, vector, packed);
+    if (transposed.codes != nullptr) codes[local_row][swizzled_pair(local_row, lane)] = packed;
   }
   if (threadIdx.x == 0) {
     if (out.codes != nullptr) {
@@ -234,19 +290,31 @@ __global__ void quantize_tiles_kernel(const __nv_bfloat16* __restrict__ x, std::
   }
   if (transposed.codes == nullptr) return;
   __syncthreads();
-  // The transpose [cols, rows]: its row c (a column of x) takes the tile's column c_local over
-  // the tile's rows, 8 of them a lane.
+  // The transpose [cols, rows]: each thread turns one 8 × 8 block of the tile in registers, the
+  // block's 8 rows from row 8 · block_row, its 8 columns from column 8 · block_col, which become
+  // 8 bytes of 8 rows of the transpose; the 16 threads of a block column store 128 bytes a row.
+  const int block_row = threadIdx.x % 16, block_col = threadIdx.x / 16;
+  std::uint32_t low[2][4], high[2][4];  // [half of the block's rows][row]: columns 0-3 / 4-7
+  for (int i = 0; i < kPerLane; ++i) {
+    const int local_row = block_row * kPerLane + i;
+    const uint2 pair = codes[local_row][swizzled_pair(local_row, block_col)];
+    low[i / 4][i % 4] = pair.x;
+    high[i / 4][i % 4] = pair.y;
+  }
+  for (int half = 0; half < 2; ++half) {
+    transpose4x4(low[half]);
+    transpose4x4(high[half]);
+  }
   const bool transposed_vector =
       rows % kPerLane == 0 && reinterpret_cast<std::uintptr_t>(transposed.codes) % 8 == 0;
   std::uint8_t* matrix_t = transposed.codes + matrix * rows * cols;
-#pragma unroll
-  for (int pass = 0; pass < kTilePasses; ++pass) {
-    const int local_col = pass * kTileRowsPerPass + row_in_pass;
-    const std::int64_t c = tile_col * kFP8Block + local_col;
-    if (c >= cols) continue;
-    std::uint8_t q[kPerLane];
-    for (int i = 0; i < kPerLane; ++i) q[i] = codes[lane * kPerLane + i][local_col];
-    put8(matrix_t + c * rows, first_row + lane * kPerLane, rows, transposed_vector, q);
+  const std::int64_t at = first_row + block_row * kPerLane;
+  for (int j = 0; j < kPerLane; ++j) {
+    const std::int64_t c = tile_col * kFP8Block + block_col * kPerLane + j;
+    if (c >= cols || at >= rows) continue;
+    const std::uint32_t(&words)[2][4] = j < 4 ? low : high;
+    const uint2 packed{words[0][j % 4], words[1][j % 4]};
+    put8(matrix_t + c * rows, at, rows, transposed_vector, packed);
   }
 }
 

@@ -164,7 +164,8 @@ TEST_CASE("fp8 quantize: stacked matrices and their transposes in tiles equal th
           "[gpu][fp8][quantize]") {
   std::mt19937_64 rng(test::fresh_seed());
   Stream stream;
-  const std::vector<Shape> shapes = {{256, 128}, {96, 200}, {300, 264}, {16, 16}, {130, 7}};
+  const std::vector<Shape> shapes = {{256, 128}, {520, 384}, {96, 200},
+                                     {300, 264}, {16, 16},   {130, 7}};
   for (const Shape& s : shapes) {
     for (const std::int64_t matrices : {std::int64_t{1}, std::int64_t{3}}) {
       INFO(matrices << " matrices of " << s.rows << "x" << s.cols);
