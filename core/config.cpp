@@ -300,10 +300,6 @@ void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(exchange_chunks >= 0 && exchange_chunks <= 1024,
                      "exchange_chunks = {} must be in [0, 1024] (0 = automatic, 1 = one chunk)",
                      exchange_chunks);
-  MOE_CONFIG_REQUIRE(!fp8 || exchange_chunks <= 1,
-                     "exchange_chunks = {} with fp8 = true: the FP8 experts run every local "
-                     "expert in one pass, so the exchange cannot pipeline with them (use 0 or 1)",
-                     exchange_chunks);
   MOE_CONFIG_REQUIRE(ep_transport == EpTransport::kAuto || ep_transport == EpTransport::kNccl ||
                          ep_transport == EpTransport::kPeer || ep_transport == EpTransport::kCopy,
                      "ep_transport = {} must be auto, nccl, peer or copy",
@@ -315,7 +311,7 @@ void MoEConfig::validate() const {
 
 int MoEConfig::effective_exchange_chunks() const {
   const int local_experts = ep >= 1 ? num_experts / ep : num_experts;
-  if (ep <= 1 || fp8 || local_experts <= 1) return 1;
+  if (ep <= 1 || local_experts <= 1) return 1;
   // Automatic: four chunks hide all but about a quarter of each exchange's time (the first
   // dispatch chunk and the last combine chunk stay exposed) at four times the launches, over
   // NCCL and over the copy engines alike (whose chunks end in barriers that need no SM):

@@ -323,8 +323,11 @@ void ExpertFFN::backward(const Tensor& dY, const Tensor& X, std::span<const std:
 void ExpertFFN::weight_gradients(const Tensor& dY, const Tensor& X,
                                  std::span<const std::int64_t> offsets, const Tensor& a,
                                  const Tensor& dh, const Tensor& dw13, const Tensor& dw2,
-                                 cudaStream_t stream, const RefillInput& refill_input) {
+                                 cudaStream_t stream, const RefillInput& between, ExpertSpan span) {
   check_offsets(offsets);
+  span = {span.first, std::min(span.end, experts_)};
+  if (span.first < 0 || span.first > span.end)
+    fail("ExpertFFN::weight_gradients: experts [{}, {}) of {}", span.first, span.end, experts_);
   const std::int64_t rows = offsets.back(), H = hidden_, F = ffn_, E = experts_;
   expect_tensor(dY, "ExpertFFN dY", dtype_, {rows, H});
   expect_tensor(X, "ExpertFFN X", dtype_, {rows, H});
@@ -352,14 +355,14 @@ void ExpertFFN::weight_gradients(const Tensor& dY, const Tensor& X,
                              0.0f,
                              e});
   }
-  if (refill_input) {
-    run(dw2_products, stream);
-    refill_input(stream);
-    run(dw13_products, stream);
+  if (between) {
+    run(dw2_products, stream, nullptr, span);
+    between(stream);
+    run(dw13_products, stream, nullptr, span);
     return;
   }
   dw2_products.insert(dw2_products.end(), dw13_products.begin(), dw13_products.end());
-  run(dw2_products, stream);
+  run(dw2_products, stream, nullptr, span);
 }
 
 }  // namespace moe

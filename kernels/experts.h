@@ -117,12 +117,14 @@ class ExpertFFN {
                 const DXQueued& dX_queued = {});
 
   // The weight gradients alone, as backward batches them: dw2 = dYᵀ·a and dw13 = dhᵀ·X, a [rows,
-  // F] and dh [rows, 2F] over every row (no chunks), zero for an expert without rows. With
-  // refill_input, X is written (over dY, say) once dw2's products, dY's last readers, are done.
-  // For callers that form a and dh themselves (the FP8 experts).
+  // F] and dh [rows, 2F] over every row (no chunks), zero for an expert without rows. `between`,
+  // where given, is called once dw2's products, dY's last readers, are done and before dw13's
+  // (X may be written over dY there). span: the experts whose gradients run, batched as the whole
+  // call batches them, so that spans in turn give one call's bits. For callers that form a and dh
+  // themselves (the FP8 experts).
   void weight_gradients(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                         const Tensor& a, const Tensor& dh, const Tensor& dw13, const Tensor& dw2,
-                        cudaStream_t stream, const RefillInput& refill_input = {});
+                        cudaStream_t stream, const RefillInput& between = {}, ExpertSpan span = {});
 
   ExpertSchedule schedule() const { return schedule_; }
 

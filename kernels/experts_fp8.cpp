@@ -1,6 +1,8 @@
 #include "experts_fp8.h"
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "fp8_quantize.cuh"
 #include "grouped_fp8_gemm.cuh"
@@ -90,24 +92,39 @@ void Fp8ExpertFFN::check_offsets(std::span<const std::int64_t> offsets, const ch
   }
 }
 
-void Fp8ExpertFFN::add_fp8_products(std::span<const std::int64_t> offsets,
-                                    const DeviceBuffer& codes, const DeviceBuffer& scales,
-                                    std::int64_t k, const Weights& weights, std::int64_t n,
-                                    const Tensor& out, std::vector<Product>& products) const {
-  for (int e = 0; e < experts_; ++e) {
-    const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
-    if (m == 0) continue;
-    products.push_back({m, n, k, codes.as<std::uint8_t>() + first * k,
-                        scales.as<float>() + first * column_blocks(k),
-                        weights.codes.as<std::uint8_t>() + e * n * k,
-                        weights.scales.as<float>() + e * weights.tiles.count,
-                        out.as<char>() + first * n * 2});
-  }
+Fp8ExpertFFN::Part Fp8ExpertFFN::part(std::span<const std::int64_t> offsets, ExpertSpan span,
+                                      const char* call) const {
+  check_offsets(offsets, call);
+  Part p;
+  p.first = span.first;
+  p.end = std::min(span.end, experts_);
+  if (p.first < 0 || p.first > p.end)
+    fail("Fp8ExpertFFN::{}: experts [{}, {}) of {}", call, span.first, span.end, experts_);
+  p.first_row = offsets[p.first];
+  p.rows = offsets[p.end] - p.first_row;
+  for (int e = p.first; e <= p.end; ++e) p.offsets.push_back(offsets[e] - p.first_row);
+  p.grouped = grouped_pass(offsets);
+  return p;
 }
 
+namespace {
+
+// Rows [first, first + count) of a row-major tensor; an absent one (no shape) stays absent.
+Tensor row_slice(const Tensor& t, std::int64_t first, std::int64_t count) {
+  if (t.shape.empty()) return Tensor{};
+  const std::int64_t row = t.dim(0) > 0 ? t.numel() / t.dim(0) : 0;
+  std::vector<std::int64_t> shape{count};
+  shape.insert(shape.end(), t.shape.begin() + 1, t.shape.end());
+  return Tensor(t.as<char>() + static_cast<std::size_t>(first * row) * dtype_size(t.dtype), t.dtype,
+                std::move(shape));
+}
+
+}  // namespace
+
 void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets,
-                           const ExpertActivations& act, const Tensor& y, cudaStream_t stream) {
-  check_offsets(offsets, "forward");
+                           const ExpertActivations& act, const Tensor& y, cudaStream_t stream,
+                           ExpertSpan span) {
+  const Part p = part(offsets, span, "forward");
   const std::int64_t H = hidden_, F = ffn_, rows = offsets.back();
   expect_tensor(X, "Fp8ExpertFFN X", DType::kBF16, {rows, H});
   expect_tensor(act.h, "Fp8ExpertFFN h", DType::kBF16, {rows, 2 * F});
@@ -118,20 +135,37 @@ void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offset
     codes_[i].reserve(static_cast<std::size_t>(rows * width));
     scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
   }
-  quantize_row_blocks_segmented(X.data, offsets, H, codes_[0].as<std::uint8_t>(),
-                                scales_[0].as<float>(), stream);
-  fp8_pass(offsets, codes_[0], scales_[0], H, w13_, 2 * F, act.h, stream);  // h = X·w13ᵀ
-  swiglu_forward_fp8(act.h, act.a, {codes_[1].as<std::uint8_t>(), scales_[1].as<float>(), offsets},
-                     stream, act.scale);
-  fp8_pass(offsets, codes_[1], scales_[1], F, w2_, H, y, stream);  // y = a·w2ᵀ
+  // The part's rows of each buffer, codes and scales where a whole call would put them.
+  const auto codes = [&](int i, std::int64_t width) {
+    return codes_[i].as<std::uint8_t>() + p.first_row * width;
+  };
+  const auto scales = [&](int i, std::int64_t width) {
+    return scales_[i].as<float>() + p.first_row * column_blocks(width);
+  };
+  if (p.rows == 0) return;
+  const Tensor h = row_slice(act.h, p.first_row, p.rows);
+  quantize_row_blocks_segmented(row_slice(X, p.first_row, p.rows).data, p.offsets, H, codes(0, H),
+                                scales(0, H), stream);
+  fp8_pass(p, codes(0, H), scales(0, H), H, w13_, 2 * F, h.data, stream);  // h = X·w13ᵀ
+  swiglu_forward_fp8(h, row_slice(act.a, p.first_row, p.rows),
+                     {codes(1, F), scales(1, F), p.offsets}, stream,
+                     row_slice(act.scale, p.first_row, p.rows));
+  fp8_pass(p, codes(1, F), scales(1, F), F, w2_, H, row_slice(y, p.first_row, p.rows).data,
+           stream);  // y = a·w2ᵀ
 }
 
 void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
                             std::span<const std::int64_t> offsets, const ExpertActivations& act,
                             const Tensor& dX, const Tensor& dw13, const Tensor& dw2,
-                            cudaStream_t stream, const ExpertFFN::RefillInput& refill_input) {
-  check_offsets(offsets, "backward");
+                            cudaStream_t stream, const ExpertFFN::RefillInput& refill_input,
+                            ExpertSpan span, const ExpertFFN::DXQueued& dX_queued) {
+  const Part p = part(offsets, span, "backward");
   const std::int64_t H = hidden_, F = ffn_, E = experts_, rows = offsets.back();
+  if (refill_input && (p.first > 0 || p.end < experts_))
+    fail(
+        "Fp8ExpertFFN::backward: X refilled for experts [{}, {}) of {}; a refill takes every "
+        "expert",
+        p.first, p.end, experts_);
   const DType d = DType::kBF16;
   expect_tensor(dY, "Fp8ExpertFFN dY", d, {rows, H});
   expect_tensor(X, "Fp8ExpertFFN X", d, {rows, H});
@@ -154,61 +188,93 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
     codes_[i].reserve(static_cast<std::size_t>(rows * width));
     scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
   }
+  const auto codes = [&](int i, std::int64_t width) {
+    return codes_[i].as<std::uint8_t>() + p.first_row * width;
+  };
+  const auto scales = [&](int i, std::int64_t width) {
+    return scales_[i].as<float>() + p.first_row * column_blocks(width);
+  };
+  const auto slice = [&](const Tensor& t) { return row_slice(t, p.first_row, p.rows); };
 
-  quantize_row_blocks_segmented(dY.data, offsets, H, codes_[0].as<std::uint8_t>(),
-                                scales_[0].as<float>(), stream);
-  fp8_pass(offsets, codes_[0], scales_[0], H, w2_transposed_, F, act.dA, stream);  // dA = dY·w2
-  swiglu_backward_fp8(act.h, act.dA, act.dh, act.a,
-                      {codes_[1].as<std::uint8_t>(), scales_[1].as<float>(), offsets}, stream,
-                      act.scale, act.dscale);
-  // dw2 = dYᵀ·a and dw13 = dhᵀ·X in bf16 (zero without rows), then dX = dh·w13 in FP8 from dh's
-  // codes: dX comes last, so that it may be written over dY or X, which the weight gradients
-  // read. With refill_input, X is written again (over dY) between the two weight gradients.
-  // They follow the FP8 passes: where those are grouped (small experts), batched as the bf16
-  // experts batch them (the experts of one row count in one call); else one a call, largest first
-  // (each measured faster where it runs: docs/performance.md, "FP8").
-  if (grouped_pass(offsets)) {
-    weight_grads_->weight_gradients(dY, X, offsets, act.a, act.dh, dw13, dw2, stream, refill_input);
+  if (p.rows > 0) {  // without rows, only the experts' zero weight gradients are left to write
+    quantize_row_blocks_segmented(slice(dY).data, p.offsets, H, codes(0, H), scales(0, H), stream);
+    fp8_pass(p, codes(0, H), scales(0, H), H, w2_transposed_, F, slice(act.dA).data,
+             stream);  // dA = dY·w2
+    swiglu_backward_fp8(slice(act.h), slice(act.dA), slice(act.dh), slice(act.a),
+                        {codes(1, 2 * F), scales(1, 2 * F), p.offsets}, stream, slice(act.scale),
+                        slice(act.dscale));
+  }
+  // dX = dh·w13 in FP8 from dh's codes, after dw2 = dYᵀ·a (so that it may be written over dY):
+  // where dX is not X and nothing is refilled, before dw13 = dhᵀ·X, with dX_queued called in
+  // between; otherwise after both, with X refilled between them. The weight gradients run in bf16
+  // (zero without rows) and follow the FP8 passes: where those are grouped (small experts),
+  // batched as the bf16 experts batch them (the experts of one row count in one call); else one
+  // a call, largest first (each measured faster where it runs: docs/performance.md, "FP8").
+  const auto dX_pass = [&](cudaStream_t on) {
+    fp8_pass(p, codes(1, 2 * F), scales(1, 2 * F), 2 * F, w13_transposed_, H, slice(dX).data, on);
+  };
+  const bool dX_between = dX_queued && !refill_input && dX.data != X.data;
+  ExpertFFN::RefillInput between = refill_input;
+  if (dX_between) {
+    between = [&](cudaStream_t on) {
+      dX_pass(on);
+      dX_queued();
+    };
+  }
+  if (p.grouped) {
+    weight_grads_->weight_gradients(dY, X, offsets, act.a, act.dh, dw13, dw2, stream, between,
+                                    {p.first, p.end});
   } else {
     const std::size_t g = dtype_size(grad);
-    std::vector<Product> products, dw13_products;
-    for (int e = 0; e < experts_; ++e) {
+    std::vector<Product> dw2_products, dw13_products;
+    for (int e = p.first; e < p.end; ++e) {
       const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
-      products.push_back({H, F, m, dY.as<char>() + first * H * 2, nullptr,
-                          act.a.as<char>() + first * F * 2, nullptr, dw2.as<char>() + e * H * F * g,
-                          GemmShape{H, F, m, true, false, d, d, grad}});
+      dw2_products.push_back(
+          {H, F, m, dY.as<char>() + first * H * 2, nullptr, act.a.as<char>() + first * F * 2,
+           nullptr, dw2.as<char>() + e * H * F * g, GemmShape{H, F, m, true, false, d, d, grad}});
       dw13_products.push_back({2 * F, H, m, act.dh.as<char>() + first * 2 * F * 2, nullptr,
                                X.as<char>() + first * H * 2, nullptr,
                                dw13.as<char>() + e * 2 * F * H * g,
                                GemmShape{2 * F, H, m, true, false, d, d, grad}});
     }
-    if (refill_input) {
-      run(products, stream);
-      refill_input(stream);
+    if (between) {
+      run(dw2_products, stream);
+      between(stream);
       run(dw13_products, stream);
     } else {
-      products.insert(products.end(), dw13_products.begin(), dw13_products.end());
-      run(products, stream);
+      dw2_products.insert(dw2_products.end(), dw13_products.begin(), dw13_products.end());
+      run(dw2_products, stream);
     }
   }
-  fp8_pass(offsets, codes_[1], scales_[1], 2 * F, w13_transposed_, H, dX, stream);  // dX = dh·w13
+  if (dX_between) return;
+  dX_pass(stream);
+  if (dX_queued) dX_queued();
 }
 
-void Fp8ExpertFFN::fp8_pass(std::span<const std::int64_t> offsets, const DeviceBuffer& codes,
-                            const DeviceBuffer& scales, std::int64_t k, const Weights& weights,
-                            std::int64_t n, const Tensor& out, cudaStream_t stream) {
-  if (grouped_pass(offsets)) {
-    const GroupedFp8Operands operands{.a = codes.as<std::uint8_t>(),
-                                      .a_scales = scales.as<float>(),
-                                      .b = weights.codes.as<std::uint8_t>(),
-                                      .b_scales = weights.scales.as<float>(),
+void Fp8ExpertFFN::fp8_pass(const Part& part, const std::uint8_t* codes, const float* scales,
+                            std::int64_t k, const Weights& weights, std::int64_t n, void* out,
+                            cudaStream_t stream) {
+  const std::uint8_t* b = weights.codes.as<std::uint8_t>() + part.first * n * k;
+  const float* b_scales = weights.scales.as<float>() + part.first * weights.tiles.count;
+  if (part.grouped) {
+    if (part.rows == 0) return;
+    const GroupedFp8Operands operands{.a = codes,
+                                      .a_scales = scales,
+                                      .b = b,
+                                      .b_scales = b_scales,
                                       .b_scale_stride = weights.tiles.count,
-                                      .c = out.data};
-    grouped_fp8_gemm(offsets, n, k, operands, stream);
+                                      .c = out};
+    grouped_fp8_gemm(part.offsets, n, k, operands, stream);
     return;
   }
   std::vector<Product> products;
-  add_fp8_products(offsets, codes, scales, k, weights, n, out, products);
+  for (int e = 0; e + 1 < std::ssize(part.offsets); ++e) {
+    const std::int64_t first = part.offsets[e], m = part.offsets[e + 1] - first;
+    if (m == 0) continue;
+    products.push_back({m, n, k, codes + first * k, scales + first * column_blocks(k),
+                        b + e * n * k, b_scales + e * weights.tiles.count,
+                        static_cast<char*>(out) + first * n * 2});
+  }
   run(products, stream);
 }
 

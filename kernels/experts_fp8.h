@@ -60,19 +60,27 @@ class Fp8ExpertFFN {
   // [rows, 2F] and act.a [rows, F] bf16 (a over every row: no chunks), act.scale optional fp32
   // [rows]; y [rows, H] bf16. The grouped products store whole rows, 16 bytes at a time: their
   // outputs (h and y here, dA and dX in backward) must be 16-byte aligned, or they throw.
+  // span: the experts of one chunk of a pipelined exchange (every expert by default). Only their
+  // rows are read and written, by the products the whole call would run for them (grouped or one
+  // a call as the whole call's rows decide), so that spans in turn give one call's bits.
   void forward(const Tensor& X, std::span<const std::int64_t> offsets, const ExpertActivations& act,
-               const Tensor& y, cudaStream_t stream);
+               const Tensor& y, cudaStream_t stream, ExpertSpan span = {});
 
   // From dY [rows, H] and what forward left in act (h), with X as forward read it: act.dA
   // [rows, F] and act.dh [rows, 2F] as scratch (dh may be h, dA may be a: act.a is written again,
-  // weighed), act.dscale [rows] with act.scale; dX [rows, H] bf16, written last, so it may be dY
-  // or X; dw13 [E_loc, 2F, H] and dw2 [E_loc, H, F], bf16 or fp32 (zero for an expert without
-  // rows). With refill_input, X is not valid on entry: it is written (over dY, say) once dY's
-  // last reader is done, as ExpertFFN does it.
+  // weighed), act.dscale [rows] with act.scale; dX [rows, H] bf16, written after dw2's products
+  // (the last readers of dY), so it may be dY, and last where it is X; dw13 [E_loc, 2F, H] and
+  // dw2 [E_loc, H, F], bf16 or fp32 (zero for an expert without rows). With refill_input, X is
+  // not valid on entry: it is written (over dY, say) once dY's last reader is done, as ExpertFFN
+  // does it. span as in forward (every expert with refill_input). dX_queued, where given, is
+  // called once the span's dX is queued on `stream`: where dX is not X and nothing is refilled,
+  // before dw13's products, which then run beside whatever the caller queues there (ExpertFFN's
+  // backward does the same); otherwise last.
   void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                 const ExpertActivations& act, const Tensor& dX, const Tensor& dw13,
                 const Tensor& dw2, cudaStream_t stream,
-                const ExpertFFN::RefillInput& refill_input = {});
+                const ExpertFFN::RefillInput& refill_input = {}, ExpertSpan span = {},
+                const ExpertFFN::DXQueued& dX_queued = {});
 
  private:
   struct Weights {
@@ -90,15 +98,20 @@ class Fp8ExpertFFN {
     GemmShape bf16_shape{};
   };
   void check_offsets(std::span<const std::int64_t> offsets, const char* call) const;
-  // Products of an FP8 pass: each expert's rows of `codes` against its weights.
-  void add_fp8_products(std::span<const std::int64_t> offsets, const DeviceBuffer& codes,
-                        const DeviceBuffer& scales, std::int64_t k, const Weights& weights,
-                        std::int64_t n, const Tensor& out, std::vector<Product>& products) const;
+  // The experts of a span and their rows, with the offsets of those rows from the first, and
+  // whether the whole call's passes run grouped.
+  struct Part {
+    int first = 0, end = 0;
+    std::int64_t first_row = 0, rows = 0;
+    std::vector<std::int64_t> offsets;  // [end - first + 1], from 0
+    bool grouped = false;
+  };
+  Part part(std::span<const std::int64_t> offsets, ExpertSpan span, const char* call) const;
+  // out = codes·weightsᵀ per expert of the part, by products_: codes, scales and out hold the
+  // part's rows from their first.
+  void fp8_pass(const Part& part, const std::uint8_t* codes, const float* scales, std::int64_t k,
+                const Weights& weights, std::int64_t n, void* out, cudaStream_t stream);
   void run(std::vector<Product> products, cudaStream_t stream);
-  // out = codes·weightsᵀ per expert, by products_.
-  void fp8_pass(std::span<const std::int64_t> offsets, const DeviceBuffer& codes,
-                const DeviceBuffer& scales, std::int64_t k, const Weights& weights, std::int64_t n,
-                const Tensor& out, cudaStream_t stream);
 
   int hidden_, ffn_, experts_;
   Fp8Products products_;

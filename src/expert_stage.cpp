@@ -53,29 +53,22 @@ ExpertStage::ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer
   });
 }
 
-namespace {
-// The FP8 experts quantize every local expert's rows in one pass: the config gives them one chunk.
-void refuse_fp8_span(ExpertSpan span, std::span<const std::int64_t> offsets) {
-  if (span.first != 0 || span.end < static_cast<int>(offsets.size()) - 1)
-    fail("ExpertStage: the FP8 experts run every local expert at once, not experts [{}, {})",
-         span.first, span.end);
-}
-}  // namespace
-
 void ExpertStage::forward(const ExpertRows& rows, const Tensor& w13, const Tensor& w2,
                           cudaStream_t stream, bool weights_unchanged, ExpertSpan span) {
   const std::int64_t n = rows.offsets.back();
   if (fp8_) {
-    refuse_fp8_span(span, rows.offsets);
-    // The FP8 products take a over every row (no chunks).
-    if (!weights_unchanged || !fp8_->has_weights() || fp8_w13_ != w13.data || fp8_w2_ != w2.data) {
+    // The FP8 products take a over every row (no chunks). The weights are quantized once a step,
+    // ahead of the first span's products.
+    const bool first_span = span.first == 0;
+    if (!fp8_->has_weights() || fp8_w13_ != w13.data || fp8_w2_ != w2.data ||
+        (first_span && !weights_unchanged)) {
       fp8_->quantize_weights(w13, w2, stream);
       fp8_w13_ = w13.data;
       fp8_w2_ = w2.data;
     }
     ExpertActivations act{.h = view(h_, dtype_, {n, 2 * F_}), .a = view(a_, dtype_, {n, F_})};
     act.scale = rows.scale;
-    fp8_->forward(rows.input, rows.offsets, act, rows.output, stream);
+    fp8_->forward(rows.input, rows.offsets, act, rows.output, stream, span);
     return;
   }
   ExpertActivations act{.h = view(h_, dtype_, {n, 2 * F_}),
@@ -95,10 +88,8 @@ void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const 
   ExpertActivations act{.h = h, .a = a, .dA = a, .dh = h};
   act.scale = act.dscale = rows.scale;
   if (fp8_) {
-    refuse_fp8_span(span, rows.offsets);
     fp8_->backward(rows.dY, rows.input, rows.offsets, act, rows.dX, w13_grad, w2_grad, stream,
-                   rows.refill);
-    if (dX_queued) dX_queued();
+                   rows.refill, span, dX_queued);
     return;
   }
   ffn_->backward(rows.dY, rows.input, rows.offsets, w13, w2, act, false, rows.dX, w13_grad, w2_grad,

@@ -147,8 +147,8 @@ struct MoEConfig {
   // arrive and its results go back under the next chunk's products, forward and backward; the
   // results are bitwise those of one chunk. 0: automatic (effective_exchange_chunks), 1: the
   // exchange in one piece (still on its own stream, beside a split-phase caller's work). At most
-  // the local experts; the peer exchange and FP8 experts take one chunk. The copy exchange
-  // pipelines as the NCCL one does.
+  // the local experts; the peer exchange takes one chunk. The copy exchange pipelines as the NCCL
+  // one does, and the FP8 experts as the bf16 ones.
   int exchange_chunks = 0;
   int effective_exchange_chunks() const;
 

@@ -197,8 +197,6 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"ep_transport", "ipc"}}, "ep_transport = 'ipc' is not one of auto, nccl, peer, copy"},
       {{{"exchange_chunks", "-1"}}, "exchange_chunks = -1 must be in [0, 1024]"},
       {{{"exchange_chunks", "1025"}}, "exchange_chunks = 1025 must be in [0, 1024]"},
-      {{{"fp8", "true"}, {"align_size", "16"}, {"exchange_chunks", "2"}},
-       "exchange_chunks = 2 with fp8 = true"},
       {{{"topk", "two"}}, "topk = 'two' is not a decimal integer"},
       // yaml-cpp would read these as octal (64, 16) and hex: refused, not misread.
       {{{"hidden", "0100"}}, "hidden = '0100' is not a decimal integer"},
@@ -328,8 +326,11 @@ TEST_CASE("the exchange's chunks: automatic four under EP, at most the local exp
             .effective_exchange_chunks() == 3);
   CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 1\n").effective_exchange_chunks() == 1);
   CHECK(parse_config(kBase + "ep: 2\nexchange_chunks: 9\n").effective_exchange_chunks() == 4);
+  // The FP8 experts pipeline as the bf16 ones do.
   CHECK(parse_config(kBase + "ep: 2\nfp8: true\nalign_size: 16\n").effective_exchange_chunks() ==
-        1);
+        4);
+  CHECK(parse_config(kBase + "ep: 2\nfp8: true\nalign_size: 16\nexchange_chunks: 2\n")
+            .effective_exchange_chunks() == 2);
 }
 
 TEST_CASE("node-limited routing is group-limited routing with one group per node",

@@ -3,7 +3,8 @@
 // forward; dA, dh, the row weights' gradient, dX and the weight gradients backward; at shapes
 // with partial blocks and tiles, empty experts, rows weighed inside the experts, and dh and dA
 // over h and a; outputs poisoned before each run; the products as cuBLASLt runs them, one expert a
-// call, and as the grouped products (kernels/grouped_fp8_gemm.cuh) run them in one launch.
+// call, and as the grouped products (kernels/grouped_fp8_gemm.cuh) run them in one launch; and
+// spans of experts in turn, and dX handed on before dw13, bit for bit as one call.
 //
 // The bound, from the arithmetic: the products' inputs are the dequantized values exactly (the
 // quantizers are bit-exact against the reference, tests/gpu/test_fp8_quantize.cpp), so what
@@ -17,6 +18,7 @@
 // larger). Seen on H100: up to about 2^-10·Σ|a·b|.
 // Scales read from the wrong place give errors of 2^-4 to 2^-2 of Σ|a·b| (bench_fp8_gemm's other
 // layouts), well outside.
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -320,4 +322,140 @@ TEST_CASE("fp8 experts: bad input is named", "[gpu][fp8][experts]") {
                            Tensor(buffer.data(), DType::kBF16, {2, 128, 128}), stream.get()),
       test::contains_text("w13"));
   stream.synchronize();
+}
+
+namespace {
+
+// What one run left on the GPU, byte for byte.
+struct SpanRun {
+  std::vector<std::uint8_t> y, a, dX, dw13, dw2, dscale;
+  std::vector<std::uint8_t> dX_sent;  // with dX_queued: each span's rows of dX as the call found
+  std::vector<std::uint8_t> dw13_at_call;  // ... and its experts' dw13
+  int calls = 0;
+};
+
+// Forward, then backward, span by span over `spans` near-equal spans of experts (0: one call),
+// rows weighed and dh, dA over h, a as MoEBlock runs them; inputs drawn from `seed`. With
+// dX_queued, each backward call copies its span's rows of dX and its experts' dw13 aside when
+// called; dX_over_dY writes dX over dY, as the NCCL exchange's rows do.
+SpanRun run_spans(const Case& c, Fp8Products products, int spans, bool dX_queued, bool dX_over_dY,
+                  std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int E = static_cast<int>(c.rows.size());
+  const std::int64_t H = c.hidden, F = c.ffn;
+  std::vector<std::int64_t> offsets{0};
+  for (auto r : c.rows) offsets.push_back(offsets.back() + r);
+  const std::int64_t rows = offsets.back();
+  std::vector<Matrix> w13, w2;
+  for (int e = 0; e < E; ++e) {
+    w13.push_back(test::random_matrix(2 * F, H, rng, 1.0 / std::sqrt(H)));
+    w2.push_back(test::random_matrix(H, F, rng, 1.0 / std::sqrt(F)));
+  }
+  std::vector<float> weights(static_cast<std::size_t>(rows));
+  std::uniform_real_distribution<float> probability(0.05f, 1.0f);
+  for (float& w : weights) w = probability(rng);
+  const DeviceBuffer X = test::upload_as(test::random_matrix(rows, H, rng, 1.0), DType::kBF16);
+  const DeviceBuffer dY = test::upload_as(test::random_matrix(rows, H, rng, 1.0), DType::kBF16);
+  const DeviceBuffer w13_dev = test::upload_as(reference::concat_rows(w13), DType::kBF16);
+  const DeviceBuffer w2_dev = test::upload_as(reference::concat_rows(w2), DType::kBF16);
+  const DeviceBuffer scale = test::upload(weights);
+  const auto bytes = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+  DeviceBuffer h(bytes(rows * 2 * F * 2)), a(bytes(rows * F * 2)), y(bytes(rows * H * 2)),
+      dX_own(bytes(rows * H * 2)), dscale(bytes(rows * 4)), dw13(bytes(E * 2 * F * H * 4)),
+      dw2(bytes(E * H * F * 4)), dX_sent(bytes(rows * H * 2)), dw13_at_call(dw13.bytes());
+  for (const auto* b : {&h, &a, &y, &dX_own, &dscale, &dw13, &dw2, &dX_sent}) test::poison(*b);
+  MOE_CHECK_CUDA(cudaMemset(dw13_at_call.data(), 0, dw13_at_call.bytes()));
+
+  Stream stream;
+  Fp8ExpertFFN ffn(c.hidden, c.ffn, E, 3, kDefaultGemmWorkspaceBytes, products);
+  ffn.quantize_weights(Tensor(w13_dev.data(), DType::kBF16, {E, 2 * F, H}),
+                       Tensor(w2_dev.data(), DType::kBF16, {E, H, F}), stream.get());
+  ExpertActivations act;
+  act.h = act.dh = Tensor(h.data(), DType::kBF16, {rows, 2 * F});
+  act.a = act.dA = Tensor(a.data(), DType::kBF16, {rows, F});
+  act.scale = Tensor(scale.data(), DType::kFP32, {rows});
+  act.dscale = Tensor(dscale.data(), DType::kFP32, {rows});
+  std::vector<ExpertSpan> parts{ExpertSpan{}};
+  if (spans > 0) {
+    parts.clear();
+    for (int i = 0; i < spans; ++i) parts.push_back({i * E / spans, (i + 1) * E / spans});
+  }
+  const Tensor X_t(X.data(), DType::kBF16, {rows, H});
+  for (const ExpertSpan span : parts)
+    ffn.forward(X_t, offsets, act, Tensor(y.data(), DType::kBF16, {rows, H}), stream.get(), span);
+  const Tensor dY_t(dY.data(), DType::kBF16, {rows, H});
+  const Tensor dX_t = dX_over_dY ? dY_t : Tensor(dX_own.data(), DType::kBF16, {rows, H});
+  int calls = 0;
+  for (const ExpertSpan span : parts) {
+    ExpertFFN::DXQueued hand_on;
+    if (dX_queued) {
+      hand_on = [&, span] {
+        ++calls;
+        const int end = std::min(span.end, E);
+        const std::int64_t first = offsets[span.first], last = offsets[end];
+        MOE_CHECK_CUDA(
+            cudaMemcpyAsync(dX_sent.as<char>() + first * H * 2, dX_t.as<char>() + first * H * 2,
+                            bytes((last - first) * H * 2), cudaMemcpyDeviceToDevice, stream.get()));
+        const std::size_t per_expert = bytes(2 * F * H * 4);
+        MOE_CHECK_CUDA(cudaMemcpyAsync(dw13_at_call.as<char>() + span.first * per_expert,
+                                       dw13.as<char>() + span.first * per_expert,
+                                       (end - span.first) * per_expert, cudaMemcpyDeviceToDevice,
+                                       stream.get()));
+      };
+    }
+    ffn.backward(dY_t, X_t, offsets, act, dX_t, Tensor(dw13.data(), DType::kFP32, {E, 2 * F, H}),
+                 Tensor(dw2.data(), DType::kFP32, {E, H, F}), stream.get(), {}, span, hand_on);
+  }
+  stream.synchronize();
+  const auto raw = [](const void* data, std::size_t n) {
+    std::vector<std::uint8_t> out(n);
+    MOE_CHECK_CUDA(cudaMemcpy(out.data(), data, n, cudaMemcpyDeviceToHost));
+    return out;
+  };
+  return {raw(y.data(), y.bytes()),
+          raw(a.data(), a.bytes()),
+          raw(dX_t.data, dX_t.bytes()),
+          raw(dw13.data(), dw13.bytes()),
+          raw(dw2.data(), dw2.bytes()),
+          raw(dscale.data(), dscale.bytes()),
+          dX_queued ? raw(dX_sent.data(), dX_sent.bytes()) : std::vector<std::uint8_t>{},
+          dX_queued ? raw(dw13_at_call.data(), dw13_at_call.bytes()) : std::vector<std::uint8_t>{},
+          calls};
+}
+
+}  // namespace
+
+TEST_CASE("fp8 experts: spans in turn, and dX handed on before dw13, give one call's bits",
+          "[gpu][fp8][experts]") {
+  const std::uint64_t seed = test::fresh_seed();
+  int device = 0;
+  MOE_CHECK_CUDA(cudaGetDevice(&device));
+  const Case c{208, 144, {16, 64, 0, 32, 48}, true, true};
+  for (const Fp8Products products : {Fp8Products::kPerExpert, Fp8Products::kGrouped}) {
+    if (products == Fp8Products::kGrouped && !grouped_fp8_gemm_supported(device)) continue;
+    INFO((products == Fp8Products::kGrouped ? "grouped products" : "cuBLASLt, one expert a call"));
+    for (const bool dX_over_dY : {false, true}) {
+      INFO((dX_over_dY ? "dX over dY" : "dX apart"));
+      const SpanRun one = run_spans(c, products, 0, false, dX_over_dY, seed);
+      // Spans of 2 and 3 experts, one a span (an empty one among them); then dX handed on.
+      const std::pair<int, bool> variants[] = {
+          {2, false}, {3, false}, {5, false}, {0, true}, {3, true}};
+      for (const auto& [spans, dX_queued] : variants) {
+        INFO(spans << " spans" << (dX_queued ? ", dX handed on" : ""));
+        const SpanRun got = run_spans(c, products, spans, dX_queued, dX_over_dY, seed);
+        CHECK(got.y == one.y);
+        CHECK(got.a == one.a);
+        CHECK(got.dX == one.dX);
+        CHECK(got.dw13 == one.dw13);
+        CHECK(got.dw2 == one.dw2);
+        CHECK(got.dscale == one.dscale);
+        if (!dX_queued) continue;
+        CHECK(got.calls == std::max(spans, 1));
+        CHECK(got.dX_sent == one.dX);  // the final dX, not rows still to be written
+        // dw13's products come after the call: the span's dw13 still poisoned there.
+        CHECK(std::count(got.dw13_at_call.begin(), got.dw13_at_call.end(), 0xFF) ==
+              std::ssize(got.dw13_at_call));
+      }
+    }
+  }
 }

@@ -5,8 +5,9 @@
 // runs a step over poisoned outputs (also with check mode on one rank only) and gives the very
 // bits of the one-chunk step, which equals the fp64 mesh reference: dropless with a different T
 // on every rank, capacity mode with its dropped rows kept on the sender, and fixed blocks
-// (pad_to_capacity) with a shared expert. The split-phase calls, with other work between them,
-// give the same bits, and so do two blocks whose phases interleave over two micro-batches.
+// (pad_to_capacity) with a shared expert; and FP8 experts, their rows sent in bf16 or as E4M3
+// records (within FP8's error of the reference). The split-phase calls, with other work between
+// them, give the same bits, and so do two blocks whose phases interleave over two micro-batches.
 // (One block's steps in one chunk and in several run the same algorithms; the blocks here, fresh
 // for each chunk count, take the heuristic's, as autotuning could time differently in each.)
 #include <mpi.h>
@@ -47,7 +48,10 @@ Batches draw_batches(const MoEConfig& c, const reference::Params& params, bool s
       test::draw_separated(c, params, b.xs[r], same_tokens ? 37 : 21 + 9 * r, rng);
       b.dys[r] = test::round_to(test::random_matrix(b.xs[r].rows, c.hidden, rng), c.dtype);
     }
-    b.want = reference::run_mesh(c, params, b.xs, b.dys);
+    // FP8 experts against the exact layer (the reference emulates them on one rank only).
+    MoEConfig exact = c;
+    exact.fp8 = exact.fp8_dispatch = false;
+    b.want = reference::run_mesh(exact, params, b.xs, b.dys);
     bool clear = true;
     for (int r = 0; r < world && c.capacity_factor > 0; ++r)
       clear = clear && test::capacity_boundary_clear(c, b.xs[r].rows, b.want[r]);
@@ -171,7 +175,8 @@ void run_pipeline_case(MoEConfig c, int ep, std::uint64_t seed,
 
   const test::Results plain = run_step(c, 1, mesh, params, b.xs[rank], b.dys[rank]);
   const reference::LayerResult& mine = b.want[rank];
-  const double tol = c.dtype == DType::kBF16 ? 2e-2 : 1e-5;
+  // FP8 experts: within FP8's error of the exact layer (docs/design.md, "FP8").
+  const double tol = c.fp8 ? 0.1 : c.dtype == DType::kBF16 ? 2e-2 : 1e-5;
   CHECK(test::relative_error(plain.out, mine.out) <= tol);
   CHECK(test::relative_error(plain.dx, mine.dx) <= tol);
   if (transport == EpTransport::kCopy) {  // the same rows in the same places: NCCL's very bits
@@ -229,5 +234,15 @@ TEST_CASE("the pipelined NCCL exchange gives the one-chunk step's bits on every 
     c.shared_ffn_hidden = 40;
     c.shared_gate = true;
     run_pipeline_case(c, ep, seed + index++);
+    // FP8 experts, the rows toward them in bf16 over both exchanges, then as E4M3 records.
+    MoEConfig f = test::small_config(64, 48, 12, 3);
+    f.dtype = DType::kBF16;
+    f.aux_loss_coeff = 0.05;
+    f.fp8 = true;
+    f.align_size = 16;
+    run_pipeline_case(f, ep, seed + index++);
+    run_pipeline_case(f, ep, seed + index++, EpTransport::kCopy);
+    f.fp8_dispatch = true;
+    run_pipeline_case(f, ep, seed + index++);
   }
 }
