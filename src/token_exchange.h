@@ -53,7 +53,8 @@ struct SlotRouting {
   // only with fixed groups, whose layout the host knows beforehand.
   bool to_host = true;
   // Chunks of local experts that a pipelining exchange cuts the forward and backward into (1:
-  // none). Only the NCCL exchange pipelines; the others take one chunk whatever this says.
+  // none). The NCCL and copy exchanges pipeline; the peer exchange takes one chunk whatever this
+  // says.
   int expert_chunks = 1;
 };
 
