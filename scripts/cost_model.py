@@ -96,8 +96,8 @@ def exchange_efficiency(args):
 def exchange_chunks(transport, ep, local_experts, asked=None):
     """The chunks the layer pipelines the exchange in, as MoEConfig::effective_exchange_chunks
     picks them: none to pipeline on one GPU or over the peer exchange; else as asked or
-    automatic (4), at most the local experts. (The
-    layer's FP8 experts take one chunk too; the model has no FP8 term.)"""
+    automatic (4), at most the local experts. (The layer's FP8 experts pipeline as the bf16 ones
+    do; the model prices their exchanges, not their products.)"""
     if ep <= 1 or transport == "peer" or local_experts <= 1:
         return 1
     return min(asked if asked is not None else 4, local_experts)
