@@ -131,7 +131,9 @@ void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offset
   expect_tensor(act.a, "Fp8ExpertFFN a", DType::kBF16, {rows, F});
   expect_tensor(y, "Fp8ExpertFFN y", DType::kBF16, {rows, H});
   for (int i = 0; i < 2; ++i) {
-    const std::int64_t width = i == 0 ? H : F;
+    // Sized for the backward's dh too (2F wide), so that the buffers grow at most once a step: a
+    // growth frees the old buffer, which waits for the device, transfers in flight included.
+    const std::int64_t width = i == 0 ? H : 2 * F;
     codes_[i].reserve(static_cast<std::size_t>(rows * width));
     scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
   }

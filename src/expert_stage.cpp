@@ -53,19 +53,21 @@ ExpertStage::ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer
   });
 }
 
+void ExpertStage::prepare_forward(const Tensor& w13, const Tensor& w2, cudaStream_t stream,
+                                  bool weights_unchanged) {
+  if (!fp8_) return;
+  if (weights_unchanged && fp8_->has_weights() && fp8_w13_ == w13.data && fp8_w2_ == w2.data)
+    return;
+  fp8_->quantize_weights(w13, w2, stream);
+  fp8_w13_ = w13.data;
+  fp8_w2_ = w2.data;
+}
+
 void ExpertStage::forward(const ExpertRows& rows, const Tensor& w13, const Tensor& w2,
-                          cudaStream_t stream, bool weights_unchanged, ExpertSpan span) {
+                          cudaStream_t stream, ExpertSpan span) {
   const std::int64_t n = rows.offsets.back();
   if (fp8_) {
-    // The FP8 products take a over every row (no chunks). The weights are quantized once a step,
-    // ahead of the first span's products.
-    const bool first_span = span.first == 0;
-    if (!fp8_->has_weights() || fp8_w13_ != w13.data || fp8_w2_ != w2.data ||
-        (first_span && !weights_unchanged)) {
-      fp8_->quantize_weights(w13, w2, stream);
-      fp8_w13_ = w13.data;
-      fp8_w2_ = w2.data;
-    }
+    // The FP8 products read a over every row (activation_chunk_mib does not apply to them).
     ExpertActivations act{.h = view(h_, dtype_, {n, 2 * F_}), .a = view(a_, dtype_, {n, F_})};
     act.scale = rows.scale;
     fp8_->forward(rows.input, rows.offsets, act, rows.output, stream, span);

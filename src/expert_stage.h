@@ -20,12 +20,14 @@ class ExpertStage {
  public:
   ExpertStage(const MoEConfig& config, const Mesh& mesh, DeviceBuffer& activations);
 
+  // Once a step, before the first forward: with fp8, quantizes the weights for the products,
+  // unless weights_unchanged and the FP8 copy is of these very tensors; nothing without fp8.
+  void prepare_forward(const Tensor& w13, const Tensor& w2, cudaStream_t stream,
+                       bool weights_unchanged);
   // Y = (p ⊙ silu(X·w13_gateᵀ) ⊙ X·w13_upᵀ)·w2ᵀ per expert, p where rows.scale is given. Keeps h.
-  // With fp8, the weights are quantized first, unless weights_unchanged and the FP8 copy is of
-  // these very tensors.
   // span: the experts of one chunk of a pipelined exchange (all where it does not pipeline).
   void forward(const ExpertRows& rows, const Tensor& w13, const Tensor& w2, cudaStream_t stream,
-               bool weights_unchanged = false, ExpertSpan span = {});
+               ExpertSpan span = {});
   // dX and the weight gradients (overwritten) from dY, with the forward's h; the probabilities'
   // gradients into rows.scale where it is given. dX_queued, where given, is called once dX is
   // queued, ahead of the weight gradients' last products where the experts can order them so

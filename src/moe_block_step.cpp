@@ -184,6 +184,11 @@ void MoEBlock::experts_phase() {
   TokenExchange& exchange = *s.exchange;
   const ExpertRows& rows = s.step.rows;
   const cudaStream_t stream = s.stream;
+  {
+    // The FP8 weights' quantization, while the first chunk's rows are on their way.
+    Range r("moe experts", s.times, stream);
+    s.experts.prepare_forward(s.params.w13, s.params.w2, stream, s.step.weights_unchanged);
+  }
   for (int chunk = 0; chunk < std::ssize(rows.chunks); ++chunk) {
     {
       // A wait for rows still on their way is the exchange's time, not the experts'.
@@ -192,8 +197,7 @@ void MoEBlock::experts_phase() {
     }
     {
       Range r("moe experts", s.times, stream);
-      s.experts.forward(rows, s.params.w13, s.params.w2, stream, s.step.weights_unchanged,
-                        rows.chunks[chunk]);
+      s.experts.forward(rows, s.params.w13, s.params.w2, stream, rows.chunks[chunk]);
     }
     Range r("moe combine", s.times, stream);
     exchange.combine(chunk);

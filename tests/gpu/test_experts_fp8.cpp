@@ -334,12 +334,20 @@ struct SpanRun {
   int calls = 0;
 };
 
-// Forward, then backward, span by span over `spans` near-equal spans of experts (0: one call),
-// rows weighed and dh, dA over h, a as MoEBlock runs them; inputs drawn from `seed`. With
-// dX_queued, each backward call copies its span's rows of dX and its experts' dw13 aside when
-// called; dX_over_dY writes dX over dY, as the NCCL exchange's rows do.
-SpanRun run_spans(const Case& c, Fp8Products products, int spans, bool dX_queued, bool dX_over_dY,
-                  std::uint64_t seed) {
+// How run_spans runs a case.
+struct SpanOptions {
+  int spans = 0;            // near-equal spans of experts in turn (0: one call)
+  bool dX_queued = false;   // each backward call copies its span's dX and dw13 aside when called
+  bool dX_over_dY = false;  // dX written over dY, as the NCCL exchange's rows are
+  int only = -1;            // run this span alone (forward and backward), the rest left poisoned
+  DType grad = DType::kFP32;
+};
+
+// Forward, then backward, over the spans `o` asks for, dh and dA over h and a as MoEBlock runs
+// them, rows weighed where the case says; inputs drawn from `seed`, outputs poisoned first.
+SpanRun run_spans(const Case& c, Fp8Products products, const SpanOptions& o, std::uint64_t seed) {
+  const int spans = o.spans;
+  const bool dX_queued = o.dX_queued, dX_over_dY = o.dX_over_dY;
   std::mt19937_64 rng(seed);
   const int E = static_cast<int>(c.rows.size());
   const std::int64_t H = c.hidden, F = c.ffn;
@@ -361,8 +369,9 @@ SpanRun run_spans(const Case& c, Fp8Products products, int spans, bool dX_queued
   const DeviceBuffer scale = test::upload(weights);
   const auto bytes = [](std::int64_t n) { return static_cast<std::size_t>(n); };
   DeviceBuffer h(bytes(rows * 2 * F * 2)), a(bytes(rows * F * 2)), y(bytes(rows * H * 2)),
-      dX_own(bytes(rows * H * 2)), dscale(bytes(rows * 4)), dw13(bytes(E * 2 * F * H * 4)),
-      dw2(bytes(E * H * F * 4)), dX_sent(bytes(rows * H * 2)), dw13_at_call(dw13.bytes());
+      dX_own(bytes(rows * H * 2)), dscale(bytes(rows * 4)),
+      dw13(bytes(E * 2 * F * H) * dtype_size(o.grad)), dw2(bytes(E * H * F) * dtype_size(o.grad)),
+      dX_sent(bytes(rows * H * 2)), dw13_at_call(dw13.bytes());
   for (const auto* b : {&h, &a, &y, &dX_own, &dscale, &dw13, &dw2, &dX_sent}) test::poison(*b);
   MOE_CHECK_CUDA(cudaMemset(dw13_at_call.data(), 0, dw13_at_call.bytes()));
 
@@ -373,12 +382,16 @@ SpanRun run_spans(const Case& c, Fp8Products products, int spans, bool dX_queued
   ExpertActivations act;
   act.h = act.dh = Tensor(h.data(), DType::kBF16, {rows, 2 * F});
   act.a = act.dA = Tensor(a.data(), DType::kBF16, {rows, F});
-  act.scale = Tensor(scale.data(), DType::kFP32, {rows});
-  act.dscale = Tensor(dscale.data(), DType::kFP32, {rows});
+  if (c.weighed) {
+    act.scale = Tensor(scale.data(), DType::kFP32, {rows});
+    act.dscale = Tensor(dscale.data(), DType::kFP32, {rows});
+  }
   std::vector<ExpertSpan> parts{ExpertSpan{}};
   if (spans > 0) {
     parts.clear();
-    for (int i = 0; i < spans; ++i) parts.push_back({i * E / spans, (i + 1) * E / spans});
+    for (int i = 0; i < spans; ++i) {
+      if (o.only < 0 || o.only == i) parts.push_back({i * E / spans, (i + 1) * E / spans});
+    }
   }
   const Tensor X_t(X.data(), DType::kBF16, {rows, H});
   for (const ExpertSpan span : parts)
@@ -396,15 +409,15 @@ SpanRun run_spans(const Case& c, Fp8Products products, int spans, bool dX_queued
         MOE_CHECK_CUDA(
             cudaMemcpyAsync(dX_sent.as<char>() + first * H * 2, dX_t.as<char>() + first * H * 2,
                             bytes((last - first) * H * 2), cudaMemcpyDeviceToDevice, stream.get()));
-        const std::size_t per_expert = bytes(2 * F * H * 4);
+        const std::size_t per_expert = bytes(2 * F * H) * dtype_size(o.grad);
         MOE_CHECK_CUDA(cudaMemcpyAsync(dw13_at_call.as<char>() + span.first * per_expert,
                                        dw13.as<char>() + span.first * per_expert,
                                        (end - span.first) * per_expert, cudaMemcpyDeviceToDevice,
                                        stream.get()));
       };
     }
-    ffn.backward(dY_t, X_t, offsets, act, dX_t, Tensor(dw13.data(), DType::kFP32, {E, 2 * F, H}),
-                 Tensor(dw2.data(), DType::kFP32, {E, H, F}), stream.get(), {}, span, hand_on);
+    ffn.backward(dY_t, X_t, offsets, act, dX_t, Tensor(dw13.data(), o.grad, {E, 2 * F, H}),
+                 Tensor(dw2.data(), o.grad, {E, H, F}), stream.get(), {}, span, hand_on);
   }
   stream.synchronize();
   const auto raw = [](const void* data, std::size_t n) {
@@ -423,6 +436,15 @@ SpanRun run_spans(const Case& c, Fp8Products products, int spans, bool dX_queued
           calls};
 }
 
+// Bytes [first, end) of `got` as `want` has them, and every other byte still the poison (0xFF).
+bool only_in(const std::vector<std::uint8_t>& got, const std::vector<std::uint8_t>& want,
+             std::size_t first, std::size_t end) {
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (i >= first && i < end ? got[i] != want[i] : got[i] != 0xFF) return false;
+  }
+  return got.size() == want.size();
+}
+
 }  // namespace
 
 TEST_CASE("fp8 experts: spans in turn, and dX handed on before dw13, give one call's bits",
@@ -430,31 +452,71 @@ TEST_CASE("fp8 experts: spans in turn, and dX handed on before dw13, give one ca
   const std::uint64_t seed = test::fresh_seed();
   int device = 0;
   MOE_CHECK_CUDA(cudaGetDevice(&device));
-  const Case c{208, 144, {16, 64, 0, 32, 48}, true, true};
+  // Rows weighed inside the experts with fp32 weight gradients, as on one GPU; unweighed with
+  // bf16 ones, as over NCCL with bf16 gradients.
+  const std::pair<Case, DType> cases[] = {
+      {{208, 144, {16, 64, 0, 32, 48}, true, true}, DType::kFP32},
+      {{128, 64, {32, 0, 16, 48}, false, true}, DType::kBF16}};
   for (const Fp8Products products : {Fp8Products::kPerExpert, Fp8Products::kGrouped}) {
     if (products == Fp8Products::kGrouped && !grouped_fp8_gemm_supported(device)) continue;
     INFO((products == Fp8Products::kGrouped ? "grouped products" : "cuBLASLt, one expert a call"));
-    for (const bool dX_over_dY : {false, true}) {
-      INFO((dX_over_dY ? "dX over dY" : "dX apart"));
-      const SpanRun one = run_spans(c, products, 0, false, dX_over_dY, seed);
-      // Spans of 2 and 3 experts, one a span (an empty one among them); then dX handed on.
-      const std::pair<int, bool> variants[] = {
-          {2, false}, {3, false}, {5, false}, {0, true}, {3, true}};
-      for (const auto& [spans, dX_queued] : variants) {
-        INFO(spans << " spans" << (dX_queued ? ", dX handed on" : ""));
-        const SpanRun got = run_spans(c, products, spans, dX_queued, dX_over_dY, seed);
-        CHECK(got.y == one.y);
-        CHECK(got.a == one.a);
-        CHECK(got.dX == one.dX);
-        CHECK(got.dw13 == one.dw13);
-        CHECK(got.dw2 == one.dw2);
-        CHECK(got.dscale == one.dscale);
-        if (!dX_queued) continue;
-        CHECK(got.calls == std::max(spans, 1));
-        CHECK(got.dX_sent == one.dX);  // the final dX, not rows still to be written
-        // dw13's products come after the call: the span's dw13 still poisoned there.
-        CHECK(std::count(got.dw13_at_call.begin(), got.dw13_at_call.end(), 0xFF) ==
-              std::ssize(got.dw13_at_call));
+    for (const auto& [c, grad] : cases) {
+      INFO(c.describe() << " grads " << dtype_name(grad));
+      const int E = static_cast<int>(c.rows.size());
+      for (const bool dX_over_dY : {false, true}) {
+        INFO((dX_over_dY ? "dX over dY" : "dX apart"));
+        const SpanRun one = run_spans(c, products, {.dX_over_dY = dX_over_dY, .grad = grad}, seed);
+        // Spans of 2 and 3 experts, one a span (an empty one among them); then dX handed on.
+        const std::pair<int, bool> variants[] = {
+            {2, false}, {3, false}, {E, false}, {0, true}, {3, true}};
+        for (const auto& [spans, dX_queued] : variants) {
+          INFO(spans << " spans" << (dX_queued ? ", dX handed on" : ""));
+          const SpanRun got = run_spans(
+              c, products,
+              {.spans = spans, .dX_queued = dX_queued, .dX_over_dY = dX_over_dY, .grad = grad},
+              seed);
+          CHECK(got.y == one.y);
+          CHECK(got.a == one.a);
+          CHECK(got.dX == one.dX);
+          CHECK(got.dw13 == one.dw13);
+          CHECK(got.dw2 == one.dw2);
+          CHECK(got.dscale == one.dscale);
+          if (!dX_queued) continue;
+          CHECK(got.calls == std::max(spans, 1));
+          CHECK(got.dX_sent == one.dX);  // the final dX, not rows still to be written
+          // dw13's products come after the call: the span's dw13 still poisoned there.
+          CHECK(std::count(got.dw13_at_call.begin(), got.dw13_at_call.end(), 0xFF) ==
+                std::ssize(got.dw13_at_call));
+        }
+        if (dX_over_dY) continue;  // dX's other rows hold dY there, not poison
+        // Each span alone writes its own rows and experts and nothing else.
+        std::vector<std::int64_t> offsets{0};
+        for (auto r : c.rows) offsets.push_back(offsets.back() + r);
+        for (int only = 0; only < 3; ++only) {
+          INFO("span " << only << " of 3 alone");
+          const SpanRun got =
+              run_spans(c, products, {.spans = 3, .only = only, .grad = grad}, seed);
+          const int first = only * E / 3, end = (only + 1) * E / 3;
+          const auto row_bytes = [&](std::size_t width) {
+            return std::pair{static_cast<std::size_t>(offsets[first]) * width,
+                             static_cast<std::size_t>(offsets[end]) * width};
+          };
+          const auto expert_bytes = [&](std::size_t size) {
+            return std::pair{first * size, end * size};
+          };
+          const std::size_t H = c.hidden, F = c.ffn, g = dtype_size(grad);
+          const auto [y0, y1] = row_bytes(H * 2);
+          const auto [a0, a1] = row_bytes(F * 2);
+          const auto [s0, s1] = row_bytes(4);
+          const auto [w0, w1] = expert_bytes(2 * F * H * g);
+          const auto [v0, v1] = expert_bytes(H * F * g);
+          CHECK(only_in(got.y, one.y, y0, y1));
+          CHECK(only_in(got.a, one.a, a0, a1));
+          CHECK(only_in(got.dX, one.dX, y0, y1));
+          if (c.weighed) CHECK(only_in(got.dscale, one.dscale, s0, s1));
+          CHECK(only_in(got.dw13, one.dw13, w0, w1));
+          CHECK(only_in(got.dw2, one.dw2, v0, v1));
+        }
       }
     }
   }

@@ -219,6 +219,51 @@ TEST_CASE("fp8 quantize: stacked matrices and their transposes in tiles equal th
   }
 }
 
+TEST_CASE("fp8 quantize: tiles from unaligned x into unaligned codes, and the transpose alone",
+          "[gpu][fp8][quantize]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  Stream stream;
+  for (const Shape& s : std::vector<Shape>{{136, 256}, {256, 136}, {96, 200}}) {
+    INFO(s.rows << "x" << s.cols << ", x 2 bytes and the codes 1 byte past alignment");
+    const Matrix x = draw(s.rows, s.cols, rng);
+    const auto want = reference::quantize_tiles(x);
+    const auto want_t = reference::quantize_tiles(reference::transpose(x));
+    const auto elements = static_cast<std::size_t>(s.rows * s.cols);
+    const DeviceBuffer x_aligned = test::upload_as(x, DType::kBF16);
+    DeviceBuffer x_dev(elements * 2 + 16), q(elements + 16), qt(elements + 16),
+        scales(want.scales.size() * 4 + 16), scales_t(want.scales.size() * 4 + 16);
+    MOE_CHECK_CUDA(
+        cudaMemcpy(x_dev.as<char>() + 2, x_aligned.data(), elements * 2, cudaMemcpyDeviceToDevice));
+    const std::int64_t tr = (s.rows + 127) / 128, tc = (s.cols + 127) / 128;
+    const TileOutput transposed{
+        qt.as<std::uint8_t>() + 1, scales_t.as<float>(), {{tr, 1}, tr * tc}};
+    for (const bool both : {true, false}) {
+      INFO((both ? "codes and transpose" : "the transpose alone"));
+      for (const auto* b : {&q, &qt, &scales, &scales_t}) test::poison(*b);
+      const TileOutput direct =
+          both ? TileOutput{q.as<std::uint8_t>() + 1, scales.as<float>(), {{tc, 1}, tr * tc}}
+               : TileOutput{};
+      quantize_tiles(x_dev.as<char>() + 2, 1, s.rows, s.cols, direct, transposed, stream.get());
+      stream.synchronize();
+      const auto codes = test::download<std::uint8_t>(q, elements + 16);
+      const auto codes_t = test::download<std::uint8_t>(qt, elements + 16);
+      CHECK(std::equal(want_t.codes.begin(), want_t.codes.end(), codes_t.begin() + 1));
+      CHECK(codes_t[0] == 0xFF);
+      CHECK(codes_t[elements + 1] == 0xFF);  // nothing past the end
+      check(want_t, std::vector<std::uint8_t>(codes_t.begin() + 1, codes_t.begin() + 1 + elements),
+            test::download<float>(scales_t, want_t.scales.size()), {tr, 1});
+      if (both) {
+        CHECK(std::equal(want.codes.begin(), want.codes.end(), codes.begin() + 1));
+        CHECK(codes[elements + 1] == 0xFF);
+        check(want, std::vector<std::uint8_t>(codes.begin() + 1, codes.begin() + 1 + elements),
+              test::download<float>(scales, want.scales.size()), {tc, 1});
+      } else {
+        CHECK(std::count(codes.begin(), codes.end(), 0xFF) == std::ssize(codes));
+      }
+    }
+  }
+}
+
 TEST_CASE("fp8 quantize: bad arguments are named", "[gpu][fp8][quantize]") {
   Stream stream;
   DeviceBuffer buffer(1024);

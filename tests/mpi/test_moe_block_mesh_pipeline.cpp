@@ -73,7 +73,12 @@ test::Results run_step(MoEConfig c, int chunks, const Mesh& mesh, const referenc
   MoEBlock block(c, mesh, stream.get());
   block.set_check_finite(check_mode);
   const int E_loc = c.num_experts / mesh.ep();
-  test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
+  // FP8: the first step runs on other weights, then the step's own are written over them in
+  // place, so that the step compared quantizes the weights it is given, not the last step's copy.
+  std::mt19937_64 other_rng(7);
+  test::load_params(block,
+                    c.fp8 ? test::round_params(test::random_params(c, other_rng), c.dtype) : params,
+                    mesh.ep_index() * E_loc, E_loc);
   const std::int64_t T = x.rows;
   const auto x_dev = test::upload_as(x, c.dtype);
   const auto dy_dev = test::upload_as(dy, c.dtype);
@@ -83,6 +88,7 @@ test::Results run_step(MoEConfig c, int chunks, const Mesh& mesh, const referenc
   MoEForward fwd = block.forward(x_view, options);
   Tensor dx = block.backward(dy_view);
   block.synchronize();
+  if (c.fp8) test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
   test::poison_step(block, fwd, dx, stream.get());
   if (calls == Calls::kPhases) {
     const test::OtherWork other(stream.get());
@@ -95,7 +101,19 @@ test::Results run_step(MoEConfig c, int chunks, const Mesh& mesh, const referenc
     dx = block.backward(dy_view);
   }
   block.synchronize();
-  return test::read_step(block, c, fwd, dx, T);
+  const test::Results results = test::read_step(block, c, fwd, dx, T);
+  if (c.fp8 && calls == Calls::kWhole) {
+    // The weights unchanged since: a step on the FP8 copy made for the last gives its bits.
+    INFO("weights_unchanged");
+    test::poison_step(block, fwd, dx, stream.get());
+    ForwardOptions reuse = options;
+    reuse.weights_unchanged = true;
+    fwd = block.forward(x_view, reuse);
+    dx = block.backward(dy_view);
+    block.synchronize();
+    test::check_identical(test::read_step(block, c, fwd, dx, T), results);
+  }
+  return results;
 }
 
 // Two blocks of one layer (a block and a scratch per micro-batch in flight), each micro-batch's
