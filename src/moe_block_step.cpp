@@ -184,7 +184,7 @@ void MoEBlock::experts_phase() {
   TokenExchange& exchange = *s.exchange;
   const ExpertRows& rows = s.step.rows;
   const cudaStream_t stream = s.stream;
-  {
+  if (s.config.fp8) {
     // The FP8 weights' quantization, while the first chunk's rows are on their way.
     Range r("moe experts", s.times, stream);
     s.experts.prepare_forward(s.params.w13, s.params.w2, stream, s.step.weights_unchanged);
