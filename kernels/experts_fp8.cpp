@@ -54,13 +54,15 @@ Fp8ExpertFFN::Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams,
   for (int s = 0; s < streams; ++s) {
     streams_.emplace_back();
     gemms_.push_back(std::make_unique<BlockScaledGemm>(workspace_bytes));
-    bf16_.push_back(std::make_unique<GemmRunner>(workspace_bytes));
     joins_.emplace_back();
   }
   // Untimed (the heuristic's first algorithm): timing would wait on the host inside a step.
-  weight_grads_ = std::make_unique<ExpertFFN>(hidden, ffn, local_experts, DType::kBF16,
-                                              ExpertSchedule::kBatched, streams, 0, workspace_bytes,
-                                              /*autotune=*/false);
+  const auto weight_gradients = [&](ExpertSchedule schedule) {
+    return std::make_unique<ExpertFFN>(hidden, ffn, local_experts, DType::kBF16, schedule, streams,
+                                       0, workspace_bytes, /*autotune=*/false);
+  };
+  batched_grads_ = weight_gradients(ExpertSchedule::kBatched);
+  per_expert_grads_ = weight_gradients(ExpertSchedule::kStreams);
 }
 
 void Fp8ExpertFFN::quantize_weights(const Tensor& w13, const Tensor& w2, cudaStream_t stream) {
@@ -130,30 +132,30 @@ void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offset
   expect_tensor(act.h, "Fp8ExpertFFN h", DType::kBF16, {rows, 2 * F});
   expect_tensor(act.a, "Fp8ExpertFFN a", DType::kBF16, {rows, F});
   expect_tensor(y, "Fp8ExpertFFN y", DType::kBF16, {rows, H});
+  reserve_scratch(rows);
+  if (p.rows == 0) return;
+  const auto slice = [&](const Tensor& t) { return row_slice(t, p.first_row, p.rows); };
+  const Fp8RowBlocks x_codes = scratch(0, p, H), a_codes = scratch(1, p, F);
+  const Tensor h = slice(act.h);
+  quantize_row_blocks_segmented(slice(X).data, p.offsets, H, x_codes.codes, x_codes.scales, stream);
+  fp8_pass(p, x_codes, H, w13_, 2 * F, h.data, stream);  // h = X·w13ᵀ
+  swiglu_forward_fp8(h, slice(act.a), a_codes, stream, slice(act.scale));
+  fp8_pass(p, a_codes, F, w2_, H, slice(y).data, stream);  // y = a·w2ᵀ
+}
+
+void Fp8ExpertFFN::reserve_scratch(std::int64_t rows) {
   for (int i = 0; i < 2; ++i) {
     // Sized for the backward's dh too (2F wide), so that the buffers grow at most once a step: a
     // growth frees the old buffer, which waits for the device, transfers in flight included.
-    const std::int64_t width = i == 0 ? H : 2 * F;
+    const std::int64_t width = i == 0 ? hidden_ : 2 * std::int64_t{ffn_};
     codes_[i].reserve(static_cast<std::size_t>(rows * width));
     scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
   }
-  // The part's rows of each buffer, codes and scales where a whole call would put them.
-  const auto codes = [&](int i, std::int64_t width) {
-    return codes_[i].as<std::uint8_t>() + p.first_row * width;
-  };
-  const auto scales = [&](int i, std::int64_t width) {
-    return scales_[i].as<float>() + p.first_row * column_blocks(width);
-  };
-  if (p.rows == 0) return;
-  const Tensor h = row_slice(act.h, p.first_row, p.rows);
-  quantize_row_blocks_segmented(row_slice(X, p.first_row, p.rows).data, p.offsets, H, codes(0, H),
-                                scales(0, H), stream);
-  fp8_pass(p, codes(0, H), scales(0, H), H, w13_, 2 * F, h.data, stream);  // h = X·w13ᵀ
-  swiglu_forward_fp8(h, row_slice(act.a, p.first_row, p.rows),
-                     {codes(1, F), scales(1, F), p.offsets}, stream,
-                     row_slice(act.scale, p.first_row, p.rows));
-  fp8_pass(p, codes(1, F), scales(1, F), F, w2_, H, row_slice(y, p.first_row, p.rows).data,
-           stream);  // y = a·w2ᵀ
+}
+
+Fp8RowBlocks Fp8ExpertFFN::scratch(int buffer, const Part& part, std::int64_t width) {
+  return {codes_[buffer].as<std::uint8_t>() + part.first_row * width,
+          scales_[buffer].as<float>() + part.first_row * column_blocks(width), part.offsets};
 }
 
 void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
@@ -163,12 +165,12 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
                             ExpertSpan span, const ExpertFFN::DXQueued& dX_queued) {
   const Part p = part(offsets, span, "backward");
   const std::int64_t H = hidden_, F = ffn_, E = experts_, rows = offsets.back();
+  const DType d = DType::kBF16;
   if (refill_input && (p.first > 0 || p.end < experts_))
     fail(
         "Fp8ExpertFFN::backward: X refilled for experts [{}, {}) of {}; a refill takes every "
         "expert",
         p.first, p.end, experts_);
-  const DType d = DType::kBF16;
   expect_tensor(dY, "Fp8ExpertFFN dY", d, {rows, H});
   expect_tensor(X, "Fp8ExpertFFN X", d, {rows, H});
   expect_tensor(act.h, "Fp8ExpertFFN h", d, {rows, 2 * F});
@@ -185,26 +187,15 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
     fail("Fp8ExpertFFN: dw13 dtype {} must be bf16 or fp32", dtype_name(grad));
   expect_tensor(dw13, "Fp8ExpertFFN dw13", grad, {E, 2 * F, H});
   expect_tensor(dw2, "Fp8ExpertFFN dw2", grad, {E, H, F});
-  for (int i = 0; i < 2; ++i) {
-    const std::int64_t width = i == 0 ? H : 2 * F;
-    codes_[i].reserve(static_cast<std::size_t>(rows * width));
-    scales_[i].reserve(static_cast<std::size_t>(rows * column_blocks(width)) * sizeof(float));
-  }
-  const auto codes = [&](int i, std::int64_t width) {
-    return codes_[i].as<std::uint8_t>() + p.first_row * width;
-  };
-  const auto scales = [&](int i, std::int64_t width) {
-    return scales_[i].as<float>() + p.first_row * column_blocks(width);
-  };
+  reserve_scratch(rows);
   const auto slice = [&](const Tensor& t) { return row_slice(t, p.first_row, p.rows); };
-
+  const Fp8RowBlocks dY_codes = scratch(0, p, H), dh_codes = scratch(1, p, 2 * F);
   if (p.rows > 0) {  // without rows, only the experts' zero weight gradients are left to write
-    quantize_row_blocks_segmented(slice(dY).data, p.offsets, H, codes(0, H), scales(0, H), stream);
-    fp8_pass(p, codes(0, H), scales(0, H), H, w2_transposed_, F, slice(act.dA).data,
-             stream);  // dA = dY·w2
-    swiglu_backward_fp8(slice(act.h), slice(act.dA), slice(act.dh), slice(act.a),
-                        {codes(1, 2 * F), scales(1, 2 * F), p.offsets}, stream, slice(act.scale),
-                        slice(act.dscale));
+    quantize_row_blocks_segmented(slice(dY).data, p.offsets, H, dY_codes.codes, dY_codes.scales,
+                                  stream);
+    fp8_pass(p, dY_codes, H, w2_transposed_, F, slice(act.dA).data, stream);  // dA = dY·w2
+    swiglu_backward_fp8(slice(act.h), slice(act.dA), slice(act.dh), slice(act.a), dh_codes, stream,
+                        slice(act.scale), slice(act.dscale));
   }
   // dX = dh·w13 in FP8 from dh's codes, after dw2 = dYᵀ·a (so that it may be written over dY):
   // where dX is not X and nothing is refilled, before dw13 = dhᵀ·X, with dX_queued called in
@@ -213,7 +204,7 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
   // batched as the bf16 experts batch them (the experts of one row count in one call); else one
   // a call, largest first (each measured faster where it runs: docs/performance.md, "FP8").
   const auto dX_pass = [&](cudaStream_t on) {
-    fp8_pass(p, codes(1, 2 * F), scales(1, 2 * F), 2 * F, w13_transposed_, H, slice(dX).data, on);
+    fp8_pass(p, dh_codes, 2 * F, w13_transposed_, H, slice(dX).data, on);
   };
   const bool dX_between = dX_queued && !refill_input && dX.data != X.data;
   ExpertFFN::RefillInput between = refill_input;
@@ -223,45 +214,23 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
       dX_queued();
     };
   }
-  if (p.grouped) {
-    weight_grads_->weight_gradients(dY, X, offsets, act.a, act.dh, dw13, dw2, stream, between,
-                                    {p.first, p.end});
-  } else {
-    const std::size_t g = dtype_size(grad);
-    std::vector<Product> dw2_products, dw13_products;
-    for (int e = p.first; e < p.end; ++e) {
-      const std::int64_t first = offsets[e], m = offsets[e + 1] - first;
-      dw2_products.push_back(
-          {H, F, m, dY.as<char>() + first * H * 2, nullptr, act.a.as<char>() + first * F * 2,
-           nullptr, dw2.as<char>() + e * H * F * g, GemmShape{H, F, m, true, false, d, d, grad}});
-      dw13_products.push_back({2 * F, H, m, act.dh.as<char>() + first * 2 * F * 2, nullptr,
-                               X.as<char>() + first * H * 2, nullptr,
-                               dw13.as<char>() + e * 2 * F * H * g,
-                               GemmShape{2 * F, H, m, true, false, d, d, grad}});
-    }
-    if (between) {
-      run(dw2_products, stream);
-      between(stream);
-      run(dw13_products, stream);
-    } else {
-      dw2_products.insert(dw2_products.end(), dw13_products.begin(), dw13_products.end());
-      run(dw2_products, stream);
-    }
-  }
+  ExpertFFN& grads = p.grouped ? *batched_grads_ : *per_expert_grads_;
+  grads.weight_gradients(dY, X, offsets, act.a, act.dh, dw13, dw2, stream, between,
+                         {p.first, p.end});
   if (dX_between) return;
   dX_pass(stream);
   if (dX_queued) dX_queued();
 }
 
-void Fp8ExpertFFN::fp8_pass(const Part& part, const std::uint8_t* codes, const float* scales,
-                            std::int64_t k, const Weights& weights, std::int64_t n, void* out,
+void Fp8ExpertFFN::fp8_pass(const Part& part, const Fp8RowBlocks& a, std::int64_t k,
+                            const Weights& weights, std::int64_t n, void* out,
                             cudaStream_t stream) {
   const std::uint8_t* b = weights.codes.as<std::uint8_t>() + part.first * n * k;
   const float* b_scales = weights.scales.as<float>() + part.first * weights.tiles.count;
   if (part.grouped) {
     if (part.rows == 0) return;
-    const GroupedFp8Operands operands{.a = codes,
-                                      .a_scales = scales,
+    const GroupedFp8Operands operands{.a = a.codes,
+                                      .a_scales = a.scales,
                                       .b = b,
                                       .b_scales = b_scales,
                                       .b_scale_stride = weights.tiles.count,
@@ -273,7 +242,7 @@ void Fp8ExpertFFN::fp8_pass(const Part& part, const std::uint8_t* codes, const f
   for (int e = 0; e + 1 < std::ssize(part.offsets); ++e) {
     const std::int64_t first = part.offsets[e], m = part.offsets[e + 1] - first;
     if (m == 0) continue;
-    products.push_back({m, n, k, codes + first * k, scales + first * column_blocks(k),
+    products.push_back({m, n, k, a.codes + first * k, a.scales + first * column_blocks(k),
                         b + e * n * k, b_scales + e * weights.tiles.count,
                         static_cast<char*>(out) + first * n * 2});
   }
@@ -306,13 +275,8 @@ void Fp8ExpertFFN::run(std::vector<Product> products, cudaStream_t stream) {
     const auto lane =
         static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
     load[lane] += work(p);
-    if (p.a_scales != nullptr) {
-      gemms_[lane]->run(p.m, p.n, p.k, static_cast<const std::uint8_t*>(p.a), p.a_scales,
-                        static_cast<const std::uint8_t*>(p.b), p.b_scales, p.c, DType::kBF16,
-                        streams_[lane].get());
-    } else {
-      bf16_[lane]->run(p.bf16_shape, p.a, p.b, p.c, streams_[lane].get());
-    }
+    gemms_[lane]->run(p.m, p.n, p.k, p.a, p.a_scales, p.b, p.b_scales, p.c, DType::kBF16,
+                      streams_[lane].get());
   }
   for (std::size_t s = 0; s < lanes; ++s) {
     joins_[s].record(streams_[s].get());

@@ -28,6 +28,7 @@
 #include "gemm_fp8.h"
 #include "moe/device.h"
 #include "moe/tensor.h"
+#include "swiglu.cuh"
 
 namespace moe {
 
@@ -87,15 +88,14 @@ class Fp8ExpertFFN {
     ScaleBuffer tiles;  // one expert's
     DeviceBuffer codes, scales;
   };
-  // One product C = A·Bᵀ: FP8 (a_scales set) or bf16 (GemmRunner, shape given).
+  // One FP8 product C = A·Bᵀ, bf16 out.
   struct Product {
     std::int64_t m, n, k;
-    const void* a;
+    const std::uint8_t* a;
     const float* a_scales;
-    const void* b;
+    const std::uint8_t* b;
     const float* b_scales;
     void* c;
-    GemmShape bf16_shape{};
   };
   void check_offsets(std::span<const std::int64_t> offsets, const char* call) const;
   // The experts of a span and their rows, with the offsets of those rows from the first, and
@@ -107,10 +107,15 @@ class Fp8ExpertFFN {
     bool grouped = false;
   };
   Part part(std::span<const std::int64_t> offsets, ExpertSpan span, const char* call) const;
-  // out = codes·weightsᵀ per expert of the part, by products_: codes, scales and out hold the
-  // part's rows from their first.
-  void fp8_pass(const Part& part, const std::uint8_t* codes, const float* scales, std::int64_t k,
-                const Weights& weights, std::int64_t n, void* out, cudaStream_t stream);
+  // Grows the activations' codes and scales (codes_, scales_) for a call over `rows`.
+  void reserve_scratch(std::int64_t rows);
+  // The part's rows of codes_[buffer] and scales_[buffer], `width` columns, where a whole call
+  // over every expert would put them.
+  Fp8RowBlocks scratch(int buffer, const Part& part, std::int64_t width);
+  // out = a·weightsᵀ per expert of the part, by products_: a and out hold the part's rows from
+  // their first.
+  void fp8_pass(const Part& part, const Fp8RowBlocks& a, std::int64_t k, const Weights& weights,
+                std::int64_t n, void* out, cudaStream_t stream);
   void run(std::vector<Product> products, cudaStream_t stream);
 
   int hidden_, ffn_, experts_;
@@ -121,9 +126,8 @@ class Fp8ExpertFFN {
   Weights w13_transposed_, w2_transposed_;  // [E, H, 2F] and [E, F, H]
   DeviceBuffer codes_[2], scales_[2];       // the activations of the pass at hand, and the next
   // The bf16 weight gradients' products: batched as the bf16 experts batch them where the FP8
-  // passes are grouped, else one a call (bf16_, one a stream).
-  std::unique_ptr<ExpertFFN> weight_grads_;
-  std::vector<std::unique_ptr<GemmRunner>> bf16_;
+  // passes are grouped, else one expert a call over the streams, largest first.
+  std::unique_ptr<ExpertFFN> batched_grads_, per_expert_grads_;
   std::vector<Stream> streams_;
   std::vector<std::unique_ptr<BlockScaledGemm>> gemms_;  // one a stream
   Event fork_;
