@@ -1,6 +1,7 @@
 // MoEBlock of static shapes (capacity_factor with pad_to_capacity, one GPU) in a CUDA graph: a
 // captured forward + backward replays the eager step bitwise, follows new input written into the
-// same buffers (and then equals the fp64 reference), and a step needs no host wait; capture is
+// same buffers (and then equals the fp64 reference), and a step needs no host wait, FP8 experts
+// included; capture is
 // refused, naming why, where a step would wait or allocate.
 #include <cmath>
 #include <cstring>
@@ -50,6 +51,20 @@ Batch draw_batch(const MoEConfig& c, const reference::Params& params, std::int64
   }
 }
 
+// The eager step against the reference: FP8 experts within FP8's error of it (docs/design.md,
+// "FP8"), anything else as every block test checks it.
+void check_step(const MoEConfig& c, const test::Results& got, const reference::LayerResult& want) {
+  if (!c.fp8) return test::check_against_reference(c, got, want);
+  constexpr double kFp8Bound = 0.1;
+  CHECK(test::relative_error(got.out, want.out) <= kFp8Bound);
+  CHECK(test::relative_error(got.dx, want.dx) <= kFp8Bound);
+  for (std::size_t e = 0; e < got.dw13.size(); ++e) {
+    INFO("expert " << e);
+    CHECK(test::relative_error(got.dw13[e], transpose(want.expert_grads.dw13[e])) <= kFp8Bound);
+    CHECK(test::relative_error(got.dw2[e], transpose(want.expert_grads.dw2[e])) <= kFp8Bound);
+  }
+}
+
 void run_graph_case(const MoEConfig& c, std::int64_t tokens, std::mt19937_64& rng) {
   INFO(c.describe() << " T=" << tokens);
   Stream stream;
@@ -76,7 +91,7 @@ void run_graph_case(const MoEConfig& c, std::int64_t tokens, std::mt19937_64& rn
   CHECK(mesh.host_waits() == waits);
   CHECK(std::isnan(eager_fwd.aux_loss));
   const test::Results eager = test::read_step(block, c, eager_fwd, eager_dx, tokens);
-  test::check_against_reference(c, eager, first.want);
+  check_step(c, eager, first.want);
 
   MoEForward captured_fwd;
   Tensor captured_dx;
@@ -105,7 +120,7 @@ void run_graph_case(const MoEConfig& c, std::int64_t tokens, std::mt19937_64& rn
   step.replay(stream.get());  // twice: a replay leaves nothing the next one depends on
   CHECK(mesh.host_waits() == replay_waits);
   const test::Results replayed = test::read_step(block, c, captured_fwd, captured_dx, tokens);
-  test::check_against_reference(c, replayed, second.want);
+  check_step(c, replayed, second.want);
   const MoEForward again_fwd = block.forward(x_view);  // losses on the host this time
   const Tensor again_dx = block.backward(dy_view);
   test::Results again = test::read_step(block, c, again_fwd, again_dx, tokens);
@@ -139,6 +154,16 @@ TEST_CASE("a static-shape step captured in a CUDA graph replays the eager step b
     many.validate();
     run_graph_case(many, 300, rng);
   }
+  // FP8 experts: the weights quantized inside the graph, the grouped products where the GPU runs
+  // them; then with the rows rounded through FP8 as fp8_dispatch sends them.
+  MoEConfig fp8 = static_config(DType::kBF16, 1.25, DropPolicy::kProbs, 16);
+  fp8.fp8 = true;
+  fp8.validate();
+  run_graph_case(fp8, 45, rng);
+  fp8.fp8_dispatch = true;
+  fp8.topk = 4;
+  fp8.validate();
+  run_graph_case(fp8, 300, rng);
 }
 
 TEST_CASE("capture is refused, naming why, where a step would wait on the host or allocate",

@@ -6,10 +6,11 @@
 // bits of the one-chunk step, which equals the fp64 mesh reference: dropless with a different T
 // on every rank, capacity mode with its dropped rows kept on the sender, and fixed blocks
 // (pad_to_capacity) with a shared expert; and FP8 experts, their rows sent in bf16 or as E4M3
-// records (within FP8's error of the reference). The split-phase calls, with other work between
-// them, give the same bits, and so do two blocks whose phases interleave over two micro-batches.
-// (One block's steps in one chunk and in several run the same algorithms; the blocks here, fresh
-// for each chunk count, take the heuristic's, as autotuning could time differently in each.)
+// records, dropless and in fixed blocks (within FP8's error of the reference). The split-phase
+// calls, with other work between them, give the same bits, and so do two blocks whose phases
+// interleave over two micro-batches. (One block's steps in one chunk and in several run the same
+// algorithms; the blocks here, fresh for each chunk count, take the heuristic's, as autotuning
+// could time differently in each.)
 #include <mpi.h>
 
 #include <cstdint>
@@ -261,6 +262,10 @@ TEST_CASE("the pipelined NCCL exchange gives the one-chunk step's bits on every 
     run_pipeline_case(f, ep, seed + index++);
     run_pipeline_case(f, ep, seed + index++, EpTransport::kCopy);
     f.fp8_dispatch = true;
+    run_pipeline_case(f, ep, seed + index++);
+    // FP8 experts in fixed blocks (pad_to_capacity), dropping by probability.
+    f.capacity_factor = 1.25;
+    f.pad_to_capacity = true;
     run_pipeline_case(f, ep, seed + index++);
   }
 }
