@@ -3,7 +3,8 @@
 //     its product equals the fp64 product of the dequantized operands with the scales laid out
 //     as row_block_scales / tile_scales say (other layouts are tried and named if not);
 //  2. the dense 8192³ rate, FP8 against bf16, under sustained load: FP8's ceiling;
-//  3. the experts at the model shapes, T = 8192 (rows per expert as routing gives them):
+//  3. the experts at the model shapes, T = 8192 (rows per expert as routing gives them; more
+//     tokens, --expert-tokens, give the rows a rank of an EP mesh sees):
 //     Fp8ExpertFFN, its activations' quantization included, against the bf16 ExpertFFN as the
 //     layer runs it, forward and forward + backward; and the weights' quantization, once per
 //     step.
@@ -15,12 +16,14 @@
 //     pass (kernels/swiglu.cuh) against the SwiGLU then the quantizer, each against its bytes at
 //     the copy rate.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <functional>
 #include <memory>
 #include <random>
 #include <tuple>
+#include <vector>
 
 #include "bench/bench_util.h"
 #include "bench/stage_floors.h"
@@ -225,10 +228,10 @@ nlohmann::json dense_rates(BlockScaledGemm& gemm, cudaStream_t stream) {
 // against bf16 (ExpertFFN as the layer runs it) on the same rows: the forward alone, and forward +
 // backward replayed from CUDA graphs (the GPU's time: queueing hundreds of per-expert products
 // keeps the host busier than the device otherwise, as in a captured step).
-nlohmann::json expert_step(const std::string& name, const bench::Options& options, int streams,
-                           bool grouped, cudaStream_t stream) {
+nlohmann::json expert_step(const std::string& name, std::int64_t T, const bench::Options& options,
+                           int streams, bool grouped, cudaStream_t stream) {
   const auto config = load_config(std::string(MOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
-  const std::int64_t T = 8192, H = config.hidden, F = config.ffn_hidden;
+  const std::int64_t H = config.hidden, F = config.ffn_hidden;
   const DType d = DType::kBF16, g = config.grad_dtype;
   // Weights, their gradients and the FP8 copies of the weights and their transposes: at
   // deepseek-v3 all 256 experts take 68 GB. Where they do not fit in half the free memory, the
@@ -327,6 +330,7 @@ nlohmann::json expert_step(const std::string& name, const bench::Options& option
       bf16_step_ms / fp8_step_ms, weight_ms, weight_bytes / (weight_ms * 1e-3) / 1e9, grouped_ms,
       grouped_step_ms);
   return {{"name", name},
+          {"tokens", T},
           {"experts", E},
           {"rows", rows},
           {"grad_dtype", dtype_name(g)},
@@ -483,9 +487,14 @@ nlohmann::json swiglu_quantization(const std::string& name, const bench::Options
 
 int main(int argc, char** argv) try {
   int fp8_streams = 4;
+  std::vector<std::int64_t> expert_tokens{8192};
   const auto options = bench::parse_options(argc, argv, [&](CLI::App& app) {
     app.add_option("--fp8-streams", fp8_streams, "streams the FP8 experts spread products over")
         ->check(CLI::Range(1, 32));
+    app.add_option("--expert-tokens", expert_tokens,
+                   "the experts' token counts T (T·K / E rows an expert: a mesh rank at EP = n "
+                   "sees n times one GPU's)")
+        ->check(CLI::Range(16, 1 << 17));
   });
   Stream stream;
   BlockScaledGemm gemm(std::size_t{32} << 20);
@@ -501,11 +510,11 @@ int main(int argc, char** argv) try {
   report["batched"] = check_batched(gemm, stream.get());
   report["dense"] = dense_rates(gemm, stream.get());
   fmt::print(
-      "experts at T = 8192: bf16 ExpertFFN (batched) against Fp8ExpertFFN (cuBLASLt over {} "
+      "experts at T = {}: bf16 ExpertFFN (batched) against Fp8ExpertFFN (cuBLASLt over {} "
       "streams; grp: the grouped products), the "
       "forward eager, forward + backward replayed from a graph; the weights' quantization "
       "once per step\n",
-      fp8_streams);
+      fmt::join(expert_tokens, ", "), fp8_streams);
   int device = 0;
   MOE_CHECK_CUDA(cudaGetDevice(&device));
   const bool grouped = grouped_fp8_gemm_supported(device);
@@ -513,9 +522,12 @@ int main(int argc, char** argv) try {
              "shape", "E", "rows/E", "fwd bf16", "fwd fp8", "", "step bf16", "step fp8", "",
              "q w ms", "q w GB/s", "fwd grp", "step grp");
   report["fp8_streams"] = fp8_streams;
-  for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
-    if (!options.selected(name)) continue;
-    report["experts"].push_back(expert_step(name, options, fp8_streams, grouped, stream.get()));
+  for (const std::int64_t T : expert_tokens) {
+    for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}) {
+      if (!options.selected(name)) continue;
+      report["experts"].push_back(
+          expert_step(name, T, options, fp8_streams, grouped, stream.get()));
+    }
   }
   bench::Rates rates;
   rates.gemm_flops_per_s = report["dense"]["fp8_TFLOPs"].get<double>() * 1e12;
