@@ -1,6 +1,7 @@
 #include "experts_fp8.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -257,7 +258,12 @@ bool Fp8ExpertFFN::grouped_pass(std::span<const std::int64_t> offsets) const {
   if (!grouped_available_) return false;
   std::int64_t with_rows = 0;
   for (std::size_t e = 0; e + 1 < offsets.size(); ++e) with_rows += offsets[e + 1] > offsets[e];
-  return offsets.back() < kGroupedRowsLimit * std::max<std::int64_t>(with_rows, 1);
+  return offsets.back() < grouped_rows_limit() * std::max<std::int64_t>(with_rows, 1);
+}
+
+std::int64_t Fp8ExpertFFN::grouped_rows_limit() const {
+  return static_cast<std::int64_t>(
+      std::ceil(kGroupedMacsLimit / (3.0 * static_cast<double>(hidden_) * ffn_)));
 }
 
 void Fp8ExpertFFN::run(std::vector<Product> products, cudaStream_t stream) {

@@ -34,14 +34,19 @@ namespace moe {
 
 // How the four FP8 passes (h, y, dA, dX) run their experts' products.
 enum class Fp8Products {
-  // Each pass by its rows: grouped where the GPU runs them and the experts with rows average
-  // fewer than kGroupedRowsLimit, else one expert a call (measured in docs/performance.md, "FP8").
+  // Grouped where the GPU runs them and the experts' products are small (grouped_rows_limit),
+  // else one expert a call.
   kAuto,
   kPerExpert,  // cuBLASLt, one expert a call, over the streams
   kGrouped,    // one grouped launch a pass (compute capability 9.0, at most 256 experts)
 };
-// Above this many rows an expert, cuBLASLt's products, one expert a call, beat the grouped ones.
-inline constexpr std::int64_t kGroupedRowsLimit = 1024;
+// Below this many multiply-adds in an expert's forward (its rows · 3·H·F, on average over the
+// experts with rows), the grouped products, with the weight gradients batched, run the step
+// faster than cuBLASLt's one expert a call; above it, slower. Measured over the model shapes at
+// 260 to 4100 rows an expert (docs/performance.md, "FP8"): the grouped step wins to about 2000
+// rows at qwen3-30b-a3b's shape (9.7·10⁹), loses from 263 rows at deepseek-v3's (1.2·10¹⁰) and
+// at any row count at mixtral-8x7b's.
+inline constexpr double kGroupedMacsLimit = 1e10;
 
 class Fp8ExpertFFN {
  public:
@@ -54,8 +59,11 @@ class Fp8ExpertFFN {
   void quantize_weights(const Tensor& w13, const Tensor& w2, cudaStream_t stream);
   bool has_weights() const { return has_weights_; }
   // Whether a pass over these rows (host offsets, [E_loc + 1]) runs as the grouped products (and
-  // the weight gradients' bf16 products batched).
+  // the weight gradients' bf16 products batched): under kAuto, where the GPU runs them and the
+  // experts with rows average fewer than grouped_rows_limit() rows.
   bool grouped_pass(std::span<const std::int64_t> offsets) const;
+  // kGroupedMacsLimit in rows an expert at this hidden and ffn size.
+  std::int64_t grouped_rows_limit() const;
 
   // X [rows, H] bf16, offsets host [E_loc + 1] (each expert's rows a multiple of 16), act.h
   // [rows, 2F] and act.a [rows, F] bf16 (a over every row: no chunks), act.scale optional fp32

@@ -278,12 +278,16 @@ TEST_CASE("fp8 experts: forward and backward equal the products of the dequantiz
     INFO((products == Fp8Products::kGrouped ? "grouped products" : "cuBLASLt, one expert a call"));
     for (const Case& c : cases) check_case(c, products, rng);
   }
-  // The default picks by rows an expert: grouped below kGroupedRowsLimit on average, per expert
-  // at or above it (an expert without rows counts for neither).
+  // The default picks by the size of an expert's products: grouped below kGroupedMacsLimit
+  // multiply-adds a forward on average, per expert at or above it (an expert without rows counts
+  // for neither).
   INFO("Fp8Products::kAuto");
   {
     const Fp8ExpertFFN ffn(128, 64, 3);
-    const std::int64_t limit = kGroupedRowsLimit;
+    const std::int64_t limit = ffn.grouped_rows_limit();
+    CHECK(limit == static_cast<std::int64_t>(std::ceil(kGroupedMacsLimit / (3.0 * 128 * 64))));
+    CHECK(Fp8ExpertFFN(2048, 768, 3).grouped_rows_limit() == 2120);  // qwen3-30b-a3b's shape
+    CHECK(Fp8ExpertFFN(7168, 2048, 3).grouped_rows_limit() == 228);  // deepseek-v3's
     const bool grouped = grouped_fp8_gemm_supported(device);
     CHECK(ffn.grouped_pass(std::vector<std::int64_t>{0, 48, 48, 64}) == grouped);
     CHECK(ffn.grouped_pass(std::vector<std::int64_t>{0, limit - 16, limit - 16, 2 * limit - 16}) ==
@@ -296,8 +300,6 @@ TEST_CASE("fp8 experts: forward and backward equal the products of the dequantiz
               .grouped_pass(std::vector<std::int64_t>{0, 16, 32, 48}) == false);
   }
   check_case({128, 64, {48, 0, 16}, true}, Fp8Products::kAuto, rng);
-  check_case({128, 64, {kGroupedRowsLimit + 16, 0, kGroupedRowsLimit}, true}, Fp8Products::kAuto,
-             rng);
 }
 
 TEST_CASE("fp8 experts: bad input is named", "[gpu][fp8][experts]") {
