@@ -41,12 +41,11 @@ enum class Fp8Products {
   kGrouped,    // one grouped launch a pass (compute capability 9.0, at most 256 experts)
 };
 // Below this many multiply-adds in an expert's forward (its rows · 3·H·F, on average over the
-// experts with rows), the grouped products, with the weight gradients batched, run the step
-// faster than cuBLASLt's one expert a call; above it, slower. Measured over the model shapes at
-// 260 to 4100 rows an expert (docs/performance.md, "FP8"): the grouped step wins to about 2000
-// rows at qwen3-30b-a3b's shape (9.7·10⁹), loses from 263 rows at deepseek-v3's (1.2·10¹⁰) and
-// at any row count at mixtral-8x7b's.
-inline constexpr double kGroupedMacsLimit = 1e10;
+// experts with rows), the grouped products, with the weight gradients batched, run the layer's
+// step faster than cuBLASLt's one expert a call; above it, slower. Measured (docs/performance.md,
+// "FP8"): in the layer the grouped step wins at qwen3-30b-a3b's shape at 1031 rows (4.9·10⁹) and
+// loses at 2055 (9.7·10⁹), and loses at deepseek-v3's 263 (1.2·10¹⁰) and mixtral-8x7b's shapes.
+inline constexpr double kGroupedMacsLimit = 7e9;
 
 class Fp8ExpertFFN {
  public:
