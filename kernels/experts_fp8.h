@@ -40,11 +40,13 @@ enum class Fp8Products {
   kPerExpert,  // cuBLASLt, one expert a call, over the streams
   kGrouped,    // one grouped launch a pass (compute capability 9.0, at most 256 experts)
 };
-// Below this many multiply-adds in an expert's forward (its rows · 3·H·F, on average over the
-// experts with rows), the grouped products, with the weight gradients batched, run the layer's
-// step faster than cuBLASLt's one expert a call; above it, slower. Measured (docs/performance.md,
-// "FP8"): in the layer the grouped step wins at qwen3-30b-a3b's shape at 1031 rows (4.9·10⁹) and
-// loses at 2055 (9.7·10⁹), and loses at deepseek-v3's 263 (1.2·10¹⁰) and mixtral-8x7b's shapes.
+// An expert's forward of this many multiply-adds (its rows · 3·H·F) is where the grouped
+// products, with the weight gradients batched, stop running the layer's step faster than
+// cuBLASLt's one expert a call: kAuto takes them where the experts with rows average fewer rows
+// than it takes to reach it (grouped_rows_limit). Measured in the layer, the passes in chunks
+// beside the exchange (docs/performance.md, "FP8"): the grouped step wins at qwen3-30b-a3b's shape
+// at 1031 rows (4.9·10⁹) and loses at 2055 (9.7·10⁹; alone on one GPU, out of chunks, it still
+// wins there), and loses at deepseek-v3's 263 (1.2·10¹⁰) and at mixtral-8x7b's shape.
 inline constexpr double kGroupedMacsLimit = 7e9;
 
 class Fp8ExpertFFN {
@@ -61,7 +63,8 @@ class Fp8ExpertFFN {
   // the weight gradients' bf16 products batched): under kAuto, where the GPU runs them and the
   // experts with rows average fewer than grouped_rows_limit() rows.
   bool grouped_pass(std::span<const std::int64_t> offsets) const;
-  // kGroupedMacsLimit in rows an expert at this hidden and ffn size.
+  // The least average of rows an expert at which an expert's forward reaches kGroupedMacsLimit
+  // multiply-adds at this hidden and ffn size.
   std::int64_t grouped_rows_limit() const;
 
   // X [rows, H] bf16, offsets host [E_loc + 1] (each expert's rows a multiple of 16), act.h

@@ -249,7 +249,8 @@ TEST_CASE("fp8 quantize: tiles from unaligned x into unaligned codes, and the tr
 namespace {
 
 // x with non-finite values and negative zeros placed in its 128 × 128 tiles (row-major tile
-// index): one NaN; one +Inf; a -Inf and a NaN; all NaN; all -0; -0 among normal values.
+// index): one NaN; one +Inf; a -Inf and a NaN; all NaN; all -0; -0 among normal values; a
+// negative NaN.
 Matrix with_specials(Matrix x, std::mt19937_64& rng) {
   const double nan = std::nan(""), inf = std::numeric_limits<double>::infinity();
   const std::int64_t tile_cols = (x.cols + 127) / 128;
@@ -270,11 +271,17 @@ Matrix with_specials(Matrix x, std::mt19937_64& rng) {
   };
   anywhere(0) = nan;
   anywhere(1) = inf;
-  anywhere(2) = -inf;
-  anywhere(2) = nan;
+  double& minus_inf = anywhere(2);
+  minus_inf = -inf;
+  for (double* other = &anywhere(2);; other = &anywhere(2)) {  // beside it, not over it
+    if (other == &minus_inf) continue;
+    *other = nan;
+    break;
+  }
   fill(3, nan);
   fill(4, -0.0);
   for (int i = 0; i < 10; ++i) anywhere(5) = -0.0;
+  anywhere(6) = -nan;  // a negative NaN: its code may keep the sign
   return x;
 }
 
