@@ -389,11 +389,10 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingFile);
   app.add_option("--out", out_path, "results file to write")->required();
-  // CLI::Range prints its bounds; PositiveNumber's message quoted a 300-digit double.
-  const CLI::Range degree(1, 1 << 20);
   app.add_option("--ep", ep, "expert-parallel degree (default: world / dp, or all ranks)")
-      ->check(degree);
-  app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")->check(degree);
+      ->check(cli::count_in(1, 1 << 20));
+  app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")
+      ->check(cli::count_in(1, 1 << 20));
   app.add_flag("--reference", use_reference, "run the fp64 CPU reference instead of the GPUs");
   app.add_flag(
       "--check-finite,!--no-check-finite", check_finite_values,
@@ -434,7 +433,7 @@ int main(int argc, char** argv) {
     if (const std::string why = asked.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
     // The file's ep decides node-limited routing (as under --reference): a mesh of another EP
     // size would route otherwise.
-    const int file_ep = config.ep;
+    const int file_ep = config.ep, file_dp = config.dp;
     comm::MpiSession mpi(&argc, &argv);
     std::tie(ep, dp) = cli::mesh_shape(ep, dp, mpi.size());
     if (config.node_limited_routing() && file_ep != 1 && file_ep != ep)
@@ -442,9 +441,18 @@ int main(int argc, char** argv) {
           "the config's ep = {} sets the nodes of max_nodes_per_token = {}, but the mesh has "
           "EP {}; give --ep {} (and as many ranks) or change the file",
           file_ep, config.max_nodes_per_token, ep, file_ep);
+    if (mpi.rank() == 0 && (file_ep > 1 || file_dp > 1) && (file_ep != ep || file_dp != dp)) {
+      std::fprintf(stderr,
+                   "moe_run: note: the config's mesh (ep = %d, dp = %d) gives way to the mesh of "
+                   "the ranks started and --ep / --dp: EP %d, DP %d\n",
+                   file_ep, file_dp, ep, dp);
+    }
     config.ep = ep;
     config.dp = dp;
     config.validate();
+    // Each rank's tokens: as many counts as ranks, each within the slots' int32 row index.
+    for (const std::int64_t rank_tokens : checked.split(mpi.size()))
+      cli::check_slots_fit(rank_tokens, config.topk);
     // Again with the mesh's shape (capacity mode runs on one EP rank): the same on every rank, so
     // all stop alike before any collective.
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);

@@ -3,8 +3,12 @@
 // its first second could have found wastes the run.
 #pragma once
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -15,11 +19,35 @@
 
 namespace moe::cli {
 
+// Whether a file can be created in `directory`: a file of this process's own name is created
+// there and removed at once (the results are written beside their target, then renamed over it,
+// so the directory is what must take them). errno's text where it cannot.
+inline std::string cannot_create_in(const std::filesystem::path& directory) {
+  const std::filesystem::path probe = (directory.empty() ? std::filesystem::path(".") : directory) /
+                                      fmt::format(".moe_output_probe.{}", ::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return std::strerror(errno);
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return {};
+}
+
+// Whether two paths name one file: the same path after resolving `.`, `..` and links (the file
+// need not exist yet), or the same existing file (a hard link).
+inline bool same_file(const std::filesystem::path& a, const std::filesystem::path& b) {
+  namespace fs = std::filesystem;
+  std::error_code equivalent_error, a_error, b_error;
+  if (fs::equivalent(a, b, equivalent_error) && !equivalent_error) return true;
+  const fs::path a_resolved = fs::weakly_canonical(a, a_error);
+  const fs::path b_resolved = fs::weakly_canonical(b, b_error);
+  return !a_error && !b_error && a_resolved == b_resolved;
+}
+
 // Refuses `path`, the value of `option`, where writing it at the end of a run would fail or harm:
 // empty; a value that looks like the next option (`--out --no-check-finite` gives --out that
-// text, and the flag is lost); what check_output_path refuses; or one of `inputs`
-// ({option, path}), as a path after resolving `.`, `..` and links, or as the same file (a hard
-// link).
+// text, and the flag is lost); what check_output_path refuses; a directory that takes no new
+// file; or one of `inputs` ({option, path}), as a path after resolving `.`, `..` and links, or as
+// the same file (a hard link).
 inline void check_output_file(const std::string& option, const std::string& path,
                               const std::vector<std::pair<std::string, std::string>>& inputs) {
   namespace fs = std::filesystem;
@@ -32,15 +60,12 @@ inline void check_output_file(const std::string& option, const std::string& path
   }
   const fs::path file(path);
   check_output_path(file, fmt::format("{} '{}'", option, path));
-  std::error_code error;
-  const fs::path resolved = fs::weakly_canonical(file, error);
-  const bool resolved_ok = !error;
+  if (const std::string why = cannot_create_in(file.parent_path()); !why.empty()) {
+    fail("{} '{}': no file can be created in its directory '{}' ({})", option, path,
+         file.parent_path().empty() ? "." : file.parent_path().string(), why);
+  }
   for (const auto& [input_option, input] : inputs) {
-    std::error_code same_error, input_error;
-    const bool same_file = fs::equivalent(file, input, same_error) && !same_error;
-    const fs::path input_resolved = fs::weakly_canonical(input, input_error);
-    const bool same_path = resolved_ok && !input_error && input_resolved == resolved;
-    if (same_file || same_path) {
+    if (same_file(path, input)) {
       fail("{} '{}' is the {} file '{}': refusing to overwrite an input", option, path,
            input_option, input);
     }

@@ -186,6 +186,26 @@ TEST_CASE("moe_run refuses an --out it could not write before anything runs", "[
   CHECK(std::filesystem::is_fifo(d.dir / "fifo"));
 }
 
+TEST_CASE("moe_run reads --ep and --dp as decimal whole numbers, as the other apps do",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const RunDir d(rng);
+  // CLI11 alone reads 010 as octal 8 and takes 0x2 and +1.
+  for (const std::string value : {"010", "0x2", "+1", "1.0", "0"}) {
+    for (const char* option : {"--ep", "--dp"}) {
+      INFO(option << " " << value);
+      std::string error;
+      CHECK(d.run(d.path("inputs.safetensors"), d.path("out.safetensors"), &error,
+                  std::string(option) + " " + value) != 0);
+      CHECK_THAT(error,
+                 test::contains_text(value == "0" ? "0 is not in [1, 1048576]"
+                                                  : "'" + value + "' is not a whole number"));
+    }
+  }
+}
+
 TEST_CASE("moe_run names the tensor holding NaN or Inf; --no-check-finite lets it through",
           "[cpu][moe_run]") {
   const auto seed = test::fresh_seed();

@@ -293,3 +293,26 @@ TEST_CASE("moe_run --reference says what of a mesh it leaves aside, and that it 
   CHECK_THAT(error, test::contains_text("the inputs' tokens_per_rank has no effect"));
   CHECK(error.find("capacity") == std::string::npos);
 }
+
+TEST_CASE("moe_run on the GPUs checks the mesh's share of the batch before looking for one",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::string error;
+  // Run alone, as one rank: where this machine has a GPU the runs go on, and only the notes and
+  // refusals are checked.
+  const RunDir mesh(rng, "ep: 2\n");
+  mesh.run(mesh.path("inputs.safetensors"), mesh.path("out.safetensors"), &error, "--gpus");
+  CHECK_THAT(error, test::contains_text("the config's mesh (ep = 2, dp = 1) gives way to the mesh "
+                                        "of the ranks started and --ep / --dp: EP 1, DP 1"));
+
+  const RunDir split(rng);
+  auto inputs = split.files.inputs;
+  const std::int64_t counts[2] = {2, 3};
+  inputs.add("tokens_per_rank", FileDType::kI64, {2}, counts);
+  inputs.write(split.dir / "split.safetensors");
+  CHECK(split.run(split.path("split.safetensors"), split.path("out.safetensors"), &error,
+                  "--gpus") == 1);
+  CHECK_THAT(error, test::contains_text("tensor 'tokens_per_rank' has 2 entries for 1 ranks"));
+}

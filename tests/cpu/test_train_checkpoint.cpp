@@ -1,10 +1,13 @@
 // moe_train --load: a checkpoint whose header does not hold the model's layers (a missing tensor,
-// a wrong shape or dtype, another layer count, a step that is no count) is refused by name before
-// MPI or a GPU is touched, so the error is the same on any machine. And --help beside a bad value
-// prints the help.
+// a wrong shape or dtype, another layer count, a step that is no count, another layer's config,
+// the shared experts' tensors missing) is refused by name before MPI or a GPU is touched, so the
+// error is the same on any machine. The run's settings it records are taken where the command
+// line leaves them out and refused, with both values, where it gives others. And --help beside a
+// bad value prints the help; --json and --save are refused where they could not be written.
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "apps/train_checkpoint.h"
+#include "moe/config.h"
 #include "moe/safetensors.h"
 #include "support/catch.h"
 #include "support/test_util.h"
@@ -53,15 +58,21 @@ struct TrainDir {
   }
   ~TrainDir() { std::filesystem::remove_all(dir); }
   // moe_train --load FILE --layers 2: its exit status and stderr.
-  int load(const TensorFile& file, std::string& error) const {
+  // With `flags` after the others; `out`, where given, gets stdout.
+  int load(const TensorFile& file, std::string& error, const std::string& flags = "",
+           std::string* out = nullptr) const {
     file.write(dir / "ckpt.safetensors");
     const std::string command = std::string(MOE_TRAIN_PATH) + " --layers 2 --steps 1 --config " +
                                 (dir / "config.yaml").string() + " --load " +
-                                (dir / "ckpt.safetensors").string() + " 2>" +
-                                (dir / "err.txt").string();
+                                (dir / "ckpt.safetensors").string() + " " + flags + " >" +
+                                (dir / "out.txt").string() + " 2>" + (dir / "err.txt").string();
     const int status = std::system(command.c_str());
     std::ifstream in(dir / "err.txt");
     error.assign(std::istreambuf_iterator<char>(in), {});
+    if (out != nullptr) {
+      std::ifstream out_in(dir / "out.txt");
+      out->assign(std::istreambuf_iterator<char>(out_in), {});
+    }
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
 };
@@ -152,7 +163,147 @@ TEST_CASE("moe_train --json is refused by name before a GPU is looked for", "[cp
              test::contains_text("is the --config file") && test::contains_text("--json '"));
   const std::string same = (d.dir / "run.out").string();
   CHECK_THAT(refusal("--json " + same + " --save " + same),
-             test::contains_text("is the --save file"));
+             test::contains_text("name the same file: each needs its own"));
   CHECK_THAT(refusal("--json " + (d.dir / "missing" / "run.json").string()),
              test::contains_text("does not exist"));
+  // A directory that takes no new file (/proc takes none, even from root).
+  for (const char* option : {"--json", "--save"}) {
+    CHECK_THAT(refusal(std::string(option) + " /proc/moe_train.out"),
+               test::contains_text(std::string(option) + " '/proc/moe_train.out': no file can be "
+                                                         "created in its directory '/proc'"));
+  }
+}
+
+namespace {
+
+// The small layer's config as moe_train reads it from TrainDir's file, optionally with shared
+// experts.
+MoEConfig small_layer(int shared_ffn_hidden = 0) {
+  MoEConfig c;
+  c.hidden = kH;
+  c.ffn_hidden = kF;
+  c.num_experts = kE;
+  c.topk = 2;
+  c.shared_ffn_hidden = shared_ffn_hidden;
+  return c;
+}
+
+// `file` written to a temporary path, its header checked as moe_train --load checks it.
+train::ResumePlan check_header(const TensorFile& file, const MoEConfig& config,
+                               train::RunSettings& settings,
+                               const std::vector<std::string>& given = {}) {
+  const auto path =
+      std::filesystem::temp_directory_path() / ("moe_ckpt_" + std::to_string(::getpid()));
+  file.write(path);
+  struct Remove {
+    std::filesystem::path path;
+    ~Remove() { std::filesystem::remove(path); }
+  } remove{path};
+  return train::check_checkpoint_header(path.string(), 2, 1, config, settings, given);
+}
+
+}  // namespace
+
+TEST_CASE("moe_train --load resumes the run it was saved by: its layer and its settings",
+          "[cpu][train]") {
+  const MoEConfig config = small_layer();
+  TensorFile file = checkpoint(2);
+  file.metadata["layer"] = train::layer_identity(config);
+  file.metadata["seed"] = "5";
+  file.metadata["tokens"] = "512";
+  file.metadata["lr"] = fmt::format("{}", 3e-4f);
+  file.metadata["ranks"] = "4";
+
+  SECTION("what the command line leaves out is the checkpoint's") {
+    train::RunSettings settings;
+    const train::ResumePlan plan = check_header(file, config, settings);
+    CHECK(settings.seed == 5);
+    CHECK(settings.tokens == 512);
+    CHECK(settings.lr == 3e-4f);  // the float itself, through its shortest text
+    CHECK(plan.ranks == 4);
+    CHECK(plan.adopted == std::vector<std::string>{"--seed 5", "--tokens 512", "--lr 0.0003"});
+  }
+  SECTION("what it gives must be the checkpoint's") {
+    train::RunSettings settings;
+    settings.lr = 3e-4f;
+    CHECK_NOTHROW(check_header(file, config, settings, {"--lr"}));
+    settings.seed = 6;
+    CHECK_THROWS_WITH(
+        check_header(file, config, settings, {"--seed"}),
+        test::contains_text("was trained with --seed 5, but this run gives --seed 6"));
+  }
+  SECTION("the layer is the checkpoint's, whatever the mesh") {
+    train::RunSettings settings;
+    MoEConfig on_a_mesh = config;
+    on_a_mesh.ep = 2;
+    on_a_mesh.ep_transport = EpTransport::kCopy;
+    on_a_mesh.keep_expert_input = true;
+    CHECK_NOTHROW(check_header(file, on_a_mesh, settings));
+    MoEConfig other = config;
+    other.topk = 1;
+    CHECK_THROWS_WITH(check_header(file, other, settings),
+                      test::contains_text("holds a layer of " + train::layer_identity(config) +
+                                          ", but --config gives " + train::layer_identity(other)));
+    MoEConfig fp8 = config;
+    fp8.fp8 = true;
+    CHECK_THROWS_WITH(check_header(file, fp8, settings), test::contains_text("--fp8"));
+  }
+  SECTION("a setting it cannot read back is refused by value") {
+    for (const auto& [key, text] :
+         std::vector<std::pair<std::string, std::string>>{{"lr", "abc"},
+                                                          {"lr", "0"},
+                                                          {"lr", "nan"},
+                                                          {"tokens", "0"},
+                                                          {"tokens", "1e3"},
+                                                          {"seed", "-1"},
+                                                          {"weight_decay", "-0.5"},
+                                                          {"bias_rate", "inf"}}) {
+      INFO(key << " = '" << text << "'");
+      TensorFile bad = file;
+      bad.metadata[key] = text;
+      train::RunSettings settings;
+      CHECK_THROWS_WITH(
+          check_header(bad, config, settings),
+          test::contains_text("metadata " + key + " = '" + text + "' is not a value"));
+    }
+  }
+  SECTION("a checkpoint of an older build, without the settings, leaves them as given") {
+    TensorFile old = checkpoint(2);
+    train::RunSettings settings;
+    settings.seed = 9;
+    const train::ResumePlan plan = check_header(old, config, settings, {"--seed"});
+    CHECK(settings.seed == 9);
+    CHECK(plan.adopted.empty());
+    CHECK(plan.ranks == 0);
+  }
+}
+
+TEST_CASE("moe_train trains and checkpoints the shared experts where the config has them",
+          "[cpu][train]") {
+  std::vector<std::string> names;
+  for (const auto& t : train::trained_tensors(small_layer())) names.push_back(t.name);
+  CHECK(names == std::vector<std::string>{"gate_weight", "w13", "w2"});
+  MoEConfig gated = small_layer(10);
+  gated.shared_gate = true;
+  names.clear();
+  for (const auto& t : train::trained_tensors(gated)) names.push_back(t.name);
+  CHECK(names == std::vector<std::string>{"gate_weight", "w13", "w2", "shared_w13", "shared_w2",
+                                          "shared_gate_weight"});
+  // A checkpoint without them is another model's.
+  train::RunSettings settings;
+  CHECK_THROWS_WITH(check_header(checkpoint(2), gated, settings),
+                    test::contains_text("has no tensor layers.0.shared_w13"));
+}
+
+TEST_CASE("moe_train --load says which settings it took from the checkpoint", "[cpu][train]") {
+  const TrainDir d;
+  TensorFile file = checkpoint(2);
+  file.metadata["seed"] = "5";
+  std::string error, out;
+  const int status = d.load(file, error, "", &out);
+  INFO(error);
+  CHECK((status == 0 || error.find("no CUDA GPU") != std::string::npos));
+  CHECK_THAT(out, test::contains_text("resuming with the checkpoint's --seed 5"));
+  CHECK(d.load(file, error, "--seed 6") == 1);
+  CHECK_THAT(error, test::contains_text("was trained with --seed 5, but this run gives --seed 6"));
 }
