@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -25,7 +26,11 @@ namespace {
 int make(const std::string& dir, std::uint64_t seed, const std::string& variant, int world) {
   if (variant != "plain" && variant != "replay" && variant != "shared")
     throw Error("make: VARIANT is plain, replay or shared, not '" + variant + "'");
-  if (world < 1) throw Error("make: WORLD must be at least 1");
+  // The uneven split below gives every rank of up to 8 at least one of the 100 tokens.
+  if (world < 1 || world > 8)
+    throw Error("make: WORLD = " + std::to_string(world) + " is not in [1, 8]");
+  if (!std::filesystem::is_directory(dir))
+    throw Error("make: DIR '" + dir + "' is not a directory");
   std::string yaml =
       "hidden: 64\nffn_hidden: 48\nnum_experts: 8\ntopk: 2\nscore_function: sigmoid\nexpert_bias: "
       "true\n"
@@ -33,7 +38,10 @@ int make(const std::string& dir, std::uint64_t seed, const std::string& variant,
       "0.01\n"
       "align_size: 16\ndtype: fp32\n";
   if (variant == "shared") yaml += "shared_ffn_hidden: 24\nshared_gate: true\n";
-  std::ofstream(dir + "/config.yaml") << yaml;
+  std::ofstream config(dir + "/config.yaml");
+  config << yaml;
+  config.close();
+  if (!config) throw Error("make: cannot write '" + dir + "/config.yaml'");
   const MoEConfig c = parse_config(yaml);
   std::mt19937_64 rng(seed);
   auto p = test::random_params(c, rng);
