@@ -48,6 +48,7 @@
 
 #include "cli/checks.h"
 #include "cli/output_file.h"
+#include "cli/remove_on_signal.h"
 #include "comm/bootstrap.h"
 #include "io/expert_streams.h"
 #include "io/layer_files.h"
@@ -191,6 +192,7 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
   // Exact gradients, whatever grad_dtype says the GPU layer rounds them to.
   metadata["computed_by"] = "the fp64 reference on the CPU, rounded to F32 once";
   TensorFileWriter writer(out_path, layer_results_specs(config, in.x.rows), metadata);
+  const cli::RemoveOnSignal remove_if_killed(writer.writing_path());
   if (check_finite_values) writer.refuse_non_finite();
   const FileExperts experts(config, weights);
   FileExpertGrads expert_grads(config, writer);
@@ -256,9 +258,11 @@ void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& c
   // Rank 0 writes the header now (every shape is known) and then each tensor as it comes.
   const std::vector<std::int64_t> split = checked.split(world);
   std::unique_ptr<TensorFileWriter> writer;
+  std::optional<cli::RemoveOnSignal> remove_if_killed;  // mpirun ends the ranks with SIGTERM
   if (rank == 0) {
     writer = std::make_unique<TensorFileWriter>(
         out_path, layer_results_specs(config, checked.tokens), layer_results_metadata(config));
+    remove_if_killed.emplace(writer->writing_path());
     if (check_finite_values) writer->refuse_non_finite();
   }
   std::vector<int> all_ranks(static_cast<std::size_t>(world));

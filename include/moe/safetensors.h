@@ -239,6 +239,9 @@ class TensorFileWriter {
   // Throws moe::Error naming the first tensor that is not complete and its byte counts, or when
   // closing the file fails; the file is then removed.
   void finish();
+  // The file being written, beside the target, until finish() renames it over the target. A
+  // process that a signal ends runs no destructor: an app that handles the signal removes it.
+  const std::filesystem::path& writing_path() const { return writing_; }
 
  private:
   struct Slot {

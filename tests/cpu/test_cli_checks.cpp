@@ -1,13 +1,19 @@
 // The apps' option checks (apps/cli/checks.h) on the text a user types: counts, seeds and real
 // numbers in decimal alone (no hex, no octal-looking leading zero), their bounds, and the value
-// CLI11 then converts.
+// CLI11 then converts. And the file being written that a signal removes (remove_on_signal.h).
+#include <sys/wait.h>
+#include <unistd.h>
 #include <CLI/CLI.hpp>
 
+#include <csignal>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "cli/checks.h"
+#include "cli/remove_on_signal.h"
 #include "support/catch.h"
 
 namespace {
@@ -93,4 +99,48 @@ TEST_CASE("apply_capacity_factor: a factor sets capacity mode, 0 drops its setti
   CHECK(config.capacity_factor == 0);
   CHECK(config.drop_policy == moe::DropPolicy::kProbs);
   CHECK_FALSE(config.pad_to_capacity);
+}
+
+namespace {
+
+// A child process writes `path`, guards it while `guarded`, then takes `signal_number`: how the
+// child ended (its wait status).
+int end_child(const std::filesystem::path& path, bool guarded, int signal_number) {
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::ofstream(path) << "partial results";
+    if (guarded) {
+      const moe::cli::RemoveOnSignal guard(path);
+      std::raise(signal_number);
+    } else {
+      std::raise(signal_number);
+    }
+    ::_exit(3);  // not reached: each signal's default action ends the process
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return status;
+}
+
+}  // namespace
+
+TEST_CASE("RemoveOnSignal removes the file being written when a signal ends the process",
+          "[cpu][cli]") {
+  const auto path =
+      std::filesystem::temp_directory_path() / (".moe_signal_" + std::to_string(::getpid()));
+  for (const int signal_number : {SIGTERM, SIGINT, SIGHUP}) {
+    INFO("signal " << signal_number);
+    const int status = end_child(path, true, signal_number);
+    CHECK(WIFSIGNALED(status));  // ended by the signal itself, as without the guard
+    CHECK(WTERMSIG(status) == signal_number);
+    CHECK_FALSE(std::filesystem::exists(path));
+  }
+  // Without the guard (or after it), the file stays.
+  const int status = end_child(path, false, SIGTERM);
+  CHECK((WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM));
+  CHECK(std::filesystem::exists(path));
+  std::filesystem::remove(path);
+  // One at a time.
+  const moe::cli::RemoveOnSignal first(path);
+  CHECK_THROWS_WITH(moe::cli::RemoveOnSignal(path), moe::test::contains_text("one file at a time"));
 }
