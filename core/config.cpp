@@ -218,7 +218,7 @@ void MoEConfig::validate() const {
   // Capacity mode: 0 is off; its two companions mean nothing without it, so they are refused
   // rather than silently ignored.
   MOE_CONFIG_REQUIRE(std::isfinite(capacity_factor) && capacity_factor >= 0,
-                     "capacity_factor = {} must be positive and finite (absent = dropless)",
+                     "capacity_factor = {} must be finite and >= 0 (0 = dropless)",
                      capacity_factor);
   MOE_CONFIG_REQUIRE(capacity_factor <= kMaxCapacityFactor,
                      "capacity_factor = {} is past {} (from num_experts / topk = {} on, every "

@@ -227,7 +227,7 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
        "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
       {{{"capacity_factor", "-1.5"}}, "capacity_factor = -1.5 must be positive and finite"},
       {{{"capacity_factor", ".nan"}}, "capacity_factor = nan must be positive and finite"},
-      {{{"capacity_factor", ".inf"}}, "capacity_factor = inf must be positive and finite"},
+      {{{"capacity_factor", ".inf"}}, "capacity_factor = inf must be finite and >= 0"},
       {{{"capacity_factor", "lots"}}, "capacity_factor = 'lots' is not a valid value"},
       // A typo for 1.0, which would pad every expert to T rows.
       {{{"capacity_factor", "1e9"}}, "capacity_factor = 1000000000 is past 10000"},
@@ -565,7 +565,7 @@ TEST_CASE("capacity mode and shared experts: keys, defaults, description, capaci
                     test::contains_text("drop_policy = position needs capacity_factor"));
   built.capacity_factor = std::nan("");
   CHECK_THROWS_WITH(built.validate(),
-                    test::contains_text("capacity_factor = nan must be positive"));
+                    test::contains_text("capacity_factor = nan must be finite and >= 0"));
   built.capacity_factor = 0.5;
   CHECK_NOTHROW(built.validate());
 }
