@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
-    -*) usage ;;
+    -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1; shift ;;
   esac
@@ -40,6 +40,7 @@ moe_require_configs_and_tokens "$configs" "$tokens"
 if [ -z "$modes" ]; then
   if [ "$ranks" -eq 1 ]; then modes="bf16 fp8"; else modes="fp8 dispatch"; fi
 fi
+[ -n "${modes// /}" ] || { echo "error: --modes '$modes' names no mode" >&2; exit 2; }
 set -f
 for mode in $modes; do
   case $mode in

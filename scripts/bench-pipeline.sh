@@ -35,17 +35,21 @@ while [ $# -gt 0 ]; do
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
-    -*) usage ;;
+    -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1; shift ;;
   esac
 done
 [ -n "$out" ] || usage
 moe_require_configs_and_tokens "$configs" "$tokens"
-if ! [[ "$ranks" =~ ^[1-9][0-9]*$ && "$ranks" -ge 2 ]]; then
-  echo "error: --ranks '$ranks' is not a rank count of 2 or more (an EP mesh)" >&2
+if ! [[ "$ranks" =~ ^[1-9][0-9]{0,3}$ && "$ranks" -ge 2 ]]; then
+  echo "error: --ranks '$ranks' is not a rank count in [2, 9999] (an EP mesh)" >&2
   exit 2
 fi
+for list in "--chunks:$chunk_counts" "--transports:$transports" "--nccl-channels:$channel_counts"; do
+  words=${list#*:}
+  [ -n "${words// /}" ] || { echo "error: ${list%%:*} names nothing" >&2; exit 2; }
+done
 for c in $chunk_counts; do
   if ! [[ "$c" =~ ^[1-9][0-9]*$ && "$c" -le 1024 ]]; then
     echo "error: --chunks '$c' is not a chunk count in [1, 1024]" >&2

@@ -31,14 +31,15 @@ while [ $# -gt 0 ]; do
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
-    -*) usage ;;
+    -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1; shift ;;
   esac
 done
 [ -n "$out" ] || usage
 moe_require_configs_and_tokens "$configs" "$tokens"
-[[ "$ranks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --ranks '$ranks' is not a rank count" >&2; exit 2; }
+[[ "$ranks" =~ ^[1-9][0-9]{0,3}$ ]] ||
+  { echo "error: --ranks '$ranks' is not a rank count in [1, 9999]" >&2; exit 2; }
 [[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
 case $transport in
   "" | peer | nccl | copy) ;;

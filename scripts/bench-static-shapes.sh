@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
         --iters) iters=$2 ;;
       esac
       shift 2 ;;
-    -*) usage ;;
+    -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1; shift ;;
   esac
@@ -51,26 +51,33 @@ mkdir -p "$out" || exit 2
 common=(--iters "$iters" --stage-lead-ms 0)
 [ -n "$grad" ] && common+=(--grad-dtype "$grad")
 status=0
+written=()  # this run's files only: OUTDIR may hold others
+# run NAME [moe_bench flags...]: one run, its JSON kept where it succeeded.
+run() {
+  local name=$1
+  shift
+  if "$bench" "$@" "${common[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1; then
+    written+=("$out/$name.json")
+  else
+    status=1
+    echo "FAILED: $name"
+    tail -3 "$out/$name.txt"
+  fi
+}
 for config in $configs; do
   for t in $tokens; do
     name=$config-T$t
-    "$bench" --config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" "${common[@]}" \
-      --json "$out/$name-dropless.json" >"$out/$name-dropless.txt" 2>&1 ||
-      { status=1; echo "FAILED: $name dropless"; tail -3 "$out/$name-dropless.txt"; }
+    run "$name-dropless" --config "$MOE_ROOT/configs/$config.yaml" --tokens "$t"
     for f in $factors; do
-      "$bench" --config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" "${common[@]}" \
-        --capacity-factor "$f" --pad-to-capacity --graph --json "$out/$name-padded-$f.json" \
-        >"$out/$name-padded-$f.txt" 2>&1 ||
-        { status=1; echo "FAILED: $name capacity $f"; tail -3 "$out/$name-padded-$f.txt"; }
+      run "$name-padded-$f" --config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" \
+        --capacity-factor "$f" --pad-to-capacity --graph
     done
   done
 done
-python3 - "$out" <<'PY'
+[ ${#written[@]} -gt 0 ] || { echo "error: no run succeeded; each one's output is in $out" >&2; exit 1; }
+python3 - "${written[@]}" <<'PY'
 import json, pathlib, sys
-rows = []
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    r = json.loads(path.read_text())
-    rows.append(r)
+rows = [json.loads(pathlib.Path(path).read_text()) for path in sys.argv[1:]]
 rows.sort(key=lambda r: (r["config_file"], r["tokens_per_gpu"], r["capacity_factor"]))
 # "paired": the eager steps timed alternating with the replays, which the graph is held against.
 print(f"{'config':<22} {'T':>5} {'mode':<14} {'eager ms':>9} {'paired ms':>9} {'graph ms':>9} "

@@ -42,13 +42,14 @@ while [ $# -gt 0 ]; do
       labels=$2; shift ;;
     --tests) [ $# -ge 2 ] || usage; select=(-R "$2"); shift ;;
     --exclude) [ $# -ge 2 ] || usage; exclude=(-E "$2"); shift ;;
-    -*) usage ;;
+    -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || usage; out=$1 ;;
   esac
   shift
 done
 [ -n "$out" ] || usage
-[[ "$repeat" =~ ^[0-9]+$ ]] || { echo "error: --repeat '$repeat' is not a count" >&2; exit 2; }
+[[ "$repeat" =~ ^(0|[1-9][0-9]{0,5})$ ]] ||
+  { echo "error: --repeat '$repeat' is not a count in [0, 999999]" >&2; exit 2; }
 mkdir -p "$out" || exit 2
 out=$(cd "$out" && pwd)
 logs=$MOE_BUILD_DIR/gpu-check

@@ -4,28 +4,42 @@
 # once in many runs, and to replay it (MOE_TEST_SEED=<seed>).
 #   scripts/repeat-test.sh [--tool memcheck|racecheck|initcheck|synccheck] [--runs N]
 #                          [--seconds S] [--timeout S] [--logs DIR] BINARY [test-spec...]
-# Stops after N runs (default 20) or once S seconds have passed (default: no limit), whichever
+# Stops after N runs (default 20) or once S seconds have passed (default 0: no limit), whichever
 # comes first; a run still going after --timeout seconds (default 900) is stopped and reported
 # as timed out, never as a failed check. One line per run on stdout; each run's whole output in DIR (default: a temp dir).
 # Under a tool the suites run their quick sizes (MOE_TEST_QUICK=1, unless set otherwise).
 # Exit status: 0 when every run passed, 1 otherwise.
 set -uo pipefail
 
+usage() {
+  echo "usage: $0 [--tool T] [--runs N] [--seconds S] [--timeout S] [--logs DIR] BINARY" \
+    "[test-spec...]" >&2
+  exit 2
+}
+# A whole number in [low, high] for option $1, or an error naming it and the value.
+count() {  # count OPTION VALUE LOW HIGH
+  [[ "$2" =~ ^(0|[1-9][0-9]{0,8})$ ]] && [ "$2" -ge "$3" ] && [ "$2" -le "$4" ] ||
+    { echo "error: $1 '$2' is not a whole number in [$3, $4]" >&2; exit 2; }
+}
 tool="" runs=20 seconds=0 logs="" per_run=900
 while [ $# -gt 0 ]; do
   case $1 in
-    --tool) tool=$2; shift 2 ;;
-    --runs) runs=$2; shift 2 ;;
-    --seconds) seconds=$2; shift 2 ;;
-    --logs) logs=$2; shift 2 ;;
-    --timeout) per_run=$2; shift 2 ;;
+    --tool | --runs | --seconds | --logs | --timeout)
+      [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; usage; }
+      case $1 in
+        --tool) tool=$2 ;;
+        --runs) count --runs "$2" 1 1000000; runs=$2 ;;
+        --seconds) count --seconds "$2" 0 100000000; seconds=$2 ;;
+        --logs) logs=$2 ;;
+        --timeout) count --timeout "$2" 1 100000000; per_run=$2 ;;
+      esac
+      shift 2 ;;
     --) shift; break ;;
-    -*) echo "usage: $0 [--tool T] [--runs N] [--seconds S] [--logs DIR] BINARY [test-spec...]" >&2
-        exit 2 ;;
+    -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) break ;;
   esac
 done
-[ $# -ge 1 ] || { echo "usage: $0 [options] BINARY [test-spec...]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
 binary=$1
 shift
 [ -x "$binary" ] || { echo "error: '$binary' is not an executable file" >&2; exit 2; }
@@ -33,8 +47,17 @@ case $tool in
   "" | memcheck | racecheck | initcheck | synccheck) ;;
   *) echo "error: --tool '$tool' must be memcheck, racecheck, initcheck or synccheck" >&2; exit 2 ;;
 esac
+if [ -n "$tool" ] && ! command -v compute-sanitizer >/dev/null 2>&1; then
+  [ -x /usr/local/cuda/bin/compute-sanitizer ] && export PATH=/usr/local/cuda/bin:$PATH
+  command -v compute-sanitizer >/dev/null 2>&1 || {
+    echo "error: --tool $tool runs under compute-sanitizer, found neither on PATH nor in" \
+      "/usr/local/cuda/bin" >&2
+    exit 2
+  }
+fi
 [ -n "$logs" ] || logs=$(mktemp -d)
-mkdir -p "$logs"
+mkdir -p "$logs" 2>/dev/null && [ -w "$logs" ] ||
+  { echo "error: --logs '$logs' is not a directory this user can write" >&2; exit 2; }
 
 name=$(basename "$binary")-${tool:-plain}
 launcher=()

@@ -250,20 +250,28 @@ class CostModel(unittest.TestCase):
             r = subprocess.run([sys.executable, script, str(config), "--copy-gbs", "0"],
                                capture_output=True, text=True)
             self.assertNotEqual(r.returncode, 0)
-            self.assertIn("--copy-gbs = 0.0 must be positive", r.stderr)
-            for extra, message in ((["--imbalance", "nan"], "--imbalance = nan must be positive"),
+            self.assertIn("--copy-gbs = 0.0 must be in [1e-06, 1e+09]", r.stderr)
+            for extra, message in ((["--imbalance", "nan"], "--imbalance = nan must be in [1, 1e+06]"),
                                    (["--chunks", "4"], "the peer exchange does not pipeline"),
                                    (["--chunks", "0", "--transport", "nccl"],
-                                    "--chunks and every --ep must be >= 1"),
-                                   (["--fixed-ms", "-1"], "--fixed-ms = -1.0 must be >= 0"),
-                                   (["--tokens", "0"], "--tokens = 0 must be >= 1")):
+                                    "--chunks = 0 must be in [1, 1024]"),
+                                   (["--ep", "4", "0"], "--ep 0 must be in [1, 1048576]"),
+                                   (["--fixed-ms", "-1"], "--fixed-ms = -1.0 must be in [0, 1e+06]"),
+                                   (["--tokens", "0"], "--tokens = 0 must be in [1, 1073741824]"),
+                                   (["--tokens", "1" + "0" * 400], "must be in [1, 1073741824]"),
+                                   (["--half-rate-inner", "1e308"],
+                                    "--half-rate-inner = 1e+308 must be in [0, 1e+09]")):
                 r = subprocess.run([sys.executable, script, str(config), *extra],
                                    capture_output=True, text=True)
                 self.assertNotEqual(r.returncode, 0, extra)
                 self.assertIn(message, r.stderr)
             for text, message in (("hidden: 1024\nhidden: 512\n", "'hidden' appears twice"),
                                   ("hidden: 16.5\n", "hidden = '16.5' is not a decimal integer"),
-                                  ("num_experts: 0\n", "num_experts = 0 must be >= 1"),
+                                  ("num_experts: 0\n", "num_experts = 0 must be in [1, 2048]"),
+                                  ("shared_ffn_hidden: abc\n",
+                                   "shared_ffn_hidden = 'abc' is not a decimal integer"),
+                                  ("dtype: fp64\n", "dtype = 'fp64' must be bf16 or fp32"),
+                                  ("hidden: 1" + "0" * 400 + "\n", "must be in [1, 1048576]"),
                                   ("topk: 9\n", "topk = 9 exceeds num_experts = 8")):
                 bad = pathlib.Path(d) / "bad.yaml"
                 lines = {"hidden": "1024", "ffn_hidden": "512", "num_experts": "8", "topk": "2"}
