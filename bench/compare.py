@@ -6,6 +6,22 @@ or with --summary one line per benchmark for the gpu-check summary.
 """
 import argparse
 import json
+import sys
+
+
+def read_results(path, role):
+    """A benchmark's JSON (its `results` each with a name and total_us), or an exit naming it."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as error:
+        sys.exit(f"error: {role} '{path}': {error}")
+    results = report.get("results") if isinstance(report, dict) else None
+    if not isinstance(results, list) or not all(
+            isinstance(r, dict) and "name" in r and r.get("total_us", 0) > 0 for r in results):
+        sys.exit(f"error: {role} '{path}' is no benchmark's JSON (results, each with a name and a "
+                 "positive total_us)")
+    return report
 
 
 def rows(ours, peer):
@@ -23,7 +39,9 @@ def main():
     parser.add_argument("ours")
     parser.add_argument("peer")
     args = parser.parse_args()
-    ours, peer = (json.load(open(path)) for path in (args.ours, args.peer))
+    ours, peer = read_results(args.ours, "ours"), read_results(args.peer, "peer")
+    if not {r["name"] for r in ours["results"]} & {r["name"] for r in peer["results"]}:
+        sys.exit(f"error: '{args.ours}' and '{args.peer}' share no shape name")
     if args.summary:
         parts = []
         for r, peer_us, floor, sized in rows(ours, peer):
@@ -40,7 +58,8 @@ def main():
             parts.append(text)
         print("; ".join(parts))
         return
-    print(f"{ours['bench']} on {ours['device']}: ours vs {peer.get('peer', 'peer')}")
+    print(f"{ours.get('bench', args.ours)} on {ours.get('device', 'an unnamed device')}: ours vs "
+          f"{peer.get('peer', 'peer')}")
     print(f"{'shape':<48} {'ours us':>9} {'peer us':>9} {'speedup':>8} {'floor%':>7}")
     for r, peer_us, floor, _ in rows(ours, peer):
         floor_text = f"{100 * floor:6.0f}%" if floor is not None else "      -"

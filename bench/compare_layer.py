@@ -16,13 +16,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def mpirun(ranks, command, timeout):
-    launcher = ["mpirun", "-np", str(ranks), "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE=0"]
-    result = subprocess.run(launcher + command, capture_output=True, text=True, timeout=timeout)
-    return result.returncode, result.stdout + result.stderr
+from launch import ROOT, config_name, count_in, mpirun, output_folder, require_built
 
 
 def run_one(kind, ranks, command, path):
@@ -40,19 +34,29 @@ def run_one(kind, ranks, command, path):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
-    parser.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"])
-    parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--configs", nargs="+", type=config_name,
+                        default=["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"])
+    parser.add_argument("--ranks", nargs="+", type=count_in(1, 4096), default=[1, 2])
+    parser.add_argument("--iters", type=count_in(1, 100000), default=20)
     parser.add_argument("--out", default="layer-compare")
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    import torch  # only to count the GPUs here; the runs are separate processes
-
+    require_built(args.build, os.path.join("apps", "moe_bench"))
+    try:
+        import torch  # only to count the GPUs here; the runs are separate processes
+    except ImportError as error:
+        sys.exit(f"error: the peer needs PyTorch ({error})")
     gpus = torch.cuda.device_count()
+    if gpus == 0:
+        sys.exit("error: no CUDA GPU on this machine; the comparison runs on GPUs")
+    ranks_here = [r for r in args.ranks if r <= gpus]
+    if not ranks_here:
+        sys.exit(f"error: --ranks {' '.join(map(str, args.ranks))}: this machine has {gpus} GPU(s)")
+    output_folder(args.out)
     rows = []
+    failed = 0
     for name in args.configs:
         config = os.path.join(ROOT, "configs", name + ".yaml")
-        for ranks in [r for r in args.ranks if r <= gpus]:
+        for ranks in ranks_here:
             print(f"== {name}, {ranks} GPU(s)", flush=True)
             ours_path = os.path.join(args.out, f"ours_{name}_{ranks}.json")
             peer_path = os.path.join(args.out, f"peer_{name}_{ranks}.json")
@@ -67,6 +71,7 @@ def main():
                                peer_command + ["--compile", "--json", compiled_path], compiled_path)
             rows.append({"config": name, "ranks": ranks, "ours": ours, "peer": peer,
                          "peer_compiled": compiled})
+            failed += ours is None or (peer is None and compiled is None)
 
     print("\nours GiB: device memory the layer took (cudaMemGetInfo, once the mesh's NCCL communicators "
           "had connected: their buffers, mesh GiB, serve every layer and the trainer, and PyTorch's allocator "
@@ -102,6 +107,9 @@ def main():
               f"{dense_rate:6.0f} {burst_rate:6.0f} {mesh_gib:9.2f}")
     with open(os.path.join(args.out, "layer_compare.json"), "w") as f:
         json.dump(rows, f, indent=2)
+    if failed:
+        sys.exit(f"error: {failed} of {len(rows)} comparisons lack our run or both peers' "
+                 "(their output is above)")
 
 
 if __name__ == "__main__":

@@ -12,35 +12,44 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from launch import ROOT, count_in, mpirun, output_folder, require_built
+
 EXCHANGES = ["moe dispatch", "moe combine", "moe combine backward", "moe dispatch backward"]
 
 
 def gpu_count(build):
-    result = subprocess.run([os.path.join(build, "tests", "moe_gpu_count")], capture_output=True, text=True)
-    return int(result.stdout.strip() or 0)
+    result = subprocess.run([os.path.join(build, "tests", "moe_gpu_count")], capture_output=True,
+                            text=True)
+    return int(result.stdout.strip() or 0) if result.stdout.strip().isdigit() else 0
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "deepseek-v3.yaml"))
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=count_in(1, 100000), default=20)
     parser.add_argument("--out", default="scaling")
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    if not os.path.isfile(args.config):
+        sys.exit(f"error: --config '{args.config}' is not a file")
+    require_built(args.build, os.path.join("apps", "moe_bench"), os.path.join("tests", "moe_gpu_count"))
     gpus = gpu_count(args.build)
+    if gpus == 0:
+        sys.exit("error: no CUDA GPU on this machine; the runs need at least one")
+    output_folder(args.out)
     runs = []
     ep = 1
     while ep <= gpus:
         path = os.path.join(args.out, f"ep{ep}.json")
-        command = ["mpirun", "-np", str(ep), "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE=0",
-                   os.path.join(args.build, "apps", "moe_bench"), "--config", args.config, "--ep", str(ep),
-                   "--iters", str(args.iters), "--json", path]
+        command = [os.path.join(args.build, "apps", "moe_bench"), "--config", args.config,
+                   "--ep", str(ep), "--iters", str(args.iters), "--json", path]
         print(f"== EP {ep}", flush=True)
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0 or not os.path.exists(path):
-            print("\n".join((result.stdout + result.stderr).splitlines()[-15:]), file=sys.stderr)
+        try:
+            code, text = mpirun(ep, command, 300)
+        except subprocess.TimeoutExpired:
+            code, text = -1, "timed out after 300 s"
+        if code != 0 or not os.path.exists(path):
+            print("\n".join(text.splitlines()[-15:]), file=sys.stderr)
         else:
             with open(path) as f:
                 runs.append(json.load(f))
