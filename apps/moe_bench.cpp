@@ -240,7 +240,8 @@ int main(int argc, char** argv) {
   try {
     // The results are written after every step has run: what would make that fail is found now.
     if (app.count("--json") > 0)
-      cli::check_output_file("--json", json_path, {{"--config", config_path}});
+      cli::check_output_file("--json", json_path, {{"--config", config_path}},
+                             cli::Written::kInPlace);
     comm::MpiSession mpi(&argc, &argv);
     const int world = mpi.size();
     const bool root = mpi.rank() == 0;

@@ -294,7 +294,7 @@ int main(int argc, char** argv) {
     if (app.count("--json") > 0) {
       std::vector<std::pair<std::string, std::string>> inputs = {{"--config", o.config_path}};
       if (!o.load_path.empty()) inputs.emplace_back("--load", o.load_path);
-      cli::check_output_file("--json", o.json_path, inputs);
+      cli::check_output_file("--json", o.json_path, inputs, cli::Written::kInPlace);
       if (!o.save_path.empty() && cli::same_file(o.json_path, o.save_path))
         fail("--json '{}' and --save '{}' name the same file: each needs its own", o.json_path,
              o.save_path);
@@ -319,6 +319,11 @@ int main(int argc, char** argv) {
           o.load_path, resume.ranks, mpi.size());
     }
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());
+    if (config.node_limited_routing() && resume.ep > 0 && resume.ep != config.ep)
+      fail(
+          "--load '{}' was trained at EP {}, this run has EP {}: node-limited routing "
+          "(max_nodes_per_token = {}) routes by the EP ranks' nodes; resume at EP {}",
+          o.load_path, resume.ep, config.ep, config.max_nodes_per_token, resume.ep);
     config.validate();
     cli::check_slots_fit(o.run.tokens, config.topk);
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);

@@ -76,6 +76,7 @@ std::string layer_identity(const MoEConfig& config) {
   layer.ep = layer.dp = 1;
   layer.ep_transport = EpTransport::kAuto;
   layer.keep_expert_input = false;
+  layer.shared_expert_overlap = true;  // in series, the same bits
   return layer.describe();
 }
 
@@ -187,6 +188,9 @@ ResumePlan check_checkpoint_header(const std::string& path, int layers, int step
   }
   if (const auto found = metadata.find("ranks"); found != metadata.end())
     plan.ranks = metadata_count(path, "ranks", found->second);
+  if (const auto found = metadata.find("ep"); found != metadata.end())
+    plan.ep = metadata_count(path, "ep", found->second);
+  const bool recorded_layer = metadata.find("layer") != metadata.end();
   std::vector<TrainedTensor> tensors = trained_tensors(config);
   tensors.push_back({"expert_bias", {config.num_experts}, false});
   for (int l = 0; l < layers; ++l) {
@@ -195,6 +199,11 @@ ResumePlan check_checkpoint_header(const std::string& path, int layers, int step
       for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq"}) {
         if (!moments && *suffix != '\0') continue;
         const std::string name = fmt::format("layers.{}.{}{}", l, t.name, suffix);
+        if (!file.contains(name) && !recorded_layer && t.name.starts_with("shared_"))
+          fail(
+              "--load '{}' has no tensor {}: it was saved by a build of moe_train that did not "
+              "train the shared experts, so it cannot resume this layer",
+              path, name);
         if (!file.contains(name))
           fail("--load '{}' has no tensor {} (a checkpoint of another model?)", path, name);
         const TensorInfo info = file.info(name);
@@ -239,6 +248,7 @@ void Checkpoint::save(const std::string& path, std::vector<std::unique_ptr<AdamW
   for (const SettingField& field : setting_fields())
     file.metadata[field.key] = field.text(settings);
   file.metadata["ranks"] = std::to_string(mesh_.world_size());
+  file.metadata["ep"] = std::to_string(mesh_.ep());
   file.write(path);
 }
 

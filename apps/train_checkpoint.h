@@ -66,7 +66,8 @@ struct RunSettings {
 
 // What resuming from a checkpoint found, before MPI or a GPU was touched.
 struct ResumePlan {
-  int ranks = 0;                     // the saving run's rank count (0: not recorded)
+  int ranks = 0;  // the saving run's rank count (0: not recorded)
+  int ep = 0;     // and its EP size, which node-limited routing depends on (0: not recorded)
   std::vector<std::string> adopted;  // the settings taken from the checkpoint, as `--flag value`
 };
 
@@ -81,7 +82,8 @@ ResumePlan check_checkpoint_header(const std::string& path, int layers, int step
                                    const std::vector<std::string>& given);
 
 // The config as a checkpoint records the layer: everything that defines what it computes, and
-// nothing of the mesh it ran on or of how fast (EP, DP, transport, X kept).
+// nothing of the mesh it ran on or of how fast (EP, DP, transport, X kept, the shared experts'
+// overlap). Node-limited routing depends on EP too: the checkpoint records EP beside it.
 std::string layer_identity(const MoEConfig& config);
 
 // Checkpoints: every tensor in F32 over all E experts. Expert slices travel over the EP group of

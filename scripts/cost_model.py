@@ -64,8 +64,13 @@ def read_config(path):
             if not low <= int(text) <= high:
                 sys.exit(f"{path}: {key} = {text} must be in [{low}, {high}]")
     for key, allowed in (("dtype", ("bf16", "fp32")), ("keep_expert_input", ("true", "false"))):
-        if key in config and config[key] not in allowed:
-            sys.exit(f"{path}: {key} = '{config[key]}' must be {' or '.join(allowed)}")
+        if key not in config:
+            continue
+        text = config[key]
+        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":  # a quoted string
+            text = config[key] = text[1:-1]
+        if text not in allowed:
+            sys.exit(f"{path}: {key} = '{text}' must be {' or '.join(allowed)}")
     if int(config["topk"]) > int(config["num_experts"]):
         sys.exit(f"{path}: topk = {config['topk']} exceeds num_experts = {config['num_experts']}")
     return config

@@ -207,7 +207,9 @@ if [ "$repeat" -gt 0 ]; then
     cat "$file"
     line=$(tail -1 "$file")
     note "repeat: $line"
-    grep -q "FAIL\|TIMED OUT" "$file" && { status=1; note "$(grep -m3 "FAIL\|TIMED OUT" "$file")"; }
+    # A run that failed, or repeat-test.sh refusing to start (no compute-sanitizer, say).
+    grep -q "FAIL\|TIMED OUT\|^error:" "$file" &&
+      { status=1; note "$(grep -m3 "FAIL\|TIMED OUT\|^error:" "$file")"; }
   done
 fi
 

@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -19,18 +20,24 @@
 
 namespace moe::cli {
 
-// Whether a file can be created in `directory`: a file of this process's own name is created
-// there and removed at once (the results are written beside their target, then renamed over it,
-// so the directory is what must take them). errno's text where it cannot.
+// Whether a file can be created in `directory`: a file of a name of its own (mkstemp) is created
+// there and removed at once. errno's text where it cannot.
 inline std::string cannot_create_in(const std::filesystem::path& directory) {
-  const std::filesystem::path probe = (directory.empty() ? std::filesystem::path(".") : directory) /
-                                      fmt::format(".moe_output_probe.{}", ::getpid());
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  std::string probe =
+      ((directory.empty() ? std::filesystem::path(".") : directory) / ".moe_output_probe.XXXXXX")
+          .string();
+  const int fd = ::mkstemp(probe.data());
   if (fd < 0) return std::strerror(errno);
   ::close(fd);
   ::unlink(probe.c_str());
   return {};
 }
+
+// How an app writes its output file.
+enum class Written {
+  kBesideThenRenamed,  // to a temporary file beside it, renamed over it (the results, checkpoints)
+  kInPlace,            // opened and written where it is (the JSON reports)
+};
 
 // Whether two paths name one file: the same path after resolving `.`, `..` and links (the file
 // need not exist yet), or the same existing file (a hard link).
@@ -46,10 +53,12 @@ inline bool same_file(const std::filesystem::path& a, const std::filesystem::pat
 // Refuses `path`, the value of `option`, where writing it at the end of a run would fail or harm:
 // empty; a value that looks like the next option (`--out --no-check-finite` gives --out that
 // text, and the flag is lost); what check_output_path refuses; a directory that takes no new
-// file; or one of `inputs` ({option, path}), as a path after resolving `.`, `..` and links, or as
-// the same file (a hard link).
+// file (or, written in place, an existing file that does not open for writing); or one of
+// `inputs` ({option, path}), as a path after resolving `.`, `..` and links, or as the same file
+// (a hard link).
 inline void check_output_file(const std::string& option, const std::string& path,
-                              const std::vector<std::pair<std::string, std::string>>& inputs) {
+                              const std::vector<std::pair<std::string, std::string>>& inputs,
+                              Written written = Written::kBesideThenRenamed) {
   namespace fs = std::filesystem;
   if (path.empty()) fail("{} is empty; name the file to write", option);
   if (path.front() == '-') {
@@ -60,9 +69,17 @@ inline void check_output_file(const std::string& option, const std::string& path
   }
   const fs::path file(path);
   check_output_path(file, fmt::format("{} '{}'", option, path));
-  if (const std::string why = cannot_create_in(file.parent_path()); !why.empty()) {
+  // The directory the file lands in, links resolved, must take a new file; a file written in
+  // place that exists needs only to open for writing.
+  std::error_code resolve_error;
+  fs::path target = fs::weakly_canonical(file, resolve_error);
+  if (resolve_error) target = file;
+  if (written == Written::kInPlace && fs::exists(target, resolve_error)) {
+    if (::access(target.c_str(), W_OK) != 0)
+      fail("{} '{}' cannot be written ({})", option, path, std::strerror(errno));
+  } else if (const std::string why = cannot_create_in(target.parent_path()); !why.empty()) {
     fail("{} '{}': no file can be created in its directory '{}' ({})", option, path,
-         file.parent_path().empty() ? "." : file.parent_path().string(), why);
+         target.parent_path().empty() ? "." : target.parent_path().string(), why);
   }
   for (const auto& [input_option, input] : inputs) {
     if (same_file(path, input)) {

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -30,8 +31,9 @@ extern "C" inline void remove_then_end(int signal_number) {
 
 }  // namespace detail
 
-// While it lives, SIGTERM, SIGINT and SIGHUP remove `path`, then end the process as they would
-// have. One at a time; the handlers before it come back when it goes.
+// While it lives, SIGTERM, SIGINT and SIGHUP remove `path`, then end the process as their default
+// action does; a signal the process ignores (SIGHUP under nohup, SIGINT in a background job) ends
+// nothing and stays ignored. One at a time; the handlers before it come back when it goes.
 class RemoveOnSignal {
  public:
   explicit RemoveOnSignal(const std::filesystem::path& path) {
@@ -40,17 +42,23 @@ class RemoveOnSignal {
     if (text.empty() || text.size() >= sizeof(detail::removal_path))
       fail("RemoveOnSignal: a path of {} bytes", text.size());
     std::memcpy(detail::removal_path, text.c_str(), text.size() + 1);
+    std::atomic_signal_fence(std::memory_order_seq_cst);  // the path before the flag
     detail::removal_armed = 1;
     struct sigaction action {};
     action.sa_handler = detail::remove_then_end;
     sigemptyset(&action.sa_mask);
-    for (; installed_ < std::size(detail::kRemovalSignals); ++installed_) {
-      const int signal_number = detail::kRemovalSignals[installed_];
-      if (::sigaction(signal_number, &action, &before_[installed_]) != 0) {
+    for (std::size_t i = 0; i < std::size(detail::kRemovalSignals); ++i) {
+      const int signal_number = detail::kRemovalSignals[i];
+      struct sigaction current {};
+      bool ok = ::sigaction(signal_number, nullptr, &current) == 0;
+      if (ok && current.sa_handler == SIG_IGN) continue;
+      ok = ok && ::sigaction(signal_number, &action, &before_[i]) == 0;
+      if (!ok) {
         const int error = errno;
         restore();
         fail("RemoveOnSignal: sigaction({}) failed: {}", signal_number, std::strerror(error));
       }
+      installed_[i] = true;
     }
   }
   ~RemoveOnSignal() { restore(); }
@@ -60,14 +68,15 @@ class RemoveOnSignal {
  private:
   // The handlers before, back (best effort: a destructor has no one to tell), and disarmed.
   void restore() noexcept {
-    for (std::size_t i = 0; i < installed_; ++i)
-      ::sigaction(detail::kRemovalSignals[i], &before_[i], nullptr);
-    installed_ = 0;
+    for (std::size_t i = 0; i < std::size(detail::kRemovalSignals); ++i) {
+      if (installed_[i]) ::sigaction(detail::kRemovalSignals[i], &before_[i], nullptr);
+      installed_[i] = false;
+    }
     detail::removal_armed = 0;
   }
 
-  struct sigaction before_[std::size(detail::kRemovalSignals)]{};
-  std::size_t installed_ = 0;
+  struct sigaction before_[std::size(detail::kRemovalSignals)] = {};
+  bool installed_[std::size(detail::kRemovalSignals)] = {};
 };
 
 }  // namespace moe::cli

@@ -140,6 +140,20 @@ TEST_CASE("RemoveOnSignal removes the file being written when a signal ends the 
   CHECK((WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM));
   CHECK(std::filesystem::exists(path));
   std::filesystem::remove(path);
+  // A signal the process ignores stays ignored, and ends nothing.
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::ofstream(path) << "partial results";
+    std::signal(SIGHUP, SIG_IGN);  // as under nohup
+    const moe::cli::RemoveOnSignal guard(path);
+    std::raise(SIGHUP);
+    ::_exit(0);
+  }
+  int ignored = 0;
+  ::waitpid(child, &ignored, 0);
+  CHECK((WIFEXITED(ignored) && WEXITSTATUS(ignored) == 0));
+  CHECK(std::filesystem::exists(path));
+  std::filesystem::remove(path);
   // One at a time.
   const moe::cli::RemoveOnSignal first(path);
   CHECK_THROWS_WITH(moe::cli::RemoveOnSignal(path), moe::test::contains_text("one file at a time"));

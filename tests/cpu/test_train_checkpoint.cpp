@@ -27,12 +27,18 @@ namespace {
 
 constexpr std::int64_t kE = 4, kH = 8, kF = 6;
 
-// A checkpoint of `layers` layers of the small layer below, as moe_train writes it.
-TensorFile checkpoint(int layers) {
+// A checkpoint of `layers` layers of the small layer below, as moe_train writes it; with shared
+// experts of width `shared` (and their gate) where it is not 0.
+TensorFile checkpoint(int layers, std::int64_t shared = 0, bool shared_gate = false) {
   TensorFile file;
   file.metadata = {{"step", "3"}, {"layers", std::to_string(layers)}, {"config", "small"}};
-  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors = {
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors = {
       {"gate_weight", {kE, kH}}, {"w13", {kE, 2 * kF, kH}}, {"w2", {kE, kH, kF}}};
+  if (shared > 0) {
+    tensors.push_back({"shared_w13", {2 * shared, kH}});
+    tensors.push_back({"shared_w2", {kH, shared}});
+    if (shared_gate) tensors.push_back({"shared_gate_weight", {1, kH}});
+  }
   for (int l = 0; l < layers; ++l) {
     for (const auto& [name, shape] : tensors) {
       std::int64_t n = 1;
@@ -247,6 +253,11 @@ TEST_CASE("moe_train --load resumes the run it was saved by: its layer and its s
     MoEConfig fp8 = config;
     fp8.fp8 = true;
     CHECK_THROWS_WITH(check_header(file, fp8, settings), test::contains_text("--fp8"));
+    MoEConfig in_series = small_layer(10);  // the shared experts in series: the same bits
+    in_series.shared_expert_overlap = false;
+    TensorFile shared = checkpoint(2, 10);
+    shared.metadata["layer"] = train::layer_identity(small_layer(10));
+    CHECK_NOTHROW(check_header(shared, in_series, settings));
   }
   SECTION("a setting it cannot read back is refused by value") {
     for (const auto& [key, text] :
@@ -289,10 +300,35 @@ TEST_CASE("moe_train trains and checkpoints the shared experts where the config 
   for (const auto& t : train::trained_tensors(gated)) names.push_back(t.name);
   CHECK(names == std::vector<std::string>{"gate_weight", "w13", "w2", "shared_w13", "shared_w2",
                                           "shared_gate_weight"});
-  // A checkpoint without them is another model's.
+  // A checkpoint without them: of a build that did not train them where it records no layer,
+  // else of another model.
   train::RunSettings settings;
-  CHECK_THROWS_WITH(check_header(checkpoint(2), gated, settings),
-                    test::contains_text("has no tensor layers.0.shared_w13"));
+  CHECK_THROWS_WITH(
+      check_header(checkpoint(2), gated, settings),
+      test::contains_text("has no tensor layers.0.shared_w13: it was saved by a "
+                          "build of moe_train that did not train the shared experts"));
+  TensorFile recorded = checkpoint(2);
+  recorded.metadata["layer"] = train::layer_identity(gated);
+  CHECK_THROWS_WITH(check_header(recorded, gated, settings),
+                    test::contains_text("has no tensor layers.0.shared_w13 (a checkpoint of "
+                                        "another model?)"));
+  TensorFile whole = checkpoint(2, 10, true);
+  whole.metadata["layer"] = train::layer_identity(gated);
+  CHECK_NOTHROW(check_header(whole, gated, settings));
+}
+
+TEST_CASE("moe_train --load of node-limited routing keeps the EP size it was trained at",
+          "[cpu][train]") {
+  const TrainDir d;
+  std::ofstream(d.dir / "config.yaml")
+      << "hidden: " << kH << "\nffn_hidden: " << kF << "\nnum_experts: " << kE
+      << "\ntopk: 2\nmax_nodes_per_token: 1\nep_ranks_per_node: 1\n";
+  TensorFile file = checkpoint(2);
+  file.metadata["ep"] = "2";
+  std::string error;
+  CHECK(d.load(file, error) == 1);
+  CHECK_THAT(error, test::contains_text("was trained at EP 2, this run has EP 1: node-limited "
+                                        "routing (max_nodes_per_token = 1)"));
 }
 
 TEST_CASE("moe_train --load says which settings it took from the checkpoint", "[cpu][train]") {
