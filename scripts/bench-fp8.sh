@@ -75,14 +75,7 @@ for config in $configs; do
                --align-size 16 "${mesh[@]}")
         [ "$mode" != bf16 ] && flags+=(--fp8)
         [ "$mode" = dispatch ] && flags+=(--fp8-dispatch)
-        if "${launch[@]}" "$bench" "${flags[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1
-        then
-          written+=("$out/$name.json")
-        else
-          status=1
-          echo "FAILED: $name"
-          tail -3 "$out/$name.txt"
-        fi
+        moe_bench_run "$out" "$name" "${launch[@]}" "$bench" "${flags[@]}"
       done
     done
   done

@@ -70,13 +70,7 @@ for config in $configs; do
       [ -n "$transport" ] && flags+=(--ep-transport "$transport")
       [ "$mode" = series ] && flags+=(--shared-in-series)
       [ "$mode" = without ] && flags+=(--shared-ffn-hidden 0)
-      if "${launcher[@]}" "$bench" "${flags[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1; then
-        written+=("$out/$name.json")
-      else
-        status=1
-        echo "FAILED: $name"
-        tail -3 "$out/$name.txt"
-      fi
+      moe_bench_run "$out" "$name" "${launcher[@]}" "$bench" "${flags[@]}"
     done
     done
   done

@@ -52,25 +52,14 @@ common=(--iters "$iters" --stage-lead-ms 0)
 [ -n "$grad" ] && common+=(--grad-dtype "$grad")
 status=0
 written=()  # this run's files only: OUTDIR may hold others
-# run NAME [moe_bench flags...]: one run, its JSON kept where it succeeded.
-run() {
-  local name=$1
-  shift
-  if "$bench" "$@" "${common[@]}" --json "$out/$name.json" >"$out/$name.txt" 2>&1; then
-    written+=("$out/$name.json")
-  else
-    status=1
-    echo "FAILED: $name"
-    tail -3 "$out/$name.txt"
-  fi
-}
 for config in $configs; do
   for t in $tokens; do
     name=$config-T$t
-    run "$name-dropless" --config "$MOE_ROOT/configs/$config.yaml" --tokens "$t"
+    flags=(--config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" "${common[@]}")
+    moe_bench_run "$out" "$name-dropless" "$bench" "${flags[@]}"
     for f in $factors; do
-      run "$name-padded-$f" --config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" \
-        --capacity-factor "$f" --pad-to-capacity --graph
+      moe_bench_run "$out" "$name-padded-$f" "$bench" "${flags[@]}" --capacity-factor "$f" \
+        --pad-to-capacity --graph
     done
   done
 done

@@ -71,3 +71,18 @@ moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "
   done
   [ -n "${tokens// /}" ] || { echo "error: --tokens names no token count" >&2; exit 2; }
 }
+
+# One benchmark run named NAME: COMMAND (a launcher, moe_bench and its flags) with --json
+# OUTDIR/NAME.json, its output in OUTDIR/NAME.txt. The JSON joins the caller's `written` array
+# where the run succeeds; else it prints FAILED with the run's last lines and sets `status=1`.
+moe_bench_run() {  # moe_bench_run OUTDIR NAME COMMAND...
+  local out=$1 name=$2
+  shift 2
+  if "$@" --json "$out/$name.json" >"$out/$name.txt" 2>&1; then
+    written+=("$out/$name.json")
+  else
+    status=1
+    echo "FAILED: $name"
+    tail -3 "$out/$name.txt"
+  fi
+}
