@@ -310,8 +310,10 @@ int main(int argc, char** argv) {
       resume = train::check_checkpoint_header(o.load_path, o.layers, o.steps, config, o.run, given);
     }
     comm::MpiSession mpi(&argc, &argv);
-    if (mpi.rank() == 0 && !resume.adopted.empty())
+    if (mpi.rank() == 0 && !resume.adopted.empty()) {
       fmt::print("moe_train: resuming with the checkpoint's {}\n", fmt::join(resume.adopted, ", "));
+      std::fflush(stdout);  // said before anything can end the run
+    }
     if (mpi.rank() == 0 && resume.ranks > 0 && resume.ranks != mpi.size()) {
       fmt::print(
           "moe_train: note: {} was saved by a run of {} ranks, this one has {}: its steps draw "

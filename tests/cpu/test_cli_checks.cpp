@@ -108,6 +108,8 @@ namespace {
 int end_child(const std::filesystem::path& path, bool guarded, int signal_number) {
   const pid_t child = ::fork();
   if (child == 0) {
+    // As a process that installed no handlers (the test runner catches SIGTERM and SIGINT).
+    for (const int s : {SIGTERM, SIGINT, SIGHUP}) std::signal(s, SIG_DFL);
     std::ofstream(path) << "partial results";
     if (guarded) {
       const moe::cli::RemoveOnSignal guard(path);
@@ -144,7 +146,7 @@ TEST_CASE("RemoveOnSignal removes the file being written when a signal ends the 
   const pid_t child = ::fork();
   if (child == 0) {
     std::ofstream(path) << "partial results";
-    std::signal(SIGHUP, SIG_IGN);  // as under nohup
+    std::signal(SIGHUP, SIG_IGN);  // as under nohup (not through the test runner's handler)
     const moe::cli::RemoveOnSignal guard(path);
     std::raise(SIGHUP);
     ::_exit(0);

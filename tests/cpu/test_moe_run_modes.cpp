@@ -312,7 +312,9 @@ TEST_CASE("moe_run on the GPUs checks the mesh's share of the batch before looki
   const std::int64_t counts[2] = {2, 3};
   inputs.add("tokens_per_rank", FileDType::kI64, {2}, counts);
   inputs.write(split.dir / "split.safetensors");
+  // Refused once MPI has started (the ranks are known there): under the sanitizers MPI's own
+  // allocations may then change the exit status, so only its failure and message are checked.
   CHECK(split.run(split.path("split.safetensors"), split.path("out.safetensors"), &error,
-                  "--gpus") == 1);
+                  "--gpus") != 0);
   CHECK_THAT(error, test::contains_text("tensor 'tokens_per_rank' has 2 entries for 1 ranks"));
 }

@@ -326,7 +326,9 @@ TEST_CASE("moe_train --load of node-limited routing keeps the EP size it was tra
   TensorFile file = checkpoint(2);
   file.metadata["ep"] = "2";
   std::string error;
-  CHECK(d.load(file, error) == 1);
+  // Refused once MPI has started (the mesh's EP is known there): under the sanitizers MPI's own
+  // allocations may then change the exit status, so only its failure and message are checked.
+  CHECK(d.load(file, error) != 0);
   CHECK_THAT(error, test::contains_text("was trained at EP 2, this run has EP 1: node-limited "
                                         "routing (max_nodes_per_token = 1)"));
 }
