@@ -62,8 +62,12 @@ Fp8ExpertFFN::Fp8ExpertFFN(int hidden, int ffn, int local_experts, int streams,
     return std::make_unique<ExpertFFN>(hidden, ffn, local_experts, DType::kBF16, schedule, streams,
                                        0, workspace_bytes, /*autotune=*/false);
   };
-  batched_grads_ = weight_gradients(ExpertSchedule::kBatched);
-  per_expert_grads_ = weight_gradients(ExpertSchedule::kStreams);
+  // Only the schedules grouped_pass can pick: each holds its own workspace (and streams).
+  const bool grouped_reachable =
+      products == Fp8Products::kGrouped || (products == Fp8Products::kAuto && grouped_available_);
+  if (grouped_reachable) batched_grads_ = weight_gradients(ExpertSchedule::kBatched);
+  if (products != Fp8Products::kGrouped)
+    per_expert_grads_ = weight_gradients(ExpertSchedule::kStreams);
 }
 
 void Fp8ExpertFFN::quantize_weights(const Tensor& w13, const Tensor& w2, cudaStream_t stream) {

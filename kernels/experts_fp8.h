@@ -137,6 +137,7 @@ class Fp8ExpertFFN {
   DeviceBuffer codes_[2], scales_[2];       // the activations of the pass at hand, and the next
   // The bf16 weight gradients' products: batched as the bf16 experts batch them where the FP8
   // passes are grouped, else one expert a call over the streams, largest first.
+  // Built only where grouped_pass can pick them.
   std::unique_ptr<ExpertFFN> batched_grads_, per_expert_grads_;
   std::vector<Stream> streams_;
   std::vector<std::unique_ptr<BlockScaledGemm>> gemms_;  // one a stream
