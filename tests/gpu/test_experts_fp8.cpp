@@ -343,6 +343,9 @@ struct SpanOptions {
   bool dX_over_dY = false;  // dX written over dY, as the NCCL exchange's rows are
   int only = -1;            // run this span alone (forward and backward), the rest left poisoned
   DType grad = DType::kFP32;
+  // Run once eagerly (which sizes the scratch), poison the outputs and restore dY, then capture
+  // the same forward and backward in a CUDA graph and replay it.
+  bool graph = false;
 };
 
 // Forward, then backward, over the spans `o` asks for, dh and dA over h and a as MoEBlock runs
@@ -365,7 +368,8 @@ SpanRun run_spans(const Case& c, Fp8Products products, const SpanOptions& o, std
   std::uniform_real_distribution<float> probability(0.05f, 1.0f);
   for (float& w : weights) w = probability(rng);
   const DeviceBuffer X = test::upload_as(test::random_matrix(rows, H, rng, 1.0), DType::kBF16);
-  const DeviceBuffer dY = test::upload_as(test::random_matrix(rows, H, rng, 1.0), DType::kBF16);
+  const Matrix dY_host = test::random_matrix(rows, H, rng, 1.0);
+  const DeviceBuffer dY = test::upload_as(dY_host, DType::kBF16);
   const DeviceBuffer w13_dev = test::upload_as(reference::concat_rows(w13), DType::kBF16);
   const DeviceBuffer w2_dev = test::upload_as(reference::concat_rows(w2), DType::kBF16);
   const DeviceBuffer scale = test::upload(weights);
@@ -374,8 +378,11 @@ SpanRun run_spans(const Case& c, Fp8Products products, const SpanOptions& o, std
       dX_own(bytes(rows * H * 2)), dscale(bytes(rows * 4)),
       dw13(bytes(E * 2 * F * H) * dtype_size(o.grad)), dw2(bytes(E * H * F) * dtype_size(o.grad)),
       dX_sent(bytes(rows * H * 2)), dw13_at_call(dw13.bytes());
-  for (const auto* b : {&h, &a, &y, &dX_own, &dscale, &dw13, &dw2, &dX_sent}) test::poison(*b);
-  MOE_CHECK_CUDA(cudaMemset(dw13_at_call.data(), 0, dw13_at_call.bytes()));
+  const auto poison_outputs = [&] {
+    for (const auto* b : {&h, &a, &y, &dX_own, &dscale, &dw13, &dw2, &dX_sent}) test::poison(*b);
+    MOE_CHECK_CUDA(cudaMemset(dw13_at_call.data(), 0, dw13_at_call.bytes()));
+  };
+  poison_outputs();
 
   Stream stream;
   Fp8ExpertFFN ffn(c.hidden, c.ffn, E, 3, kDefaultGemmWorkspaceBytes, products);
@@ -396,30 +403,42 @@ SpanRun run_spans(const Case& c, Fp8Products products, const SpanOptions& o, std
     }
   }
   const Tensor X_t(X.data(), DType::kBF16, {rows, H});
-  for (const ExpertSpan span : parts)
-    ffn.forward(X_t, offsets, act, Tensor(y.data(), DType::kBF16, {rows, H}), stream.get(), span);
   const Tensor dY_t(dY.data(), DType::kBF16, {rows, H});
   const Tensor dX_t = dX_over_dY ? dY_t : Tensor(dX_own.data(), DType::kBF16, {rows, H});
   int calls = 0;
-  for (const ExpertSpan span : parts) {
-    ExpertFFN::DXQueued hand_on;
-    if (dX_queued) {
-      hand_on = [&, span] {
-        ++calls;
-        const int end = std::min(span.end, E);
-        const std::int64_t first = offsets[span.first], last = offsets[end];
-        MOE_CHECK_CUDA(
-            cudaMemcpyAsync(dX_sent.as<char>() + first * H * 2, dX_t.as<char>() + first * H * 2,
-                            bytes((last - first) * H * 2), cudaMemcpyDeviceToDevice, stream.get()));
-        const std::size_t per_expert = bytes(2 * F * H) * dtype_size(o.grad);
-        MOE_CHECK_CUDA(cudaMemcpyAsync(dw13_at_call.as<char>() + span.first * per_expert,
-                                       dw13.as<char>() + span.first * per_expert,
-                                       (end - span.first) * per_expert, cudaMemcpyDeviceToDevice,
-                                       stream.get()));
-      };
+  const auto step = [&] {
+    for (const ExpertSpan span : parts)
+      ffn.forward(X_t, offsets, act, Tensor(y.data(), DType::kBF16, {rows, H}), stream.get(), span);
+    for (const ExpertSpan span : parts) {
+      ExpertFFN::DXQueued hand_on;
+      if (dX_queued) {
+        hand_on = [&, span] {
+          ++calls;
+          const int end = std::min(span.end, E);
+          const std::int64_t first = offsets[span.first], last = offsets[end];
+          MOE_CHECK_CUDA(cudaMemcpyAsync(
+              dX_sent.as<char>() + first * H * 2, dX_t.as<char>() + first * H * 2,
+              bytes((last - first) * H * 2), cudaMemcpyDeviceToDevice, stream.get()));
+          const std::size_t per_expert = bytes(2 * F * H) * dtype_size(o.grad);
+          MOE_CHECK_CUDA(cudaMemcpyAsync(dw13_at_call.as<char>() + span.first * per_expert,
+                                         dw13.as<char>() + span.first * per_expert,
+                                         (end - span.first) * per_expert, cudaMemcpyDeviceToDevice,
+                                         stream.get()));
+        };
+      }
+      ffn.backward(dY_t, X_t, offsets, act, dX_t, Tensor(dw13.data(), o.grad, {E, 2 * F, H}),
+                   Tensor(dw2.data(), o.grad, {E, H, F}), stream.get(), {}, span, hand_on);
     }
-    ffn.backward(dY_t, X_t, offsets, act, dX_t, Tensor(dw13.data(), o.grad, {E, 2 * F, H}),
-                 Tensor(dw2.data(), o.grad, {E, H, F}), stream.get(), {}, span, hand_on);
+  };
+  step();
+  if (o.graph) {
+    stream.synchronize();
+    poison_outputs();
+    const DeviceBuffer dY_again = test::upload_as(dY_host, DType::kBF16);
+    MOE_CHECK_CUDA(cudaMemcpy(dY.data(), dY_again.data(), dY.bytes(), cudaMemcpyDeviceToDevice));
+    calls = 0;
+    const CudaGraph graph(stream.get(), step);
+    graph.replay(stream.get());
   }
   stream.synchronize();
   const auto raw = [](const void* data, std::size_t n) {
@@ -449,8 +468,9 @@ bool only_in(const std::vector<std::uint8_t>& got, const std::vector<std::uint8_
 
 }  // namespace
 
-TEST_CASE("fp8 experts: spans in turn, and dX handed on before dw13, give one call's bits",
-          "[gpu][fp8][experts]") {
+TEST_CASE(
+    "fp8 experts: spans in turn, dX handed on before dw13, and a CUDA graph give one call's bits",
+    "[gpu][fp8][experts]") {
   const std::uint64_t seed = test::fresh_seed();
   int device = 0;
   MOE_CHECK_CUDA(cudaGetDevice(&device));
@@ -489,6 +509,26 @@ TEST_CASE("fp8 experts: spans in turn, and dX handed on before dw13, give one ca
           // dw13's products come after the call: the span's dw13 still poisoned there.
           CHECK(std::count(got.dw13_at_call.begin(), got.dw13_at_call.end(), 0xFF) ==
                 std::ssize(got.dw13_at_call));
+        }
+        {
+          // The same three spans with dX handed on, captured in a CUDA graph and replayed: the
+          // per-expert schedule's weight gradients fork to their streams and join inside it.
+          INFO("3 spans in a CUDA graph");
+          const SpanRun got = run_spans(c, products,
+                                        {.spans = 3,
+                                         .dX_queued = true,
+                                         .dX_over_dY = dX_over_dY,
+                                         .grad = grad,
+                                         .graph = true},
+                                        seed);
+          CHECK(got.y == one.y);
+          CHECK(got.a == one.a);
+          CHECK(got.dX == one.dX);
+          CHECK(got.dw13 == one.dw13);
+          CHECK(got.dw2 == one.dw2);
+          CHECK(got.dscale == one.dscale);
+          CHECK(got.calls == 3);
+          CHECK(got.dX_sent == one.dX);
         }
         if (dX_over_dY) continue;  // dX's other rows hold dY there, not poison
         // Each span alone writes its own rows and experts and nothing else.
