@@ -28,9 +28,12 @@ import json
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+except ImportError:
+    raise SystemExit("peer_layer.py: needs PyTorch, which the peer layer runs on")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import median_ms, router  # noqa: E402  (the same router code as the stage peer)

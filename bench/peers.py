@@ -9,7 +9,10 @@ Results are keyed by the same shape names as the C++ benchmark's JSON; bench/com
 import argparse
 import json
 
-import torch
+try:
+    import torch
+except ImportError:
+    raise SystemExit("peers.py: needs PyTorch, which the peer comparisons run on")
 
 T = 16384
 

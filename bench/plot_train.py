@@ -16,10 +16,17 @@ import argparse
 import json
 import re
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def pyplot():
+    """matplotlib's pyplot, drawing to files; imported once the arguments are read, so that --help
+    and argument errors need no matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plot_train.py: needs matplotlib (python3 -m pip install matplotlib)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+    return matplotlib.pyplot
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
                   r"([0-9.]+) per EP rank")
@@ -63,6 +70,7 @@ def main():
     parser.add_argument("--metric", choices=["imbalance", "dropped", "loss"], default="imbalance")
     parser.add_argument("--title")
     args = parser.parse_args()
+    plt = pyplot()
     runs = []
     for run in args.runs:
         label, sep, path = run.partition("=")
