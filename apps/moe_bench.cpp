@@ -5,6 +5,7 @@
 //                                      [--keep-expert-input] [--stage-lead-ms L]
 //                                      [--capacity-factor C [--drop-policy P] [--pad-to-capacity]]
 //                                      [--shared-ffn-hidden Fs] [--shared-in-series]
+//                                      [--fp8 [--fp8-dispatch] [--micro-batches N]]
 //                                      [--split-phase-products N] [--json FILE]
 //
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
@@ -17,6 +18,10 @@
 // do, so the step's first stages also hold the host's launch latency. The stages are timed in a
 // second pass where the host queues each step behind a hold of --stage-lead-ms, as a layer inside
 // a model is queued behind the layers before it: their times are the GPU's.
+//
+// --micro-batches N (with FP8) quantizes the expert weights on the first of every N steps only, the
+// others passing weights_unchanged, as a trainer's micro-batches between two optimizer updates do;
+// the step and its stages are then means over whole groups of N steps.
 //
 // --split-phase-products N also times what the split-phase calls hide: the step in its six calls
 // with N dense [T, H] x [H, H] products of other work (a second micro-batch's attention) queued
@@ -42,6 +47,7 @@
 #include "comm/bootstrap.h"
 #include "kernels/elementwise.cuh"
 #include "kernels/fp8_quantize.cuh"
+#include "layer_timing.h"
 #include "moe/config.h"
 #include "moe/device.h"
 #include "moe/error.h"
@@ -49,32 +55,9 @@
 #include "moe/moe_block.h"
 
 using namespace moe;
+using layer_timing::median;
 
 namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-// Bytes per second one rank sends to its EP peers when all send at once (grouped send/recv).
-double p2p_rate(const Mesh& mesh, cudaStream_t stream) {
-  ncclComm_t ep = mesh.comm(MeshGroup::kExpertParallel);
-  if (ep == nullptr) return 0.0;
-  const std::size_t bytes = std::size_t{256} << 20;
-  DeviceBuffer send(bytes * mesh.ep()), recv(bytes * mesh.ep());
-  auto exchange = [&] {
-    mesh.group_start();
-    for (int peer = 0; peer < mesh.ep(); ++peer) {
-      if (peer == mesh.ep_index()) continue;
-      MOE_CHECK_NCCL(ncclSend(send.as<char>() + peer * bytes, bytes, ncclInt8, peer, ep, stream));
-      MOE_CHECK_NCCL(ncclRecv(recv.as<char>() + peer * bytes, bytes, ncclInt8, peer, ep, stream));
-    }
-    mesh.group_end("the p2p bandwidth measurement");
-  };
-  const double ms = bench::median_ms([&](int) { exchange(); }, stream, 2, 5);
-  return static_cast<double>(bytes) * (mesh.ep() - 1) / (ms * 1e-3);
-}
 
 // Holds the stream for the given milliseconds while the host runs ahead and queues what follows.
 void CUDART_CB hold_stream(void* milliseconds) {
@@ -85,68 +68,6 @@ void CUDART_CB hold_stream(void* milliseconds) {
 // The stages that move rows across the EP group.
 constexpr const char* kExchangeStages[] = {"moe dispatch", "moe combine", "moe combine backward",
                                            "moe dispatch backward"};
-
-// The split-phase step with other work between its calls, the whole step followed by the same
-// work, and the work alone: medians over `iters` runs, the slowest rank's.
-struct SplitPhaseTimes {
-  double phased_ms = 0, serial_ms = 0, other_ms = 0;
-};
-SplitPhaseTimes time_split_phase(MoEBlock& block, const Tensor& x, const Tensor& dy,
-                                 const ForwardOptions& options, int products, int iters,
-                                 cudaStream_t stream) {
-  const std::int64_t T = x.dim(0), H = x.dim(1);
-  DeviceBuffer a(T * H * 2), w(H * H * 2), c(T * H * 2);
-  init_normal(Tensor(a.data(), DType::kBF16, {T, H}), 3, 0, 1.0f, stream);
-  init_normal(Tensor(w.data(), DType::kBF16, {H, H}), 4, 0, 1.0f, stream);
-  GemmRunner gemm(std::size_t{32} << 20, std::make_shared<GemmTuning>());
-  const GemmShape shape{T, H, H, false, true, DType::kBF16, DType::kBF16, DType::kBF16};
-  const auto work = [&] {
-    for (int i = 0; i < products; ++i) gemm.run(shape, a.data(), w.data(), c.data(), stream);
-  };
-  const auto phased = [&] {
-    block.forward_dispatch(x, options);
-    work();
-    block.forward_experts();
-    work();
-    (void)block.forward_combine();
-    work();
-    block.backward_combine(dy);
-    work();
-    block.backward_experts();
-    work();
-    (void)block.backward_dispatch();
-  };
-  const auto serial = [&] {
-    (void)block.forward(x, options);
-    (void)block.backward(dy);
-    for (int k = 0; k < 5; ++k) work();
-  };
-  const auto alone = [&] {
-    for (int k = 0; k < 5; ++k) work();
-  };
-  const auto timed = [&](const auto& body) {
-    Event start(true), stop(true);
-    std::vector<double> times;
-    for (int i = 0; i < iters + 2; ++i) {
-      start.record(stream);
-      body();
-      stop.record(stream);
-      MOE_CHECK_CUDA(cudaEventSynchronize(stop.get()));
-      double ms = stop.elapsed_ms_since(start);
-      MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
-      if (i >= 2) times.push_back(ms);  // the first two choose the products' algorithms
-    }
-    return median(times);
-  };
-  // In turns, so that a drift of the clocks touches each alike.
-  std::vector<double> phased_ms, serial_ms, other_ms;
-  for (int round = 0; round < 3; ++round) {
-    phased_ms.push_back(timed(phased));
-    serial_ms.push_back(timed(serial));
-    other_ms.push_back(timed(alone));
-  }
-  return {median(phased_ms), median(serial_ms), median(other_ms)};
-}
 
 std::size_t used_device_memory() {
   std::size_t free = 0, total = 0;
@@ -176,6 +97,7 @@ int main(int argc, char** argv) {
   int shared_ffn_hidden = -1;
   bool shared_in_series = false;
   int split_phase_products = 0;
+  int micro_batches = 1;
   app.add_option("--config", config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: all ranks, or world / dp)")
       ->check(cli::count_in(1, 1 << 20));
@@ -234,6 +156,10 @@ int main(int argc, char** argv) {
                  "also time the split-phase step with N [T, H] x [H, H] products of other work "
                  "between each two of its calls, against the whole step and then that work")
       ->check(cli::count_in(0, 64));
+  app.add_option("--micro-batches", micro_batches,
+                 "with FP8: quantize the expert weights on the first of every N steps only, as "
+                 "between two optimizer updates (the times then means over groups of N steps)")
+      ->check(cli::count_in(1, 1024));
   app.add_option("--json", json_path, "write the numbers to this file (rank 0)");
   if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
 
@@ -280,6 +206,17 @@ int main(int argc, char** argv) {
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
     if (graph && !config.pad_to_capacity)
       fail("--graph needs static shapes: capacity mode with pad_to_capacity (--pad-to-capacity)");
+    if (micro_batches > 1) {
+      if (!config.fp8)
+        fail("--micro-batches {}: without fp8 (--fp8) a step quantizes no weights", micro_batches);
+      if (graph || split_phase_products > 0)
+        fail(
+            "--micro-batches {} times the eager step alone: drop --graph and "
+            "--split-phase-products",
+            micro_batches);
+      if (iters % micro_batches != 0)
+        fail("--iters {} is not a whole number of --micro-batches {}", iters, micro_batches);
+    }
     // Every setting is checked first, on any machine.
     if (cuda_device_count() == 0) {
       if (root)
@@ -292,7 +229,7 @@ int main(int argc, char** argv) {
     const bench::GemmRate dense = bench::dense_gemm_rate(stream.get());
     const double gemm_rate = dense.sustained;
     const double copy_rate = bench::copy_bandwidth(stream.get());
-    const double link_rate = p2p_rate(mesh, stream.get());
+    const double link_rate = layer_timing::p2p_rate(mesh, stream.get());
 
     // The communicators' buffers belong to the mesh (every layer and the trainer's reductions
     // share them; PyTorch's allocator statistics do not see them either): connected first.
@@ -313,8 +250,15 @@ int main(int argc, char** argv) {
     // With --graph the eager steps are the graph's: the losses stay on the device.
     ForwardOptions options;
     options.losses_on_host = !graph;
+    // With --micro-batches N, the steps counted from `micro_batch` = 0 quantize the expert
+    // weights on the first of every N.
+    int micro_batch = 0;
+    const auto next_options = [&] {
+      options.weights_unchanged = micro_batch++ % micro_batches != 0;
+      return options;
+    };
     auto step = [&] {
-      block.forward(x_t, options);
+      block.forward(x_t, next_options());
       block.backward(dy_t);
     };
     // Warm-up: `warmup` steps, then as many more as bring the GPU to its clock under sustained
@@ -350,11 +294,12 @@ int main(int argc, char** argv) {
     };
     auto timed_steps = [&](double lead_ms, bool stages) {
       std::vector<double> times;
+      micro_batch = 0;
       for (int i = 0; i < iters; ++i) {
         if (lead_ms > 0) MOE_CHECK_CUDA(cudaLaunchHostFunc(stream.get(), hold_stream, &lead_ms));
         start.record(stream.get());
         const auto called = std::chrono::steady_clock::now();
-        block.forward(x_t, options);
+        block.forward(x_t, next_options());
         const auto forwarded = std::chrono::steady_clock::now();
         block.backward(dy_t);
         const auto queued = std::chrono::steady_clock::now();
@@ -413,10 +358,11 @@ int main(int argc, char** argv) {
         }));
       }
     }
-    const SplitPhaseTimes split =
+    const layer_timing::SplitPhaseTimes split =
         split_phase_products > 0
-            ? time_split_phase(block, x_t, dy_t, options, split_phase_products, iters, stream.get())
-            : SplitPhaseTimes{};
+            ? layer_timing::time_split_phase(block, x_t, dy_t, options, split_phase_products, iters,
+                                             stream.get())
+            : layer_timing::SplitPhaseTimes{};
     const double reduce_ms = bench::median_ms([&](int) { block.reduce_gradients(); }, stream.get(),
                                               1, std::max(3, iters / 4));
     // The routing's balance over every step run (the mesh's loads, counted on the device).
@@ -439,7 +385,12 @@ int main(int argc, char** argv) {
     // Useful work: gate 6·T·E·H, experts 18·(T·K)·H·F (forward + backward, padding excluded).
     const double E = config.num_experts, K = config.topk, F = config.ffn_hidden;
     const double flops = 6.0 * T * E * H + 18.0 * T * K * H * F;
-    const double total_ms = median(totals);
+    // A group of micro-batches holds one quantization: its mean, not the median step.
+    const auto step_ms = [&](const std::vector<double>& times) {
+      return micro_batches > 1 ? std::accumulate(times.begin(), times.end(), 0.0) / times.size()
+                               : median(times);
+    };
+    const double total_ms = step_ms(totals);
     const double tflops = flops / (total_ms * 1e-3) / 1e12;
     // Rows leaving this rank per step (uniform routing): dispatch and combine, forward and
     // backward.
@@ -475,7 +426,10 @@ int main(int argc, char** argv) {
           gemm_rate / 1e12, dense.burst / 1e12, copy_rate / 1e9, link_rate / 1e9);
       if (stage_lead_ms > 0)
         fmt::print("stages timed with the host {:.1f} ms ahead (the step {:.3f} ms there)\n",
-                   stage_lead_ms, median(led_totals));
+                   stage_lead_ms, step_ms(led_totals));
+      if (micro_batches > 1)
+        fmt::print("expert weights quantized on one step in {}: the times are means\n",
+                   micro_batches);
       fmt::print("{:<26} {:>10} {:>7} {:>10} {:>9}\n", "stage (rank 0, mean)", "ms", "share",
                  "floor ms", "of floor");
       for (const auto& name : stage_order) {
@@ -561,7 +515,7 @@ int main(int argc, char** argv) {
             {"p2p_GBps", link_rate / 1e9},
             {"total_ms", total_ms},
             {"stage_lead_ms", stage_lead_ms},
-            {"total_ms_host_ahead", median(led_totals)},
+            {"total_ms_host_ahead", step_ms(led_totals)},
             {"reduce_ms", reduce_ms},
             {"host_forward_ms", median(host_forward_ms)},
             {"host_backward_ms", median(host_backward_ms)},
@@ -577,6 +531,7 @@ int main(int argc, char** argv) {
             {"grad_dtype", dtype_name(config.grad_dtype)},
             {"fp8", config.fp8},
             {"fp8_dispatch", config.fp8_dispatch},
+            {"micro_batches", micro_batches},
             {"align_size", config.align_size},
             {"shared_ffn_hidden", config.shared_ffn_hidden},
             {"shared_gate", config.shared_gate},

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# moe_bench_refusals.sh MOE_BENCH: settings that cannot run are refused with a message naming
+# them, before any GPU is looked for (so on a machine without one too). The refusals come after
+# MPI starts, where the sanitizers may turn the exit status 1 into an abort: any failure counts,
+# with the message.
+set -uo pipefail
+bench=$1 failed=0
+expect() {  # TEXT ARGS...: moe_bench ARGS fails and prints TEXT
+  local text=$1 output status
+  shift
+  output=$("$bench" "$@" 2>&1)
+  status=$?
+  if [ $status -eq 0 ] || [[ "$output" != *"$text"* ]]; then
+    echo "FAIL: moe_bench $* exited $status, without '$text':"
+    echo "$output" | tail -5
+    failed=1
+  else
+    echo "ok: moe_bench $* -> $text"
+  fi
+}
+expect "--graph needs static shapes" --graph
+expect "pad_to_capacity = true needs capacity_factor" --pad-to-capacity
+expect "--drop-policy position needs capacity mode" --drop-policy position
+expect "--micro-batches 4: without fp8 (--fp8) a step quantizes no weights" --micro-batches 4
+expect "--iters 10 is not a whole number of --micro-batches 4" --fp8 --micro-batches 4 --iters 10
+expect "--micro-batches 2 times the eager step alone" --fp8 --micro-batches 2 \
+  --split-phase-products 1
+expect "--micro-batches: 0 is not in [1, 1024]" --micro-batches 0
+exit $failed
