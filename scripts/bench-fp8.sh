@@ -4,7 +4,10 @@
 # the experts sent as E4M3 records (fp8_dispatch), all over the NCCL exchange. Writes one moe_bench
 # JSON per run to OUTDIR and prints a table last.
 #   scripts/bench-fp8.sh [--configs "a b"] [--tokens "1024 8192"] [--ranks N]
-#                        [--modes "bf16 fp8 dispatch"] [--repeat R] OUTDIR
+#                        [--modes "bf16 fp8 fp8-mb dispatch"] [--micro-batches M] [--repeat R]
+#                        OUTDIR
+# Mode fp8-mb is fp8 with the weights quantized on one step in M (moe_bench --micro-batches M,
+# default 4), as a trainer's micro-batches between two optimizer updates.
 # --ranks 1 (the default) runs on one GPU, where modes bf16 and fp8 apply; from 2 on, mpirun
 # launches an EP mesh of N ranks on this host and the modes default to "fp8 dispatch". --repeat
 # runs every mode R times, alternating, and the table takes the means.
@@ -12,19 +15,21 @@ set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
 usage() {
-  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--modes M] [--repeat R] OUTDIR" >&2
+  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--modes M] [--micro-batches M]" \
+    "[--repeat R] OUTDIR" >&2
   exit 2
 }
-configs="mixtral-8x7b qwen3-30b-a3b deepseek-v3" tokens="8192" ranks=1 modes="" repeat=1 out=""
+configs="mixtral-8x7b qwen3-30b-a3b deepseek-v3" tokens="8192" ranks=1 modes="" repeat=1 micro_batches=4 out=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --configs | --tokens | --ranks | --modes | --repeat)
+    --configs | --tokens | --ranks | --modes | --micro-batches | --repeat)
       [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; usage; }
       case $1 in
         --configs) configs=$2 ;;
         --tokens) tokens=$2 ;;
         --ranks) ranks=$2 ;;
         --modes) modes=$2 ;;
+        --micro-batches) micro_batches=$2 ;;
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
@@ -37,6 +42,8 @@ done
 moe_require_configs_and_tokens "$configs" "$tokens"
 [[ "$ranks" =~ ^[1-9][0-9]?$ ]] || { echo "error: --ranks '$ranks' is not 1 to 99" >&2; exit 2; }
 [[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
+[[ "$micro_batches" =~ ^[2-9]$|^[1-9][0-9]{1,2}$ ]] ||
+  { echo "error: --micro-batches '$micro_batches' is not 2 to 999" >&2; exit 2; }
 if [ -z "$modes" ]; then
   if [ "$ranks" -eq 1 ]; then modes="bf16 fp8"; else modes="fp8 dispatch"; fi
 fi
@@ -44,12 +51,12 @@ fi
 set -f
 for mode in $modes; do
   case $mode in
-    bf16 | fp8) ;;
+    bf16 | fp8 | fp8-mb) ;;
     dispatch)
       [ "$ranks" -ge 2 ] ||
         { echo "error: --modes dispatch sends rows over an EP mesh: it needs --ranks 2 or more" >&2
           exit 2; } ;;
-    *) echo "error: --modes '$mode' is none of bf16, fp8, dispatch" >&2; exit 2 ;;
+    *) echo "error: --modes '$mode' is none of bf16, fp8, fp8-mb, dispatch" >&2; exit 2 ;;
   esac
 done
 set +f
@@ -71,9 +78,12 @@ for config in $configs; do
     for ((round = 1; round <= repeat; round++)); do
       for mode in $modes; do
         name=$config-T$t-EP$ranks-$mode-$round
-        flags=(--config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" --iters 10 --stage-lead-ms 0
-               --align-size 16 "${mesh[@]}")
+        iters=10
+        [ "$mode" = fp8-mb ] && iters=$(((10 + micro_batches - 1) / micro_batches * micro_batches))
+        flags=(--config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" --iters "$iters"
+               --stage-lead-ms 0 --align-size 16 "${mesh[@]}")
         [ "$mode" != bf16 ] && flags+=(--fp8)
+        [ "$mode" = fp8-mb ] && flags+=(--micro-batches "$micro_batches")
         [ "$mode" = dispatch ] && flags+=(--fp8-dispatch)
         moe_bench_run "$out" "$name" "${launch[@]}" "$bench" "${flags[@]}"
       done
@@ -87,7 +97,8 @@ EXCHANGE = ("moe dispatch", "moe combine", "moe combine backward", "moe dispatch
 runs = {}  # (config, T, EP, mode) -> every run's figures
 for path in sys.argv[1:]:
     r = json.loads(pathlib.Path(path).read_text())
-    mode = "dispatch" if r.get("fp8_dispatch") else ("fp8" if r["fp8"] else "bf16")
+    mode = ("dispatch" if r.get("fp8_dispatch") else
+            "fp8-mb" if r.get("micro_batches", 1) > 1 else "fp8" if r["fp8"] else "bf16")
     s = r["stages_ms"]
     runs.setdefault((r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["ep"], mode),
                     []).append((r["total_ms"], r["step_floor_ms"],
@@ -97,7 +108,7 @@ for path in sys.argv[1:]:
 print(f"{'config':<16} {'T':>5} {'EP':>3} {'mode':<9} {'runs':>4} {'step ms':>9} {'floor ms':>9} "
       f"{'experts ms':>10} {'exchange ms':>11} {'GiB':>6} {'vs first':>8}")
 first = {}
-for key in sorted(runs, key=lambda k: (k[0], k[1], k[2], ("bf16", "fp8", "dispatch").index(k[3]))):
+for key in sorted(runs, key=lambda k: (k[0], k[1], k[2], ("bf16", "fp8", "fp8-mb", "dispatch").index(k[3]))):
     step, floor, experts, exchange, gib = (statistics.mean(v[i] for v in runs[key]) for i in range(5))
     group = key[:3]
     first.setdefault(group, step)
