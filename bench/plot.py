@@ -8,17 +8,7 @@ import argparse
 import json
 import os
 
-
-def pyplot():
-    """matplotlib's pyplot, drawing to files; imported once the arguments are read, so that --help
-    and argument errors need no matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("plot.py: needs matplotlib (python3 -m pip install matplotlib)")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot
-    return matplotlib.pyplot
+from headless_plots import pyplot
 
 
 def peer_ms(row):
@@ -33,7 +23,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       "docs"))
     args = parser.parse_args()
-    plt = pyplot()
+    plt = pyplot("plot.py")
     with open(args.results) as f:
         rows = [r for r in json.load(f) if r["ours"] and (r.get("peer") or r.get("peer_compiled"))]
     labels = [f"{r['config']}\n{r['ranks']} GPU" for r in rows]

@@ -16,17 +16,7 @@ import argparse
 import json
 import re
 
-
-def pyplot():
-    """matplotlib's pyplot, drawing to files; imported once the arguments are read, so that --help
-    and argument errors need no matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("plot_train.py: needs matplotlib (python3 -m pip install matplotlib)")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot
-    return matplotlib.pyplot
+from headless_plots import pyplot
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
                   r"([0-9.]+) per EP rank")
@@ -70,7 +60,7 @@ def main():
     parser.add_argument("--metric", choices=["imbalance", "dropped", "loss"], default="imbalance")
     parser.add_argument("--title")
     args = parser.parse_args()
-    plt = pyplot()
+    plt = pyplot("plot_train.py")
     runs = []
     for run in args.runs:
         label, sep, path = run.partition("=")
