@@ -358,10 +358,12 @@ int main(int argc, char** argv) {
         }));
       }
     }
+    ForwardOptions split_options = options;  // quantizing every step's weights, if FP8
+    split_options.weights_unchanged = false;
     const layer_timing::SplitPhaseTimes split =
         split_phase_products > 0
-            ? layer_timing::time_split_phase(block, x_t, dy_t, options, split_phase_products, iters,
-                                             stream.get())
+            ? layer_timing::time_split_phase(block, x_t, dy_t, split_options, split_phase_products,
+                                             iters, stream.get())
             : layer_timing::SplitPhaseTimes{};
     const double reduce_ms = bench::median_ms([&](int) { block.reduce_gradients(); }, stream.get(),
                                               1, std::max(3, iters / 4));
@@ -428,8 +430,9 @@ int main(int argc, char** argv) {
         fmt::print("stages timed with the host {:.1f} ms ahead (the step {:.3f} ms there)\n",
                    stage_lead_ms, step_ms(led_totals));
       if (micro_batches > 1)
-        fmt::print("expert weights quantized on one step in {}: the times are means\n",
-                   micro_batches);
+        fmt::print(
+            "expert weights quantized on one step in {}: the step and stage times are means\n",
+            micro_batches);
       fmt::print("{:<26} {:>10} {:>7} {:>10} {:>9}\n", "stage (rank 0, mean)", "ms", "share",
                  "floor ms", "of floor");
       for (const auto& name : stage_order) {
