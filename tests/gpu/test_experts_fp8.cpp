@@ -381,6 +381,7 @@ SpanRun run_spans(const Case& c, Fp8Products products, const SpanOptions& o, std
   const auto poison_outputs = [&] {
     for (const auto* b : {&h, &a, &y, &dX_own, &dscale, &dw13, &dw2, &dX_sent}) test::poison(*b);
     MOE_CHECK_CUDA(cudaMemset(dw13_at_call.data(), 0, dw13_at_call.bytes()));
+    MOE_CHECK_CUDA(cudaDeviceSynchronize());  // the legacy stream orders nothing on `stream`
   };
   poison_outputs();
 
@@ -436,6 +437,7 @@ SpanRun run_spans(const Case& c, Fp8Products products, const SpanOptions& o, std
     poison_outputs();
     const DeviceBuffer dY_again = test::upload_as(dY_host, DType::kBF16);
     MOE_CHECK_CUDA(cudaMemcpy(dY.data(), dY_again.data(), dY.bytes(), cudaMemcpyDeviceToDevice));
+    MOE_CHECK_CUDA(cudaDeviceSynchronize());  // a device-to-device copy may return before it ends
     calls = 0;
     const CudaGraph graph(stream.get(), step);
     graph.replay(stream.get());
@@ -488,15 +490,27 @@ TEST_CASE(
       for (const bool dX_over_dY : {false, true}) {
         INFO((dX_over_dY ? "dX over dY" : "dX apart"));
         const SpanRun one = run_spans(c, products, {.dX_over_dY = dX_over_dY, .grad = grad}, seed);
-        // Spans of 2 and 3 experts, one a span (an empty one among them); then dX handed on.
-        const std::pair<int, bool> variants[] = {
-            {2, false}, {3, false}, {E, false}, {0, true}, {3, true}};
-        for (const auto& [spans, dX_queued] : variants) {
-          INFO(spans << " spans" << (dX_queued ? ", dX handed on" : ""));
-          const SpanRun got = run_spans(
-              c, products,
-              {.spans = spans, .dX_queued = dX_queued, .dX_over_dY = dX_over_dY, .grad = grad},
-              seed);
+        // Spans of 2 and 3 experts, one a span (an empty one among them); then dX handed on;
+        // then three spans with dX handed on captured in a CUDA graph and replayed (the
+        // per-expert schedule's weight gradients fork to their streams and join inside it). The
+        // host counts the hand-on calls of the capture; dX_sent and dw13_at_call show that the
+        // replay ran their copies, in their place among the products.
+        struct Variant {
+          int spans;
+          bool dX_queued, graph;
+        };
+        const Variant variants[] = {{2, false, false}, {3, false, false}, {E, false, false},
+                                    {0, true, false},  {3, true, false},  {3, true, true}};
+        for (const auto& [spans, dX_queued, graph] : variants) {
+          INFO(spans << " spans" << (dX_queued ? ", dX handed on" : "")
+                     << (graph ? ", in a CUDA graph" : ""));
+          const SpanRun got = run_spans(c, products,
+                                        {.spans = spans,
+                                         .dX_queued = dX_queued,
+                                         .dX_over_dY = dX_over_dY,
+                                         .grad = grad,
+                                         .graph = graph},
+                                        seed);
           CHECK(got.y == one.y);
           CHECK(got.a == one.a);
           CHECK(got.dX == one.dX);
@@ -509,26 +523,6 @@ TEST_CASE(
           // dw13's products come after the call: the span's dw13 still poisoned there.
           CHECK(std::count(got.dw13_at_call.begin(), got.dw13_at_call.end(), 0xFF) ==
                 std::ssize(got.dw13_at_call));
-        }
-        {
-          // The same three spans with dX handed on, captured in a CUDA graph and replayed: the
-          // per-expert schedule's weight gradients fork to their streams and join inside it.
-          INFO("3 spans in a CUDA graph");
-          const SpanRun got = run_spans(c, products,
-                                        {.spans = 3,
-                                         .dX_queued = true,
-                                         .dX_over_dY = dX_over_dY,
-                                         .grad = grad,
-                                         .graph = true},
-                                        seed);
-          CHECK(got.y == one.y);
-          CHECK(got.a == one.a);
-          CHECK(got.dX == one.dX);
-          CHECK(got.dw13 == one.dw13);
-          CHECK(got.dw2 == one.dw2);
-          CHECK(got.dscale == one.dscale);
-          CHECK(got.calls == 3);
-          CHECK(got.dX_sent == one.dX);
         }
         if (dX_over_dY) continue;  // dX's other rows hold dY there, not poison
         // Each span alone writes its own rows and experts and nothing else.
