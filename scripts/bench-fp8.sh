@@ -8,9 +8,9 @@
 #                        OUTDIR
 # Mode fp8-mb is fp8 with the weights quantized on one step in M (moe_bench --micro-batches M,
 # default 4), as a trainer's micro-batches between two optimizer updates.
-# --ranks 1 (the default) runs on one GPU, where modes bf16 and fp8 apply; from 2 on, mpirun
-# launches an EP mesh of N ranks on this host and the modes default to "fp8 dispatch". --repeat
-# runs every mode R times, alternating, and the table takes the means.
+# --ranks 1 (the default) runs on one GPU, where modes bf16, fp8 and fp8-mb apply; from 2 on,
+# mpirun launches an EP mesh of N ranks on this host and the modes default to "fp8 dispatch".
+# --repeat runs every mode R times, alternating, and the table takes the means.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -19,7 +19,8 @@ usage() {
     "[--repeat R] OUTDIR" >&2
   exit 2
 }
-configs="mixtral-8x7b qwen3-30b-a3b deepseek-v3" tokens="8192" ranks=1 modes="" repeat=1 micro_batches=4 out=""
+configs="mixtral-8x7b qwen3-30b-a3b deepseek-v3" tokens="8192" ranks=1 modes="" repeat=1 out=""
+micro_batches=4
 while [ $# -gt 0 ]; do
   case $1 in
     --configs | --tokens | --ranks | --modes | --micro-batches | --repeat)
@@ -108,7 +109,8 @@ for path in sys.argv[1:]:
 print(f"{'config':<16} {'T':>5} {'EP':>3} {'mode':<9} {'runs':>4} {'step ms':>9} {'floor ms':>9} "
       f"{'experts ms':>10} {'exchange ms':>11} {'GiB':>6} {'vs first':>8}")
 first = {}
-for key in sorted(runs, key=lambda k: (k[0], k[1], k[2], ("bf16", "fp8", "fp8-mb", "dispatch").index(k[3]))):
+MODES = ("bf16", "fp8", "fp8-mb", "dispatch")
+for key in sorted(runs, key=lambda k: (k[0], k[1], k[2], MODES.index(k[3]))):
     step, floor, experts, exchange, gib = (statistics.mean(v[i] for v in runs[key]) for i in range(5))
     group = key[:3]
     first.setdefault(group, step)
