@@ -8,7 +8,7 @@ between nodes, with and without overlapping the exchange with the GEMMs.
         [--gpus-per-node 8] [--nvlink-gbs 330] [--ib-gbs 50] [--gemm-tflops 770]
         [--dense-tflops 715] [--half-rate-inner 380] [--copy-gbs 4190] [--grad-bytes 4] [--fixed-ms 0.3]
         [--transport peer|nccl|copy] [--exchange-efficiency E] [--chunks C] [--fp8-dispatch]
-        [--ep 1 2 4 8 ... 256]
+        [--fp8 [--fp8-speedup 1.3] [--micro-batches N]] [--ep 1 2 4 8 ... 256]
 
 The rates default to what docs/performance.md measured on H200s of one host: NVLink p2p ~330 GB/s
 per GPU, HBM copies at 4190 GB/s, and expert products that reach min(770 TFLOP/s × k / (k + 380),
@@ -23,6 +23,12 @@ EP (MoEConfig::effective_exchange_chunks). The peer exchange does not pipeline.
 values, H + 4 · ceil(H / 128) bytes a row: the forward's dispatch of x (and the peer exchange's
 second one) and the backward's of dy, as DeepSeek-V3 trained; the exchanges back from the experts
 (the combine's y, the backward's dx) carry bf16 rows.
+--fp8 prices the FP8 experts: their four data products (h, y, dA, dX) run --fp8-speedup times the
+bf16 products' rate at the same shape (1.3 fits the layer's steps measured on H200s, where a
+dense 8192³ product gains 1.6), the weight gradients stay bf16, and two passes at the copy rate
+join them: the rows' quantization (X, a, dY and dh read as bf16 and written as E4M3) and the
+weights' (each read once and written twice), the latter once in --micro-batches steps. The
+layer's fp8_dispatch comes with fp8: price it as --fp8 --fp8-dispatch.
 """
 import argparse
 import math
@@ -90,9 +96,11 @@ def product_rate(k, args):
     return min(args.gemm_tflops * k / (k + args.half_rate_inner), args.dense_tflops) * 1e12
 
 
-def products_seconds(H, F, rows, args):
-    """One FFN's six products over `rows` rows."""
-    return sum(2 * m * n * k / product_rate(k, args) for m, n, k in expert_products(H, F, rows))
+def products_seconds(H, F, rows, args, data_speedup=1.0):
+    """One FFN's six products over `rows` rows; the four data products (all but the weight
+    gradients) at data_speedup times the rate (FP8's gain)."""
+    return sum(2 * m * n * k / product_rate(k, args) / (data_speedup if i < 4 else 1.0)
+               for i, (m, n, k) in enumerate(expert_products(H, F, rows)))
 
 
 def exchange_efficiency(args):
@@ -132,12 +140,24 @@ def predict(config, tokens, ep, args):
     # an expert's rows) and the products of narrow layers (k = H, F or 2F).
     rows = tokens * K * ep / E * args.imbalance
     local_experts = E // ep
-    compute_s = local_experts * products_seconds(H, F, rows, args)
-    # They also read the weights twice (forward and backward) and write their gradients: a floor
-    # where few rows meet many experts.
+    fp8_experts = getattr(args, "fp8", False)
+    compute_s = local_experts * products_seconds(
+        H, F, rows, args, args.fp8_speedup if fp8_experts else 1.0)
+    # They also read the weights twice (forward and backward; their E4M3 copies under FP8) and
+    # write their gradients: a floor where few rows meet many experts.
     weight_values = local_experts * 3 * H * F
-    bytes_s = weight_values * (2 * act_bytes + args.grad_bytes) / (args.copy_gbs * 1e9)
+    weight_bytes = 1 if fp8_experts else act_bytes
+    bytes_s = weight_values * (2 * weight_bytes + args.grad_bytes) / (args.copy_gbs * 1e9)
     gemm_ms = max(compute_s, bytes_s) * 1e3
+    # FP8's passes of their own: the rows of X, a, dY and dh (2H + 3F values a row) read as bf16
+    # and written as E4M3, and the weights read once and written twice (E4M3 and its transpose),
+    # once an optimizer step of `micro_batches` steps.
+    quantize_ms = 0.0
+    if fp8_experts:
+        row_values = local_experts * rows * (2 * H + 3 * F)
+        quantize_ms = (row_values * 3 + weight_values * 4 / args.micro_batches) / (
+            args.copy_gbs * 1e9) * 1e3
+        gemm_ms += quantize_ms
     # The shared experts: a dense FFN of width Fs over the GPU's T tokens, in series with the
     # routed path (the side stream hides under 10% of it where the routed products and the
     # exchange hold every SM, docs/performance.md "Shared experts").
@@ -197,6 +217,7 @@ def predict(config, tokens, ep, args):
         "nodes": (ep + args.gpus_per_node - 1) // args.gpus_per_node,
         "bytes_mb": moved / 1e6,
         "gemm_ms": gemm_ms,
+        "quantize_ms": quantize_ms,
         "exchange_ms": exchanges_ms,
         "serial_ms": serial,
         "overlap_ms": overlapped,
@@ -240,6 +261,15 @@ def build_parser():
     parser.add_argument("--fp8-dispatch", action="store_true",
                         help="the exchanges toward the experts (x, dy) carry E4M3 rows and their "
                              "1 x 128 scales")
+    parser.add_argument("--fp8", action="store_true",
+                        help="FP8 experts: data products at --fp8-speedup times the bf16 rate, "
+                             "with the rows' and the weights' quantization")
+    parser.add_argument("--fp8-speedup", type=float, default=1.3,
+                        help="the FP8 data products' rate over the bf16 products' at the same "
+                             "shape, in the layer (a dense 8192^3 product gains 1.6)")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="with --fp8: steps between two optimizer updates, which quantize the "
+                             "weights once")
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     return parser
 
@@ -258,18 +288,24 @@ def main():
                             ("ib_gbs", 1e-6, 1e9), ("gemm_tflops", 1e-6, 1e9),
                             ("dense_tflops", 1e-6, 1e9), ("copy_gbs", 1e-6, 1e9),
                             ("exchange_efficiency", 1e-6, 1), ("half_rate_inner", 0, 1e9),
-                            ("fixed_ms", 0, 1e6)):
+                            ("fixed_ms", 0, 1e6), ("fp8_speedup", 1e-6, 1e3)):
         value = getattr(args, name)
         if not math.isfinite(value) or not low <= value <= high:
             sys.exit(f"--{name.replace('_', '-')} = {value} must be in [{low:g}, {high:g}]")
     for name, value, high in (("tokens", args.tokens, 2**30), ("gpus-per-node", args.gpus_per_node,
                                                               2**20),
-                              ("chunks", args.chunks, 1024)):
+                              ("chunks", args.chunks, 1024),
+                              ("micro-batches", args.micro_batches, 2**20)):
         if value is not None and not 1 <= value <= high:
             sys.exit(f"--{name} = {value} must be in [1, {high}]")
     for ep in args.ep:
         if not 1 <= ep <= 2**20:
             sys.exit(f"--ep {ep} must be in [1, {2**20}]")
+    if not args.fp8:
+        for flag, given in (("--fp8-speedup", args.fp8_speedup != 1.3),
+                            ("--micro-batches", args.micro_batches != 1)):
+            if given:
+                sys.exit(f"{flag} prices the FP8 experts: give --fp8 too")
     if args.transport == "peer" and args.chunks not in (None, 1):
         sys.exit(f"--chunks = {args.chunks}: the peer exchange does not pipeline")
     config = read_config(args.config)
@@ -280,7 +316,9 @@ def main():
           f"{args.nvlink_gbs:g} GB/s, IB {args.ib_gbs:g} GB/s ({args.transport} exchanges at "
           f"{args.exchange_efficiency:.0%} of them), GEMM {args.gemm_tflops:g} TFLOP/s at "
           f"k / (k + {args.half_rate_inner:g}) up to {args.dense_tflops:g}, "
-          f"{args.gpus_per_node} GPUs a node")
+          f"{args.gpus_per_node} GPUs a node" +
+          (f"; FP8 experts at {args.fp8_speedup:g}x, the weights quantized once in "
+           f"{args.micro_batches} step(s)" if args.fp8 else ""))
     print(f"{'EP':>5} {'nodes':>5} {'MB/GPU':>9} {'GEMM ms':>9} {'exch ms':>9} {'serial ms':>10} "
           f"{'chunks':>6} {'overlap ms':>11} {'hidden':>7}")
     for ep in args.ep:

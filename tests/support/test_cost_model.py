@@ -19,7 +19,8 @@ import cost_model  # noqa: E402
 DEFAULTS = dict(imbalance=1.0, gpus_per_node=8, nvlink_gbs=330.0, ib_gbs=50.0,
                 gemm_tflops=770.0, dense_tflops=715.0, half_rate_inner=380.0, copy_gbs=4190.0,
                 grad_bytes=4, fixed_ms=0.3, transport="peer", exchange_efficiency=None, chunks=None,
-                overlap_share_nvlink=0.15, overlap_share_ib=1.0)
+                overlap_share_nvlink=0.15, overlap_share_ib=1.0, fp8=False, fp8_speedup=1.3,
+                micro_batches=1)
 R, DENSE, K_HALF = 770e12, 715e12, 380
 
 
@@ -36,11 +37,11 @@ def layer(H, F, E, K, dtype="bf16", **more):
 # Rates that take a term out: products at their full rate, copies and links that cost nothing.
 INSTANT = 1e12
 
-def measured_points():
-    """The rows of design.md's "Checked against the measured steps" table, as cells."""
+def measured_points(header=("| run | config | EP | exchange | shared experts | measured, ms "
+                            "| predicted, ms | error |")):
+    """The rows of one of design.md's tables of measured steps (by default "Checked against the
+    measured steps"), as cells."""
     text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
-    header = ("| run | config | EP | exchange | shared experts | measured, ms | predicted, ms "
-              "| error |")
     rows = []
     for line in text[text.index(header):].splitlines()[2:]:
         if not line.startswith("|"):
@@ -234,6 +235,46 @@ class CostModel(unittest.TestCase):
                                        delta=0.06)
                 self.assertLessEqual(abs(miss), 0.15)
 
+    def test_fp8_speeds_the_data_products_and_adds_the_quantization_passes(self):
+        H, F, E, K, T = 1024, 512, 8, 2, 4096
+        rows = T * K // E
+        # Products alone: the four data products (inner dimension H, F, H, 2F) at 1.3 times.
+        args = rates(copy_gbs=INSTANT, fixed_ms=0)
+        plain = cost_model.predict(layer(H, F, E, K), T, 1, args)
+        args.fp8 = True
+        fp8 = cost_model.predict(layer(H, F, E, K), T, 1, args)
+        data = sum(2 * m * n * k / min(R * k / (k + K_HALF), DENSE) for m, n, k in
+                   ((rows, 2 * F, H), (rows, H, F), (rows, F, H), (rows, H, 2 * F))) * E
+        self.assertAlmostEqual(plain["gemm_ms"] - fp8["gemm_ms"], data * (1 - 1 / 1.3) * 1e3,
+                               delta=1e-9)
+        # The passes alone: the rows' 3 bytes a value (2H + 3F values a row), the weights' 4,
+        # once in `micro_batches` steps.
+        for micro_batches in (1, 4):
+            args = rates(gemm_tflops=1e9, dense_tflops=1e9, fixed_ms=0, fp8=True,
+                         micro_batches=micro_batches)
+            p = cost_model.predict(layer(H, F, E, K), T, 1, args)
+            want = (E * rows * (2 * H + 3 * F) * 3 + E * 3 * H * F * 4 / micro_batches) / 4190e9
+            self.assertAlmostEqual(p["quantize_ms"], want * 1e3, delta=want * 1e-9)
+
+    def test_the_designs_measured_fp8_points_are_the_models_and_within_15_percent(self):
+        rows = measured_points("| run | config | EP | exchange | FP8 | measured, ms | predicted, ms "
+                               "| error |")
+        self.assertGreaterEqual(len(rows), 15)
+        for run, name, ep, exchange, mode, measured, predicted, error in rows:
+            with self.subTest(run=run, config=name, ep=ep, exchange=exchange, mode=mode):
+                transport, _, chunks = exchange.partition(", ")
+                transport = "peer" if transport == "—" else transport
+                config = cost_model.read_config(str(ROOT / "configs" / f"{name}.yaml"))
+                args = rates(transport=transport, chunks=int(chunks.split()[0]) if chunks else 1,
+                             fp8=True, fp8_dispatch="dispatch" in mode,
+                             micro_batches=int(mode.split()[-1]) if "once in" in mode else 1)
+                p = cost_model.predict(config, 8192, int(ep), args)
+                self.assertAlmostEqual(p["overlap_ms"], float(predicted), delta=0.006)
+                miss = (p["overlap_ms"] - float(measured)) / float(measured)
+                self.assertAlmostEqual(100 * miss, float(error.replace("−", "-").rstrip("%")),
+                                       delta=0.06)
+                self.assertLessEqual(abs(miss), 0.15)
+
     def test_an_ep_that_does_not_divide_the_experts_has_no_prediction(self):
         self.assertIsNone(cost_model.predict(layer(1024, 512, 60, 4), 1024, 8, rates()))
 
@@ -260,7 +301,12 @@ class CostModel(unittest.TestCase):
                                    (["--tokens", "0"], "--tokens = 0 must be in [1, 1073741824]"),
                                    (["--tokens", "1" + "0" * 400], "must be in [1, 1073741824]"),
                                    (["--half-rate-inner", "1e308"],
-                                    "--half-rate-inner = 1e+308 must be in [0, 1e+09]")):
+                                    "--half-rate-inner = 1e+308 must be in [0, 1e+09]"),
+                                   (["--micro-batches", "4"], "--micro-batches prices the FP8"),
+                                   (["--fp8", "--micro-batches", "0"],
+                                    "--micro-batches = 0 must be in [1, 1048576]"),
+                                   (["--fp8", "--fp8-speedup", "0"],
+                                    "--fp8-speedup = 0.0 must be in [1e-06, 1000]")):
                 r = subprocess.run([sys.executable, script, str(config), *extra],
                                    capture_output=True, text=True)
                 self.assertNotEqual(r.returncode, 0, extra)
