@@ -50,7 +50,25 @@ def measured_points(header=("| run | config | EP | exchange | shared experts | m
     return rows
 
 
+def exchange_rates(exchange):
+    """A table's exchange cell ("copy, 4 chunks", "nccl", "—") as the model's transport and
+    chunks: one GPU's local exchange counts as the peer exchange's, a plain "nccl" is the exchange
+    in one piece."""
+    transport, _, chunks = exchange.partition(", ")
+    return {"transport": "peer" if transport == "—" else transport,
+            "chunks": int(chunks.split()[0]) if chunks else 1}
+
+
 class CostModel(unittest.TestCase):
+    def assert_point(self, config, ep, args, measured, predicted, error):
+        """A row of design.md's measured steps: its prediction is the model's (to its rounding),
+        its error the one printed, and within 15%."""
+        p = cost_model.predict(config, 8192, ep, args)
+        self.assertAlmostEqual(p["overlap_ms"], float(predicted), delta=0.006)
+        miss = (p["overlap_ms"] - float(measured)) / float(measured)
+        self.assertAlmostEqual(100 * miss, float(error.replace("−", "-").rstrip("%")), delta=0.06)
+        self.assertLessEqual(abs(miss), 0.15)
+
     def test_products_at_full_rate_count_18_HFTK_plus_the_gate(self):
         H, F, E, K, T = 1024, 512, 8, 2, 4096
         args = rates(half_rate_inner=0, copy_gbs=INSTANT, nvlink_gbs=INSTANT, fixed_ms=0)
@@ -220,20 +238,11 @@ class CostModel(unittest.TestCase):
         self.assertGreaterEqual(len(rows), 50)
         for run, name, ep, exchange, shared, measured, predicted, error in rows:
             with self.subTest(run=run, config=name, ep=ep, exchange=exchange, shared=shared):
-                transport, _, chunks = exchange.partition(", ")
-                # One GPU's local exchange is counted as the peer exchange's; a plain "nccl" ran
-                # before the exchange pipelined, in one piece.
-                transport = "peer" if transport == "—" else transport
                 config = cost_model.read_config(str(ROOT / "configs" / f"{name}.yaml"))
                 if shared == "no":
                     config["shared_ffn_hidden"] = "0"
-                args = rates(transport=transport, chunks=int(chunks.split()[0]) if chunks else 1)
-                p = cost_model.predict(config, 8192, int(ep), args)
-                self.assertAlmostEqual(p["overlap_ms"], float(predicted), delta=0.006)
-                miss = (p["overlap_ms"] - float(measured)) / float(measured)
-                self.assertAlmostEqual(100 * miss, float(error.replace("−", "-").rstrip("%")),
-                                       delta=0.06)
-                self.assertLessEqual(abs(miss), 0.15)
+                args = rates(**exchange_rates(exchange))
+                self.assert_point(config, int(ep), args, measured, predicted, error)
 
     def test_fp8_speeds_the_data_products_and_adds_the_quantization_passes(self):
         H, F, E, K, T = 1024, 512, 8, 2, 4096
@@ -262,18 +271,10 @@ class CostModel(unittest.TestCase):
         self.assertGreaterEqual(len(rows), 15)
         for run, name, ep, exchange, mode, measured, predicted, error in rows:
             with self.subTest(run=run, config=name, ep=ep, exchange=exchange, mode=mode):
-                transport, _, chunks = exchange.partition(", ")
-                transport = "peer" if transport == "—" else transport
                 config = cost_model.read_config(str(ROOT / "configs" / f"{name}.yaml"))
-                args = rates(transport=transport, chunks=int(chunks.split()[0]) if chunks else 1,
-                             fp8=True, fp8_dispatch="dispatch" in mode,
+                args = rates(**exchange_rates(exchange), fp8=True, fp8_dispatch="dispatch" in mode,
                              micro_batches=int(mode.split()[-1]) if "once in" in mode else 1)
-                p = cost_model.predict(config, 8192, int(ep), args)
-                self.assertAlmostEqual(p["overlap_ms"], float(predicted), delta=0.006)
-                miss = (p["overlap_ms"] - float(measured)) / float(measured)
-                self.assertAlmostEqual(100 * miss, float(error.replace("−", "-").rstrip("%")),
-                                       delta=0.06)
-                self.assertLessEqual(abs(miss), 0.15)
+                self.assert_point(config, int(ep), args, measured, predicted, error)
 
     def test_an_ep_that_does_not_divide_the_experts_has_no_prediction(self):
         self.assertIsNone(cost_model.predict(layer(1024, 512, 60, 4), 1024, 8, rates()))
