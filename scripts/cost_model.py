@@ -13,8 +13,9 @@ between nodes, with and without overlapping the exchange with the GEMMs.
 The rates default to what docs/performance.md measured on H200s of one host: NVLink p2p ~330 GB/s
 per GPU, HBM copies at 4190 GB/s, and expert products that reach min(770 TFLOP/s × k / (k + 380),
 715 TFLOP/s) at inner dimension k (fitted to the expert stages of deepseek-v3 at EP 1 to 8,
-mixtral-8x7b and qwen3-30b-a3b at EP 1 and 4; a dense 8192³ product sustains 660–730 there); InfiniBand at 50 GB/s per GPU. --exchange-efficiency is the share of the link rate an
-exchange reaches: 1 for the peer exchange, about 0.6 for the NCCL one (the same run), about 0.65
+mixtral-8x7b and qwen3-30b-a3b at EP 1 and 4; a dense 8192³ product sustains 660–700 there);
+InfiniBand at 50 GB/s per GPU. --exchange-efficiency is the share of the link rate an exchange
+reaches: 1 for the peer exchange, about 0.6 for the NCCL one (the same run), about 0.65
 for the copy exchange (0.57 and 0.73 at EP 2 on 2 × H200, deepseek-v3 and qwen3-30b-a3b).
 --chunks is the NCCL or copy exchange's pipeline; by default the layer's automatic count at each
 EP (MoEConfig::effective_exchange_chunks). The peer exchange does not pipeline.
