@@ -266,8 +266,8 @@ class CostModel(unittest.TestCase):
             self.assertAlmostEqual(p["quantize_ms"], want * 1e3, delta=want * 1e-9)
 
     def test_the_designs_measured_fp8_points_are_the_models_and_within_15_percent(self):
-        rows = measured_points("| run | config | EP | exchange | FP8 | measured, ms | predicted, ms "
-                               "| error |")
+        rows = measured_points(
+            "| run | config | EP | exchange | FP8 | measured, ms | predicted, ms | error |")
         self.assertGreaterEqual(len(rows), 15)
         for run, name, ep, exchange, mode, measured, predicted, error in rows:
             with self.subTest(run=run, config=name, ep=ep, exchange=exchange, mode=mode):
