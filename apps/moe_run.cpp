@@ -3,8 +3,7 @@
 //
 //   mpirun -np N build/apps/moe_run --config C.yaml --weights W.safetensors --inputs I.safetensors
 //                                   --out R.safetensors [--ep E --dp D]
-//   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs (the only
-//                                          # one that runs capacity mode under EP for now)
+//   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs
 //   build/apps/moe_run ... --no-check-finite   # no NaN/Inf check of weights, inputs, results
 //
 // In capacity mode each rank drops from its own tokens (C from its own T), while --reference
