@@ -1,5 +1,16 @@
-"""matplotlib's pyplot, drawing to files, for the plot scripts: imported once their arguments are
-read, so that --help and argument errors need no matplotlib."""
+"""What the plot scripts share: reading their inputs with one-line errors, and matplotlib's pyplot,
+drawing to files, imported once the inputs are read, so that --help, argument errors and bad
+inputs need no matplotlib."""
+import json
+
+
+def read_json(path, program):
+    """The JSON value in `path`, or an exit naming the file and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SystemExit(f"{program}: {path}: {error}")
 
 
 def pyplot(program):

@@ -5,10 +5,9 @@ config and mesh, and the time ratio. PNGs into the output folder (docs/ by defau
     python3 bench/plot.py layer-compare/layer_compare.json [--out docs]
 """
 import argparse
-import json
 import os
 
-from headless_plots import pyplot
+from headless_plots import pyplot, read_json
 
 
 def peer_ms(row):
@@ -18,14 +17,18 @@ def peer_ms(row):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("results")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="compare_layer.py's JSON")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       "docs"))
     args = parser.parse_args()
+    results = read_json(args.results, "plot.py")
+    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+        raise SystemExit(f"plot.py: {args.results}: not compare_layer.py's list of results")
+    rows = [r for r in results if r.get("ours") and (r.get("peer") or r.get("peer_compiled"))]
+    if not rows:
+        raise SystemExit(f"plot.py: {args.results}: no result with both our layer and PyTorch's")
     plt = pyplot("plot.py")
-    with open(args.results) as f:
-        rows = [r for r in json.load(f) if r["ours"] and (r.get("peer") or r.get("peer_compiled"))]
     labels = [f"{r['config']}\n{r['ranks']} GPU" for r in rows]
     stages = []
     for r in rows:

@@ -13,10 +13,9 @@ or its --json file (a name ending in .json).
         "capacity 1.0=train_c1.json" "capacity 1.25=train_c125.json"
 """
 import argparse
-import json
 import re
 
-from headless_plots import pyplot
+from headless_plots import pyplot, read_json
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
                   r"([0-9.]+) per EP rank")
@@ -27,8 +26,10 @@ JSON_KEYS = {"loss": "loss", "imbalance": "load_imbalance_expert", "dropped": "d
 def read_log(path, metric):
     steps, values = [], []
     if path.endswith(".json"):
-        with open(path) as f:
-            log = json.load(f).get("log", [])
+        report = read_json(path, "plot_train.py")
+        if not isinstance(report, dict) or not isinstance(report.get("log", []), list):
+            raise SystemExit(f"plot_train.py: {path}: not a moe_train --json file")
+        log = report.get("log", [])
         key = JSON_KEYS[metric]
         scale = 100.0 if metric == "dropped" else 1.0
         for entry in log:
@@ -40,12 +41,16 @@ def read_log(path, metric):
             raise SystemExit(f"{path}: no logged steps with {key} (a moe_train --json file"
                              f"{', in capacity mode' if metric == 'dropped' else ''}?)")
         return steps, values
-    with open(path) as f:
-        for line in f:
-            m = (DROPPED if metric == "dropped" else LINE).match(line)
-            if m:
-                steps.append(int(m.group(1)))
-                values.append(float(m.group(2) if metric in ("loss", "dropped") else m.group(3)))
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                m = (DROPPED if metric == "dropped" else LINE).match(line)
+                if m:
+                    steps.append(int(m.group(1)))
+                    group = 2 if metric in ("loss", "dropped") else 3
+                    values.append(float(m.group(group)))
+    except OSError as error:
+        raise SystemExit(f"plot_train.py: {path}: {error}")
     if not steps:
         wanted = "'... % dropped'" if metric == "dropped" else "'step ... loss ... load max/mean'"
         raise SystemExit(f"{path}: no {wanted} lines (a moe_train log?)")
@@ -53,20 +58,20 @@ def read_log(path, metric):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+",
                         help="LABEL=LOG, a moe_train log or --json file each")
     parser.add_argument("--out", required=True)
     parser.add_argument("--metric", choices=["imbalance", "dropped", "loss"], default="imbalance")
     parser.add_argument("--title")
     args = parser.parse_args()
-    plt = pyplot("plot_train.py")
     runs = []
     for run in args.runs:
         label, sep, path = run.partition("=")
         if not sep:
             raise SystemExit(f"'{run}': expected LABEL=LOG")
         runs.append((label, *read_log(path, args.metric)))
+    plt = pyplot("plot_train.py")
 
     if args.metric in ("imbalance", "dropped"):
         fig, ax = plt.subplots(figsize=(7, 4))

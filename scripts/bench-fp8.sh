@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # The layer's step with FP8 expert products against bf16 at the model shapes, dropless, at one
-# alignment (FP8 needs multiples of 16); on an EP mesh (--ranks N) also FP8 with the rows toward
+# alignment (FP8 needs multiples of 16); on an EP mesh (--ranks R) also FP8 with the rows toward
 # the experts sent as E4M3 records (fp8_dispatch), all over the NCCL exchange. Writes one moe_bench
 # JSON per run to OUTDIR and prints a table last.
-#   scripts/bench-fp8.sh [--configs "a b"] [--tokens "1024 8192"] [--ranks N]
-#                        [--modes "bf16 fp8 fp8-mb dispatch"] [--micro-batches M] [--repeat R]
+#   scripts/bench-fp8.sh [--configs "a b"] [--tokens "1024 8192"] [--ranks R]
+#                        [--modes "bf16 fp8 fp8-mb dispatch"] [--micro-batches N] [--repeat K]
 #                        OUTDIR
-# Mode fp8-mb is fp8 with the weights quantized on one step in M (moe_bench --micro-batches M,
-# default 4), as a trainer's micro-batches between two optimizer updates.
+# Mode fp8-mb is fp8 with the weights quantized on one step in N (moe_bench --micro-batches N,
+# default 4), as a trainer's micro-batches between two optimizer updates. The table's steps are
+# every run's mean step (moe_bench's total_ms_mean), the statistic an fp8-mb run needs.
 # --ranks 1 (the default) runs on one GPU, where modes bf16, fp8 and fp8-mb apply; from 2 on,
-# mpirun launches an EP mesh of N ranks on this host and the modes default to "fp8 dispatch".
-# --repeat runs every mode R times, alternating, and the table takes the means.
+# mpirun launches an EP mesh of R ranks on this host and the modes default to "fp8 dispatch".
+# --repeat runs every mode K times, alternating, and the table takes the means.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
 usage() {
-  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--modes M] [--micro-batches M]" \
-    "[--repeat R] OUTDIR" >&2
+  echo "usage: $0 [--configs C] [--tokens T] [--ranks R] [--modes M] [--micro-batches N]" \
+    "[--repeat K] OUTDIR" >&2
   exit 2
 }
 configs="mixtral-8x7b qwen3-30b-a3b deepseek-v3" tokens="8192" ranks=1 modes="" repeat=1 out=""
-micro_batches=4
+micro_batches=4 micro_batches_given=0
 while [ $# -gt 0 ]; do
   case $1 in
     --configs | --tokens | --ranks | --modes | --micro-batches | --repeat)
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
         --tokens) tokens=$2 ;;
         --ranks) ranks=$2 ;;
         --modes) modes=$2 ;;
-        --micro-batches) micro_batches=$2 ;;
+        --micro-batches) micro_batches=$2 micro_batches_given=1 ;;
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
@@ -39,12 +40,13 @@ while [ $# -gt 0 ]; do
        out=$1; shift ;;
   esac
 done
-[ -n "$out" ] || usage
+[ -n "$out" ] || { echo "error: no OUTDIR" >&2; usage; }
 moe_require_configs_and_tokens "$configs" "$tokens"
 [[ "$ranks" =~ ^[1-9][0-9]?$ ]] || { echo "error: --ranks '$ranks' is not 1 to 99" >&2; exit 2; }
 [[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
 [[ "$micro_batches" =~ ^[2-9]$|^[1-9][0-9]{1,2}$ ]] ||
-  { echo "error: --micro-batches '$micro_batches' is not 2 to 999" >&2; exit 2; }
+  { echo "error: --micro-batches '$micro_batches' is not 2 to 999 (decimal, no leading zero;" \
+      "one step an update is mode fp8)" >&2; exit 2; }
 if [ -z "$modes" ]; then
   if [ "$ranks" -eq 1 ]; then modes="bf16 fp8"; else modes="fp8 dispatch"; fi
 fi
@@ -60,6 +62,10 @@ for mode in $modes; do
     *) echo "error: --modes '$mode' is none of bf16, fp8, fp8-mb, dispatch" >&2; exit 2 ;;
   esac
 done
+if [ "$micro_batches_given" -eq 1 ] && [[ " $modes " != *" fp8-mb "* ]]; then
+  echo "error: --micro-batches applies to mode fp8-mb, which --modes '$modes' leaves out" >&2
+  exit 2
+fi
 set +f
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
@@ -79,6 +85,7 @@ for config in $configs; do
     for ((round = 1; round <= repeat; round++)); do
       for mode in $modes; do
         name=$config-T$t-EP$ranks-$mode-$round
+        [ "$mode" = fp8-mb ] && name=$config-T$t-EP$ranks-$mode$micro_batches-$round
         iters=10
         [ "$mode" = fp8-mb ] && iters=$(((10 + micro_batches - 1) / micro_batches * micro_batches))
         flags=(--config "$MOE_ROOT/configs/$config.yaml" --tokens "$t" --iters "$iters"
@@ -102,7 +109,7 @@ for path in sys.argv[1:]:
             "fp8-mb" if r.get("micro_batches", 1) > 1 else "fp8" if r["fp8"] else "bf16")
     s = r["stages_ms"]
     runs.setdefault((r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["ep"], mode),
-                    []).append((r["total_ms"], r["step_floor_ms"],
+                    []).append((r.get("total_ms_mean", r["total_ms"]), r["step_floor_ms"],
                                 sum(v for k, v in s.items() if "experts" in k),
                                 sum(s.get(k, 0.0) for k in EXCHANGE),
                                 r["memory_bytes"] / 2**30))

@@ -83,6 +83,7 @@ moe_bench_run() {  # moe_bench_run OUTDIR NAME COMMAND...
   else
     status=1
     echo "FAILED: $name"
-    tail -3 "$out/$name.txt"
+    # moe_bench's own message where it gave one (under mpirun the last lines are mpirun's).
+    grep -m 3 '^moe_bench: ' "$out/$name.txt" || tail -3 "$out/$name.txt"
   fi
 }

@@ -69,7 +69,8 @@ def read_config(path):
                 sys.exit(f"{path}: {key} = '{text}' is not a decimal integer")
             if not low <= int(text) <= high:
                 sys.exit(f"{path}: {key} = {text} must be in [{low}, {high}]")
-    for key, allowed in (("dtype", ("bf16", "fp32")), ("keep_expert_input", ("true", "false"))):
+    for key, allowed in (("dtype", ("bf16", "fp32")), ("keep_expert_input", ("true", "false")),
+                         ("fp8", ("true", "false")), ("fp8_dispatch", ("true", "false"))):
         if key not in config:
             continue
         text = config[key]
@@ -264,18 +265,33 @@ def build_parser():
     parser.add_argument("--fp8", action="store_true",
                         help="FP8 experts: data products at --fp8-speedup times the bf16 rate, "
                              "with the rows' and the weights' quantization")
-    parser.add_argument("--fp8-speedup", type=float, default=1.3,
+    parser.add_argument("--fp8-speedup", type=float,
                         help="the FP8 data products' rate over the bf16 products' at the same "
-                             "shape, in the layer (a dense 8192^3 product gains 1.6)")
-    parser.add_argument("--micro-batches", type=int, default=1,
+                             "shape, in the layer (default 1.3; a dense 8192^3 product gains 1.6)")
+    parser.add_argument("--micro-batches", type=int,
                         help="with --fp8: steps between two optimizer updates, which quantize the "
-                             "weights once")
+                             "weights once (default 1)")
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     return parser
 
 
+FP8_DEFAULTS = {"fp8_speedup": 1.3, "micro_batches": 1}
+
+
+def parse_args(argv=None):
+    """The command line, with the FP8 options' defaults filled in: given without --fp8 they are
+    refused, since they would change nothing."""
+    args = build_parser().parse_args(argv)
+    for name, default in FP8_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif not args.fp8:
+            sys.exit(f"--{name.replace('_', '-')} prices the FP8 experts: give --fp8 too")
+    return args
+
+
 def main():
-    args = build_parser().parse_args()
+    args = parse_args()
     if args.exchange_efficiency is None:
         args.exchange_efficiency = exchange_efficiency(args)
     for name in ("overlap_share_nvlink", "overlap_share_ib"):
@@ -301,14 +317,21 @@ def main():
     for ep in args.ep:
         if not 1 <= ep <= 2**20:
             sys.exit(f"--ep {ep} must be in [1, {2**20}]")
-    if not args.fp8:
-        for flag, given in (("--fp8-speedup", args.fp8_speedup != 1.3),
-                            ("--micro-batches", args.micro_batches != 1)):
-            if given:
-                sys.exit(f"{flag} prices the FP8 experts: give --fp8 too")
     if args.transport == "peer" and args.chunks not in (None, 1):
         sys.exit(f"--chunks = {args.chunks}: the peer exchange does not pipeline")
     config = read_config(args.config)
+    # A config's own fp8 and fp8_dispatch (the layer's keys) price as the flags do.
+    for key in ("fp8", "fp8_dispatch"):
+        if config.get(key) == "true":
+            setattr(args, key, True)
+    if args.fp8:
+        if config.get("dtype", "bf16") != "bf16":
+            sys.exit(f"{args.config}: FP8 experts take bf16 rows and weights, not dtype = "
+                     f"{config['dtype']}")
+        for key in ("hidden", "ffn_hidden"):
+            if int(config[key]) % 16:
+                sys.exit(f"{args.config}: FP8 experts need {key} a multiple of 16, not "
+                         f"{config[key]}")
     tokens = args.tokens if args.tokens is not None else int(config.get("tokens", 8192))
     if tokens < 1:
         sys.exit(f"{args.config}: tokens = {tokens}; give --tokens T (at least 1)")
@@ -325,6 +348,10 @@ def main():
         p = predict(config, tokens, ep, args)
         if p is None:
             print(f"{ep:>5}  EP does not divide the {config['num_experts']} experts")
+            continue
+        if args.fp8 and int(config["num_experts"]) // ep > 512:
+            print(f"{ep:>5}  FP8 experts take at most 512 experts a rank, not "
+                  f"{int(config['num_experts']) // ep}")
             continue
         hidden = (p["serial_ms"] - p["overlap_ms"]) / p["exchange_ms"] if p["ep"] > 1 else 0
         print(f"{p['ep']:>5} {p['nodes']:>5} {p['bytes_mb']:>9.1f} {p['gemm_ms']:>9.3f} "

@@ -100,7 +100,7 @@ class CostModel(unittest.TestCase):
         self.assertAlmostEqual(got["gemm_ms"], want * 1e3, delta=want * 1e-9)
 
     def test_the_defaults_are_the_rates_the_design_states(self):
-        parsed = vars(cost_model.build_parser().parse_args(["config.yaml"]))
+        parsed = vars(cost_model.parse_args(["config.yaml"]))
         self.assertEqual({key: parsed[key] for key in DEFAULTS}, DEFAULTS)
 
     def test_few_rows_on_many_experts_are_bound_by_the_weights_bytes(self):
@@ -304,6 +304,7 @@ class CostModel(unittest.TestCase):
                                    (["--half-rate-inner", "1e308"],
                                     "--half-rate-inner = 1e+308 must be in [0, 1e+09]"),
                                    (["--micro-batches", "4"], "--micro-batches prices the FP8"),
+                                   (["--fp8-speedup", "1.3"], "--fp8-speedup prices the FP8"),
                                    (["--fp8", "--micro-batches", "0"],
                                     "--micro-batches = 0 must be in [1, 1048576]"),
                                    (["--fp8", "--fp8-speedup", "0"],
@@ -319,7 +320,12 @@ class CostModel(unittest.TestCase):
                                    "shared_ffn_hidden = 'abc' is not a decimal integer"),
                                   ("dtype: fp64\n", "dtype = 'fp64' must be bf16 or fp32"),
                                   ("hidden: 1" + "0" * 400 + "\n", "must be in [1, 1048576]"),
-                                  ("topk: 9\n", "topk = 9 exceeds num_experts = 8")):
+                                  ("topk: 9\n", "topk = 9 exceeds num_experts = 8"),
+                                  ("fp8: maybe\n", "fp8 = 'maybe' must be true or false"),
+                                  ("fp8: true\ndtype: fp32\n",
+                                   "FP8 experts take bf16 rows and weights, not dtype = fp32"),
+                                  ("hidden: 1000\nfp8: true\n",
+                                   "FP8 experts need hidden a multiple of 16, not 1000")):
                 bad = pathlib.Path(d) / "bad.yaml"
                 lines = {"hidden": "1024", "ffn_hidden": "512", "num_experts": "8", "topk": "2"}
                 body = "".join(f"{k}: {v}\n" for k, v in lines.items()
