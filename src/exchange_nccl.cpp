@@ -62,6 +62,7 @@
 #include "kernels/elementwise.cuh"
 #include "kernels/fp8_quantize.cuh"
 #include "kernels/permute.cuh"
+#include "src/chunk_plan.h"
 #include "src/copy_plan.h"
 #include "src/exchange_impl.h"
 #include "src/stage_support.h"
@@ -70,12 +71,6 @@ namespace moe {
 namespace {
 
 class NcclExchange final : public TokenExchange {
-  // A chunk of the pipeline: each EP peer's rows of its experts, at offsets in rows.
-  struct ChunkRanges {
-    std::vector<std::int64_t> send_offsets, send_rows, recv_offsets, recv_rows;  // [EP]
-    std::int64_t widest_source = 0;  // the most rows of the chunk from one source
-  };
-
  public:
   explicit NcclExchange(const ExchangeSetup& setup)
       : config_(setup.config),
@@ -369,7 +364,8 @@ class NcclExchange final : public TokenExchange {
     std::memcpy(totals, host, totals_bytes);
     std::vector<std::int32_t> all_counts(counts);
     std::memcpy(all_counts.data(), host + totals_bytes, counts_bytes);
-    copy_plan_ = plan_copies(all_counts, ranks_, me, G, E_loc_, chunk_spans(), config_);
+    copy_plan_ = plan_copies(all_counts, ranks_, me, G, E_loc_,
+                             near_equal_spans(E_loc_, chunk_count_), config_);
     return copy_plan_.counts;
   }
 
@@ -407,42 +403,14 @@ class NcclExchange final : public TokenExchange {
 
   // ---- The pipeline ---------------------------------------------------------------------------
 
-  // Each chunk's experts and its rows in every exchange: each peer's range of the chunk's experts
-  // in the sender's layout (its rows by global expert) and in the source-major layout (the
-  // received rows, by source then local expert), both at the offsets of the exchange in one piece.
+  // Each chunk's experts and its rows in every exchange (src/chunk_plan.h).
   void plan_pipeline(std::span<const std::int32_t> sent, std::span<const std::int32_t> received) {
-    spans_.clear();
-    ranges_.clear();
-    std::vector<std::int64_t> sent_start(sent.size() + 1, 0),
-        received_start(received.size() + 1, 0);
-    for (std::size_t i = 0; i < sent.size(); ++i) sent_start[i + 1] = sent_start[i] + sent[i];
-    for (std::size_t i = 0; i < received.size(); ++i)
-      received_start[i + 1] = received_start[i] + received[i];
-    for (const ExpertSpan& span : chunk_spans()) {
-      ChunkRanges r;
-      for (int peer = 0; peer < ranks_; ++peer) {
-        const int first = peer * E_loc_ + span.first, end = peer * E_loc_ + span.end;
-        r.send_offsets.push_back(sent_start[first]);
-        r.send_rows.push_back(sent_start[end] - sent_start[first]);
-        r.recv_offsets.push_back(received_start[first]);
-        r.recv_rows.push_back(received_start[end] - received_start[first]);
-        r.widest_source = std::max(r.widest_source, r.recv_rows.back());
-      }
-      spans_.push_back(span);
-      ranges_.push_back(std::move(r));
-    }
+    spans_ = near_equal_spans(E_loc_, chunk_count_);
+    ranges_ = plan_chunk_ranges(sent, received, ranks_, E_loc_, spans_);
     while (std::ssize(arrived_) < chunk_count_) {
       arrived_.emplace_back();
       computed_.emplace_back();
     }
-  }
-
-  // Near-equal chunks of consecutive local experts.
-  std::vector<ExpertSpan> chunk_spans() const {
-    std::vector<ExpertSpan> spans;
-    for (int chunk = 0; chunk < chunk_count_; ++chunk)
-      spans.push_back({chunk * E_loc_ / chunk_count_, (chunk + 1) * E_loc_ / chunk_count_});
-    return spans;
   }
 
   // Every chunk's rows to its experts on the exchange's stream, each chunk sorted as it lands.

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "src/chunk_plan.h"
 #include "src/copy_plan.h"
 #include "support/catch.h"
 #include "support/test_util.h"
@@ -22,13 +23,6 @@ struct Label {
   bool operator==(const Label&) const = default;
 };
 
-std::vector<ExpertSpan> spans_of(int local_experts, int chunks) {
-  std::vector<ExpertSpan> spans;
-  for (int c = 0; c < chunks; ++c)
-    spans.push_back({c * local_experts / chunks, (c + 1) * local_experts / chunks});
-  return spans;
-}
-
 void check_plan(int ranks, int local_experts, bool dropped_group, int align, int chunks,
                 std::mt19937_64& rng) {
   const int E = ranks * local_experts, groups = E + (dropped_group ? 1 : 0);
@@ -40,7 +34,7 @@ void check_plan(int ranks, int local_experts, bool dropped_group, int align, int
   std::vector<std::int32_t> all(static_cast<std::size_t>(ranks) * groups);
   for (auto& c : all) c = count(rng) < 2 ? 0 : count(rng);  // empty blocks too
   const auto rows_of = [&](int s, int g) { return all[static_cast<std::size_t>(s) * groups + g]; };
-  const std::vector<ExpertSpan> spans = spans_of(local_experts, chunks);
+  const std::vector<ExpertSpan> spans = near_equal_spans(local_experts, chunks);
 
   // Every rank's sender's layout, labelled; the expert-major layouts and the returned rows empty.
   std::vector<std::vector<Label>> slots(ranks), experts(ranks), returned(ranks);

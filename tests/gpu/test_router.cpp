@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 
+#include "gpu/router_inputs.h"
 #include "kernels/router.cuh"
 #include "reference/reference.h"
 #include "src/router_stage.h"
@@ -18,40 +19,17 @@
 
 using namespace moe;
 using reference::Matrix;
+using test::crowd_rows_into_one_lane;
+using test::draw_bias;
+using test::draw_logits;
+using test::draw_tied_logits;
+using test::move_rows_to_the_extremes;
+using test::move_rows_to_the_sigmoid_fallback;
 
 namespace {
 
 constexpr double kTolerance = 1e-5;  // fp32 math on identical inputs
 constexpr double kNearTie = 1e-5;    // score gaps below this may flip under fp32 rounding
-
-// Logits drawn without near-ties: each row a random permutation of an evenly spaced grid, shifted
-// by a random offset, then rounded to the dtype (exact ties after rounding are fine: both sides
-// see the same values and break them by index).
-Matrix draw_logits(std::int64_t tokens, int experts, DType dtype, std::mt19937_64& rng) {
-  Matrix logits(tokens, experts);
-  std::vector<int> order(experts);
-  std::iota(order.begin(), order.end(), 0);
-  std::uniform_real_distribution<double> offset(-1.0, 1.0);
-  // Spacing and offset on a power-of-two grid: every logit then has few significant bits, so
-  // sums of them (the group scores of softmax post) are exact in fp32 and in the reference, and
-  // equal sums tie exactly on both sides instead of nearly.
-  const double spacing =
-      std::ldexp(1.0, static_cast<int>(std::floor(std::log2(std::min(8.0 / experts, 0.5)))));
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    std::shuffle(order.begin(), order.end(), rng);
-    const double shift = std::round(offset(rng) * 16.0 / spacing) * spacing / 16.0;
-    for (int e = 0; e < experts; ++e) logits(t, e) = shift + (order[e] - experts / 2.0) * spacing;
-  }
-  return test::round_to(logits, dtype);
-}
-
-// Biases in bands 2 apart: a biased score never lands within rounding of another band's.
-std::vector<double> draw_bias(int experts, std::mt19937_64& rng) {
-  std::uniform_int_distribution<int> band(-1, 1);
-  std::vector<double> bias(experts);
-  for (auto& b : bias) b = 2.0 * band(rng);
-  return bias;
-}
 
 // Whether two selections of one token differ only by near-ties of the reference's scores.
 bool near_tie_equivalent(const MoEConfig& config, std::span<const double> logits,
@@ -82,83 +60,6 @@ struct Outputs {
   std::vector<std::int32_t> idx, counts, aux_counts;
   std::vector<float> prob, score_sum, z, losses, dlogits;
 };
-
-// Rows whose top holds `tied` exactly equal largest logits (1 to 48 of them at random places, the
-// rest spaced below): ties go to the lower index, whether the selection keeps a few survivors of
-// its pre-filter or falls back to K rounds (more than 32 survivors).
-Matrix draw_tied_logits(std::int64_t tokens, int experts, std::mt19937_64& rng) {
-  Matrix logits(tokens, experts);
-  std::vector<int> order(experts);
-  std::iota(order.begin(), order.end(), 0);
-  std::uniform_int_distribution<int> tied_count(1, std::min(48, experts));
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    std::shuffle(order.begin(), order.end(), rng);
-    const int tied = tied_count(rng);
-    for (int j = 0; j < experts; ++j)
-      logits(t, order[j]) = j < tied ? 1.0 : -4.0 * (j - tied + 1) / experts;  // bf16-exact top
-  }
-  return logits;
-}
-
-// Rows outside the range where the backward takes the shifted sigmoid (largest logit in
-// [−80, 16], kernels/router_device.cuh): every third row has its largest logit raised to 17, every
-// third one (t % 3 == 1) is lowered by 84 as a whole; the others stay. Raised rows keep their top K
-// apart in fp32 (17, then the grid's largest, ≤ 5), unlike a whole row near 17, where σ rounds
-// to 1. Lowered rows stay above −87.3 at E = 8, where the selection under biases can reach any
-// entry: below it the sigmoid's fast division flushes to 0, and the reference's tiny scores there
-// would be near-ties (seen at −86).
-void move_rows_to_the_sigmoid_fallback(Matrix& logits) {
-  for (std::int64_t t = 0; t < logits.rows; ++t) {
-    auto row = logits.row(t);
-    if (t % 3 == 0) {
-      *std::max_element(row.begin(), row.end()) = 17.0;
-    } else if (t % 3 == 1) {
-      for (double& l : row) l -= 84.0;
-    }
-  }
-}
-
-// Rows whose largest entries crowd into one lane of the strided layout (from 32 entries per lane,
-// lane r holds experts r, r + 32, ...): every other row's values rearranged so that its largest
-// sit on the experts ≡ t (mod 32), the rest on the other experts at random. More than 32 entries
-// then reach the threshold selection's bound without any tie, and it takes the rounds instead
-// (strided_top_k in kernels/router_select.cuh). The values themselves, and so their gaps, are
-// unchanged.
-void crowd_rows_into_one_lane(Matrix& logits, std::mt19937_64& rng) {
-  const int experts = static_cast<int>(logits.cols);
-  for (std::int64_t t = 0; t < logits.rows; t += 2) {
-    auto row = logits.row(t);
-    std::vector<double> values(row.begin(), row.end());
-    std::sort(values.begin(), values.end(), std::greater<>());
-    std::vector<int> lane, others;
-    for (int e = 0; e < experts; ++e) (e % 32 == t % 32 ? lane : others).push_back(e);
-    std::shuffle(lane.begin(), lane.end(), rng);
-    std::shuffle(others.begin(), others.end(), rng);
-    lane.insert(lane.end(), others.begin(), others.end());
-    for (int i = 0; i < experts; ++i) row[lane[i]] = values[i];
-  }
-}
-
-// Logits of ±1e4 (fp32), where every exponential of the router over- or underflows: rows with
-// t % 3 == 0 are −1e4 everywhere but K random experts at +1e4; rows with t % 3 == 1 are ±1e4 at
-// random (ties go to the lower index on both sides); the others keep their values but for a
-// quarter of the experts at −1e4.
-void move_rows_to_the_extremes(Matrix& logits, int topk, std::mt19937_64& rng) {
-  const int experts = static_cast<int>(logits.cols);
-  std::uniform_int_distribution<int> expert(0, experts - 1);
-  std::uniform_int_distribution<int> coin(0, 1);
-  for (std::int64_t t = 0; t < logits.rows; ++t) {
-    auto row = logits.row(t);
-    if (t % 3 == 0) {
-      for (double& l : row) l = -1e4;
-      for (int k = 0; k < topk; ++k) row[expert(rng)] = 1e4;
-    } else if (t % 3 == 1) {
-      for (double& l : row) l = coin(rng) ? 1e4 : -1e4;
-    } else {
-      for (int e = 0; e < experts / 4; ++e) row[expert(rng)] = -1e4;
-    }
-  }
-}
 
 struct Case {
   MoEConfig config;
