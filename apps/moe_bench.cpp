@@ -330,12 +330,14 @@ int main(int argc, char** argv) {
     // over the run (a GPU that heats under sustained load) weighs on both alike: the comparison
     // takes these eager steps, not the ones above.
     std::vector<double> graph_ms, graph_host_ms, paired_eager_ms;
+    std::size_t graph_nodes = 0;  // what the host's launch time grows with
     // The forwards the load statistics add on the device beyond those the host counts: every
     // replay, less the captured call, which the host counts and the device never ran.
     std::int64_t replays_uncounted = 0;
     if (graph) {
       block.set_stage_timing(false);
       const CudaGraph captured(stream.get(), step);
+      graph_nodes = captured.nodes();
       for (int i = 0; i < warmup; ++i) captured.replay(stream.get());
       replays_uncounted = warmup + iters - 1;
       const auto timed = [&](auto&& run) {
@@ -462,8 +464,8 @@ int main(int argc, char** argv) {
       if (graph) {
         fmt::print(
             "CUDA graph replay: {:.3f} ms per step against {:.3f} eager (the steps alternating), "
-            "the host {:.1f} us to launch it ({:.1f} us to queue the eager step)\n",
-            median(graph_ms), median(paired_eager_ms), 1e3 * median(graph_host_ms),
+            "the host {:.1f} us to launch its {} nodes ({:.1f} us to queue the eager step)\n",
+            median(graph_ms), median(paired_eager_ms), 1e3 * median(graph_host_ms), graph_nodes,
             1e3 * (median(host_forward_ms) + median(host_backward_ms)));
       }
       if (split_phase_products > 0) {
@@ -557,6 +559,7 @@ int main(int argc, char** argv) {
           report["graph_ms"] = median(graph_ms);
           report["graph_paired_eager_ms"] = median(paired_eager_ms);
           report["graph_host_launch_ms"] = median(graph_host_ms);
+          report["graph_nodes"] = graph_nodes;
         }
         for (const auto& name : stage_order) {
           report["stages_ms"][name] = stage_sum[name] / iters;

@@ -71,7 +71,7 @@ rows.sort(key=lambda r: (r["config_file"], r["tokens_per_gpu"], r["capacity_fact
 # "paired": the eager steps timed alternating with the replays, which the graph is held against.
 print(f"{'config':<22} {'T':>5} {'mode':<14} {'eager ms':>9} {'paired ms':>9} {'graph ms':>9} "
       f"{'graph/paired':>12} {'vs dropless':>11} {'host eager us':>13} {'host graph us':>13} "
-      f"{'dropped':>8} {'memory GiB':>10}")
+      f"{'nodes':>6} {'dropped':>8} {'memory GiB':>10}")
 base = {}
 for r in rows:
     key = (r["config_file"], r["tokens_per_gpu"])
@@ -90,7 +90,8 @@ for r in rows:
     print(f"{r['config_file'].removesuffix('.yaml'):<22} {r['tokens_per_gpu']:>5} {mode:<14} "
           f"{r['total_ms']:>9.3f} {paired:>9.3f} {graph if graph else float('nan'):>9.3f} "
           f"{versus:>12} {ratio:>11} "
-          f"{host_eager:>13.1f} {host_graph:>13} {100 * r['dropped_fraction']:>7.2f}% "
+          f"{host_eager:>13.1f} {host_graph:>13} {r.get('graph_nodes', '-'):>6} "
+          f"{100 * r['dropped_fraction']:>7.2f}% "
           f"{r['memory_bytes'] / 2**30:>10.2f}")
 PY
 exit $status
