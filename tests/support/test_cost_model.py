@@ -242,6 +242,8 @@ class CostModel(unittest.TestCase):
                 if shared == "no":
                     config["shared_ffn_hidden"] = "0"
                 args = rates(**exchange_rates(exchange))
+                if "bf16 gradients" in run:
+                    args.grad_bytes = 2
                 self.assert_point(config, int(ep), args, measured, predicted, error)
 
     def test_fp8_speeds_the_data_products_and_adds_the_quantization_passes(self):
