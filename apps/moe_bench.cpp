@@ -7,6 +7,8 @@
 //                                      [--shared-ffn-hidden Fs] [--shared-in-series]
 //                                      [--fp8 [--fp8-dispatch] [--micro-batches N]]
 //                                      [--split-phase-products N] [--json FILE]
+//   (and --ep-transport, --exchange-chunks, --align-size, --graph, --activation-chunk-mib,
+//   --gemm-workspace-mib: --help lists every flag)
 //
 // Measures the ceilings first (dense bf16 GEMM rate under sustained load, copy bandwidth, p2p
 // rate inside the EP group), then, after a warm-up as long as the GEMM rate's, times the layer

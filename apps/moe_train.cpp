@@ -6,6 +6,7 @@
 //                                     [--fp8] [--capacity-factor C]
 //                                     [--save ckpt.safetensors] [--load ckpt.safetensors]
 //                                     [--json train.json]
+//   (and --weight-decay, --bias-rate, --seed, --log-every: --help lists every flag)
 //
 // The task can be learned: regression onto a fixed random teacher of the same shape. The model is
 // a residual stack h_{l+1} = h_l + MoE_l(h_l) over random tokens; the loss is the mean squared

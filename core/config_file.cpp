@@ -126,7 +126,7 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
     fail("{}: holds a NUL byte at offset {}; a config is YAML text", source, nul);
   // One document: yaml-cpp's Load reads the first and drops the rest without a word, so a
   // document marker after the first key is refused here. (Its LoadAll loops on some malformed
-  // inputs, which the fuzzer found.)
+  // inputs.)
   // Directives (%YAML) and a `---` may open the document, and a `...` may close it; content, a
   // directive or a `---` after the content, or anything after a `...`, is another document.
   bool content = false, ended = false;

@@ -109,7 +109,7 @@ void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Te
 // rows were put in place by other means (the copy exchange's copies).
 void zero_chunk_padding(const ChunkArgs& chunks, const Tensor& expert_major, cudaStream_t stream);
 
-// ---- Rows on the EP group's ranks: the peer exchange (docs/design.md, "Peer exchange")
+// ---- Rows on the EP group's ranks: the peer exchange (docs/design.md, "Transports")
 // Slot (t, k) of this rank's tokens lives at row rows[t, k] of rank topk_idx[t, k] /
 // experts_per_rank's buffer, which base[] maps here (CUDA IPC over NVLink). Kernels that store
 // into peers' buffers fence each thread's stores at system scope before it exits, so a

@@ -94,7 +94,8 @@ note "gpus: $gpus ($(head -1 "$logs/gpus.txt" | cut -d, -f2 | xargs))"
 run_ctest() {
   local label=$1 log=$2 live=$3
   shift 3
-  # Each test has a 240 s TIMEOUT (tests/CMakeLists.txt): a hang costs one test, not the run.
+  # Each test has a TIMEOUT (240 s unless tests/CMakeLists.txt gives it more): a hang costs one
+  # test, not the run.
   (cd "$MOE_BUILD_DIR" && ctest -L "^$label\$" "$@" --output-on-failure) 2>&1 |
     tee "$logs/ctest-$log.log" | { if [ "$live" = live ]; then grep --line-buffered -E "Test +#"; else cat >/dev/null; fi; }
   echo "${PIPESTATUS[0]}" >"$logs/ctest-$log.rc"

@@ -257,7 +257,7 @@ struct MoEBlock::State {
 
   // Capacity mode with pad_to_capacity: every shape of a step is known on the host beforehand (on
   // one EP rank and, with fixed blocks in the exchange, under EP), so a step needs nothing from
-  // the device (docs/design.md, "Static shapes").
+  // the device (docs/design.md, "Static shapes and CUDA graphs").
   bool static_shapes() const { return config.capacity_mode() && config.pad_to_capacity; }
 
   // A call whose stream is capturing a CUDA graph is refused where it would wait on the host or
