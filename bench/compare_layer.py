@@ -32,13 +32,18 @@ def run_one(kind, ranks, command, path):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"),
+                        help="the build folder holding apps/moe_bench")
     parser.add_argument("--configs", nargs="+", type=config_name,
-                        default=["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"])
-    parser.add_argument("--ranks", nargs="+", type=count_in(1, 4096), default=[1, 2])
-    parser.add_argument("--iters", type=count_in(1, 100000), default=20)
-    parser.add_argument("--out", default="layer-compare")
+                        default=["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"],
+                        help="config names in configs/")
+    parser.add_argument("--ranks", nargs="+", type=count_in(1, 4096), default=[1, 2],
+                        help="GPUs of each run, one rank each (counts above this machine's skipped)")
+    parser.add_argument("--iters", type=count_in(1, 100000), default=20,
+                        help="timed steps of each side")
+    parser.add_argument("--out", default="layer-compare",
+                        help="folder of the JSON results (layer_compare.json and each run's)")
     args = parser.parse_args()
     require_built(args.build, os.path.join("apps", "moe_bench"))
     try:

@@ -31,7 +31,9 @@ def count_in(low, high):
 
 def config_name(text):
     """An argparse type: the name of a config in configs/ (mixtral-8x7b, not the file)."""
-    if not text or not os.path.isfile(os.path.join(ROOT, "configs", text + ".yaml")):
+    # A plain name only: a path would point the output files' names outside --out.
+    if not text or os.sep in text or text.startswith(".") or \
+            not os.path.isfile(os.path.join(ROOT, "configs", text + ".yaml")):
         names = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml"))
         raise argparse.ArgumentTypeError(f"'{text}' is none of configs/: {', '.join(names)}")
     return text

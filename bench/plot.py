@@ -7,7 +7,7 @@ config and mesh, and the time ratio. PNGs into the output folder (docs/ by defau
 import argparse
 import os
 
-from headless_plots import pyplot, read_json
+from headless_plots import number, pyplot, read_json, writable_folder
 
 
 def peer_ms(row):
@@ -16,15 +16,39 @@ def peer_ms(row):
     return min(times)
 
 
+def check_row(row, where):
+    """Exits naming the row and field unless a row holds what the plots read: its config and
+    ranks, and each side that ran (ours, peer, peer_compiled; null where it failed) with a step
+    time above 0, ours with its stages' times."""
+    if not isinstance(row.get("config"), str) or isinstance(row.get("ranks"), bool) or \
+            not isinstance(row.get("ranks"), int):
+        raise SystemExit(f"plot.py: {where}: needs 'config' (a name) and 'ranks' (a count)")
+    for side in ("ours", "peer", "peer_compiled"):
+        run = row.get(side)
+        if run is None:
+            continue
+        if not isinstance(run, dict):
+            raise SystemExit(f"plot.py: {where}: '{side}' is {run!r}, not a run's results")
+        number(run.get("total_ms"), f"{where}: {side}.total_ms", "plot.py", positive=True)
+    stages = (row.get("ours") or {}).get("stages_ms", {})
+    if not isinstance(stages, dict):
+        raise SystemExit(f"plot.py: {where}: ours.stages_ms is {stages!r}, not stage times")
+    for name, ms in stages.items():
+        number(ms, f"{where}: ours.stages_ms[{name!r}]", "plot.py")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="compare_layer.py's JSON")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       "docs"))
     args = parser.parse_args()
+    writable_folder(args.out, "plot.py")
     results = read_json(args.results, "plot.py")
     if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
         raise SystemExit(f"plot.py: {args.results}: not compare_layer.py's list of results")
+    for i, r in enumerate(results):
+        check_row(r, f"{args.results}: row {i}")
     rows = [r for r in results if r.get("ours") and (r.get("peer") or r.get("peer_compiled"))]
     if not rows:
         raise SystemExit(f"plot.py: {args.results}: no result with both our layer and PyTorch's")

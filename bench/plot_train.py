@@ -13,9 +13,10 @@ or its --json file (a name ending in .json).
         "capacity 1.0=train_c1.json" "capacity 1.25=train_c125.json"
 """
 import argparse
+import os
 import re
 
-from headless_plots import pyplot, read_json
+from headless_plots import number, pyplot, read_json, writable_folder
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
                   r"([0-9.]+) per EP rank")
@@ -32,23 +33,34 @@ def read_log(path, metric):
         log = report.get("log", [])
         key = JSON_KEYS[metric]
         scale = 100.0 if metric == "dropped" else 1.0
-        for entry in log:
+        for i, entry in enumerate(log):
+            where = f"{path}: log[{i}]"
+            if not isinstance(entry, dict):
+                raise SystemExit(f"plot_train.py: {where} is {entry!r}, not an object")
             if entry.get(key) is None:  # non-finite (JSON null), or no drops: a dropless run
                 continue
-            steps.append(int(entry["step"]))
-            values.append(scale * float(entry[key]))
+            step = entry.get("step")
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise SystemExit(f"plot_train.py: {where}.step = {step!r} is not a step number")
+            steps.append(step)
+            values.append(scale * number(entry[key], f"{where}.{key}", "plot_train.py"))
         if not steps:
             raise SystemExit(f"{path}: no logged steps with {key} (a moe_train --json file"
                              f"{', in capacity mode' if metric == 'dropped' else ''}?)")
         return steps, values
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
+            for number_of_line, line in enumerate(f, start=1):
                 m = (DROPPED if metric == "dropped" else LINE).match(line)
                 if m:
-                    steps.append(int(m.group(1)))
                     group = 2 if metric in ("loss", "dropped") else 3
-                    values.append(float(m.group(group)))
+                    try:
+                        value = float(m.group(group))
+                    except ValueError:
+                        raise SystemExit(f"plot_train.py: {path}:{number_of_line}: "
+                                         f"{m.group(group)!r} is not a number")
+                    steps.append(int(m.group(1)))
+                    values.append(value)
     except OSError as error:
         raise SystemExit(f"plot_train.py: {path}: {error}")
     if not steps:
@@ -65,12 +77,19 @@ def main():
     parser.add_argument("--metric", choices=["imbalance", "dropped", "loss"], default="imbalance")
     parser.add_argument("--title")
     args = parser.parse_args()
+    writable_folder(os.path.dirname(os.path.abspath(args.out)), "plot_train.py")
     runs = []
     for run in args.runs:
         label, sep, path = run.partition("=")
         if not sep:
             raise SystemExit(f"'{run}': expected LABEL=LOG")
         runs.append((label, *read_log(path, args.metric)))
+    if args.metric == "loss":  # the gaps below are relative to the first run's loss
+        base_label, base_steps, base_values = runs[0]
+        for step, value in zip(base_steps, base_values):
+            if value == 0:
+                raise SystemExit(f"plot_train.py: '{base_label}' has loss 0 at step {step}: the "
+                                 "others' gaps are relative to it; draw another run first")
     plt = pyplot("plot_train.py")
 
     if args.metric in ("imbalance", "dropped"):

@@ -68,6 +68,7 @@ done
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
+moe_require_gpu "$(basename "$0")" || exit 2
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared hosts
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 

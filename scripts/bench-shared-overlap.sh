@@ -48,6 +48,7 @@ esac
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
+moe_require_gpu "$(basename "$0")" || exit 2
 launcher=()
 if [ "$ranks" -gt 1 ]; then
   export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared hosts

@@ -47,6 +47,7 @@ done
 [[ "$iters" =~ ^[1-9][0-9]{0,4}$ ]] || { echo "error: --iters '$iters' is not a count of steps" >&2; exit 2; }
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
+moe_require_gpu "$(basename "$0")" || exit 2
 mkdir -p "$out" || exit 2
 common=(--iters "$iters" --stage-lead-ms 0)
 [ -n "$grad" ] && common+=(--grad-dtype "$grad")

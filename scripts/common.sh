@@ -1,5 +1,5 @@
 # Shared by run.sh, test.sh, gpu-check.sh and the bench-*.sh scripts (sourced, not run): install
-# what is missing, configure, build, check the benchmarks' lists.
+# what is missing, configure, build, check the benchmarks' lists and that a GPU is there.
 MOE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MOE_BUILD_DIR=${MOE_BUILD_DIR:-$MOE_ROOT/build}
 MOE_PACKAGES=(g++ libfmt-dev catch2 nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
@@ -56,6 +56,13 @@ moe_build() {
 
 # The benchmark scripts' --configs and --tokens lists: some config named, each one of configs/,
 # every token count a positive integer; exits 2 with the offending value otherwise.
+moe_require_gpu() {  # moe_require_gpu PROGRAM: refuses, naming PROGRAM, where no NVIDIA GPU is
+  if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    echo "error: $1: no NVIDIA GPU here (nvidia-smi lists none)" >&2
+    return 2
+  fi
+}
+
 moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "TOKENS"
   local configs=$1 tokens=$2 t c
   local -  # the option below stays inside this function

@@ -36,9 +36,20 @@ import re
 import sys
 
 
+# Every key the layer's config loader reads (core/config_file.cpp); any other is refused there.
+LAYER_KEYS = frozenset((
+    "hidden", "ffn_hidden", "num_experts", "topk", "score_function", "pre_softmax", "num_groups",
+    "group_topk", "max_nodes_per_token", "ep_ranks_per_node", "scaling_factor", "expert_bias",
+    "aux_loss_coeff", "z_loss_coeff", "align_size", "capacity_factor", "drop_policy",
+    "pad_to_capacity", "shared_ffn_hidden", "shared_gate", "shared_expert_overlap", "fp8",
+    "fp8_dispatch", "dtype", "grad_dtype", "keep_expert_input", "activation_chunk_mib",
+    "gemm_workspace_mib", "gemm_autotune", "ep", "dp", "ep_transport", "exchange_chunks", "tokens"))
+
+
 def read_config(path):
     """The flat `key: value` YAML of configs/ (comments and blank lines skipped), with the
-    numbers the model reads checked as the layer's config loader checks them."""
+    numbers the model reads checked as the layer's config loader checks them, and a key the
+    layer does not read refused."""
     config = {}
     try:
         with open(path, encoding="utf-8") as f:
@@ -49,10 +60,16 @@ def read_config(path):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
+        if line[0] in "{[-":
+            sys.exit(f"{path}:{number}: a flow mapping or a list: this model reads the configs' "
+                     f"one 'key: value' a line, got '{line}'")
         key, sep, value = line.partition(":")
         if not sep:
             sys.exit(f"{path}:{number}: expected 'key: value', got '{line}'")
         key = key.strip()
+        if key not in LAYER_KEYS:
+            sys.exit(f"{path}:{number}: unknown key '{key}' (the layer's keys: "
+                     f"{', '.join(sorted(LAYER_KEYS))})")
         if key in config:
             sys.exit(f"{path}:{number}: '{key}' appears twice")
         config[key] = value.strip()
@@ -62,7 +79,7 @@ def read_config(path):
     # The layer's own bounds (docs/design.md, "Configuration").
     for key, low, high in (("hidden", 1, 2**20), ("ffn_hidden", 1, 2**20),
                            ("num_experts", 1, 2048), ("topk", 1, 16), ("tokens", 0, 2**30),
-                           ("shared_ffn_hidden", 0, 2**20)):
+                           ("shared_ffn_hidden", 0, 2**20), ("align_size", 0, 4096)):
         if key in config:
             text = config[key]
             if not re.fullmatch(r"0|[1-9][0-9]*", text):
@@ -80,6 +97,13 @@ def read_config(path):
             sys.exit(f"{path}: {key} = '{text}' must be {' or '.join(allowed)}")
     if int(config["topk"]) > int(config["num_experts"]):
         sys.exit(f"{path}: topk = {config['topk']} exceeds num_experts = {config['num_experts']}")
+    # The config's own FP8 keys as the layer takes them (--fp8 prices a config without them: the
+    # benchmark then sets the alignment, moe_bench --align-size 16).
+    if config.get("fp8_dispatch") == "true" and config.get("fp8") != "true":
+        sys.exit(f"{path}: fp8_dispatch = true needs fp8 = true (the experts' products read E4M3)")
+    align = int(config.get("align_size", "0"))
+    if config.get("fp8") == "true" and (align == 0 or align % 16):
+        sys.exit(f"{path}: fp8 = true needs align_size a multiple of 16, got {align}")
     return config
 
 

@@ -35,21 +35,32 @@ while [ $# -gt 0 ]; do
     --sanitize) sanitize=1 ;;
     --no-tests) tests=0 ;;
     --no-bench) bench=0 ;;
-    --repeat) [ $# -ge 2 ] || usage; repeat=$2; shift ;;
+    --repeat) [ $# -ge 2 ] || { echo "error: --repeat needs a count" >&2; usage; }
+      repeat=$2; shift ;;
     --only)
-      [ $# -ge 2 ] || usage
+      [ $# -ge 2 ] || { echo "error: --only needs gpu or mpi" >&2; usage; }
       [ "$2" = gpu ] || [ "$2" = mpi ] || { echo "error: --only '$2' is neither gpu nor mpi" >&2; exit 2; }
       labels=$2; shift ;;
-    --tests) [ $# -ge 2 ] || usage; select=(-R "$2"); shift ;;
-    --exclude) [ $# -ge 2 ] || usage; exclude=(-E "$2"); shift ;;
+    --tests) [ $# -ge 2 ] || { echo "error: --tests needs a REGEX" >&2; usage; }
+      select=(-R "$2"); shift ;;
+    --exclude) [ $# -ge 2 ] || { echo "error: --exclude needs a REGEX" >&2; usage; }
+      exclude=(-E "$2"); shift ;;
     -*) echo "error: unknown option '$1'" >&2; usage ;;
-    *) [ -z "$out" ] || usage; out=$1 ;;
+    *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
+       out=$1 ;;
   esac
   shift
 done
-[ -n "$out" ] || usage
+[ -n "$out" ] || { echo "error: no OUTDIR" >&2; usage; }
 [[ "$repeat" =~ ^(0|[1-9][0-9]{0,5})$ ]] ||
   { echo "error: --repeat '$repeat' is not a count in [0, 999999]" >&2; exit 2; }
+# The tests and benchmarks need a GPU: refused here before anything is installed or built (with
+# --no-tests --no-bench the script only builds, which any machine can).
+if [ "$tests" -eq 1 ] || [ "$bench" -eq 1 ]; then
+  moe_require_gpu gpu-check.sh ||
+    { echo "(scripts/test.sh builds and runs the CPU tests; --no-tests --no-bench only builds)" >&2
+      exit 2; }
+fi
 mkdir -p "$out" || exit 2
 out=$(cd "$out" && pwd)
 logs=$MOE_BUILD_DIR/gpu-check

@@ -4,6 +4,7 @@ states, each isolated by rates that make the other terms vanish, and its predict
 measured steps of design.md's table: each is the model's, and within 15% of its measurement."""
 import math
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -233,6 +234,12 @@ class CostModel(unittest.TestCase):
         self.assertAlmostEqual(shared["gemm_ms"] - plain["gemm_ms"], 18 * T * H * Fs / DENSE * 1e3,
                                places=9)
 
+    def test_the_config_keys_are_the_layers(self):
+        loader = (ROOT / "core" / "config_file.cpp").read_text(encoding="utf-8")
+        table = loader[loader.index("const std::map<std::string, Setter> setters"):]
+        table = table[:table.index("};")]
+        self.assertEqual(cost_model.LAYER_KEYS, set(re.findall(r'\{"(\w+)",', table)))
+
     def test_the_designs_measured_points_are_the_models_and_within_15_percent(self):
         rows = measured_points()
         self.assertGreaterEqual(len(rows), 50)
@@ -324,10 +331,15 @@ class CostModel(unittest.TestCase):
                                   ("hidden: 1" + "0" * 400 + "\n", "must be in [1, 1048576]"),
                                   ("topk: 9\n", "topk = 9 exceeds num_experts = 8"),
                                   ("fp8: maybe\n", "fp8 = 'maybe' must be true or false"),
-                                  ("fp8: true\ndtype: fp32\n",
+                                  ("fp8: true\ndtype: fp32\nalign_size: 16\n",
                                    "FP8 experts take bf16 rows and weights, not dtype = fp32"),
-                                  ("hidden: 1000\nfp8: true\n",
-                                   "FP8 experts need hidden a multiple of 16, not 1000")):
+                                  ("hidden: 1000\nfp8: true\nalign_size: 16\n",
+                                   "FP8 experts need hidden a multiple of 16, not 1000"),
+                                  ("fp8: true\nalign_size: 8\n",
+                                   "fp8 = true needs align_size a multiple of 16, got 8"),
+                                  ("fp8_dispatch: true\n", "fp8_dispatch = true needs fp8 = true"),
+                                  ("shared_ffn_hiden: 64\n", "unknown key 'shared_ffn_hiden'"),
+                                  ("{hidden: 32, topk: 2}\n", "a flow mapping or a list")):
                 bad = pathlib.Path(d) / "bad.yaml"
                 lines = {"hidden": "1024", "ffn_hidden": "512", "num_experts": "8", "topk": "2"}
                 body = "".join(f"{k}: {v}\n" for k, v in lines.items()

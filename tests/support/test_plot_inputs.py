@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""bench/plot.py and bench/plot_train.py refuse bad inputs with one line naming the file, the
+entry and the value, before they need matplotlib (so these run on any machine)."""
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import unittest
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
+
+
+def run(script, *args):
+    """The script's exit status and its output, both streams."""
+    done = subprocess.run([sys.executable, str(BENCH / script), *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout + done.stderr
+
+
+class PlotInputs(unittest.TestCase):
+    def setUp(self):
+        self.folder = tempfile.TemporaryDirectory()
+        self.dir = pathlib.Path(self.folder.name)
+
+    def tearDown(self):
+        self.folder.cleanup()
+
+    def write(self, name, content):
+        path = self.dir / name
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+        return path
+
+    def assert_refused(self, said, script, *args):
+        code, text = run(script, *args)
+        self.assertNotEqual(code, 0, text)
+        self.assertIn(said, text)
+        self.assertNotIn("Traceback", text)
+
+    def test_layer_plot_names_the_row_and_field(self):
+        ours = {"total_ms": 3.0, "stages_ms": {"moe experts": 2.0}}
+        cases = [
+            ([{"ours": 1, "peer": 2}], "row 0: needs 'config' (a name) and 'ranks' (a count)"),
+            ([{"config": "x", "ranks": 1, "ours": dict(ours, stages_ms=[1]), "peer": None}],
+             "row 0: ours.stages_ms is [1], not stage times"),
+            ([{"config": "x", "ranks": 1, "ours": ours, "peer": {"total_ms": 0}}],
+             "row 0: peer.total_ms = 0 must be above 0"),
+            ([{"config": "x", "ranks": 1, "ours": ours, "peer": {"total_ms": 2.0}},
+              {"config": "y", "ranks": 2, "ours": ours, "peer_compiled": "fast"}],
+             "row 1: 'peer_compiled' is 'fast', not a run's results"),
+            ([{"config": "x", "ranks": 1, "ours": dict(ours, stages_ms={"gate": "slow"}),
+               "peer": {"total_ms": 2.0}}], "row 0: ours.stages_ms['gate'] = 'slow' is not"),
+        ]
+        for rows, said in cases:
+            with self.subTest(said=said):
+                self.assert_refused(said, "plot.py", self.write("compare.json", rows),
+                                    "--out", self.dir)
+        self.assert_refused("is not a folder", "plot.py", self.write("compare.json", []),
+                            "--out", self.dir / "missing")
+
+    def test_training_plot_names_the_log_entry_and_value(self):
+        cases = [
+            ({"log": [1, 2]}, "log[0] is 1, not an object"),
+            ({"log": [{"loss": 1.0}]}, "log[0].step = None is not a step number"),
+            ({"log": [{"step": "abc", "loss": 1.0}]}, "log[0].step = 'abc' is not a step number"),
+            ({"log": [{"step": 1.7, "loss": 1.0}]}, "log[0].step = 1.7 is not a step number"),
+            ({"log": [{"step": 1, "loss": [1]}]}, "log[0].loss = [1] is not a finite number"),
+        ]
+        out = self.dir / "out.png"
+        for report, said in cases:
+            with self.subTest(said=said):
+                self.assert_refused(said, "plot_train.py", "--out", out, "--metric", "loss",
+                                    f"run={self.write('train.json', report)}")
+        line = "step 10 loss {} x load max/mean {} per expert, 1.2 per EP rank\n"
+        self.assert_refused("bad.txt:2: '1.5.3' is not a number", "plot_train.py", "--out", out,
+                            f"run={self.write('bad.txt', line.format(1.0, 1.5) + line.format(1.0, '1.5.3'))}")
+        zero = self.write("zero.txt", line.format(0, 1.5))
+        self.assert_refused("'base' has loss 0 at step 10", "plot_train.py", "--out", out,
+                            "--metric", "loss", f"base={zero}", f"other={zero}")
+        self.assert_refused("is not a folder", "plot_train.py", "--out", self.dir / "no" / "o.png",
+                            f"run={zero}")
+
+
+if __name__ == "__main__":
+    unittest.main()
