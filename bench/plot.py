@@ -30,7 +30,9 @@ def check_row(row, where):
         if not isinstance(run, dict):
             raise SystemExit(f"plot.py: {where}: '{side}' is {run!r}, not a run's results")
         number(run.get("total_ms"), f"{where}: {side}.total_ms", "plot.py", positive=True)
-    stages = (row.get("ours") or {}).get("stages_ms", {})
+    stages = (row.get("ours") or {}).get("stages_ms", {}) if row.get("ours") else {}
+    if row.get("ours") and "stages_ms" not in row["ours"]:
+        raise SystemExit(f"plot.py: {where}: ours has no stages_ms (a moe_bench --json file's)")
     if not isinstance(stages, dict):
         raise SystemExit(f"plot.py: {where}: ours.stages_ms is {stages!r}, not stage times")
     for name, ms in stages.items():

@@ -67,10 +67,10 @@ if [ "$micro_batches_given" -eq 1 ] && [[ " $modes " != *" fp8-mb "* ]]; then
   exit 2
 fi
 set +f
+moe_require_gpu "$(basename "$0")" || exit 2
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
-moe_require_gpu "$(basename "$0")" || exit 2
 launch=()
 mesh=()
 if [ "$ranks" -ge 2 ]; then

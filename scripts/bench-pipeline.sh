@@ -65,10 +65,10 @@ for n in $channel_counts; do
     { echo "error: --nccl-channels '$n' is neither 'default' nor a count" >&2; exit 2; }
 done
 [[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
+moe_require_gpu "$(basename "$0")" || exit 2
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
-moe_require_gpu "$(basename "$0")" || exit 2
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared hosts
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 

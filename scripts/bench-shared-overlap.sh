@@ -45,10 +45,10 @@ case $transport in
   "" | peer | nccl | copy) ;;
   *) echo "error: --transport '$transport' is not peer, nccl or copy" >&2; exit 2 ;;
 esac
+moe_require_gpu "$(basename "$0")" || exit 2
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
 [ -x "$bench" ] || { echo "error: $bench is not built" >&2; exit 2; }
-moe_require_gpu "$(basename "$0")" || exit 2
 launcher=()
 if [ "$ranks" -gt 1 ]; then
   export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared hosts

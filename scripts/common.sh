@@ -54,15 +54,19 @@ moe_build() {
   cmake --build "$MOE_BUILD_DIR" -j "$(nproc)"
 }
 
-# The benchmark scripts' --configs and --tokens lists: some config named, each one of configs/,
-# every token count a positive integer; exits 2 with the offending value otherwise.
 moe_require_gpu() {  # moe_require_gpu PROGRAM: refuses, naming PROGRAM, where no NVIDIA GPU is
-  if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  # The whole listing is read first: grep -q would stop at the first line, and nvidia-smi, still
+  # writing, would then fail on the closed pipe.
+  local listing
+  listing=$(nvidia-smi -L 2>/dev/null) || listing=""
+  if ! grep -q '^GPU ' <<<"$listing"; then
     echo "error: $1: no NVIDIA GPU here (nvidia-smi lists none)" >&2
     return 2
   fi
 }
 
+# The benchmark scripts' --configs and --tokens lists: some config named, each one of configs/,
+# every token count a positive integer; exits 2 with the offending value otherwise.
 moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "TOKENS"
   local configs=$1 tokens=$2 t c
   local -  # the option below stays inside this function

@@ -60,9 +60,13 @@ def read_config(path):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
+        if line == "---" and not config:  # a document marker may open the document
+            continue
+        if line == "...":  # and one may close it
+            break
         if line[0] in "{[-":
-            sys.exit(f"{path}:{number}: a flow mapping or a list: this model reads the configs' "
-                     f"one 'key: value' a line, got '{line}'")
+            sys.exit(f"{path}:{number}: a flow mapping, a list or a second document: this model "
+                     f"reads the configs' one 'key: value' a line, got '{line}'")
         key, sep, value = line.partition(":")
         if not sep:
             sys.exit(f"{path}:{number}: expected 'key: value', got '{line}'")

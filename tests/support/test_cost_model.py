@@ -339,7 +339,9 @@ class CostModel(unittest.TestCase):
                                    "fp8 = true needs align_size a multiple of 16, got 8"),
                                   ("fp8_dispatch: true\n", "fp8_dispatch = true needs fp8 = true"),
                                   ("shared_ffn_hiden: 64\n", "unknown key 'shared_ffn_hiden'"),
-                                  ("{hidden: 32, topk: 2}\n", "a flow mapping or a list")):
+                                  ("{hidden: 32, topk: 2}\n",
+                                   "a flow mapping, a list or a second document"),
+                                  ("topk: 2\n---\n", "got '---'")):
                 bad = pathlib.Path(d) / "bad.yaml"
                 lines = {"hidden": "1024", "ffn_hidden": "512", "num_experts": "8", "topk": "2"}
                 body = "".join(f"{k}: {v}\n" for k, v in lines.items()
