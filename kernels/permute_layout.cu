@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kLayoutTokens)
     for (int k = 0; k < topk; ++k) {
       const int e = topk_idx[t * topk + k];
       const unsigned same = __match_any_sync(valid, e);
-      if (static_cast<int>(threadIdx.x % kWarpSize) == __ffs(same) - 1)
+      if (e < experts && static_cast<int>(threadIdx.x % kWarpSize) == __ffs(same) - 1)
         atomicAdd(&counts[e], __popc(same));
     }
   }
@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 // Row of every (t, k): its block's base for the expert plus the number of earlier tokens of the
-// block that chose the same expert, read off a per-block bitmap [expert][token].
+// block that chose the same expert, read off a per-block bitmap [expert][token]; -1 for a slot
+// that names group `experts` (a dropped slot, which has no row).
 __global__ void __launch_bounds__(kLayoutTokens)
     layout_rank_kernel(const std::int32_t* __restrict__ topk_idx, std::int64_t tokens, int topk,
                        int experts, const std::int32_t* __restrict__ base,
@@ -146,13 +147,17 @@ __global__ void __launch_bounds__(kLayoutTokens)
     for (int k = 0; k < topk; ++k) {
       const int e = topk_idx[t * topk + k];
       const unsigned same = __match_any_sync(valid, e);
-      if ((same & (bit - 1)) == 0) atomicOr(&bitmap[e * kWords + word], same);
+      if (e < experts && (same & (bit - 1)) == 0) atomicOr(&bitmap[e * kWords + word], same);
     }
   }
   __syncthreads();
   if (t >= tokens) return;
   for (int k = 0; k < topk; ++k) {
     const int e = topk_idx[t * topk + k];
+    if (e >= experts) {  // a dropped slot: no row
+      row_map[t * topk + k] = -1;
+      continue;
+    }
     const unsigned* bits = bitmap + e * kWords;
     int rank = __popc(bits[word] & (bit - 1));
     for (int w = 0; w < word; ++w) rank += __popc(bits[w]);

@@ -44,7 +44,7 @@ __device__ __forceinline__ Probs<kSlots> load_probs(const float* prob, std::int6
 // memory, so each thread's stores there are fenced at system scope before it exits (the
 // transfer's completion is then an ordinary collective on the stream behind the kernel).
 //
-// LocalRows: rows of the kernel's buffer by row_map.
+// LocalRows: rows of the kernel's buffer by row_map; a slot whose row is -1 (dropped) has none.
 struct LocalRows {
   static constexpr bool kRemote = false;
   const std::int32_t* row_map;  // [T, K]
@@ -57,6 +57,8 @@ struct LocalRows {
     __device__ __forceinline__ T* at(T* base, int k, int hidden) const {
       return base + static_cast<std::int64_t>(row[k]) * hidden;
     }
+    // Uniform over the warp: every lane holds every slot's row.
+    __device__ __forceinline__ bool has(int k) const { return row[k] >= 0; }
   };
   template <int kSlots>
   __device__ __forceinline__ Slots<kSlots> load(std::int64_t t, int topk, int lane) const {
@@ -66,9 +68,10 @@ struct LocalRows {
     for (int k = 0; k < kSlots; ++k) slots.row[k] = __shfl_sync(kFullMask, mine, k);
     return slots;
   }
-  // The float beside slot (t, lane)'s row (lane < topk).
+  // The float beside slot (t, lane)'s row (lane < topk); null for a slot without a row.
   __device__ __forceinline__ float* scalar_at(std::int64_t t, int topk, int lane) const {
-    return scalars + row_map[t * topk + lane];
+    const int row = row_map[t * topk + lane];
+    return row >= 0 ? scalars + row : nullptr;
   }
 };
 
@@ -90,6 +93,8 @@ struct PeerRowsOnDevice {
     __device__ __forceinline__ T* at(T*, int k, int) const {
       return reinterpret_cast<T*>(ptr[k]);
     }
+    // Over the peer exchange a dropped slot keeps a row on its sender (peer_row_map).
+    __device__ __forceinline__ bool has(int) const { return true; }
   };
   template <int kSlots>
   __device__ __forceinline__ Slots<kSlots> load(std::int64_t t, int topk, int lane) const {
@@ -135,7 +140,9 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (t >= tokens) return;
   const auto slots = rows.template load<kSlots>(t, topk, lane);
-  if (prob != nullptr && lane < topk) *rows.scalar_at(t, topk, lane) = prob[t * topk + lane];
+  if (prob != nullptr && lane < topk) {
+    if (float* beside = rows.scalar_at(t, topk, lane)) *beside = prob[t * topk + lane];
+  }
   const int units = hidden / kElems;
   const P* src = reinterpret_cast<const P*>(x + t * hidden);
   for (int base = lane; base < units; base += kWarpSize * kUnroll) {
@@ -149,7 +156,8 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       const int u = base + i * kWarpSize;
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
-        if (k < topk && u < units) reinterpret_cast<P*>(slots.at(out, k, hidden))[u] = value[i];
+        if (k < topk && slots.has(k) && u < units)
+          reinterpret_cast<P*>(slots.at(out, k, hidden))[u] = value[i];
       }
     }
   }
@@ -171,7 +179,10 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   if (t >= tokens) return;
   const auto slots = source.template load<kSlots>(t, topk, lane);
   const auto probs = load_probs<kSlots>(prob, t, topk, lane);
-  if (dprob != nullptr && lane < topk) dprob[t * topk + lane] = *source.scalar_at(t, topk, lane);
+  if (dprob != nullptr && lane < topk) {
+    const float* beside = source.scalar_at(t, topk, lane);
+    dprob[t * topk + lane] = beside != nullptr ? *beside : 0.0f;
+  }
   const int units = hidden / kElems;
   for (int base = lane; base < units; base += kWarpSize * kUnroll) {
     P rows[kUnroll][kSlots];
@@ -180,7 +191,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         const int u = base + i * kWarpSize;
-        if (k < topk && u < units)
+        if (k < topk && slots.has(k) && u < units)
           rows[i][k] = reinterpret_cast<const P*>(slots.at(y, k, hidden))[u];
       }
     }
@@ -191,7 +202,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       float acc[kElems] = {};
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
-        if (k < topk) {
+        if (k < topk && slots.has(k)) {
 #pragma unroll
           for (int e = 0; e < kElems; ++e) acc[e] += probs.p[k] * to_float(rows[i][k].v[e]);
         }
@@ -231,7 +242,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       if (u < units) g[i] = reinterpret_cast<const P*>(dy + t * hidden)[u];
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
-        if (k < topk && u < units)
+        if (k < topk && slots.has(k) && u < units)
           rows_in[i][k] = reinterpret_cast<const P*>(slots.at(y, k, hidden))[u];
       }
     }
@@ -241,7 +252,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
       if (u >= units) continue;
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
-        if (k < topk) {
+        if (k < topk && slots.has(k)) {  // a dropped slot: no row, dprob 0
           P scaled;
 #pragma unroll
           for (int e = 0; e < kElems; ++e) {
@@ -296,7 +307,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     if (mine) g = reinterpret_cast<const P*>(dy + t * hidden)[u];
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) {
-      if (k >= topk) continue;  // uniform over the warp
+      if (k >= topk || !slots.has(k)) continue;  // uniform over the warp; no row: dprob 0
       float scaled[8];
       float amax = 0.0f;
       P row_in{};

@@ -1,6 +1,8 @@
 // The token exchange on one EP rank: the permute writes the experts' input directly, padded
 // expert-major, with each row's probability beside it (the experts apply it); nothing crosses a
 // link. Without keep_expert_input, X, Y, dY and dX are one buffer (docs/design.md, "Buffers").
+// Capacity mode's dropped slots (group E of the kept routing) have no row here: the layout gives
+// them none, and the row kernels store nothing for them and add nothing from them.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -34,11 +36,11 @@ class LocalExchange final : public TokenExchange {
   void permute(const Tensor& x, const SlotRouting& routing) override {
     const std::int64_t T = x.dim(0);
     const int align = config_.align_size;
-    groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
     // pad_to_capacity: every expert's group exactly C rows (kept rows never exceed C), so the
-    // expert GEMMs run on fixed shapes whatever the routing.
+    // expert GEMMs run on fixed shapes whatever the routing. The dropped slots name group E, past
+    // the layout's groups: no row.
     const auto fixed_rows = static_cast<int>(routing.expert_group_rows);
-    layout_.build(routing.topk_idx, T, K_, groups_, align, stream_, fixed_rows,
+    layout_.build(routing.topk_idx, T, K_, E_, align, stream_, fixed_rows,
                   fixed_rows > 0 ? E_ : 0);  // C = 0 (T = 0): no rows, as without fixed groups
     tokens_ = T;
     fixed_ = routing.fixed_groups;
@@ -51,23 +53,25 @@ class LocalExchange final : public TokenExchange {
       layout_built_.record(stream_);
       const cudaStream_t count_stream = count_stream_.get();
       MOE_CHECK_CUDA(cudaStreamWaitEvent(count_stream, layout_built_.get(), 0));
-      host_.reserve(routing.totals_bytes + (groups_ + 1) * sizeof(std::int32_t));
+      host_.reserve(routing.totals_bytes + (E_ + 1) * sizeof(std::int32_t));
       totals_bytes_ = routing.totals_bytes;
       MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>(), routing.totals, totals_bytes_,
                                      cudaMemcpyDeviceToHost, count_stream));
       MOE_CHECK_CUDA(cudaMemcpyAsync(host_.as<char>() + totals_bytes_, layout_.offsets(),
-                                     (groups_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
+                                     (E_ + 1) * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
                                      count_stream));
       copied_.record(count_stream);
     } else if (!fixed_) {
       fail("the local exchange: the row counts stay on the device only with fixed groups");
     }
-    const std::int64_t max_rows = T * K_ + std::int64_t{groups_} * std::max(align - 1, 0) +
-                                  std::int64_t{E_} * routing.expert_group_rows;
+    // Fixed groups: E·C rows, whatever the routing. Else every slot kept, each group padded.
+    const std::int64_t max_rows = fixed_rows > 0
+                                      ? std::int64_t{E_} * fixed_rows
+                                      : T * K_ + std::int64_t{E_} * std::max(align - 1, 0);
     X_.reserve(std::max<std::int64_t>(max_rows * H_, 1) * dtype_size(dtype_));
     row_prob_.reserve(std::max<std::int64_t>(max_rows, 1) * sizeof(float));
     permute_rows(toward_experts(x, x_rounded_), layout_.row_map(), K_, layout_.offsets(),
-                 layout_.counts(), groups_, Tensor(X_.data(), dtype_, {max_rows, H_}), stream_,
+                 layout_.counts(), E_, Tensor(X_.data(), dtype_, {max_rows, H_}), stream_,
                  routing.topk_p, row_prob_.as<float>());
   }
 
@@ -80,39 +84,25 @@ class LocalExchange final : public TokenExchange {
     }
     if (fixed_) {
       // Known beforehand, whether or not the counts came: expert e's group is rows
-      // [e·C, (e + 1)·C), the same shapes every step, so the same GEMM plans. The dropped group
-      // after them takes a row per dropped slot, rounded up to A (a token's several dropped slots
-      // share one of them, and the rest go unused): at most T·K rows. Its exact end comes with
-      // the counts; without them the whole bound is cleared. The buffers are sized for the bound
-      // either way, so that a step that waits and one that does not use the same memory, as a
-      // graph captured after either needs.
+      // [e·C, (e + 1)·C), the same shapes every step, so the same GEMM plans and the same
+      // buffers, as a graph captured after a step that waited or one that did not needs.
       saved_.expert_offsets.resize(static_cast<std::size_t>(E_) + 1);
       for (int e = 0; e <= E_; ++e) saved_.expert_offsets[e] = std::int64_t{e} * fixed_rows_;
-      saved_.rows = saved_.expert_offsets.back();
-      const std::int64_t align = std::max(config_.align_size, 1);
-      const std::int64_t slots = tokens_ * K_;
-      saved_.reserved_rows = saved_.rows + (groups_ > E_ ? (slots + align - 1) / align * align : 0);
-      saved_.all_rows = offsets != nullptr ? offsets[groups_] : saved_.reserved_rows;
-      saved_.dropped_end_on_device = offsets == nullptr && groups_ > E_;
-      return;
+    } else {
+      saved_.expert_offsets.assign(offsets, offsets + E_ + 1);
     }
-    saved_.expert_offsets.assign(offsets, offsets + E_ + 1);
     saved_.rows = saved_.expert_offsets.back();
-    saved_.all_rows = saved_.reserved_rows = offsets[groups_];
-    saved_.dropped_end_on_device = false;
   }
 
   ExpertRows expert_rows() override {
-    // One row buffer: the down products write Y over X once the up products have read it. Y holds
-    // the dropped group's rows too, which the unpermute reads.
-    if (!one_row_buffer()) view(Y_, dtype_, {saved_.reserved_rows, H_});
+    // One row buffer: the down products write Y over X once the up products have read it.
+    if (!one_row_buffer()) view(Y_, dtype_, {saved_.rows, H_});
     const Tensor Y = one_row_buffer() ? rows(X_) : rows(Y_);
     return {rows(X_), Y, row_prob(), saved_.expert_offsets};
   }
 
-  // The experts' output is already where the unpermute reads it; the dropped slots' rows, which
-  // no expert wrote, become zero.
-  void combine(int /*the only chunk*/) override { clear_dropped_rows(one_row_buffer() ? X_ : Y_); }
+  // The experts' output is already where the unpermute reads it.
+  void combine(int /*the only chunk*/) override {}
 
   void unpermute(const Tensor& out) override {
     const Tensor Y = one_row_buffer() ? rows(X_) : rows(Y_);
@@ -122,9 +112,9 @@ class LocalExchange final : public TokenExchange {
   // dY(t, k) = dy[t]: the probabilities are inside the experts, whose backward forms dprob.
   void unpermute_backward(const Tensor& dy, float*) override {
     // One row buffer: dY over the dead Y. Else the scratch's dY.
-    const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.reserved_rows, H_});
+    const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.rows, H_});
     permute_rows(toward_experts(dy, dy_rounded_), layout_.row_map(), K_, layout_.offsets(),
-                 layout_.counts(), groups_, dY, stream_);
+                 layout_.counts(), E_, dY, stream_);
   }
 
   void combine_backward() override {}
@@ -141,8 +131,7 @@ class LocalExchange final : public TokenExchange {
       const Tensor source =
           config_.fp8_dispatch ? Tensor(x_rounded_.data(), dtype_, {tokens_, H_}) : x;
       g.refill = [this, source, X = g.input](cudaStream_t on) {
-        permute_rows(source, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_, X,
-                     on);
+        permute_rows(source, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_, X, on);
       };
     } else {
       g.dY = rows(dY_);
@@ -151,10 +140,8 @@ class LocalExchange final : public TokenExchange {
     return g;
   }
 
-  // dX's rows of dropped slots, which no expert wrote, become zero.
-  void dispatch_backward(int /*the only chunk*/) override {
-    clear_dropped_rows(one_row_buffer() ? X_ : Y_);
-  }
+  // dX is already where the permute backward reads it.
+  void dispatch_backward(int /*the only chunk*/) override {}
 
   void permute_backward(const Tensor& dx, float* dprob) override {
     const Tensor dX = one_row_buffer() ? rows(X_) : rows(Y_);
@@ -177,27 +164,11 @@ class LocalExchange final : public TokenExchange {
     return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
   }
   Tensor row_prob() const { return Tensor(row_prob_.data(), DType::kFP32, {saved_.rows}); }
-  // Zero in `buffer` the rows of the dropped group, after the experts' rows: up to its end where
-  // the host knows it, else up to the end the layout holds on the device (the bound, T·K rows, is
-  // what a memset would have to take, most of them unused).
-  void clear_dropped_rows(DeviceBuffer& buffer) const {
-    const std::int64_t dropped_rows = saved_.all_rows - saved_.rows;
-    if (dropped_rows == 0) return;
-    const auto row_bytes = static_cast<std::size_t>(H_) * dtype_size(dtype_);
-    if (saved_.dropped_end_on_device) {
-      clear_rows_to(buffer.data(), row_bytes, saved_.rows, layout_.offsets() + groups_,
-                    saved_.all_rows, stream_);
-      return;
-    }
-    MOE_CHECK_CUDA(cudaMemsetAsync(buffer.as<char>() + saved_.rows * row_bytes, 0,
-                                   static_cast<std::size_t>(dropped_rows) * row_bytes, stream_));
-  }
 
   MoEConfig config_;
   const Mesh& mesh_;
   cudaStream_t stream_;
   int E_, K_;
-  int groups_ = 0;  // the layout's: E, and in capacity mode the dropped group after them
   std::int64_t H_;
   DType dtype_;
   SlotLayout layout_;
@@ -227,13 +198,7 @@ class LocalExchange final : public TokenExchange {
 
   // What the forward keeps for the backward, beside the layout, X (unless refilled) and row_prob.
   struct Saved {
-    std::int64_t rows = 0;      // the experts', padding included
-    std::int64_t all_rows = 0;  // rows, then the dropped group's in capacity mode
-    // all_rows, or with fixed groups the most that all_rows can be: what Y and dY are sized for.
-    std::int64_t reserved_rows = 0;
-    // Fixed groups without the counts on the host: the dropped group's end is on the device
-    // alone (the layout's offsets[groups_]), all_rows its bound.
-    bool dropped_end_on_device = false;
+    std::int64_t rows = 0;  // the experts', padding included
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };

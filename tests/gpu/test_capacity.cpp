@@ -190,6 +190,33 @@ void check_case(const Case& c, std::mt19937_64& rng) {
       ++misplaced;
   }
   CHECK(misplaced == 0);
+
+  // The same layout over the E expert groups alone, as one GPU builds it: the dropped slots name
+  // group E, past them, and have no row (-1); the layout ends at E·C.
+  DeviceBuffer own_counts(static_cast<std::size_t>(E) * 4),
+      own_offsets(static_cast<std::size_t>(E + 1) * 4), own_rows(slot_bytes),
+      own_ws(layout_workspace_bytes(T, K, E));
+  for (const auto* b : {&own_counts, &own_offsets, &own_rows}) test::poison(*b);
+  LayoutArgs own = fixed;
+  own.experts = E;
+  own.counts = own_counts.as<std::int32_t>();
+  own.offsets = own_offsets.as<std::int32_t>();
+  own.row_map = own_rows.as<std::int32_t>();
+  own.workspace = own_ws.data();
+  build_layout(own, stream.get());
+  stream.synchronize();
+  const auto own_offsets_got =
+      test::download<std::int32_t>(own_offsets, static_cast<std::size_t>(E + 1));
+  const auto own_counts_got = test::download<std::int32_t>(own_counts, static_cast<std::size_t>(E));
+  for (int e = 0; e <= E; ++e) CHECK(own_offsets_got[e] == e * c.capacity);
+  CHECK(own_counts_got == got_kept_counts);
+  const auto own_rows_got = test::download<std::int32_t>(own_rows, static_cast<std::size_t>(slots));
+  std::int64_t unlike = 0;
+  for (std::int64_t s = 0; s < slots; ++s) {
+    const auto i = static_cast<std::size_t>(s);
+    unlike += own_rows_got[i] != (want_kept[i] != 0 ? got_rows[i] : -1);
+  }
+  CHECK(unlike == 0);
 }
 
 }  // namespace

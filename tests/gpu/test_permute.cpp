@@ -58,10 +58,13 @@ struct Case {
   int hidden, experts, topk, align;
   bool skewed;
   DType dtype;
+  // The share of slots dropped (capacity mode on one GPU): they name group E, which has no rows.
+  double dropped = 0.0;
   std::string describe() const {
     std::ostringstream s;
     s << "T=" << tokens << " H=" << hidden << " E=" << experts << " K=" << topk
-      << " align=" << align << (skewed ? " skewed" : " uniform") << " " << dtype_name(dtype);
+      << " align=" << align << (skewed ? " skewed" : " uniform") << " " << dtype_name(dtype)
+      << " dropped " << dropped;
     return s.str();
   }
 };
@@ -76,7 +79,14 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const auto T = c.tokens;
   const int H = c.hidden, E = c.experts, K = c.topk;
   const auto routing = draw_routing(T, E, K, c.skewed, rng);
-  const auto layout = reference::make_layout(routing, E, c.align);
+  std::vector<int> kept(routing.expert.size(), 1);
+  std::bernoulli_distribution drop(c.dropped);
+  for (auto& keep : kept) keep = drop(rng) ? 0 : 1;
+  const auto layout = reference::make_layout(routing, kept, E, c.align);
+  // The kernels' routing: a dropped slot names group E.
+  std::vector<std::int32_t> topk_idx(routing.expert.begin(), routing.expert.end());
+  for (std::size_t i = 0; i < kept.size(); ++i)
+    if (kept[i] == 0) topk_idx[i] = E;
   const std::int64_t rows = layout.rows();
   // Inputs rounded to the dtype, so the reference sees exactly what the GPU does.
   const Matrix x = test::round_to(test::random_matrix(T, H, rng), c.dtype);
@@ -86,7 +96,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   Stream stream;
 
   // Layout.
-  const auto idx_dev = test::upload(routing.expert);
+  const auto idx_dev = test::upload(topk_idx);
   DeviceBuffer counts(E * 4 + 16), offsets((E + 1) * 4 + 16),
       row_map(static_cast<std::size_t>(T * K) * 4 + 16), workspace(layout_workspace_bytes(T, K, E));
   for (const auto* b : {&counts, &offsets, &row_map}) test::poison(*b);
@@ -190,7 +200,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const auto want_bytes =
       test::download<std::uint8_t>(want_records, static_cast<std::size_t>(rows * record));
   std::vector<bool> slot_row(static_cast<std::size_t>(rows), false);
-  for (const auto row : layout.row) slot_row[static_cast<std::size_t>(row)] = true;
+  for (const auto row : layout.row)
+    if (row != reference::Layout::kDroppedRow) slot_row[static_cast<std::size_t>(row)] = true;
   std::int64_t wrong_slot_bytes = 0, wrong_padding_bytes = 0;
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t b = r * record; b < (r + 1) * record; ++b) {
@@ -234,6 +245,24 @@ TEST_CASE("layout, permute, combine and their backward over the grid", "[gpu][pe
       }
     }
   }
+}
+
+// Capacity mode on one GPU: dropped slots name group E, past the layout's groups. They get row -1
+// and count nowhere; the permute stores nothing for them, the combines add nothing from them, the
+// combine backward stores no dY row and gives them dprob 0 (the poisoned outputs would show any
+// store or any read of a row that is not theirs).
+TEST_CASE("dropped slots have no row in the layout or the row kernels", "[gpu][permute]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const double share : {0.2, 0.7, 1.0}) {
+    run_case({301, 256, 8, 2, 16, false, DType::kBF16, share}, rng);
+    run_case({1000, 128, 128, 8, 128, false, DType::kBF16, share}, rng);
+    run_case({77, 100, 16, 4, 8, true, DType::kBF16, share}, rng);  // element path
+    run_case({129, 64, 32, 8, 0, true, DType::kFP32, share}, rng);
+  }
+  run_case({test::by_run_size(4096, 16384, 65536), 128, 256, 8, 128, false, DType::kBF16, 0.1},
+           rng);
 }
 
 TEST_CASE("permute at many tokens and odd widths", "[gpu][permute]") {

@@ -85,7 +85,13 @@ void run_graph_case(MoEConfig c, int ep, std::uint64_t seed) {
   CHECK(test::relative_error(eager.dx, mine.dx) <= tol);
   CHECK(eager.aux == Approx(mine.aux_loss).epsilon(1e-5).margin(1e-9));
   CHECK(eager.z == Approx(mine.z_loss).epsilon(1e-5).margin(1e-9));
-  test::check_rank_gradients(c, block.gradients(), mine, 0, E_loc, tol);  // its own experts
+  // Under FP8 the gate's gradient against the exact layer has no arithmetic bound: a few tokens
+  // hold it, and a token's dlogit under softmax post, p₁p₂(dprob₁ − dprob₂), errs with |dprob|
+  // rather than with the difference (tests/gpu/test_moe_block_fp8.cpp: up to 0.103 at T = 45
+  // with inputs of one scale; 0.113 seen here at 24 tokens). A missing or wrong term costs about
+  // 1, which 0.3 still fails; the replays below are held to the eager step's bits.
+  const double gate_tol = c.fp8 ? 0.3 : tol;
+  test::check_rank_gradients(c, block.gradients(), mine, 0, E_loc, tol, gate_tol);  // own experts
 
   MoEForward fwd;
   Tensor dx;

@@ -46,13 +46,14 @@ inline std::vector<EpTransport> ep_transports() {
 }
 
 // The gate's gradient, this rank's experts' and the shared expert's, against `want` within
-// `tolerance`. The rank's local expert le is want's expert first_expert + le (its global index
-// against a single run, first_expert 0 against a mesh reference's own rank).
+// `tolerance` (the gate's within gate_tolerance where one is given). The rank's local expert le
+// is want's expert first_expert + le (its global index against a single run, first_expert 0
+// against a mesh reference's own rank).
 inline void check_rank_gradients(const MoEConfig& c, const MoEGradients& g,
                                  const reference::LayerResult& want, int first_expert,
-                                 int local_experts, double tolerance) {
+                                 int local_experts, double tolerance, double gate_tolerance = 0) {
   CHECK(relative_error(read(g.gate_weight, c.num_experts, c.hidden), want.d_gate_weight) <=
-        tolerance);
+        (gate_tolerance > 0 ? gate_tolerance : tolerance));
   const std::int64_t F = c.ffn_hidden, H = c.hidden;
   const reference::Matrix dw13 = read(g.w13, local_experts * 2 * F, H);
   const reference::Matrix dw2 = read(g.w2, local_experts * H, F);
