@@ -22,12 +22,12 @@
 namespace moe {
 
 // The layout of T·K routed rows over `experts` expert groups, each padded to `align`. A token is
-// ranked once per group: slots of one token that name the same group (only capacity mode's group
-// of dropped slots, whose rows are only ever zero) share one row; the group still counts every
-// slot, so its row range is never exceeded. A slot that names group `experts` itself (capacity
-// mode's dropped slots on one GPU) has no row: row_map -1, counted nowhere. The row kernels below
-// skip such slots: the permute stores nothing for them, the combines add nothing and give them
-// dprob 0, the combine backward stores no dY row.
+// ranked once per group: slots of one token that name the same group (only the EP exchanges'
+// group of dropped slots, whose rows are only ever zero) share one row; the group still counts
+// every slot, so its row range is never exceeded. A slot that names a group at or past
+// `experts` (capacity mode's dropped slots on one GPU) has no row: row_map -1, counted nowhere. The
+// row kernels below skip such slots: the permute stores nothing for them, the combines add nothing
+// and give them dprob 0, the combine backward stores no dY row.
 struct LayoutArgs {
   const std::int32_t* topk_idx = nullptr;  // [T, K]
   std::int64_t tokens = 0;

@@ -1,6 +1,7 @@
 // Capacity mode's drops in the block (docs/design.md, "Capacity mode"): after the router, each
 // expert keeps at most C of this rank's slots; the kept routing sends the others to an extra group
-// at probability 0, which the exchange lays out past every expert and never sends.
+// at probability 0, which the exchange lays out past every expert and never sends (under EP), or
+// gives no rows (on one GPU).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/elementwise.cuh"
 #include "kernels/fp8_quantize.cuh"
 #include "kernels/permute.cuh"
 #include "moe/error.h"

@@ -196,7 +196,9 @@ void check_case(const Case& c, std::mt19937_64& rng) {
   DeviceBuffer own_counts(static_cast<std::size_t>(E) * 4),
       own_offsets(static_cast<std::size_t>(E + 1) * 4), own_rows(slot_bytes),
       own_ws(layout_workspace_bytes(T, K, E));
-  for (const auto* b : {&own_counts, &own_offsets, &own_rows}) test::poison(*b);
+  for (const auto* b : {&own_counts, &own_offsets}) test::poison(*b);
+  MOE_CHECK_CUDA(cudaMemset(own_rows.data(), 0x7F, own_rows.bytes()));  // not -1, a dropped row
+  MOE_CHECK_CUDA(cudaDeviceSynchronize());
   LayoutArgs own = fixed;
   own.experts = E;
   own.counts = own_counts.as<std::int32_t>();
