@@ -182,8 +182,8 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
                   bool check_finite_values, const std::string& out_path) {
   const LayerInputs in = read_layer_inputs_without_experts(config, weights, inputs);
   if (check_finite_values) {
-    check_finite(weights);
-    check_finite(inputs);
+    check_finite(weights, config.dtype);  // as the layer holds them: bf16 may overflow
+    check_finite(inputs, config.dtype);
   }
   reference::LayerOptions options;
   if (in.replay_experts) options.replay_experts = *in.replay_experts;

@@ -33,12 +33,21 @@ std::vector<float> float_values(const FileTensor& t) {
   return values;
 }
 
-// The NaN and Inf values met while scanning elements [first, first + count) of one tensor.
+// A file's value as the layer holds it: bf16 rounds, and a finite F32 value beyond bf16's range
+// becomes an infinity there.
+float as_held(float value, DType held) {
+  return held == DType::kBF16 ? from_bf16(to_bf16(value)) : value;
+}
+
+// The values met while scanning elements [first, first + count) of one tensor that are NaN or Inf
+// as the layer holds them (`held`): NaN or Inf in the file, or finite there and beyond bf16's
+// range.
 class NonFiniteScan {
  public:
+  explicit NonFiniteScan(DType held) : held_(held) {}
   void scan(std::span<const float> values, std::int64_t first_index) {
     for (std::size_t i = 0; i < values.size(); ++i) {
-      if (!std::isfinite(values[i]) && count_++ == 0) {
+      if (!std::isfinite(as_held(values[i], held_)) && count_++ == 0) {
         first_ = first_index + static_cast<std::int64_t>(i);
         value_ = values[i];
       }
@@ -60,11 +69,18 @@ class NonFiniteScan {
         first == 0 && count == info.numel
             ? fmt::format("of its {} elements", info.numel)
             : fmt::format("of its elements [{}, {}) read here", first, first + count);
+    if (std::isfinite(value_)) {
+      fail(
+          "{}: tensor '{}' holds {} at [{}], beyond the range of bf16, the dtype the layer holds "
+          "it in ({} {} are NaN, Inf or beyond bf16)",
+          file.source(), name, value_, fmt::join(index, ", "), count_, among);
+    }
     fail("{}: tensor '{}' holds {} at [{}] ({} {} are NaN or Inf)", file.source(), name,
          static_cast<double>(value_), fmt::join(index, ", "), count_, among);
   }
 
  private:
+  DType held_;
   std::int64_t count_ = 0;
   std::int64_t first_ = 0;
   float value_ = 0.0f;
@@ -103,11 +119,11 @@ std::vector<double> file_values(const FileTensor& t, std::string_view name, DTyp
   return {values.begin(), values.end()};
 }
 
-void check_finite(const TensorSource& file) {
+void check_finite(const TensorSource& file, DType held) {
   for (const auto& name : file.names()) {
     const TensorInfo info = file.info(name);
     if (!floating(info.dtype)) continue;
-    NonFiniteScan scan;
+    NonFiniteScan scan(held);
     for_each_piece(file, name, 0, info.numel,
                    [&](std::span<const float> values, std::int64_t at) { scan.scan(values, at); });
     scan.check(file, name, info, 0, info.numel);
@@ -126,7 +142,7 @@ std::vector<std::byte> read_as(const TensorSource& file, const std::string& name
     fail("read_as: tensor '{}' is read as bf16 or fp32, not as {}", name, dtype_name(dtype));
   const std::size_t size = dtype_size(dtype);
   std::vector<std::byte> out(static_cast<std::size_t>(count) * size);
-  NonFiniteScan scan;
+  NonFiniteScan scan(dtype);
   for_each_piece(file, name, first, count, [&](std::span<const float> values, std::int64_t at) {
     if (check_finite) scan.scan(values, at);
     std::byte* dst = out.data() + static_cast<std::size_t>(at - first) * size;

@@ -25,13 +25,15 @@ std::vector<double> file_values(const FileTensor& tensor, std::string_view name 
 
 // Throws moe::Error naming the file, the tensor, the first NaN or Inf (its index in every
 // dimension and its value) and how many there are, when a BF16 or F32 tensor of `file` is not
-// finite everywhere. Reads every tensor in pieces.
-void check_finite(const TensorSource& file);
+// finite everywhere as the layer holds it (`held`: under kBF16 a finite F32 value beyond bf16's
+// range counts, named as such). Reads every tensor in pieces.
+void check_finite(const TensorSource& file, DType held = DType::kFP32);
 
 // Elements [first, first + count) of BF16 or F32 tensor `name`, converted to `dtype` (kBF16 or
 // kFP32) as a GPU tensor of the layer holds them: the bytes to upload. With check_finite, a NaN
-// or Inf among them is an error naming the file, the tensor, the first one's index in the whole
-// tensor and how many of the elements read are not finite.
+// or Inf among them (or, read as kBF16, a value beyond bf16's range) is an error naming the file,
+// the tensor, the first one's index in the whole tensor and how many of the elements read are
+// not finite.
 std::vector<std::byte> read_as(const TensorSource& file, const std::string& name,
                                std::int64_t first, std::int64_t count, DType dtype,
                                bool check_finite);

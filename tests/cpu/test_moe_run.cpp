@@ -345,3 +345,25 @@ TEST_CASE("check_finite finds the first NaN or Inf of BF16 and F32 tensors", "[c
                             " of its " + std::to_string(n) + " elements are NaN or Inf)"));
   }
 }
+
+// A finite F32 value beyond bf16's range becomes Inf in a bf16 layer: the check sees the values
+// as the layer holds them and says so, where the file alone would pass.
+TEST_CASE("check_finite and read_as name an F32 value that overflows bf16", "[cpu][moe_run]") {
+  const std::vector<float> values = {1.0f, -2.5f, 3.4e38f, 7.0f, -3.4e38f, 0.5f};
+  TensorFile file;
+  file.add("x", FileDType::kF32, {2, 3}, values.data());
+  CHECK_NOTHROW(check_finite(file));
+  CHECK_NOTHROW(check_finite(file, DType::kFP32));
+  const std::string want =
+      "tensor 'x' holds 3.4e+38 at [0, 2], beyond the range of bf16, the dtype the layer holds it "
+      "in (2 of its 6 elements are NaN, Inf or beyond bf16)";
+  CHECK_THROWS_WITH(check_finite(file, DType::kBF16), test::contains_text(want));
+  CHECK_THROWS_WITH(read_as(file, "x", 0, 6, DType::kBF16, true), test::contains_text(want));
+  CHECK_NOTHROW(read_as(file, "x", 0, 6, DType::kFP32, true));
+  CHECK_NOTHROW(read_as(file, "x", 0, 6, DType::kBF16, false));  // --no-check-finite
+  // Within range it passes, the largest bf16 value included.
+  const std::vector<float> near = {3.38953139e38f, -1.0f};
+  TensorFile fine;
+  fine.add("y", FileDType::kF32, {2}, near.data());
+  CHECK_NOTHROW(check_finite(fine, DType::kBF16));
+}
