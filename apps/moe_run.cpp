@@ -424,6 +424,9 @@ int main(int argc, char** argv) {
             "max_nodes_per_token = {} depends on the mesh: set `ep:` in the config to the EP size "
             "the reference stands for (--reference runs the batch as one rank)",
             config.max_nodes_per_token);
+      // The files checked first: a note that calls a tensor ineffective must not precede the
+      // error that the same tensor is malformed.
+      (void)check_layer_files(config, weights, inputs);
       note_one_rank(config, inputs);
       return run_reference(config.for_one_rank(), weights, inputs, check_finite_values, out_path);
     }

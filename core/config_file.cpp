@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -81,6 +82,12 @@ T read_scalar(const YAML::Node& node, const std::string& key, std::string_view s
     if (!decimal)
       fail("{}: {} = '{}' is not a decimal integer (leading zeros and other bases are refused)",
            source, key, text);
+    errno = 0;
+    const long long value = std::strtoll(text.c_str(), nullptr, 10);
+    if (errno == ERANGE || value < std::numeric_limits<int>::min() ||
+        value > std::numeric_limits<int>::max())
+      fail("{}: {} = '{}' is beyond the range of an int ({} to {})", source, key, text,
+           std::numeric_limits<int>::min(), std::numeric_limits<int>::max());
   }
   if constexpr (std::is_same_v<T, bool>) {
     // true or false only: yaml-cpp also takes YAML 1.1's y, n, yes, no, on and off, which a YAML

@@ -37,21 +37,27 @@ void expect_only(const TensorSource& file, const std::set<std::string>& known,
   }
 }
 
-// The weights tensors this config reads; a tensor that only another config reads is named with the
-// setting that would read it.
+// The weights tensors this config reads; a tensor that only another config reads, or one that
+// this config reads and the file lacks, is named with the setting that decides it.
 std::vector<std::string> expected_weights(const MoEConfig& config, const TensorSource& weights) {
   std::vector<std::string> names = {"gate_weight", "w13", "w2"};
-  const auto optional = [&](const char* name, bool read, const char* setting) {
+  const auto optional = [&](const char* name, bool read, const std::string& setting) {
     if (read) {
+      if (!weights.contains(name))
+        fail("{}: no tensor named '{}', which the config's {} reads", weights.source(), name,
+             setting);
       names.push_back(name);
     } else if (weights.contains(name)) {
       fail("{}: tensor '{}' is given but the config has {}", weights.source(), name, setting);
     }
   };
-  optional("expert_bias", config.expert_bias, "expert_bias: false");
-  optional("shared_w13", config.shared_experts(), "shared_ffn_hidden: 0");
-  optional("shared_w2", config.shared_experts(), "shared_ffn_hidden: 0");
-  optional("shared_gate_weight", config.shared_gate, "shared_gate: false");
+  const std::string shared = fmt::format("shared_ffn_hidden: {}", config.shared_ffn_hidden);
+  optional("expert_bias", config.expert_bias,
+           config.expert_bias ? "expert_bias: true" : "expert_bias: false");
+  optional("shared_w13", config.shared_experts(), shared);
+  optional("shared_w2", config.shared_experts(), shared);
+  optional("shared_gate_weight", config.shared_gate,
+           config.shared_gate ? "shared_gate: true" : "shared_gate: false");
   return names;
 }
 

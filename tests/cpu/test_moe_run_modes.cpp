@@ -109,6 +109,11 @@ TEST_CASE("layer files: a tensor the layer does not read is an error naming it",
   CHECK_THAT(layer_error(c, biased, files.inputs),
              test::contains_text("tensor 'expert_bias' is given but the config has expert_bias: "
                                  "false"));
+  MoEConfig with_bias = c;  // the opposite: the config reads a tensor the file lacks
+  with_bias.expert_bias = true;
+  CHECK_THAT(layer_error(with_bias, files.weights, files.inputs),
+             test::contains_text("no tensor named 'expert_bias', which the config's expert_bias: "
+                                 "true reads"));
   auto inputs = files.inputs;
   add(inputs, "labels", {3}, {0, 1, 2});
   CHECK_THAT(layer_error(c, files.weights, inputs),
@@ -236,7 +241,8 @@ TEST_CASE("layer files: shared weights and topk_idx are read only where the conf
   TensorFile missing = layer_weights_file(none, params);
   add(missing, "shared_w13", {6, 6}, params.shared.w13.data);
   CHECK_THAT(layer_error(ungated, missing, inputs),
-             test::contains_text("no tensor named 'shared_w2'"));
+             test::contains_text("no tensor named 'shared_w2', which the config's "
+                                 "shared_ffn_hidden: 3 reads"));
   TensorFile misshapen = weights;
   add(misshapen, "shared_w2", {3, 6}, params.shared.w2.data);
   CHECK_THAT(layer_error(shared, misshapen, inputs),
