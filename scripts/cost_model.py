@@ -52,7 +52,7 @@ def read_config(path):
     layer does not read refused."""
     config = {}
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is no part of a key
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as error:
         sys.exit(f"{path}: cannot be read as a config: {error}")
@@ -68,9 +68,12 @@ def read_config(path):
             sys.exit(f"{path}:{number}: a flow mapping, a list or a second document: this model "
                      f"reads the configs' one 'key: value' a line, got '{line}'")
         key, sep, value = line.partition(":")
-        if not sep:
+        # YAML's mapping wants a blank after the colon: 'hidden:64' is one string to the layer.
+        if not sep or (value and not value[0].isspace()):
             sys.exit(f"{path}:{number}: expected 'key: value', got '{line}'")
         key = key.strip()
+        if len(key) >= 2 and key[0] == key[-1] and key[0] in "'\"":  # a quoted key
+            key = key[1:-1]
         if key not in LAYER_KEYS:
             sys.exit(f"{path}:{number}: unknown key '{key}' (the layer's keys: "
                      f"{', '.join(sorted(LAYER_KEYS))})")
@@ -307,15 +310,30 @@ FP8_DEFAULTS = {"fp8_speedup": 1.3, "micro_batches": 1}
 
 
 def parse_args(argv=None):
-    """The command line, with the FP8 options' defaults filled in: given without --fp8 they are
-    refused, since they would change nothing."""
+    """The command line, with the FP8 options' defaults filled in; args.fp8_options names those
+    given, which need FP8 experts (--fp8, or fp8: true in the config: see fp8_options_need_fp8)."""
     args = build_parser().parse_args(argv)
+    args.fp8_options = []
     for name, default in FP8_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-        elif not args.fp8:
-            sys.exit(f"--{name.replace('_', '-')} prices the FP8 experts: give --fp8 too")
+        else:
+            args.fp8_options.append(name)
+    if args.fp8_dispatch:
+        args.fp8_options.append("fp8_dispatch")
     return args
+
+
+def fp8_options_need_fp8(args):
+    """An FP8 option without FP8 experts would change nothing, or (--fp8-dispatch) price what the
+    layer refuses: each is refused by name once the config has had its say."""
+    if args.fp8:
+        return
+    for name in args.fp8_options:
+        if name == "fp8_dispatch":
+            sys.exit("--fp8-dispatch needs FP8 experts: give --fp8 too (the layer refuses "
+                     "fp8_dispatch without fp8)")
+        sys.exit(f"--{name.replace('_', '-')} prices the FP8 experts: give --fp8 too")
 
 
 def main():
@@ -352,6 +370,7 @@ def main():
     for key in ("fp8", "fp8_dispatch"):
         if config.get(key) == "true":
             setattr(args, key, True)
+    fp8_options_need_fp8(args)
     if args.fp8:
         if config.get("dtype", "bf16") != "bf16":
             sys.exit(f"{args.config}: FP8 experts take bf16 rows and weights, not dtype = "

@@ -314,6 +314,7 @@ class CostModel(unittest.TestCase):
                                     "--half-rate-inner = 1e+308 must be in [0, 1e+09]"),
                                    (["--micro-batches", "4"], "--micro-batches prices the FP8"),
                                    (["--fp8-speedup", "1.3"], "--fp8-speedup prices the FP8"),
+                                   (["--fp8-dispatch"], "--fp8-dispatch needs FP8 experts"),
                                    (["--fp8", "--micro-batches", "0"],
                                     "--micro-batches = 0 must be in [1, 1048576]"),
                                    (["--fp8", "--fp8-speedup", "0"],
@@ -339,6 +340,7 @@ class CostModel(unittest.TestCase):
                                    "fp8 = true needs align_size a multiple of 16, got 8"),
                                   ("fp8_dispatch: true\n", "fp8_dispatch = true needs fp8 = true"),
                                   ("shared_ffn_hiden: 64\n", "unknown key 'shared_ffn_hiden'"),
+                                  ("hidden:64\n", "expected 'key: value', got 'hidden:64'"),
                                   ("{hidden: 32, topk: 2}\n",
                                    "a flow mapping, a list or a second document"),
                                   ("topk: 2\n---\n", "got '---'")):
@@ -351,6 +353,15 @@ class CostModel(unittest.TestCase):
                                    text=True)
                 self.assertNotEqual(r.returncode, 0, text)
                 self.assertIn(message, r.stderr)
+            # What the layer's loader takes: a byte-order mark, quoted keys; and the FP8 options
+            # where the config turns FP8 on.
+            fp8 = pathlib.Path(d) / "fp8.yaml"
+            fp8.write_text("\ufeffhidden: 1024\n\"ffn_hidden\": 512\n'num_experts': 8\ntopk: 2\n"
+                           "fp8: true\nalign_size: 16\n", encoding="utf-8")
+            r = subprocess.run([sys.executable, script, str(fp8), "--micro-batches", "4",
+                                "--fp8-speedup", "1.5", "--ep", "1"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("FP8 experts at 1.5x, the weights quantized once in 4 step(s)", r.stdout)
             r = subprocess.run([sys.executable, script, str(config), "--ep", "1", "2"],
                                capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr)
