@@ -15,10 +15,12 @@
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-usage() {
+usage() {  # to stderr with status 2, or (usage 0: --help) to stdout
+  local to=2
+  [ "${1:-2}" = 0 ] && to=1
   echo "usage: $0 [--configs C] [--tokens T] [--ranks R] [--modes M] [--micro-batches N]" \
-    "[--repeat K] OUTDIR" >&2
-  exit 2
+    "[--repeat K] OUTDIR" >&"$to"
+  exit "${1:-2}"
 }
 configs="mixtral-8x7b qwen3-30b-a3b deepseek-v3" tokens="8192" ranks=1 modes="" repeat=1 out=""
 micro_batches=4 micro_batches_given=0
@@ -35,6 +37,7 @@ while [ $# -gt 0 ]; do
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
+    -h | --help) usage 0 ;;
     -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1; shift ;;

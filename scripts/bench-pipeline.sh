@@ -14,10 +14,12 @@
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-usage() {
+usage() {  # to stderr with status 2, or (usage 0: --help) to stdout
+  local to=2
+  [ "${1:-2}" = 0 ] && to=1
   echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--chunks C] [--transports T]" \
-    "[--nccl-channels N] [--repeat R] OUTDIR" >&2
-  exit 2
+    "[--nccl-channels N] [--repeat R] OUTDIR" >&"$to"
+  exit "${1:-2}"
 }
 configs="deepseek-v3 qwen3-30b-a3b mixtral-8x7b" tokens="8192" ranks=2 chunk_counts="4"
 channel_counts="default" transports="nccl" repeat=1 out=""
@@ -35,6 +37,7 @@ while [ $# -gt 0 ]; do
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
+    -h | --help) usage 0 ;;
     -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1; shift ;;

@@ -13,10 +13,12 @@
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-usage() {
+usage() {  # to stderr with status 2, or (usage 0: --help) to stdout
+  local to=2
+  [ "${1:-2}" = 0 ] && to=1
   echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--transport peer|nccl|copy] [--repeat R]" \
-    "OUTDIR" >&2
-  exit 2
+    "OUTDIR" >&"$to"
+  exit "${1:-2}"
 }
 configs="deepseek-v3 qwen1.5-moe-a2.7b" tokens="8192" ranks=1 transport="" repeat=1 out=""
 while [ $# -gt 0 ]; do
@@ -31,6 +33,7 @@ while [ $# -gt 0 ]; do
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
+    -h | --help) usage 0 ;;
     -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1; shift ;;

@@ -11,9 +11,11 @@
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-usage() {
-  echo "usage: $0 [--configs C] [--tokens T] [--factors F] [--grad-dtype bf16|fp32] [--iters N] OUTDIR" >&2
-  exit 2
+usage() {  # to stderr with status 2, or (usage 0: --help) to stdout
+  local to=2
+  [ "${1:-2}" = 0 ] && to=1
+  echo "usage: $0 [--configs C] [--tokens T] [--factors F] [--grad-dtype bf16|fp32] [--iters N] OUTDIR" >&"$to"
+  exit "${1:-2}"
 }
 configs="mixtral-8x7b qwen3-30b-a3b" tokens="1024 2048 8192" factors="1.0 1.25 2.0" grad="" iters=10 out=""
 while [ $# -gt 0 ]; do
@@ -28,6 +30,7 @@ while [ $# -gt 0 ]; do
         --iters) iters=$2 ;;
       esac
       shift 2 ;;
+    -h | --help) usage 0 ;;
     -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1; shift ;;

@@ -73,7 +73,8 @@ moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "
   set -f    # the lists split on spaces alone: a '*' is no file name pattern
   [ -n "${configs// /}" ] || { echo "error: --configs names no config" >&2; exit 2; }
   for c in $configs; do
-    [ -f "$MOE_ROOT/configs/$c.yaml" ] ||
+    # A name, not a path: it also names the results' files under OUTDIR.
+    [[ "$c" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] && [ -f "$MOE_ROOT/configs/$c.yaml" ] ||
       { echo "error: --configs '$c' is not one of $MOE_ROOT/configs/*.yaml" >&2; exit 2; }
   done
   for t in $tokens; do

@@ -24,10 +24,12 @@
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
-usage() {
+usage() {  # to stderr with status 2, or (usage 0: --help) to stdout
+  local to=2
+  [ "${1:-2}" = 0 ] && to=1
   echo "usage: $0 [--sanitize] [--no-tests] [--no-bench] [--repeat N] [--only gpu|mpi]" \
-    "[--tests REGEX] [--exclude REGEX] OUTDIR" >&2
-  exit 2
+    "[--tests REGEX] [--exclude REGEX] OUTDIR" >&"$to"
+  exit "${1:-2}"
 }
 sanitize=0 tests=1 bench=1 repeat=0 out="" labels="gpu mpi" select=() exclude=()
 while [ $# -gt 0 ]; do
@@ -45,6 +47,7 @@ while [ $# -gt 0 ]; do
       select=(-R "$2"); shift ;;
     --exclude) [ $# -ge 2 ] || { echo "error: --exclude needs a REGEX" >&2; usage; }
       exclude=(-E "$2"); shift ;;
+    -h | --help) usage 0 ;;
     -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) [ -z "$out" ] || { echo "error: one OUTDIR, got '$out' and '$1'" >&2; usage; }
        out=$1 ;;

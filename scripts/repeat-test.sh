@@ -11,10 +11,12 @@
 # Exit status: 0 when every run passed, 1 otherwise.
 set -uo pipefail
 
-usage() {
+usage() {  # to stderr with status 2, or (usage 0: --help) to stdout
+  local to=2
+  [ "${1:-2}" = 0 ] && to=1
   echo "usage: $0 [--tool T] [--runs N] [--seconds S] [--timeout S] [--logs DIR] BINARY" \
-    "[test-spec...]" >&2
-  exit 2
+    "[test-spec...]" >&"$to"
+  exit "${1:-2}"
 }
 # A whole number in [low, high] for option $1, or an error naming it and the value.
 count() {  # count OPTION VALUE LOW HIGH
@@ -35,6 +37,7 @@ while [ $# -gt 0 ]; do
       esac
       shift 2 ;;
     --) shift; break ;;
+    -h | --help) usage 0 ;;
     -*) echo "error: unknown option '$1'" >&2; usage ;;
     *) break ;;
   esac
@@ -42,7 +45,7 @@ done
 [ $# -ge 1 ] || usage
 binary=$1
 shift
-[ -x "$binary" ] || { echo "error: '$binary' is not an executable file" >&2; exit 2; }
+[ -f "$binary" ] && [ -x "$binary" ] || { echo "error: '$binary' is not an executable file" >&2; exit 2; }
 case $tool in
   "" | memcheck | racecheck | initcheck | synccheck) ;;
   *) echo "error: --tool '$tool' must be memcheck, racecheck, initcheck or synccheck" >&2; exit 2 ;;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The run scripts (gpu-check.sh, bench-*.sh) refuse bad options with exit status 2 and a message
+# The run scripts (gpu-check.sh, bench-*.sh, repeat-test.sh) refuse bad options with exit status 2 and a message
 # naming the option and its value, before they install, build or run anything; on a machine
 # without a GPU they refuse valid options too, before building.
 #   script_refusals.sh SOURCE_DIR BUILD_DIR
@@ -29,8 +29,24 @@ for script in gpu-check.sh bench-fp8.sh bench-pipeline.sh bench-shared-overlap.s
 done
 for script in bench-fp8.sh bench-pipeline.sh bench-shared-overlap.sh bench-static-shapes.sh; do
   expect "--configs 'nope' is not one of" "$script" --configs nope "$out/a"
+  # A path is no config name, though configs/../configs/small.yaml exists: the name also names
+  # the results' files under OUTDIR.
+  expect "--configs '../configs/small' is not one of" "$script" --configs ../configs/small "$out/a"
   expect "--tokens '0' is not a token count in [1, 2^30]" "$script" --tokens 0 "$out/a"
 done
+# --help: the usage on standard output, status 0, nothing run.
+for script in gpu-check.sh bench-fp8.sh bench-pipeline.sh bench-shared-overlap.sh \
+  bench-static-shapes.sh repeat-test.sh; do
+  for flag in --help -h; do
+    said=$(bash "$scripts/$script" "$flag" 2>/dev/null)
+    status=$?
+    if [ "$status" -ne 0 ] || [[ "$said" != "usage: "* ]]; then
+      echo "FAIL: $script $flag exited $status, wanted 0 and the usage on stdout; said: $said"
+      failed=1
+    fi
+  done
+done
+expect "'$out' is not an executable file" repeat-test.sh "$out"
 expect "--repeat needs a count" gpu-check.sh --repeat
 expect "--repeat 'x' is not a count in [0, 999999]" gpu-check.sh --repeat x "$out/a"
 expect "--only 'cpu' is neither gpu nor mpi" gpu-check.sh --only cpu "$out/a"
