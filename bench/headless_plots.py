@@ -13,15 +13,50 @@ def read_json(path, program):
             return json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise SystemExit(f"{program}: {path}: {error}")
+    except RecursionError:
+        raise SystemExit(f"{program}: {path}: nested too deep to be a benchmark's results")
 
 
-def number(value, where, program, positive=False):
-    """`value` as a finite float (positive where asked), or an exit naming where it came from."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+# Formats matplotlib writes, by the output's extension.
+IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
+def number(value, where, program, positive=False, at_least=None, at_most=None):
+    """`value` as a finite float (above 0, or within [at_least, at_most], where asked), or an
+    exit naming where it came from. A JSON integer too large for a float is not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SystemExit(f"{program}: {where} = {value!r} is not a finite number")
-    if positive and value <= 0:
+    try:
+        as_float = float(value)
+    except OverflowError:
+        as_float = math.inf
+    if not math.isfinite(as_float):
+        shown = value if isinstance(value, float) or abs(value) < 10**30 else f"{str(value)[:12]}..."
+        raise SystemExit(f"{program}: {where} = {shown} is not a finite number")
+    if positive and as_float <= 0:
         raise SystemExit(f"{program}: {where} = {value!r} must be above 0")
-    return float(value)
+    if at_least is not None and as_float < at_least:
+        raise SystemExit(f"{program}: {where} = {value!r} must be at least {at_least:g}")
+    if at_most is not None and as_float > at_most:
+        raise SystemExit(f"{program}: {where} = {value!r} must be at most {at_most:g}")
+    return as_float
+
+
+def label(text):
+    """`text` shown as written in a plot: matplotlib reads $...$ as math."""
+    return str(text).replace("$", r"\$")
+
+
+def image_file(path, program):
+    """Exits unless `path` names a file (not a folder) of a format matplotlib writes, in a
+    folder a file can be written into."""
+    if os.path.isdir(path):
+        raise SystemExit(f"{program}: {path!r} is a folder; name the image file")
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    if extension not in IMAGE_FORMATS:
+        raise SystemExit(f"{program}: {path!r}: the image's name must end in one of "
+                         f".{', .'.join(IMAGE_FORMATS)}")
+    writable_folder(os.path.dirname(os.path.abspath(path)), program)
 
 
 def writable_folder(path, program):

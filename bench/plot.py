@@ -7,7 +7,12 @@ config and mesh, and the time ratio. PNGs into the output folder (docs/ by defau
 import argparse
 import os
 
-from headless_plots import number, pyplot, read_json, writable_folder
+from headless_plots import label, number, pyplot, read_json, writable_folder
+
+# Results a plot draws legibly; compare_layer.py writes a few a run.
+MOST_ROWS = 60
+# A step time beyond any benchmark's (a day), which would only overflow the ratios.
+MOST_MS = 864e5
 
 
 def peer_ms(row):
@@ -21,22 +26,24 @@ def check_row(row, where):
     ranks, and each side that ran (ours, peer, peer_compiled; null where it failed) with a step
     time above 0, ours with its stages' times."""
     if not isinstance(row.get("config"), str) or isinstance(row.get("ranks"), bool) or \
-            not isinstance(row.get("ranks"), int):
-        raise SystemExit(f"plot.py: {where}: needs 'config' (a name) and 'ranks' (a count)")
+            not isinstance(row.get("ranks"), int) or not 1 <= row["ranks"] <= 2**20:
+        raise SystemExit(f"plot.py: {where}: needs 'config' (a name) and 'ranks' (a count), got "
+                         f"{row.get('config')!r} and {row.get('ranks')!r}")
     for side in ("ours", "peer", "peer_compiled"):
         run = row.get(side)
         if run is None:
             continue
         if not isinstance(run, dict):
             raise SystemExit(f"plot.py: {where}: '{side}' is {run!r}, not a run's results")
-        number(run.get("total_ms"), f"{where}: {side}.total_ms", "plot.py", positive=True)
+        number(run.get("total_ms"), f"{where}: {side}.total_ms", "plot.py", positive=True,
+               at_most=MOST_MS)
     stages = (row.get("ours") or {}).get("stages_ms", {}) if row.get("ours") else {}
     if row.get("ours") and "stages_ms" not in row["ours"]:
         raise SystemExit(f"plot.py: {where}: ours has no stages_ms (a moe_bench --json file's)")
     if not isinstance(stages, dict):
         raise SystemExit(f"plot.py: {where}: ours.stages_ms is {stages!r}, not stage times")
     for name, ms in stages.items():
-        number(ms, f"{where}: ours.stages_ms[{name!r}]", "plot.py")
+        number(ms, f"{where}: ours.stages_ms[{name!r}]", "plot.py", at_least=0, at_most=MOST_MS)
 
 
 def main():
@@ -54,14 +61,17 @@ def main():
     rows = [r for r in results if r.get("ours") and (r.get("peer") or r.get("peer_compiled"))]
     if not rows:
         raise SystemExit(f"plot.py: {args.results}: no result with both our layer and PyTorch's")
+    if len(rows) > MOST_ROWS:
+        raise SystemExit(f"plot.py: {args.results}: {len(rows)} results to draw; a plot holds at "
+                         f"most {MOST_ROWS} legibly")
     plt = pyplot("plot.py")
-    labels = [f"{r['config']}\n{r['ranks']} GPU" for r in rows]
+    labels = [f"{label(r['config'])}\n{r['ranks']} GPU" for r in rows]
     stages = []
     for r in rows:
         for name in r["ours"]["stages_ms"]:
             if name not in stages:
                 stages.append(name)
-    device = rows[0]["ours"].get("device", "") if rows else ""
+    device = label(rows[0]["ours"].get("device", "")) if rows else ""
 
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(rows)), 5))
     width = 0.38
@@ -71,7 +81,7 @@ def main():
     for i, stage in enumerate(stages):
         values = [r["ours"]["stages_ms"].get(stage, 0.0) for r in rows]
         ax.bar([p - width / 2 for p in positions], values, width, bottom=bottom, color=colors[i % 20],
-               label=stage.replace("moe ", ""))
+               label=label(stage.replace("moe ", "")))
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.bar([p + width / 2 for p in positions], [peer_ms(r) for r in rows], width, color="0.6",
            label="PyTorch, the faster of eager and compiled (total)")
@@ -92,7 +102,7 @@ def main():
         ax.text(p, v + 0.02, f"{v:.2f}x", ha="center")
     ax.set_xticks(list(positions), labels)
     ax.set_ylabel("our step / the faster PyTorch step\n(eager or compiled; lower is better)")
-    tokens = rows[0]["ours"].get("tokens_per_gpu", "?")
+    tokens = label(rows[0]["ours"].get("tokens_per_gpu", "?"))
     ax.set_title(f"Whole layer, forward + backward, bf16, T = {tokens} per GPU, {device}")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "layer_vs_pytorch.png"), dpi=120)

@@ -16,12 +16,24 @@ import argparse
 import os
 import re
 
-from headless_plots import number, pyplot, read_json, writable_folder
+from headless_plots import image_file, label, number, pyplot, read_json
+
+# What each metric can be: a loss above 0 (drawn on a log scale), an imbalance max / mean of at
+# least 0, a share dropped in [0, 100] %. (least, most, above 0)
+RANGES = {"loss": (None, None, True), "imbalance": (0.0, None, False),
+          "dropped": (0.0, 100.0, False)}
+MOST_STEP = 2**53  # steps a float holds exactly
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
                   r"([0-9.]+) per EP rank")
 DROPPED = re.compile(r"^step\s+(\d+)\s.*per EP rank\s+([0-9.]+)% dropped")
 JSON_KEYS = {"loss": "loss", "imbalance": "load_imbalance_expert", "dropped": "dropped_fraction"}
+
+
+def metric_value(value, where, metric):
+    """`value` (finite) within the metric's range, or an exit naming where it came from."""
+    least, most, positive = RANGES[metric]
+    return number(value, where, "plot_train.py", positive=positive, at_least=least, at_most=most)
 
 
 def read_log(path, metric):
@@ -40,10 +52,12 @@ def read_log(path, metric):
             if entry.get(key) is None:  # non-finite (JSON null), or no drops: a dropless run
                 continue
             step = entry.get("step")
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise SystemExit(f"plot_train.py: {where}.step = {step!r} is not a step number")
+            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MOST_STEP:
+                shown = step if not isinstance(step, int) or step < 10**30 else f"{str(step)[:12]}..."
+                raise SystemExit(f"plot_train.py: {where}.step = {shown!r} is not a step number")
             steps.append(step)
-            values.append(scale * number(entry[key], f"{where}.{key}", "plot_train.py"))
+            values.append(metric_value(scale * number(entry[key], f"{where}.{key}",
+                                                      "plot_train.py"), f"{where}.{key}", metric))
         if not steps:
             raise SystemExit(f"{path}: no logged steps with {key} (a moe_train --json file"
                              f"{', in capacity mode' if metric == 'dropped' else ''}?)")
@@ -59,8 +73,14 @@ def read_log(path, metric):
                     except ValueError:
                         raise SystemExit(f"plot_train.py: {path}:{number_of_line}: "
                                          f"{m.group(group)!r} is not a number")
-                    steps.append(int(m.group(1)))
-                    values.append(value)
+                    where = f"{path}:{number_of_line}: {metric}"
+                    value = number(value, where, "plot_train.py")
+                    step = int(m.group(1))
+                    if step > MOST_STEP:
+                        raise SystemExit(f"plot_train.py: {path}:{number_of_line}: step "
+                                         f"{m.group(1)[:12]}... is not a step number")
+                    steps.append(step)
+                    values.append(metric_value(value, where, metric))
     except OSError as error:
         raise SystemExit(f"plot_train.py: {path}: {error}")
     if not steps:
@@ -77,50 +97,46 @@ def main():
     parser.add_argument("--metric", choices=["imbalance", "dropped", "loss"], default="imbalance")
     parser.add_argument("--title")
     args = parser.parse_args()
-    writable_folder(os.path.dirname(os.path.abspath(args.out)), "plot_train.py")
+    image_file(args.out, "plot_train.py")  # before a long run's logs are read
     runs = []
     for run in args.runs:
-        label, sep, path = run.partition("=")
+        run_label, sep, path = run.partition("=")
         if not sep:
-            raise SystemExit(f"'{run}': expected LABEL=LOG")
-        runs.append((label, *read_log(path, args.metric)))
-    if args.metric == "loss":  # the gaps below are relative to the first run's loss
-        base_label, base_steps, base_values = runs[0]
-        for step, value in zip(base_steps, base_values):
-            if value == 0:
-                raise SystemExit(f"plot_train.py: '{base_label}' has loss 0 at step {step}: the "
-                                 "others' gaps are relative to it; draw another run first")
+            raise SystemExit(f"plot_train.py: '{run}': expected LABEL=LOG")
+        runs.append((run_label, *read_log(path, args.metric)))
     plt = pyplot("plot_train.py")
+    runs = [(label(name), steps, values) for name, steps, values in runs]
+    title = label(args.title) if args.title else None
 
     if args.metric in ("imbalance", "dropped"):
         fig, ax = plt.subplots(figsize=(7, 4))
-        for label, steps, values in runs:
-            ax.plot(steps, values, label=label)
+        for name, steps, values in runs:
+            ax.plot(steps, values, label=name)
         if args.metric == "imbalance":
             ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
             ax.set_ylabel("tokens per expert, max / mean")
-            ax.set_title(args.title or "moe_train: load imbalance of the first layer")
+            ax.set_title(title or "moe_train: load imbalance of the first layer")
         else:
             ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
             ax.set_ylabel("slots dropped, %")
-            ax.set_title(args.title or "moe_train: slots the first layer dropped")
+            ax.set_title(title or "moe_train: slots the first layer dropped")
         ax.legend()
         bottom = ax
     else:
         fig, (ax, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
                                          gridspec_kw={"height_ratios": [2, 1]})
-        for label, steps, values in runs:
-            ax.plot(steps, values, label=label)
+        for name, steps, values in runs:
+            ax.plot(steps, values, label=name)
         ax.set_yscale("log")
         ax.set_ylabel("loss")
-        ax.set_title(args.title or "moe_train: loss")
+        ax.set_title(title or "moe_train: loss")
         ax.legend()
         base_label, base_steps, base_values = runs[0]
         base = dict(zip(base_steps, base_values))
-        for label, steps, values in runs[1:]:
+        for name, steps, values in runs[1:]:
             shared = [(s, v) for s, v in zip(steps, values) if s in base]
             bottom.plot([s for s, _ in shared], [100 * (v / base[s] - 1) for s, v in shared],
-                        label=f"{label} against {base_label}")
+                        label=f"{name} against {base_label}")
         bottom.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
         bottom.set_ylabel("loss gap, %")
         bottom.legend()

@@ -57,6 +57,24 @@ class PlotInputs(unittest.TestCase):
                                     "--out", self.dir)
         self.assert_refused("is not a folder", "plot.py", self.write("compare.json", []),
                             "--out", self.dir / "missing")
+        row = {"config": "x", "ranks": 1, "ours": ours, "peer": {"total_ms": 2.0}}
+        for rows, said in [
+            ([dict(row, ranks=-3)], "got 'x' and -3"),
+            ([dict(row, ours=dict(ours, stages_ms={"gate": -1.0}))],
+             "ours.stages_ms['gate'] = -1.0 must be at least 0"),
+            ([dict(row, peer={"total_ms": 1e308})], "peer.total_ms = 1e+308 must be at most"),
+            ([row] * 61, "61 results to draw; a plot holds at most 60"),
+        ]:
+            with self.subTest(said=said):
+                self.assert_refused(said, "plot.py", self.write("compare.json", rows),
+                                    "--out", self.dir)
+        # A JSON integer no float holds, and nesting deeper than Python's recursion.
+        self.assert_refused("ours.total_ms = 100000000000... is not a finite number", "plot.py",
+                            self.write("big.json", '[{"config": "x", "ranks": 1, "ours": '
+                                       '{"total_ms": 1' + "0" * 400 + ', "stages_ms": {}}, '
+                                       '"peer": {"total_ms": 1}}]'), "--out", self.dir)
+        self.assert_refused("nested too deep", "plot.py",
+                            self.write("deep.json", "[" * 100000 + "]" * 100000), "--out", self.dir)
 
     def test_training_plot_names_the_log_entry_and_value(self):
         cases = [
@@ -75,9 +93,22 @@ class PlotInputs(unittest.TestCase):
         self.assert_refused("bad.txt:2: '1.5.3' is not a number", "plot_train.py", "--out", out,
                             f"run={self.write('bad.txt', line.format(1.0, 1.5) + line.format(1.0, '1.5.3'))}")
         zero = self.write("zero.txt", line.format(0, 1.5))
-        self.assert_refused("'base' has loss 0 at step 10", "plot_train.py", "--out", out,
+        self.assert_refused("zero.txt:1: loss = 0.0 must be above 0", "plot_train.py", "--out", out,
                             "--metric", "loss", f"base={zero}", f"other={zero}")
         self.assert_refused("is not a folder", "plot_train.py", "--out", self.dir / "no" / "o.png",
+                            f"run={zero}")
+        self.assert_refused("huge.txt:1: loss = inf is not a finite number", "plot_train.py",
+                            "--out", out, "--metric", "loss",
+                            f"run={self.write('huge.txt', line.format('1e999', 1.5))}")
+        self.assert_refused("log[0].dropped_fraction = 700.0 must be at most 100", "plot_train.py",
+                            "--out", out, "--metric", "dropped",
+                            f"run={self.write('d.json', {'log': [{'step': 1, 'dropped_fraction': 7}]})}")
+        huge_step = self.write("s.json", '{"log": [{"step": 1' + "0" * 400 + ', "loss": 1}]}')
+        self.assert_refused("log[0].step = '100000000000...' is not a step number",
+                            "plot_train.py", "--out", out, "--metric", "loss", f"run={huge_step}")
+        self.assert_refused("the image's name must end in one of .png", "plot_train.py",
+                            "--out", self.dir / "a.xyz", f"run={zero}")
+        self.assert_refused("is a folder; name the image file", "plot_train.py", "--out", self.dir,
                             f"run={zero}")
 
 
