@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -85,21 +86,45 @@ int compare(const std::string& a_path, const std::string& b_path, double toleran
   const auto a = TensorFile::read(a_path);
   const auto b = TensorFile::read(b_path);
   int failures = 0;
+  std::size_t compared = b.tensors().size();
+  // A tensor of A that B lacks is a difference too: nothing would check its values.
+  for (const auto& [name, extra] : a.tensors()) {
+    if (b.tensors().count(name) == 0) {
+      std::printf("%-20s DIFFERENT (in %s only)\n", name.c_str(), a_path.c_str());
+      ++failures;
+      ++compared;
+    }
+  }
+  const auto describe = [](const FileTensor& t) {
+    std::string shape;
+    for (const auto d : t.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+    return std::string(file_dtype_name(t.dtype)) + "[" + shape + "]";
+  };
   for (const auto& [name, want] : b.tensors()) {
     const auto& got = a.get(name);
-    bool ok = got.shape == want.shape && got.dtype == want.dtype;
-    double error = 0.0;
-    if (ok && (want.dtype == FileDType::kI32 || want.dtype == FileDType::kI64)) {
-      ok = got.data == want.data;
-    } else if (ok) {
-      error = test::relative_error(file_values(got), file_values(want));
-      ok = error <= tolerance;
+    if (got.shape != want.shape || got.dtype != want.dtype) {
+      std::printf("%-20s DIFFERENT (%s against %s)\n", name.c_str(), describe(got).c_str(),
+                  describe(want).c_str());
+      ++failures;
+      continue;
     }
+    if (want.dtype == FileDType::kI32 || want.dtype == FileDType::kI64) {
+      const std::size_t size = want.dtype == FileDType::kI32 ? 4 : 8;
+      std::size_t unequal = 0;
+      for (std::size_t i = 0; i + size <= want.data.size(); i += size)
+        unequal += std::memcmp(got.data.data() + i, want.data.data() + i, size) != 0;
+      std::printf("%-20s %s (%zu of %zu integers differ)\n", name.c_str(),
+                  unequal == 0 ? "equal" : "DIFFERENT", unequal, want.data.size() / size);
+      failures += unequal != 0;
+      continue;
+    }
+    const double error = test::relative_error(file_values(got), file_values(want));
+    const bool ok = error <= tolerance;
     std::printf("%-20s %s (relative error %.3g)\n", name.c_str(), ok ? "equal" : "DIFFERENT",
                 error);
     failures += !ok;
   }
-  std::printf("%d of %zu tensors differ\n", failures, b.tensors().size());
+  std::printf("%d of %zu tensors differ\n", failures, compared);
   return failures == 0 ? 0 : 1;
 }
 
