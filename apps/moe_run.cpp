@@ -4,7 +4,7 @@
 //   mpirun -np N build/apps/moe_run --config C.yaml --weights W.safetensors --inputs I.safetensors
 //                                   --out R.safetensors [--ep E --dp D]
 //   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs
-//   build/apps/moe_run ... --no-check-finite   # no NaN/Inf check of weights, inputs, results
+//   build/apps/moe_run ... --no-check-finite   # no NaN/Inf (or bf16 overflow) check of the files
 //
 // In capacity mode each rank drops from its own tokens (C from its own T), while --reference
 // runs the whole batch as one rank: with several ranks the two differ by design
@@ -182,7 +182,9 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
                   bool check_finite_values, const std::string& out_path) {
   const LayerInputs in = read_layer_inputs_without_experts(config, weights, inputs);
   if (check_finite_values) {
-    check_finite(weights, config.dtype);  // as the layer holds them: bf16 may overflow
+    // As the layer holds them: bf16 may overflow; the expert bias stays fp32 (io/rank_inputs.cpp).
+    constexpr std::string_view kHeldInFp32[] = {"expert_bias"};
+    check_finite(weights, config.dtype, kHeldInFp32);
     check_finite(inputs, config.dtype);
   }
   reference::LayerOptions options;
@@ -399,7 +401,8 @@ int main(int argc, char** argv) {
   app.add_flag("--reference", use_reference, "run the fp64 CPU reference instead of the GPUs");
   app.add_flag(
       "--check-finite,!--no-check-finite", check_finite_values,
-      "refuse weights, inputs and results holding NaN or Inf, naming the tensor (default: on)");
+      "refuse weights, inputs and results holding NaN or Inf (as the layer holds them: an F32 "
+      "value beyond bf16's range under dtype bf16 too), naming the tensor (default: on)");
   if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
   try {
     cli::check_output_file(

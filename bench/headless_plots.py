@@ -11,14 +11,22 @@ def read_json(path, program):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:  # ValueError: bad JSON, bad UTF-8, 4300+ digits
         raise SystemExit(f"{program}: {path}: {error}")
     except RecursionError:
         raise SystemExit(f"{program}: {path}: nested too deep to be a benchmark's results")
 
 
 # Formats matplotlib writes, by the output's extension.
-IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp",
+                 "pgf", "raw", "rgba")
+
+
+def shown(value):
+    """`value` for a message: an integer of more than 30 digits cut to its first 12."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"{str(value)[:12]}..."
+    return repr(value)
 
 
 def number(value, where, program, positive=False, at_least=None, at_most=None):
@@ -31,14 +39,13 @@ def number(value, where, program, positive=False, at_least=None, at_most=None):
     except OverflowError:
         as_float = math.inf
     if not math.isfinite(as_float):
-        shown = value if isinstance(value, float) or abs(value) < 10**30 else f"{str(value)[:12]}..."
-        raise SystemExit(f"{program}: {where} = {shown} is not a finite number")
+        raise SystemExit(f"{program}: {where} = {shown(value)} is not a finite number")
     if positive and as_float <= 0:
-        raise SystemExit(f"{program}: {where} = {value!r} must be above 0")
+        raise SystemExit(f"{program}: {where} = {shown(value)} must be above 0")
     if at_least is not None and as_float < at_least:
-        raise SystemExit(f"{program}: {where} = {value!r} must be at least {at_least:g}")
+        raise SystemExit(f"{program}: {where} = {shown(value)} must be at least {at_least:g}")
     if at_most is not None and as_float > at_most:
-        raise SystemExit(f"{program}: {where} = {value!r} must be at most {at_most:g}")
+        raise SystemExit(f"{program}: {where} = {shown(value)} must be at most {at_most:g}")
     return as_float
 
 

@@ -16,12 +16,13 @@ import argparse
 import os
 import re
 
-from headless_plots import image_file, label, number, pyplot, read_json
+from headless_plots import image_file, label, number, pyplot, read_json, shown
 
-# What each metric can be: a loss above 0 (drawn on a log scale), an imbalance max / mean of at
-# least 0, a share dropped in [0, 100] %. (least, most, above 0)
+# What each metric can be as the log holds it: a loss above 0 (drawn on a log scale), an
+# imbalance max / mean of at least 0, a share dropped in [0, 1] in JSON ("dropped_fraction") and
+# [0, 100] in a console log (a percentage). (least, most, above 0)
 RANGES = {"loss": (None, None, True), "imbalance": (0.0, None, False),
-          "dropped": (0.0, 100.0, False)}
+          "dropped": (0.0, 100.0, False), "dropped_fraction": (0.0, 1.0, False)}
 MOST_STEP = 2**53  # steps a float holds exactly
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
@@ -53,11 +54,10 @@ def read_log(path, metric):
                 continue
             step = entry.get("step")
             if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MOST_STEP:
-                shown = step if not isinstance(step, int) or step < 10**30 else f"{str(step)[:12]}..."
-                raise SystemExit(f"plot_train.py: {where}.step = {shown!r} is not a step number")
+                raise SystemExit(f"plot_train.py: {where}.step = {shown(step)} is not a step number")
             steps.append(step)
-            values.append(metric_value(scale * number(entry[key], f"{where}.{key}",
-                                                      "plot_train.py"), f"{where}.{key}", metric))
+            values.append(scale * metric_value(entry[key], f"{where}.{key}",
+                                               key if metric == "dropped" else metric))
         if not steps:
             raise SystemExit(f"{path}: no logged steps with {key} (a moe_train --json file"
                              f"{', in capacity mode' if metric == 'dropped' else ''}?)")
@@ -75,10 +75,11 @@ def read_log(path, metric):
                                          f"{m.group(group)!r} is not a number")
                     where = f"{path}:{number_of_line}: {metric}"
                     value = number(value, where, "plot_train.py")
-                    step = int(m.group(1))
-                    if step > MOST_STEP:
+                    # Its digits counted before int() reads them (Python refuses 4300 and more).
+                    if len(m.group(1).lstrip("0")) > 16 or int(m.group(1)) > MOST_STEP:
                         raise SystemExit(f"plot_train.py: {path}:{number_of_line}: step "
                                          f"{m.group(1)[:12]}... is not a step number")
+                    step = int(m.group(1))
                     steps.append(step)
                     values.append(metric_value(value, where, metric))
     except OSError as error:

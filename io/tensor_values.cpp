@@ -69,14 +69,15 @@ class NonFiniteScan {
         first == 0 && count == info.numel
             ? fmt::format("of its {} elements", info.numel)
             : fmt::format("of its elements [{}, {}) read here", first, first + count);
+    const char* counted = held_ == DType::kBF16 ? "are NaN, Inf or beyond bf16" : "are NaN or Inf";
     if (std::isfinite(value_)) {
       fail(
           "{}: tensor '{}' holds {} at [{}], beyond the range of bf16, the dtype the layer holds "
-          "it in ({} {} are NaN, Inf or beyond bf16)",
-          file.source(), name, value_, fmt::join(index, ", "), count_, among);
+          "it in ({} {} {})",
+          file.source(), name, value_, fmt::join(index, ", "), count_, among, counted);
     }
-    fail("{}: tensor '{}' holds {} at [{}] ({} {} are NaN or Inf)", file.source(), name,
-         static_cast<double>(value_), fmt::join(index, ", "), count_, among);
+    fail("{}: tensor '{}' holds {} at [{}] ({} {} {})", file.source(), name,
+         static_cast<double>(value_), fmt::join(index, ", "), count_, among, counted);
   }
 
  private:
@@ -119,11 +120,14 @@ std::vector<double> file_values(const FileTensor& t, std::string_view name, DTyp
   return {values.begin(), values.end()};
 }
 
-void check_finite(const TensorSource& file, DType held) {
+void check_finite(const TensorSource& file, DType held,
+                  std::span<const std::string_view> held_in_fp32) {
   for (const auto& name : file.names()) {
     const TensorInfo info = file.info(name);
     if (!floating(info.dtype)) continue;
-    NonFiniteScan scan(held);
+    const bool fp32 =
+        std::find(held_in_fp32.begin(), held_in_fp32.end(), name) != held_in_fp32.end();
+    NonFiniteScan scan(fp32 ? DType::kFP32 : held);
     for_each_piece(file, name, 0, info.numel,
                    [&](std::span<const float> values, std::int64_t at) { scan.scan(values, at); });
     scan.check(file, name, info, 0, info.numel);

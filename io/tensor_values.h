@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,9 +26,11 @@ std::vector<double> file_values(const FileTensor& tensor, std::string_view name 
 
 // Throws moe::Error naming the file, the tensor, the first NaN or Inf (its index in every
 // dimension and its value) and how many there are, when a BF16 or F32 tensor of `file` is not
-// finite everywhere as the layer holds it (`held`: under kBF16 a finite F32 value beyond bf16's
-// range counts, named as such). Reads every tensor in pieces.
-void check_finite(const TensorSource& file, DType held = DType::kFP32);
+// finite everywhere as the layer holds it (`held`, or fp32 for the tensors named in held_in_fp32:
+// under kBF16 a finite F32 value beyond bf16's range counts, named as such). Reads every tensor
+// in pieces.
+void check_finite(const TensorSource& file, DType held = DType::kFP32,
+                  std::span<const std::string_view> held_in_fp32 = {});
 
 // Elements [first, first + count) of BF16 or F32 tensor `name`, converted to `dtype` (kBF16 or
 // kFP32) as a GPU tensor of the layer holds them: the bytes to upload. With check_finite, a NaN

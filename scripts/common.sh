@@ -74,7 +74,9 @@ moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "
   [ -n "${configs// /}" ] || { echo "error: --configs names no config" >&2; exit 2; }
   for c in $configs; do
     # A name, not a path: it also names the results' files under OUTDIR.
-    [[ "$c" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] && [ -f "$MOE_ROOT/configs/$c.yaml" ] ||
+    [[ "$c" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] ||
+      { echo "error: --configs '$c' is not a config name (a file of configs/, without .yaml)" >&2; exit 2; }
+    [ -f "$MOE_ROOT/configs/$c.yaml" ] ||
       { echo "error: --configs '$c' is not one of $MOE_ROOT/configs/*.yaml" >&2; exit 2; }
   done
   for t in $tokens; do

@@ -311,7 +311,9 @@ FP8_DEFAULTS = {"fp8_speedup": 1.3, "micro_batches": 1}
 
 def parse_args(argv=None):
     """The command line, with the FP8 options' defaults filled in; args.fp8_options names those
-    given, which need FP8 experts (--fp8, or fp8: true in the config: see fp8_options_need_fp8)."""
+    given, which need FP8 experts (--fp8, or fp8: true in the config: see fp8_options_need_fp8).
+    --fp8-dispatch alone is no such option: it prices the E4M3 rows' exchange on bf16 experts,
+    a what-if the layer itself does not run (docs/design.md, "FP8 dispatch, priced")."""
     args = build_parser().parse_args(argv)
     args.fp8_options = []
     for name, default in FP8_DEFAULTS.items():
@@ -319,20 +321,15 @@ def parse_args(argv=None):
             setattr(args, name, default)
         else:
             args.fp8_options.append(name)
-    if args.fp8_dispatch:
-        args.fp8_options.append("fp8_dispatch")
     return args
 
 
 def fp8_options_need_fp8(args):
-    """An FP8 option without FP8 experts would change nothing, or (--fp8-dispatch) price what the
-    layer refuses: each is refused by name once the config has had its say."""
+    """An FP8 option without FP8 experts would change nothing: each is refused by name once the
+    config has had its say."""
     if args.fp8:
         return
     for name in args.fp8_options:
-        if name == "fp8_dispatch":
-            sys.exit("--fp8-dispatch needs FP8 experts: give --fp8 too (the layer refuses "
-                     "fp8_dispatch without fp8)")
         sys.exit(f"--{name.replace('_', '-')} prices the FP8 experts: give --fp8 too")
 
 

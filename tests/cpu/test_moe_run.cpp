@@ -361,9 +361,19 @@ TEST_CASE("check_finite and read_as name an F32 value that overflows bf16", "[cp
   CHECK_THROWS_WITH(read_as(file, "x", 0, 6, DType::kBF16, true), test::contains_text(want));
   CHECK_NOTHROW(read_as(file, "x", 0, 6, DType::kFP32, true));
   CHECK_NOTHROW(read_as(file, "x", 0, 6, DType::kBF16, false));  // --no-check-finite
-  // Within range it passes, the largest bf16 value included.
-  const std::vector<float> near = {3.38953139e38f, -1.0f};
+  // Within range it passes, the largest bf16 value included, and values that round down to it.
+  const std::vector<float> near = {3.38953139e38f, -1.0f, 3.39e38f};
   TensorFile fine;
-  fine.add("y", FileDType::kF32, {2}, near.data());
+  fine.add("y", FileDType::kF32, {3}, near.data());
   CHECK_NOTHROW(check_finite(fine, DType::kBF16));
+  // A NaN first, then values beyond bf16: the count says what it counted.
+  const std::vector<float> mixed = {std::numeric_limits<float>::quiet_NaN(), 3.4e38f, -3.4e38f};
+  TensorFile both;
+  both.add("z", FileDType::kF32, {3}, mixed.data());
+  CHECK_THROWS_WITH(check_finite(both, DType::kBF16),
+                    test::contains_text("tensor 'z' holds nan at [0] (3 of its 3 elements are "
+                                        "NaN, Inf or beyond bf16)"));
+  // A tensor the layer keeps in fp32 (the expert bias) is judged as fp32.
+  constexpr std::string_view kFp32[] = {"x"};
+  CHECK_NOTHROW(check_finite(file, DType::kBF16, kFp32));
 }

@@ -298,6 +298,16 @@ TEST_CASE("moe_run --reference says what of a mesh it leaves aside, and that it 
   REQUIRE(split.run(split.path("split.safetensors"), split.path("out.safetensors"), &error) == 0);
   CHECK_THAT(error, test::contains_text("the inputs' tokens_per_rank has no effect"));
   CHECK(error.find("capacity") == std::string::npos);
+
+  // A malformed split: its error, and no note calling the tensor ineffective before it.
+  auto bad_inputs = split.files.inputs;
+  const std::int64_t negative[2] = {7, -2};
+  bad_inputs.add("tokens_per_rank", FileDType::kI64, {2}, negative);
+  bad_inputs.write(split.dir / "bad_split.safetensors");
+  CHECK(split.run(split.path("bad_split.safetensors"), split.path("bad.safetensors"), &error) != 0);
+  CHECK_THAT(error,
+             test::contains_text("tensor 'tokens_per_rank' holds a negative count -2 at [1]"));
+  CHECK(error.find("no effect") == std::string::npos);
 }
 
 TEST_CASE("moe_run on the GPUs checks the mesh's share of the batch before looking for one",

@@ -4,8 +4,8 @@
 //       near-ties). VARIANT plain (the default); replay: a topk_idx to replay (any distinct
 //       experts a token) and tokens_per_rank splitting the batch unevenly over WORLD ranks;
 //       shared: shared experts with a gate.
-//   layer_files_tool compare A B TOL    every result tensor of A equals B's: routing exactly, the
-//                                        rest within relative L2 error TOL
+//   layer_files_tool compare A B TOL    A and B hold the same result tensors, equal: routing and
+//                                        counts exactly, the rest within relative L2 error TOL
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -101,6 +101,11 @@ int compare(const std::string& a_path, const std::string& b_path, double toleran
     return std::string(file_dtype_name(t.dtype)) + "[" + shape + "]";
   };
   for (const auto& [name, want] : b.tensors()) {
+    if (a.tensors().count(name) == 0) {
+      std::printf("%-20s DIFFERENT (in %s only)\n", name.c_str(), b_path.c_str());
+      ++failures;
+      continue;
+    }
     const auto& got = a.get(name);
     if (got.shape != want.shape || got.dtype != want.dtype) {
       std::printf("%-20s DIFFERENT (%s against %s)\n", name.c_str(), describe(got).c_str(),

@@ -31,7 +31,8 @@ for script in bench-fp8.sh bench-pipeline.sh bench-shared-overlap.sh bench-stati
   expect "--configs 'nope' is not one of" "$script" --configs nope "$out/a"
   # A path is no config name, though configs/../configs/small.yaml exists: the name also names
   # the results' files under OUTDIR.
-  expect "--configs '../configs/small' is not one of" "$script" --configs ../configs/small "$out/a"
+  expect "--configs '../configs/small' is not a config name" "$script" --configs ../configs/small \
+    "$out/a"
   expect "--tokens '0' is not a token count in [1, 2^30]" "$script" --tokens 0 "$out/a"
 done
 # --help: the usage on standard output, status 0, nothing run.

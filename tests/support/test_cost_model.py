@@ -314,7 +314,6 @@ class CostModel(unittest.TestCase):
                                     "--half-rate-inner = 1e+308 must be in [0, 1e+09]"),
                                    (["--micro-batches", "4"], "--micro-batches prices the FP8"),
                                    (["--fp8-speedup", "1.3"], "--fp8-speedup prices the FP8"),
-                                   (["--fp8-dispatch"], "--fp8-dispatch needs FP8 experts"),
                                    (["--fp8", "--micro-batches", "0"],
                                     "--micro-batches = 0 must be in [1, 1048576]"),
                                    (["--fp8", "--fp8-speedup", "0"],

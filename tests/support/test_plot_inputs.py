@@ -73,6 +73,9 @@ class PlotInputs(unittest.TestCase):
                             self.write("big.json", '[{"config": "x", "ranks": 1, "ours": '
                                        '{"total_ms": 1' + "0" * 400 + ', "stages_ms": {}}, '
                                        '"peer": {"total_ms": 1}}]'), "--out", self.dir)
+        self.assert_refused("Exceeds the limit (4300 digits)", "plot.py",
+                            self.write("huge.json", '[{"ranks": 1' + "0" * 5000 + '}]'),
+                            "--out", self.dir)
         self.assert_refused("nested too deep", "plot.py",
                             self.write("deep.json", "[" * 100000 + "]" * 100000), "--out", self.dir)
 
@@ -100,12 +103,15 @@ class PlotInputs(unittest.TestCase):
         self.assert_refused("huge.txt:1: loss = inf is not a finite number", "plot_train.py",
                             "--out", out, "--metric", "loss",
                             f"run={self.write('huge.txt', line.format('1e999', 1.5))}")
-        self.assert_refused("log[0].dropped_fraction = 700.0 must be at most 100", "plot_train.py",
+        self.assert_refused("log[0].dropped_fraction = 7 must be at most 1", "plot_train.py",
                             "--out", out, "--metric", "dropped",
                             f"run={self.write('d.json', {'log': [{'step': 1, 'dropped_fraction': 7}]})}")
         huge_step = self.write("s.json", '{"log": [{"step": 1' + "0" * 400 + ', "loss": 1}]}')
-        self.assert_refused("log[0].step = '100000000000...' is not a step number",
+        self.assert_refused("log[0].step = 100000000000... is not a step number",
                             "plot_train.py", "--out", out, "--metric", "loss", f"run={huge_step}")
+        long_step = self.write("long.txt", line.format(1.0, 1.5).replace("10", "1" + "0" * 5000))
+        self.assert_refused("long.txt:1: step 100000000000... is not a step number",
+                            "plot_train.py", "--out", out, f"run={long_step}")
         self.assert_refused("the image's name must end in one of .png", "plot_train.py",
                             "--out", self.dir / "a.xyz", f"run={zero}")
         self.assert_refused("is a folder; name the image file", "plot_train.py", "--out", self.dir,
