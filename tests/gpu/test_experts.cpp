@@ -26,18 +26,7 @@ Matrix stack(const std::vector<Matrix>& parts) {
   return reference::concat_rows(parts);
 }
 
-Matrix download_matrix(const DeviceBuffer& b, std::int64_t rows, std::int64_t cols, DType dtype) {
-  Matrix m(rows, cols);
-  const auto n = static_cast<std::size_t>(rows * cols);
-  if (dtype == DType::kBF16) {
-    const auto v = test::download<BF16>(b, n);
-    for (std::size_t i = 0; i < n; ++i) m.data[i] = from_bf16(v[i]);
-  } else {
-    const auto v = test::download<float>(b, n);
-    for (std::size_t i = 0; i < n; ++i) m.data[i] = v[i];
-  }
-  return m;
-}
+using test::download_matrix;
 
 enum class Rows { kUniform, kSkewed, kSomeEmpty };
 

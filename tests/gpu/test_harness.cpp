@@ -9,6 +9,7 @@
 #include "moe/device.h"
 #include "reference/reference.h"
 #include "support/catch.h"
+#include "support/gpu_util.h"
 #include "support/test_util.h"
 
 using namespace moe;
@@ -45,21 +46,6 @@ Matrix rounded(const Matrix& m, DType dtype) {
     v = dtype == DType::kBF16 ? from_bf16(to_bf16(static_cast<float>(v))) : static_cast<float>(v);
   }
   return out;
-}
-
-Matrix download(const DeviceBuffer& buffer, std::int64_t rows, std::int64_t cols, DType dtype) {
-  Matrix m(rows, cols);
-  const auto n = static_cast<std::size_t>(rows * cols);
-  if (dtype == DType::kBF16) {
-    std::vector<BF16> half(n);
-    copy_to_host(half.data(), buffer.data(), n * sizeof(BF16));
-    for (std::size_t i = 0; i < n; ++i) m.data[i] = from_bf16(half[i]);
-  } else {
-    std::vector<float> full(n);
-    copy_to_host(full.data(), buffer.data(), n * sizeof(float));
-    for (std::size_t i = 0; i < n; ++i) m.data[i] = full[i];
-  }
-  return m;
 }
 
 }  // namespace
@@ -183,7 +169,7 @@ TEST_CASE("cuBLASLt row-major products against the fp64 reference", "[gpu][harne
           gemm.run(shape, a_dev.data(), b_dev.data(), c_dev.data(), stream.get());
           stream.synchronize();
           const Matrix want = reference::matmul(a, b);
-          const Matrix got = download(c_dev, m, n, types.out);
+          const Matrix got = test::download_matrix(c_dev, m, n, types.out);
           CHECK(test::relative_error(got, want) <= types.tolerance);
         }
       }

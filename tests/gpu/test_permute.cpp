@@ -38,20 +38,7 @@ reference::Routing draw_routing(std::int64_t tokens, int experts, int topk, bool
   return routing;
 }
 
-// Values as the device holds them, back in fp64.
-Matrix download_matrix(const DeviceBuffer& buffer, std::int64_t rows, std::int64_t cols,
-                       DType dtype) {
-  Matrix m(rows, cols);
-  const auto n = static_cast<std::size_t>(rows * cols);
-  if (dtype == DType::kBF16) {
-    const auto v = test::download<BF16>(buffer, n);
-    for (std::size_t i = 0; i < n; ++i) m.data[i] = from_bf16(v[i]);
-  } else {
-    const auto v = test::download<float>(buffer, n);
-    for (std::size_t i = 0; i < n; ++i) m.data[i] = v[i];
-  }
-  return m;
-}
+using test::download_matrix;
 
 struct Case {
   std::int64_t tokens;

@@ -56,18 +56,7 @@ class Guarded {
 };
 
 Matrix to_matrix(const Guarded& buffer, std::int64_t rows, std::int64_t cols, DType dtype) {
-  Matrix m(rows, cols);
-  const auto n = static_cast<std::size_t>(rows * cols);
-  if (dtype == DType::kBF16) {
-    std::vector<BF16> v(n);
-    copy_to_host(v.data(), buffer.data(), n * sizeof(BF16));
-    for (std::size_t i = 0; i < n; ++i) m.data[i] = from_bf16(v[i]);
-  } else {
-    std::vector<float> v(n);
-    copy_to_host(v.data(), buffer.data(), n * sizeof(float));
-    for (std::size_t i = 0; i < n; ++i) m.data[i] = v[i];
-  }
-  return m;
+  return test::download_matrix(buffer.data(), rows, cols, dtype);
 }
 
 std::vector<float> floats(const Guarded& buffer, std::size_t count) {

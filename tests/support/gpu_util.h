@@ -47,6 +47,28 @@ inline DeviceBuffer upload_as(const reference::Matrix& m, DType dtype) {
   return upload(values);
 }
 
+// rows × cols values at device address `data`, stored in `dtype` (bf16 or fp32), back in fp64:
+// the values as the device holds them.
+inline reference::Matrix download_matrix(const void* data, std::int64_t rows, std::int64_t cols,
+                                         DType dtype) {
+  reference::Matrix m(rows, cols);
+  const auto n = static_cast<std::size_t>(rows * cols);
+  if (dtype == DType::kBF16) {
+    std::vector<BF16> v(n);
+    copy_to_host(v.data(), data, n * sizeof(BF16));
+    for (std::size_t i = 0; i < n; ++i) m.data[i] = from_bf16(v[i]);
+  } else {
+    std::vector<float> v(n);
+    copy_to_host(v.data(), data, n * sizeof(float));
+    for (std::size_t i = 0; i < n; ++i) m.data[i] = v[i];
+  }
+  return m;
+}
+inline reference::Matrix download_matrix(const DeviceBuffer& buffer, std::int64_t rows,
+                                         std::int64_t cols, DType dtype) {
+  return download_matrix(buffer.data(), rows, cols, dtype);
+}
+
 inline std::vector<double> to_double(const std::vector<float>& values) {
   return {values.begin(), values.end()};
 }
