@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <numeric>
 #include <random>
 #include <sstream>
 
 #include "kernels/fp8_quantize.cuh"
 #include "kernels/permute.cuh"
+#include "permute_routing.h"
 #include "reference/reference.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
@@ -19,24 +19,7 @@ using reference::Matrix;
 
 namespace {
 
-reference::Routing draw_routing(std::int64_t tokens, int experts, int topk, bool skewed,
-                                std::mt19937_64& rng) {
-  reference::Routing routing;
-  routing.tokens = tokens;
-  routing.topk = topk;
-  std::vector<int> all(experts);
-  std::iota(all.begin(), all.end(), 0);
-  std::uniform_real_distribution<double> prob(0.05, 1.0);
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    if (!skewed)
-      std::shuffle(all.begin(), all.end(), rng);  // skewed: every token to experts 0..K-1
-    for (int k = 0; k < topk; ++k) {
-      routing.expert.push_back(all[k]);
-      routing.prob.push_back(prob(rng));
-    }
-  }
-  return routing;
-}
+using test::draw_routing;
 
 using test::download_matrix;
 
@@ -66,16 +49,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const auto T = c.tokens;
   const int H = c.hidden, E = c.experts, K = c.topk;
   const auto routing = draw_routing(T, E, K, c.skewed, rng);
-  std::vector<int> kept(routing.expert.size(), 1);
-  if (c.dropped > 0) {  // without drops, the draws of a seed stay those of every earlier run
-    std::bernoulli_distribution drop(c.dropped);
-    for (auto& keep : kept) keep = drop(rng) ? 0 : 1;
-  }
+  const auto [kept, topk_idx] = test::drop_slots(routing, E, c.dropped, rng);
   const auto layout = reference::make_layout(routing, kept, E, c.align);
-  // The kernels' routing: a dropped slot names group E.
-  std::vector<std::int32_t> topk_idx(routing.expert.begin(), routing.expert.end());
-  for (std::size_t i = 0; i < kept.size(); ++i)
-    if (kept[i] == 0) topk_idx[i] = E;
   const std::int64_t rows = layout.rows();
   // Inputs rounded to the dtype, so the reference sees exactly what the GPU does.
   const Matrix x = test::round_to(test::random_matrix(T, H, rng), c.dtype);

@@ -7,13 +7,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <numeric>
 #include <random>
 #include <sstream>
 #include <vector>
 
 #include "kernels/fp8_quantize.cuh"
 #include "kernels/permute.cuh"
+#include "permute_routing.h"
 #include "reference/reference.h"
 #include "support/catch.h"
 #include "support/gpu_util.h"
@@ -79,26 +79,10 @@ void run_dropped(const Shape& s, std::mt19937_64& rng) {
   INFO(what.str());
   const std::int64_t T = s.tokens, H = s.hidden;
   const int E = s.experts, K = s.topk;
-  reference::Routing routing;
-  routing.tokens = T;
-  routing.topk = K;
-  std::vector<int> all(E);
-  std::iota(all.begin(), all.end(), 0);
-  std::uniform_real_distribution<double> prob(0.05, 1.0);
-  for (std::int64_t t = 0; t < T; ++t) {
-    std::shuffle(all.begin(), all.end(), rng);
-    for (int k = 0; k < K; ++k) {
-      routing.expert.push_back(all[k]);
-      routing.prob.push_back(static_cast<float>(prob(rng)));  // as the GPU holds them
-    }
-  }
-  std::vector<int> kept(routing.expert.size());
-  std::bernoulli_distribution drop(s.dropped);
-  for (auto& keep : kept) keep = drop(rng) ? 0 : 1;
+  reference::Routing routing = test::draw_routing(T, E, K, /*skewed=*/false, rng);
+  for (auto& p : routing.prob) p = static_cast<float>(p);  // as the GPU holds them
+  const auto [kept, topk_idx] = test::drop_slots(routing, E, s.dropped, rng);
   const auto layout = reference::make_layout(routing, kept, E, s.align);
-  std::vector<std::int32_t> topk_idx(routing.expert.begin(), routing.expert.end());
-  for (std::size_t i = 0; i < kept.size(); ++i)
-    if (kept[i] == 0) topk_idx[i] = E;
   const std::int64_t rows = layout.rows();
   const auto slots = static_cast<std::size_t>(T * K);
   Stream stream;
@@ -127,7 +111,8 @@ void run_dropped(const Shape& s, std::mt19937_64& rng) {
   const Matrix y = test::round_to(test::random_matrix(rows, H, rng), s.dtype);
   const Matrix dy = test::round_to(test::random_matrix(T, H, rng), s.dtype);
   std::vector<float> row_grad(static_cast<std::size_t>(rows));
-  for (auto& g : row_grad) g = static_cast<float>(prob(rng));
+  std::uniform_real_distribution<float> grad(0.05f, 1.0f);
+  for (auto& g : row_grad) g = grad(rng);
   const Guarded y_in(row_bytes, static_cast<std::size_t>(rows) * row_bytes),
       row_grad_in(16, row_grad.size() * 4);
   y_in.fill(test::upload_as(y, s.dtype), static_cast<std::size_t>(rows) * row_bytes);
