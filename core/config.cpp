@@ -130,13 +130,6 @@ std::string MoEConfig::unsupported_by_gpu_layer() const {
         "pad_to_capacity with ep_transport = {}: fixed blocks run over the NCCL exchange (auto "
         "or nccl), for now",
         ep_transport_name(ep_transport));
-  // Under EP the dropped slots take a layout group of their own after the E experts'; one GPU,
-  // where they have no rows, keeps the same limit.
-  if (capacity_mode() && num_experts >= kMaxExperts)
-    return fmt::format(
-        "capacity_factor={} with num_experts = {}: the GPU layer's capacity mode needs a layout "
-        "group beside the experts', at most {} experts; moe_run --reference runs it on the CPU",
-        capacity_factor, num_experts, kMaxExperts - 1);
   return {};
 }
 

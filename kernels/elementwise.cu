@@ -90,40 +90,7 @@ __global__ void write_values_kernel(std::int64_t* device, const SmallValues valu
     device[threadIdx.x] = values.values[threadIdx.x];
 }
 
-// One grid sized for the bound; every thread reads the device's end first, so the stores are
-// those of the used rows alone. 16-byte stores where the range allows them.
-__global__ void clear_rows_to_kernel(unsigned char* buffer, std::int64_t row_bytes,
-                                     std::int64_t first_row, const std::int32_t* end_row,
-                                     std::int64_t bound_row) {
-  const std::int64_t end = *end_row < bound_row ? std::int64_t{*end_row} : bound_row;
-  if (end <= first_row) return;
-  unsigned char* begin = buffer + first_row * row_bytes;
-  const std::int64_t bytes = (end - first_row) * row_bytes;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (((reinterpret_cast<std::uintptr_t>(begin) | static_cast<std::uintptr_t>(bytes)) & 15) == 0) {
-    auto* vectors = reinterpret_cast<uint4*>(begin);
-    for (std::int64_t i = thread; i < bytes / 16; i += stride) vectors[i] = make_uint4(0, 0, 0, 0);
-  } else {
-    for (std::int64_t i = thread; i < bytes; i += stride) begin[i] = 0;
-  }
-}
-
 }  // namespace
-
-void clear_rows_to(void* buffer, std::size_t row_bytes, std::int64_t first_row,
-                   const std::int32_t* end_row, std::int64_t bound_row, cudaStream_t stream) {
-  if (first_row < 0 || bound_row < first_row)
-    fail("clear_rows_to: rows from " + std::to_string(first_row) + " to at most " +
-         std::to_string(bound_row) + " are not a range");
-  if (bound_row == first_row || row_bytes == 0) return;
-  if (buffer == nullptr || end_row == nullptr) fail("clear_rows_to: a null buffer or end_row");
-  const auto bound_bytes = (bound_row - first_row) * static_cast<std::int64_t>(row_bytes);
-  clear_rows_to_kernel<<<grid_for(bound_bytes / 16 + 1), 256, 0, stream>>>(
-      static_cast<unsigned char*>(buffer), static_cast<std::int64_t>(row_bytes), first_row, end_row,
-      bound_row);
-  MOE_CHECK_CUDA(cudaGetLastError());
-}
 
 void init_normal(const Tensor& out, std::uint64_t seed, std::uint64_t first, float stddev,
                  cudaStream_t stream) {

@@ -25,12 +25,6 @@ void init_normal(const Tensor& out, std::uint64_t seed, std::uint64_t first, flo
 // captures it writes the values it was captured with.
 void write_values(std::int64_t* device, std::span<const std::int64_t> values, cudaStream_t stream);
 
-// Zeroes rows [first_row, min(*end_row, bound_row)) of a buffer of rows of row_bytes each, where
-// *end_row (device, int32) is known only on the device: the launch covers the bound, but the work
-// is the rows the device says are used. Nothing when *end_row <= first_row.
-void clear_rows_to(void* buffer, std::size_t row_bytes, std::int64_t first_row,
-                   const std::int32_t* end_row, std::int64_t bound_row, cudaStream_t stream);
-
 // Counts the NaN and Inf elements of a bf16 or fp32 tensor into *count (device, int32).
 void count_nonfinite(const Tensor& t, int* count, cudaStream_t stream);
 

@@ -21,13 +21,13 @@
 
 namespace moe {
 
-// The layout of T·K routed rows over `experts` expert groups, each padded to `align`. A token is
-// ranked once per group: slots of one token that name the same group (only the EP exchanges'
-// group of dropped slots, whose rows are only ever zero) share one row; the group still counts
-// every slot, so its row range is never exceeded. A slot that names a group at or past
-// `experts` (capacity mode's dropped slots on one GPU) has no row: row_map -1, counted nowhere. The
-// row kernels below skip such slots: the permute stores nothing for them, the combines add nothing
-// and give them dprob 0, the combine backward stores no dY row.
+// The layout of T·K routed rows over `experts` expert groups, each padded to `align`. A token's
+// K experts are distinct, so it has one row per group it names (were two of its slots to name one
+// group they would share a row, which the group's count still covers). A slot that names a group
+// at or past `experts` (capacity mode's dropped slots) has no row: row_map -1, counted nowhere.
+// Every row kernel below, local or over the peer exchange, skips such slots: the permute stores
+// nothing for them, the combines add nothing and give them dprob 0, the combine backward stores no
+// dY row.
 struct LayoutArgs {
   const std::int32_t* topk_idx = nullptr;  // [T, K]
   std::int64_t tokens = 0;
@@ -127,23 +127,14 @@ struct PeerRows {
   const std::int32_t* rows = nullptr;      // [T, K]
 };
 
-// Capacity mode's dropped slots (group `experts` of the kept routing) keep their rows on the
-// sender: destination[i] is slot i's global expert, or own_expert (one of the sender's own
-// experts, so that its rank is the sender's) for a dropped slot. Null destination: no dropped
-// group.
-struct PeerDroppedSlots {
-  std::int32_t* destination = nullptr;  // [T, K] out, or null
-  int experts = 0;                      // E: topk_idx >= E is dropped
-  int own_expert = 0;
-};
-
 // rows[i] = row_map[i] + shift[topk_idx[i]] for i < slots: a slot's row on its expert's rank from
 // its row in the sender's layout (shift[g]: where this sender's rows of global expert g start on
-// g's rank, minus where they start in the sender's layout; shift[E], with a dropped group: where
-// the sender keeps the dropped rows in its own buffer).
+// g's rank, minus where they start in the sender's layout); -1 where row_map is -1 (capacity
+// mode's dropped slots, which have no row on any rank, so the peer kernels skip them as the local
+// ones do).
 void peer_row_map(const std::int32_t* row_map, const std::int32_t* topk_idx,
                   const std::int32_t* shift, std::int64_t slots, std::int32_t* rows,
-                  cudaStream_t stream, const PeerDroppedSlots& dropped = {});
+                  cudaStream_t stream);
 
 // Dispatch: x[t] stored at every slot's row on its rank; this rank's own padding rows (groups
 // own_offsets / own_counts of `own`, its buffer) zeroed in the same launch. With prob [T, K] and

@@ -76,7 +76,7 @@ struct LocalRows {
 };
 
 // PeerRows: each slot's row in the buffer of its expert's EP rank (a pointer per slot; the
-// kernel's buffer argument is unused).
+// kernel's buffer argument is unused); a slot whose row is -1 (dropped) has none.
 struct PeerRowsOnDevice {
   static constexpr bool kRemote = true;
   char* base[kMaxPeerRanks];
@@ -93,16 +93,18 @@ struct PeerRowsOnDevice {
     __device__ __forceinline__ T* at(T*, int k, int) const {
       return reinterpret_cast<T*>(ptr[k]);
     }
-    // Over the peer exchange a dropped slot keeps a row on its sender (peer_row_map).
-    __device__ __forceinline__ bool has(int) const { return true; }
+    // Uniform over the warp: every lane holds every slot's pointer.
+    __device__ __forceinline__ bool has(int k) const { return ptr[k] != nullptr; }
   };
   template <int kSlots>
   __device__ __forceinline__ Slots<kSlots> load(std::int64_t t, int topk, int lane) const {
-    unsigned long long mine = 0;
+    unsigned long long mine = 0;  // null: no row (a dropped slot, whose group names no rank)
     if (lane < topk) {
       const std::int64_t i = t * topk + lane;
-      mine = reinterpret_cast<unsigned long long>(base[topk_idx[i] / experts_per_rank] +
-                                                  static_cast<std::int64_t>(rows[i]) * row_bytes);
+      const std::int32_t row = rows[i];
+      if (row >= 0)
+        mine = reinterpret_cast<unsigned long long>(base[topk_idx[i] / experts_per_rank] +
+                                                    static_cast<std::int64_t>(row) * row_bytes);
     }
     Slots<kSlots> slots;
 #pragma unroll
@@ -112,7 +114,8 @@ struct PeerRowsOnDevice {
   }
   __device__ __forceinline__ float* scalar_at(std::int64_t t, int topk, int lane) const {
     const std::int64_t i = t * topk + lane;
-    return scalars[topk_idx[i] / experts_per_rank] + rows[i];
+    const std::int32_t row = rows[i];
+    return row >= 0 ? scalars[topk_idx[i] / experts_per_rank] + row : nullptr;
   }
 };
 
@@ -344,18 +347,16 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   }
 }
 
-// rows[i] = row_map[i] + shift[topk_idx[i]]: a slot's row on its expert's rank; with dropped,
-// each slot's group there, the dropped group (topk_idx >= experts) named as the sender's own.
+// rows[i] = row_map[i] + shift[topk_idx[i]]: a slot's row on its expert's rank; -1 where the
+// slot has no row (row_map -1: a dropped slot, whose group has no shift).
 __global__ void peer_row_map_kernel(const std::int32_t* __restrict__ row_map,
                                     const std::int32_t* __restrict__ topk_idx,
                                     const std::int32_t* __restrict__ shift, std::int64_t slots,
-                                    std::int32_t* __restrict__ rows, PeerDroppedSlots dropped) {
+                                    std::int32_t* __restrict__ rows) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < slots;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int32_t group = topk_idx[i];
-    rows[i] = row_map[i] + shift[group];
-    if (dropped.destination != nullptr)
-      dropped.destination[i] = group < dropped.experts ? group : dropped.own_expert;
+    const std::int32_t row = row_map[i];
+    rows[i] = row >= 0 ? row + shift[topk_idx[i]] : -1;
   }
 }
 
@@ -522,17 +523,12 @@ PeerRowsOnDevice on_device(const PeerRows& rows, std::int64_t row_bytes, bool wi
 
 void peer_row_map(const std::int32_t* row_map, const std::int32_t* topk_idx,
                   const std::int32_t* shift, std::int64_t slots, std::int32_t* rows,
-                  cudaStream_t stream, const PeerDroppedSlots& dropped) {
+                  cudaStream_t stream) {
   if (slots <= 0) return;
-  if (dropped.destination != nullptr &&
-      (dropped.experts < 1 || dropped.own_expert < 0 || dropped.own_expert >= dropped.experts))
-    fail("peer_row_map: experts = " + std::to_string(dropped.experts) +
-         ", own_expert = " + std::to_string(dropped.own_expert));
   const int threads = 256;
   const auto blocks =
       static_cast<unsigned>(std::min<std::int64_t>((slots + threads - 1) / threads, 4096));
-  peer_row_map_kernel<<<blocks, threads, 0, stream>>>(row_map, topk_idx, shift, slots, rows,
-                                                      dropped);
+  peer_row_map_kernel<<<blocks, threads, 0, stream>>>(row_map, topk_idx, shift, slots, rows);
   MOE_CHECK_LAUNCH();
 }
 

@@ -7,17 +7,16 @@
 
 namespace moe {
 
-CopyPlan plan_copies(std::span<const std::int32_t> all_counts, int ranks, int me, int groups,
-                     int local_experts, std::span<const ExpertSpan> chunks,
-                     const MoEConfig& config) {
+CopyPlan plan_copies(std::span<const std::int32_t> all_counts, int ranks, int me, int local_experts,
+                     std::span<const ExpertSpan> chunks, const MoEConfig& config) {
   const int E_loc = local_experts, E = ranks * local_experts;
-  if (ranks < 1 || me < 0 || me >= ranks || E_loc < 1 || groups < E ||
-      std::ssize(all_counts) != std::int64_t{ranks} * groups)
-    fail("plan_copies: {} counts for {} ranks of {} groups ({} experts each), rank {}",
-         all_counts.size(), ranks, groups, E_loc, me);
-  const auto rows_of = [&](int source, int group) -> std::int64_t {
-    const std::int32_t rows = all_counts[static_cast<std::size_t>(source) * groups + group];
-    if (rows < 0) fail("plan_copies: rank {} has {} rows for group {}", source, rows, group);
+  if (ranks < 1 || me < 0 || me >= ranks || E_loc < 1 ||
+      std::ssize(all_counts) != std::int64_t{ranks} * E)
+    fail("plan_copies: {} counts for {} ranks of {} experts each, rank {}", all_counts.size(),
+         ranks, E_loc, me);
+  const auto rows_of = [&](int source, int expert) -> std::int64_t {
+    const std::int32_t rows = all_counts[static_cast<std::size_t>(source) * E + expert];
+    if (rows < 0) fail("plan_copies: rank {} has {} rows for expert {}", source, rows, expert);
     return rows;
   };
   // Where each rank's rows of a group start in its sender's layout, and where each expert's group
@@ -25,8 +24,8 @@ CopyPlan plan_copies(std::span<const std::int32_t> all_counts, int ranks, int me
   std::vector<std::vector<std::int64_t>> slot_start(ranks), group_start(ranks);
   CopyPlan plan;
   for (int r = 0; r < ranks; ++r) {
-    slot_start[r].assign(groups + 1, 0);
-    for (int g = 0; g < groups; ++g) slot_start[r][g + 1] = slot_start[r][g] + rows_of(r, g);
+    slot_start[r].assign(E + 1, 0);
+    for (int g = 0; g < E; ++g) slot_start[r][g + 1] = slot_start[r][g] + rows_of(r, g);
     group_start[r].assign(E_loc + 1, 0);
     for (int e = 0; e < E_loc; ++e) {
       std::int64_t total = 0;
@@ -34,7 +33,7 @@ CopyPlan plan_copies(std::span<const std::int32_t> all_counts, int ranks, int me
       group_start[r][e + 1] = group_start[r][e] + config.padded_rows(total);
     }
     plan.expert_rows.push_back(group_start[r][E_loc]);
-    plan.slot_rows.push_back(slot_start[r][groups]);
+    plan.slot_rows.push_back(slot_start[r][E]);
     // The kernels index rows by int32; every rank sees every rank's sums, so all refuse alike.
     if (plan.expert_rows.back() > INT32_MAX)
       fail("plan_copies: EP rank {} would receive {} rows, beyond the int32 row index", r,

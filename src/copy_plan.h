@@ -1,6 +1,6 @@
 // Where the copy exchange's rows go (docs/design.md, "Transports"). From every EP rank's rows per
-// layout group, all-gathered, each rank knows every rank's layouts: its rows for expert g are one
-// block of its sender's layout (by group, unpadded), and on g's rank one block of the padded
+// expert, all-gathered, each rank knows every rank's layouts: its rows for expert g are one
+// block of its sender's layout (by expert, unpadded), and on g's rank one block of the padded
 // expert-major layout (each expert's group holds the sources' blocks in source order). So each
 // (rank, expert) block is one copy, both ways, with no staging and no chunk sort.
 #pragma once
@@ -26,13 +26,11 @@ struct CopyPlan {
   std::vector<std::vector<RowCopy>> to_experts, to_senders;
 };
 
-// all_counts [ranks · groups]: rank s's rows of layout group g at [s · groups + g]; the first
-// ranks · local_experts groups are the experts (EP rank r holds [r · E_loc, (r + 1) · E_loc)), a
-// group after them (capacity mode's dropped slots) stays on its sender. Each chunk's copies move
-// its local experts [first, end), on every rank. Throws on a negative count, and where a rank
-// would receive more rows than an int32 row index reaches.
-CopyPlan plan_copies(std::span<const std::int32_t> all_counts, int ranks, int me, int groups,
-                     int local_experts, std::span<const ExpertSpan> chunks,
-                     const MoEConfig& config);
+// all_counts [ranks · E]: rank s's rows for global expert g at [s · E + g], where EP rank r holds
+// experts [r · E_loc, (r + 1) · E_loc) and E = ranks · E_loc. Each chunk's copies move its local
+// experts [first, end), on every rank. Throws on a negative count, and where a rank would receive
+// more rows than an int32 row index reaches.
+CopyPlan plan_copies(std::span<const std::int32_t> all_counts, int ranks, int me, int local_experts,
+                     std::span<const ExpertSpan> chunks, const MoEConfig& config);
 
 }  // namespace moe

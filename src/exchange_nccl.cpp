@@ -5,9 +5,9 @@
 // rows by the probabilities (a probability would need an exchange of its own both ways), so the
 // rows the combine got back are kept for dprob.
 //
-// Capacity mode: the dropped slots form group E of the sender's layout, after every expert's
-// rows, so no peer's range holds them and they are never sent; the combine and the dispatch
-// backward set their rows to zero, so they add nothing to out, dx or dprob.
+// Capacity mode: the dropped slots (group E of the kept routing) have no row: the sender's layout,
+// over the E experts' groups, gives them row -1, so no peer's range holds them and nothing is
+// sent for them, and the row kernels add nothing from them to out, dx or dprob.
 //
 // Fixed blocks (pad_to_capacity): the sender's layout gives every expert exactly C rows (kept
 // rows, then zero rows), so each peer gets E_loc · C rows and every size of the step is known on
@@ -24,7 +24,7 @@
 // unpermute, the permute backward). Every row lands where the exchange in one piece puts it, so
 // the results are the same bits for every chunk count. Since the chunks of one buffer are written
 // and read at different times, no buffer holds two layouts at once (docs/design.md, "Buffers"):
-//   send_rows [T·K, H]: (with fixed blocks T·K + E·C rows) x gathered to send → Y returned (kept
+//   send_rows [T·K, H]: (with fixed blocks E·C rows) x gathered to send → Y returned (kept
 //                       for dprob) → received dY → staging of dX
 //   X [rows, H]:        (fp8_dispatch: x's records, T of them, gathered from here; more than
 //                       [rows, H] where rows < about T / 2) → the experts' input (kept)
@@ -126,7 +126,6 @@ class NcclExchange final : public TokenExchange {
   void permute(const Tensor& x, const SlotRouting& routing) override {
     saved_.tokens = x.dim(0);
     saved_.routing = routing;
-    groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
     fixed_ = routing.fixed_groups;
     fixed_rows_ = routing.expert_group_rows;
     chunk_count_ = std::clamp(routing.expert_chunks, 1, E_loc_);
@@ -137,11 +136,11 @@ class NcclExchange final : public TokenExchange {
       fail("pad_to_capacity under EP runs over the NCCL exchange (fixed blocks), for now");
     if (records_toward_experts_ && copies_)
       fail("fp8_dispatch runs over the NCCL exchange, not the copy exchange, for now");
-    layout_.build(routing.topk_idx, saved_.tokens, K_, groups_, /*align=*/1, stream_,
+    layout_.build(routing.topk_idx, saved_.tokens, K_, E_, /*align=*/1, stream_,
                   static_cast<int>(fixed_rows_), fixed_rows_ > 0 ? E_ : 0);  // C = 0 at T = 0
     const Tensor slot_rows_bf16 = slots();  // grows send_rows to what the combine returns into
     if (!records_toward_experts_) {
-      permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_,
+      permute_rows(x, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_,
                    slot_rows_bf16, stream_);
       return;
     }
@@ -150,7 +149,7 @@ class NcclExchange final : public TokenExchange {
     // again only by this dispatch's sort, after this permute.
     const Tensor token_records = records(X_, saved_.tokens);
     quantize_row_records(x.data, saved_.tokens, H_, token_records.data, stream_);
-    permute_rows(token_records, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), groups_,
+    permute_rows(token_records, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_,
                  records(send_rows_, slot_rows()), stream_);
   }
 
@@ -164,11 +163,6 @@ class NcclExchange final : public TokenExchange {
         copies_ ? gather_counts(recv_counts, totals)
                 : exchange_.exchange_counts(layout_.counts(), recv_counts, saved_.routing.totals,
                                             totals, saved_.routing.totals_bytes, stream_);
-    // The rows sent: every expert's; the dropped group's after them stay here.
-    saved_.sent_rows = 0;
-    for (const std::int64_t rows : c.send_rows) saved_.sent_rows += rows;
-    saved_.slot_rows_end = saved_.tokens * K_;
-    saved_.dropped_end_on_device = false;
     std::vector<std::int64_t> per_expert(E_loc_, 0);
     for (int src = 0; src < ranks_; ++src) {
       for (int e = 0; e < E_loc_; ++e) per_expert[e] += c.received[src * E_loc_ + e];
@@ -215,13 +209,13 @@ class NcclExchange final : public TokenExchange {
     // under fp8_dispatch, written in one pass (smaller than the bf16 rows Y was sized for).
     if (records_toward_experts_) {
       combine_backward_records(dy, returned(send_rows_), layout_.row_map(), saved_.routing.topk_p,
-                               K_, layout_.offsets(), layout_.counts(), groups_,
+                               K_, layout_.offsets(), layout_.counts(), E_,
                                records(Y_, slot_rows()).data, dprob, stream_);
       return;
     }
     const Tensor dY_sent = view(Y_, dtype_, {slot_rows(), H_});
     moe::combine_backward(dy, returned(send_rows_), layout_.row_map(), saved_.routing.topk_p, K_,
-                          layout_.offsets(), layout_.counts(), groups_, dY_sent, dprob, stream_);
+                          layout_.offsets(), layout_.counts(), E_, dY_sent, dprob, stream_);
   }
 
   void combine_backward() override {
@@ -253,9 +247,9 @@ class NcclExchange final : public TokenExchange {
   }
 
  private:
-  // The rows of the sender's layout: T·K, unpadded; with fixed blocks E · C, then the dropped
-  // group's bound (a row per dropped slot at most).
-  std::int64_t slot_rows() const { return saved_.tokens * K_ + (fixed_ ? E_ * fixed_rows_ : 0); }
+  // The rows of the sender's layout: at most T·K, unpadded (a dropped slot has none); with fixed
+  // blocks E · C.
+  std::int64_t slot_rows() const { return fixed_ ? E_ * fixed_rows_ : saved_.tokens * K_; }
   // This rank's slots' rows in the sender's layout (grows send_rows where needed).
   Tensor slots() { return view(send_rows_, dtype_, {slot_rows(), H_}); }
   // The rows an exchange brought back to this rank, in its sender's layout: in `buffer` (grown
@@ -292,20 +286,14 @@ class NcclExchange final : public TokenExchange {
     auto* tokens = typed<std::int64_t>(tokens_, 1 + static_cast<std::size_t>(ranks_));
     write_values(tokens, std::span(&T, 1), stream_);
     mesh_.all_gather(tokens, tokens + 1, sizeof(std::int64_t), MeshGroup::kExpertParallel, stream_);
-    saved_.sent_rows = E_ * C;
-    saved_.slot_rows_end = slot_rows();  // the dropped group's bound, unless counted below
-    saved_.dropped_end_on_device = saved_.routing.has_dropped_group;
     if (saved_.routing.to_host) {
       const std::size_t totals_bytes = saved_.routing.totals_bytes;
       const std::size_t tokens_bytes = ranks_ * sizeof(std::int64_t);
-      host_.reserve(totals_bytes + tokens_bytes + sizeof(std::int32_t));
+      host_.reserve(totals_bytes + tokens_bytes);
       auto* host = host_.as<char>();
       MOE_CHECK_CUDA(cudaMemcpyAsync(host, saved_.routing.totals, totals_bytes,
                                      cudaMemcpyDeviceToHost, stream_));
       MOE_CHECK_CUDA(cudaMemcpyAsync(host + totals_bytes, tokens + 1, tokens_bytes,
-                                     cudaMemcpyDeviceToHost, stream_));
-      MOE_CHECK_CUDA(cudaMemcpyAsync(host + totals_bytes + tokens_bytes,
-                                     layout_.offsets() + groups_, sizeof(std::int32_t),
                                      cudaMemcpyDeviceToHost, stream_));
       copied_.record(stream_);
       mesh_.wait(copied_.get(), "the forward's losses and the EP group's token counts");
@@ -317,10 +305,6 @@ class NcclExchange final : public TokenExchange {
             "pad_to_capacity under EP needs the same T on every rank of an EP group (each rank's "
             "C comes from its own T); the EP group's ranks hold {} tokens",
             fmt::join(all, ", "));
-      std::int32_t end = 0;
-      std::memcpy(&end, host + totals_bytes + tokens_bytes, sizeof(end));
-      saved_.slot_rows_end = end;
-      saved_.dropped_end_on_device = false;
     }
     fixed_counts_.send_rows.assign(ranks_, E_loc_ * C);
     fixed_counts_.recv_rows.assign(ranks_, E_loc_ * C);
@@ -341,17 +325,17 @@ class NcclExchange final : public TokenExchange {
   // synchronisation, give the plan of every copy (and this rank's counts); this rank's received
   // counts (for the padding) are copied out of them on the device.
   const ExchangeCounts& gather_counts(std::int32_t* recv_counts, void* totals) {
-    const int G = groups_, me = mesh_.ep_index();
-    const std::size_t counts = static_cast<std::size_t>(ranks_) * G;
+    const int E_ = E_, me = mesh_.ep_index();
+    const std::size_t counts = static_cast<std::size_t>(ranks_) * E_;
     const std::size_t counts_bytes = counts * sizeof(std::int32_t);
     const std::size_t totals_bytes = saved_.routing.totals_bytes;
     auto* all = typed<std::int32_t>(all_counts_, counts);
-    mesh_.all_gather(layout_.counts(), all, G * sizeof(std::int32_t), MeshGroup::kExpertParallel,
+    mesh_.all_gather(layout_.counts(), all, E_ * sizeof(std::int32_t), MeshGroup::kExpertParallel,
                      stream_);
-    // received[s · E_loc + e] = all[s · G + me · E_loc + e]: one row of E_loc per source.
+    // received[s · E_loc + e] = all[s · E + me · E_loc + e]: one row of E_loc per source.
     MOE_CHECK_CUDA(cudaMemcpy2DAsync(recv_counts, E_loc_ * sizeof(std::int32_t),
                                      all + static_cast<std::size_t>(me) * E_loc_,
-                                     G * sizeof(std::int32_t), E_loc_ * sizeof(std::int32_t),
+                                     E_ * sizeof(std::int32_t), E_loc_ * sizeof(std::int32_t),
                                      ranks_, cudaMemcpyDeviceToDevice, stream_));
     host_.reserve(totals_bytes + counts_bytes);
     auto* host = host_.as<char>();
@@ -364,8 +348,8 @@ class NcclExchange final : public TokenExchange {
     std::memcpy(totals, host, totals_bytes);
     std::vector<std::int32_t> all_counts(counts);
     std::memcpy(all_counts.data(), host + totals_bytes, counts_bytes);
-    copy_plan_ = plan_copies(all_counts, ranks_, me, G, E_loc_,
-                             near_equal_spans(E_loc_, chunk_count_), config_);
+    copy_plan_ = plan_copies(all_counts, ranks_, me, E_loc_, near_equal_spans(E_loc_, chunk_count_),
+                             config_);
     return copy_plan_.counts;
   }
 
@@ -398,7 +382,7 @@ class NcclExchange final : public TokenExchange {
   void copy_to_senders(int chunk, const void* results) {
     start_chunk(chunk);
     copies_->copy(results, copy_plan_.to_senders.at(chunk), *returned_, row_bytes_, pipe_.get());
-    if (chunk + 1 == std::ssize(spans_)) finish_pipeline(returned_->local());
+    if (chunk + 1 == std::ssize(spans_)) finish_pipeline();
   }
 
   // ---- The pipeline ---------------------------------------------------------------------------
@@ -462,7 +446,7 @@ class NcclExchange final : public TokenExchange {
     unsort_chunks(chunks(chunk), rows(results.data()), received(staging.data()), pipe_.get());
     exchange_.exchange_row_ranges(staging.data(), r.recv_offsets, r.recv_rows, slots_buffer.data(),
                                   r.send_offsets, r.send_rows, row_bytes_, pipe_.get());
-    if (chunk + 1 == std::ssize(spans_)) finish_pipeline(slots_buffer.data());
+    if (chunk + 1 == std::ssize(spans_)) finish_pipeline();
   }
 
   static void wait(cudaStream_t stream, const Event& event) {
@@ -479,13 +463,10 @@ class NcclExchange final : public TokenExchange {
     wait(pipe_.get(), computed_[chunk]);
     return ranges_[chunk];
   }
-  // After the last chunk's return: the dropped rows of `slots_buffer` zero. The block's stream
-  // takes up after the exchange's only where it reads the returned rows (join_pipeline), so that
-  // what a trainer queues before then runs beside the transfers.
-  void finish_pipeline(void* slots_buffer) {
-    clear_dropped_rows(slots_buffer, pipe_.get());
-    finished_.record(pipe_.get());
-  }
+  // After the last chunk's return. The block's stream takes up after the exchange's only where it
+  // reads the returned rows (join_pipeline), so that what a trainer queues before then runs beside
+  // the transfers.
+  void finish_pipeline() { finished_.record(pipe_.get()); }
   void join_pipeline() { wait(stream_, finished_); }
   // The source-major rows received in a buffer (it has grown to hold them).
   Tensor received(void* buffer) const {
@@ -499,20 +480,6 @@ class NcclExchange final : public TokenExchange {
     return args;
   }
 
-  // The dropped group's rows of slots(), which no exchange wrote, become zero: its exact extent
-  // where the counts came to the host, else up to the end the layout holds on the device (within
-  // the bound, most of which a step leaves unused).
-  void clear_dropped_rows(void* slots_buffer, cudaStream_t stream) {
-    const std::int64_t dropped = saved_.slot_rows_end - saved_.sent_rows;
-    if (!saved_.routing.has_dropped_group || dropped <= 0) return;
-    if (saved_.dropped_end_on_device) {
-      clear_rows_to(slots_buffer, row_bytes_, saved_.sent_rows, layout_.offsets() + groups_,
-                    saved_.slot_rows_end, stream);
-      return;
-    }
-    MOE_CHECK_CUDA(cudaMemsetAsync(static_cast<char*>(slots_buffer) + saved_.sent_rows * row_bytes_,
-                                   0, static_cast<std::size_t>(dropped) * row_bytes_, stream));
-  }
   ChunkArgs chunks() const {
     ChunkArgs args{.counts = recv_counts_.as<std::int32_t>(),
                    .sources = ranks_,
@@ -530,7 +497,6 @@ class NcclExchange final : public TokenExchange {
   const Mesh& mesh_;
   cudaStream_t stream_;
   int ranks_, E_, E_loc_, K_;
-  int groups_ = 0;  // E, or E + 1 with capacity mode's dropped group
   std::int64_t H_;
   DType dtype_;
   std::size_t row_bytes_;
@@ -545,7 +511,7 @@ class NcclExchange final : public TokenExchange {
   DeviceBuffer recv_counts_;           // [EP · E_loc]: rows from source s for local expert e
   DeviceBuffer &Y_, &dY_, &chunk_ws_;  // the scratch's
   // Fixed blocks: C (0 without), the sizes of every exchange, this rank's T then the EP group's,
-  // and the host's copy of the losses, the group's T and the dropped group's end.
+  // and the host's copy of the losses and the group's T.
   bool fixed_ = false;
   std::int64_t fixed_rows_ = 0;
   ExchangeCounts fixed_counts_;
@@ -554,7 +520,7 @@ class NcclExchange final : public TokenExchange {
   Event copied_;
 
   // The copy exchange (null over NCCL): the copies, the buffers the rows land in, every EP rank's
-  // rows per group [EP, groups] (all-gathered), and the step's plan of copies.
+  // rows per expert [EP, E] (all-gathered), and the step's plan of copies.
   std::unique_ptr<PeerRowCopies> copies_;
   std::unique_ptr<PeerBuffer> expert_input_, expert_grads_, returned_;
   DeviceBuffer all_counts_;
@@ -577,10 +543,7 @@ class NcclExchange final : public TokenExchange {
   struct Saved {
     SlotRouting routing;
     std::int64_t tokens = 0;
-    std::int64_t rows = 0;               // padding included
-    std::int64_t sent_rows = 0;          // this rank's rows sent to the experts (dropped ones stay)
-    std::int64_t slot_rows_end = 0;      // the end of the dropped group's rows (or their bound)
-    bool dropped_end_on_device = false;  // slot_rows_end is the bound; the end is the layout's
+    std::int64_t rows = 0;  // padding included
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };

@@ -11,10 +11,9 @@
 // Unless keep_expert_input, X is Y's buffer: X, Y, dY and dX share one row buffer, x stored into
 // it again in the backward (one more exchange).
 //
-// Capacity mode: the dropped slots (group E of the kept routing) keep their rows on the sender,
-// after its own experts' rows in its buffers, so they never cross a link; they are named by one
-// of the sender's own experts for the kernels, and their rows of Y are set to zero before the
-// combine and the dispatch backward load them, so they add nothing to out, dx or dprob.
+// Capacity mode: the dropped slots (group E of the kept routing) have no row on any rank: the
+// sender's layout, over the E experts' groups, gives them row -1, and the peer kernels store
+// nothing for them and add nothing from them (dprob 0).
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -79,8 +78,7 @@ class PeerExchange final : public TokenExchange {
     if (routing.fixed_groups)
       fail("pad_to_capacity under EP runs over the NCCL exchange (fixed blocks), for now");
     saved_.routing = routing;
-    groups_ = E_ + (routing.has_dropped_group ? 1 : 0);
-    layout_.build(routing.topk_idx, x.dim(0), K_, groups_, /*align=*/1, stream_);
+    layout_.build(routing.topk_idx, x.dim(0), K_, E_, /*align=*/1, stream_);
   }
 
   void dispatch(const Tensor& x, void* totals) override;
@@ -89,11 +87,8 @@ class PeerExchange final : public TokenExchange {
     return {rows(input_buffer()), rows(*Y_), row_prob(), saved_.expert_offsets};
   }
 
-  // Every rank's Y is complete; the dropped slots' rows zero (one chunk: no pipeline).
-  void combine(int /*chunk*/) override {
-    clear_dropped_rows();
-    barrier();
-  }
+  // Every rank's Y is complete (one chunk: no pipeline).
+  void combine(int /*chunk*/) override { barrier(); }
 
   void unpermute(const Tensor& out) override {
     peer_unpermute_combine(slots(*Y_), nullptr, K_, out, stream_);
@@ -125,11 +120,8 @@ class PeerExchange final : public TokenExchange {
     return g;
   }
 
-  // Every rank's dX is complete; the dropped rows zero (one chunk: no pipeline).
-  void dispatch_backward(int /*chunk*/) override {
-    clear_dropped_rows();
-    barrier();
-  }
+  // Every rank's dX is complete (one chunk: no pipeline).
+  void dispatch_backward(int /*chunk*/) override { barrier(); }
 
   void permute_backward(const Tensor& dx, float* dprob) override {
     peer_unpermute_combine(slots(*Y_), nullptr, K_, dx, stream_, dprob);
@@ -149,7 +141,7 @@ class PeerExchange final : public TokenExchange {
     r.base = buffer.ranks();
     r.ranks = mesh_.ep();
     r.experts_per_rank = E_loc_;
-    r.topk_idx = groups_ > E_ ? destination_.as<std::int32_t>() : saved_.routing.topk_idx;
+    r.topk_idx = saved_.routing.topk_idx;
     r.rows = slot_rows_.as<std::int32_t>();
     r.scalars = row_prob_.ranks();
     return r;
@@ -159,16 +151,8 @@ class PeerExchange final : public TokenExchange {
     return Tensor(buffer.local(), dtype_, {saved_.rows, H_});
   }
   Tensor row_prob() const { return Tensor(row_prob_.local(), DType::kFP32, {saved_.rows}); }
-  const std::int32_t* own_offsets() const { return plan_.as<std::int32_t>() + groups_; }
+  const std::int32_t* own_offsets() const { return plan_.as<std::int32_t>() + E_; }
   const std::int32_t* own_counts() const { return own_offsets() + E_loc_ + 1; }
-  // This rank's dropped slots' rows of Y, after its experts' rows, become zero.
-  void clear_dropped_rows() {
-    if (saved_.dropped_rows == 0) return;
-    const std::size_t row_bytes = static_cast<std::size_t>(H_) * dtype_size(dtype_);
-    MOE_CHECK_CUDA(cudaMemsetAsync(static_cast<char*>(Y_->local()) + saved_.rows * row_bytes, 0,
-                                   static_cast<std::size_t>(saved_.dropped_rows) * row_bytes,
-                                   stream_));
-  }
   // x stored at every slot's row on its expert's rank (with prob, each slot's probability beside
   // it), then every rank waits for every rank's stores.
   void store_input(const Tensor& x, const float* prob) {
@@ -182,7 +166,6 @@ class PeerExchange final : public TokenExchange {
   const Mesh& mesh_;
   cudaStream_t stream_;
   int E_, E_loc_, K_;
-  int groups_ = 0;  // E, or E + 1 with capacity mode's dropped group
   std::int64_t H_;
   DType dtype_;
   SlotLayout layout_;
@@ -191,19 +174,17 @@ class PeerExchange final : public TokenExchange {
   PeerBuffer row_prob_;      // fp32 [rows]: each row's probability, stored by the senders beside X
   PeerBuffer* Y_ = nullptr;  // the scratch's, or own_Y_ for a block of another mesh
   std::unique_ptr<PeerBuffer> own_Y_;
-  DeviceBuffer all_counts_;   // [EP, groups]: every EP rank's rows per group
-  DeviceBuffer slot_rows_;    // [T, K]: each slot's row on its expert's rank
-  DeviceBuffer destination_;  // [T, K]: each slot's expert, a dropped one's an own expert
-  DeviceBuffer plan_;         // shift [groups], own offsets [E_loc + 1], own counts [E_loc]
-  DeviceBuffer barrier_;      // one int, zero, that the EP group all-reduces as a barrier
-  PinnedBuffer host_;         // the totals and counts down, the plan up
+  DeviceBuffer all_counts_;  // [EP, E]: every EP rank's rows per expert
+  DeviceBuffer slot_rows_;   // [T, K]: each slot's row on its expert's rank
+  DeviceBuffer plan_;        // shift [E], own offsets [E_loc + 1], own counts [E_loc]
+  DeviceBuffer barrier_;     // one int, zero, that the EP group all-reduces as a barrier
+  PinnedBuffer host_;        // the totals and counts down, the plan up
   Event copied_;
 
   // What the forward keeps for the backward, beside the layout, slot_rows, the plan and X.
   struct Saved {
     SlotRouting routing;
-    std::int64_t rows = 0;          // this rank's experts', padding included
-    std::int64_t dropped_rows = 0;  // this rank's dropped slots', after them
+    std::int64_t rows = 0;  // this rank's experts', padding included
     std::vector<std::int64_t> expert_offsets;
   } saved_;
 };
@@ -215,11 +196,10 @@ void PeerExchange::dispatch(const Tensor& x, void* totals) {
   const int EP = mesh_.ep(), me = mesh_.ep_index();
   const std::int64_t T = x.dim(0);
   const std::size_t totals_bytes = saved_.routing.totals_bytes;
-  const int G = groups_;
-  const std::size_t counts_bytes = static_cast<std::size_t>(EP) * G * sizeof(std::int32_t);
-  const std::size_t plan_count = static_cast<std::size_t>(G) + 2 * E_loc_ + 1;
-  auto* all_counts = typed<std::int32_t>(all_counts_, static_cast<std::size_t>(EP) * G);
-  mesh_.all_gather(layout_.counts(), all_counts, G * sizeof(std::int32_t),
+  const std::size_t counts_bytes = static_cast<std::size_t>(EP) * E_ * sizeof(std::int32_t);
+  const std::size_t plan_count = static_cast<std::size_t>(E_) + 2 * E_loc_ + 1;
+  auto* all_counts = typed<std::int32_t>(all_counts_, static_cast<std::size_t>(EP) * E_);
+  mesh_.all_gather(layout_.counts(), all_counts, E_ * sizeof(std::int32_t),
                    MeshGroup::kExpertParallel, stream_);
   host_.reserve(totals_bytes + counts_bytes + plan_count * sizeof(std::int32_t));
   auto* host = host_.as<char>();
@@ -231,14 +211,12 @@ void PeerExchange::dispatch(const Tensor& x, void* totals) {
   mesh_.wait(copied_.get(), "the dispatch counts all-gather");  // the one host synchronisation
   std::memcpy(totals, host, totals_bytes);
 
-  // Rows of (source s, global expert g): c[s·G + g]. On g's rank r, expert e = g − r·E_loc owns
-  // a padded group; inside it the sources' rows follow in source order, each in token order. A
-  // rank's dropped slots (c[s·G + E], with capacity mode's group) follow its experts' rows in its
-  // own buffer.
+  // Rows of (source s, global expert g): c[s·E + g]. On g's rank r, expert e = g − r·E_loc owns
+  // a padded group; inside it the sources' rows follow in source order, each in token order.
   const auto* c = reinterpret_cast<const std::int32_t*>(host + totals_bytes);
   auto* plan = reinterpret_cast<std::int32_t*>(host + totals_bytes + counts_bytes);
   std::int32_t* shift = plan;
-  std::int32_t* own_offset = plan + G;
+  std::int32_t* own_offset = plan + E_;
   std::int32_t* own_count = own_offset + E_loc_ + 1;
   std::vector<std::size_t> bytes(EP);
   std::int64_t sender_offset = 0;  // where this rank's rows of g start in its own layout
@@ -248,11 +226,11 @@ void PeerExchange::dispatch(const Tensor& x, void* totals) {
       const int g = r * E_loc_ + e;
       std::int64_t total = 0, before_me = 0;
       for (int src = 0; src < EP; ++src) {
-        total += c[src * G + g];
-        if (src < me) before_me += c[src * G + g];
+        total += c[src * E_ + g];
+        if (src < me) before_me += c[src * E_ + g];
       }
       shift[g] = static_cast<std::int32_t>(offset + before_me - sender_offset);
-      sender_offset += c[me * G + g];
+      sender_offset += c[me * E_ + g];
       if (r == me) {
         own_offset[e] = static_cast<std::int32_t>(offset);
         own_count[e] = static_cast<std::int32_t>(total);
@@ -260,7 +238,6 @@ void PeerExchange::dispatch(const Tensor& x, void* totals) {
       offset += config_.padded_rows(total);
     }
     if (r == me) own_offset[E_loc_] = static_cast<std::int32_t>(offset);
-    offset += G > E_ ? c[r * G + E_] : 0;  // the rank's dropped rows
     if (offset > INT32_MAX)
       fail("rank {}: EP rank {} would receive {} rows, beyond the int32 row index", mesh_.rank(), r,
            offset);
@@ -268,10 +245,6 @@ void PeerExchange::dispatch(const Tensor& x, void* totals) {
   }
   saved_.expert_offsets.assign(own_offset, own_offset + E_loc_ + 1);
   saved_.rows = saved_.expert_offsets.back();
-  saved_.dropped_rows = G > E_ ? c[me * G + E_] : 0;
-  // The dropped group follows the experts' groups in the sender's layout (sender_offset is its
-  // start there) and their rows in its own buffer.
-  if (G > E_) shift[E_] = static_cast<std::int32_t>(saved_.rows - sender_offset);
   auto* plan_device = typed<std::int32_t>(plan_, plan_count);
   MOE_CHECK_CUDA(cudaMemcpyAsync(plan_device, plan, plan_count * sizeof(std::int32_t),
                                  cudaMemcpyHostToDevice, stream_));
@@ -282,12 +255,7 @@ void PeerExchange::dispatch(const Tensor& x, void* totals) {
   row_prob_.reserve(prob_bytes, stream_);
 
   auto* slot_rows = typed<std::int32_t>(slot_rows_, static_cast<std::size_t>(T) * K_);
-  PeerDroppedSlots dropped;
-  if (G > E_)
-    dropped = {typed<std::int32_t>(destination_, static_cast<std::size_t>(T) * K_), E_,
-               me * E_loc_};
-  peer_row_map(layout_.row_map(), saved_.routing.topk_idx, plan_device, T * K_, slot_rows, stream_,
-               dropped);
+  peer_row_map(layout_.row_map(), saved_.routing.topk_idx, plan_device, T * K_, slot_rows, stream_);
   // One row buffer: Y's buffer, which a slower rank may still be loading the previous layer's
   // combine from; the counts all-gather above completed only once every rank's stream had
   // reached it, past that combine.

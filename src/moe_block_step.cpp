@@ -148,7 +148,6 @@ void MoEBlock::dispatch_phase(const Tensor& x, const ForwardOptions& options, bo
                         stream);
     routing.topk_idx = s.capacity->kept_idx();
     routing.topk_p = s.capacity->kept_p();
-    routing.has_dropped_group = true;
     routing.fixed_groups = s.config.pad_to_capacity;
     if (routing.fixed_groups) routing.expert_group_rows = s.config.expert_capacity(T);
   }

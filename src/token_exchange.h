@@ -41,10 +41,9 @@ struct SlotRouting {
   // synchronisation.
   const void* totals = nullptr;
   std::size_t totals_bytes = 0;
-  // Capacity mode: the dropped slots are sent to group E (topk_idx = E, topk_p = 0). Under EP the
-  // sender's layout places that group after every expert's, where no GEMM reads its rows and no
-  // exchange sends them; on one GPU the layout, built over the E experts' groups, gives them none.
-  bool has_dropped_group = false;
+  // Capacity mode's dropped slots name group E (topk_idx = E, topk_p = 0). Every exchange builds
+  // its layout over the E experts' groups, which gives them no row: nothing is stored, sent or
+  // added for them.
   // pad_to_capacity: every expert's group takes exactly expert_group_rows rows (its kept rows,
   // then zero rows; C, which is 0 at T = 0); without fixed groups each group is padded to
   // align_size alone.

@@ -2,7 +2,7 @@
 // group: each rank's copies, applied to labelled rows, must build every expert's padded group
 // exactly as the NCCL exchange's chunk sort does (the sources' blocks in source order, each in its
 // sender's order, padding untouched), bring every row back to the very place it left, never write
-// the same row twice, and leave a dropped group's rows on their sender.
+// the same row twice.
 #include <algorithm>
 #include <numeric>
 #include <random>
@@ -23,26 +23,25 @@ struct Label {
   bool operator==(const Label&) const = default;
 };
 
-void check_plan(int ranks, int local_experts, bool dropped_group, int align, int chunks,
-                std::mt19937_64& rng) {
-  const int E = ranks * local_experts, groups = E + (dropped_group ? 1 : 0);
+void check_plan(int ranks, int local_experts, int align, int chunks, std::mt19937_64& rng) {
+  const int E = ranks * local_experts;
   MoEConfig config = test::small_config(8, 8, E, 1);
   config.align_size = align;
-  INFO("ranks " << ranks << ", " << local_experts << " experts a rank, align " << align
-                << (dropped_group ? ", dropped group" : "") << ", " << chunks << " chunks");
+  INFO("ranks " << ranks << ", " << local_experts << " experts a rank, align " << align << ", "
+                << chunks << " chunks");
   std::uniform_int_distribution<int> count(0, 7);
-  std::vector<std::int32_t> all(static_cast<std::size_t>(ranks) * groups);
+  std::vector<std::int32_t> all(static_cast<std::size_t>(ranks) * E);
   for (auto& c : all) c = count(rng) < 2 ? 0 : count(rng);  // empty blocks too
-  const auto rows_of = [&](int s, int g) { return all[static_cast<std::size_t>(s) * groups + g]; };
+  const auto rows_of = [&](int s, int g) { return all[static_cast<std::size_t>(s) * E + g]; };
   const std::vector<ExpertSpan> spans = near_equal_spans(local_experts, chunks);
 
   // Every rank's sender's layout, labelled; the expert-major layouts and the returned rows empty.
   std::vector<std::vector<Label>> slots(ranks), experts(ranks), returned(ranks);
   std::vector<CopyPlan> plans;
   for (int r = 0; r < ranks; ++r) {
-    for (int g = 0; g < groups; ++g)
+    for (int g = 0; g < E; ++g)
       for (int i = 0; i < rows_of(r, g); ++i) slots[r].push_back({r, g, i});
-    plans.push_back(plan_copies(all, ranks, r, groups, local_experts, spans, config));
+    plans.push_back(plan_copies(all, ranks, r, local_experts, spans, config));
   }
   for (int r = 0; r < ranks; ++r) {
     REQUIRE(std::ssize(plans[r].expert_rows) == ranks);
@@ -98,17 +97,10 @@ void check_plan(int ranks, int local_experts, bool dropped_group, int align, int
     }
   }
 
-  // Back: every expert's row to the place it left; the dropped group's rows stay unwritten.
+  // Back: every expert's row to the place it left.
   for (int chunk = 0; chunk < chunks; ++chunk)
     for (int r = 0; r < ranks; ++r) apply(plans[r].to_senders[chunk], experts[r], returned);
-  for (int r = 0; r < ranks; ++r) {
-    for (std::size_t i = 0; i < slots[r].size(); ++i) {
-      if (slots[r][i].group < E)
-        CHECK(returned[r][i] == slots[r][i]);
-      else
-        CHECK(returned[r][i] == Label{});
-    }
-  }
+  for (int r = 0; r < ranks; ++r) CHECK(returned[r] == slots[r]);
 }
 
 }  // namespace
@@ -118,26 +110,24 @@ TEST_CASE("the copy exchange's plan builds the padded layouts and brings every r
   std::mt19937_64 rng(test::fresh_seed());
   for (const int ranks : {1, 2, 3, 4, 8})
     for (const int local_experts : {1, 3, 5})
-      for (const bool dropped : {false, true})
-        for (const int align : {0, 4, 16})
-          for (const int chunks : {1, 2, local_experts})
-            if (chunks <= local_experts)
-              check_plan(ranks, local_experts, dropped, align, chunks, rng);
+      for (const int align : {0, 4, 16})
+        for (const int chunks : {1, 2, local_experts})
+          if (chunks <= local_experts) check_plan(ranks, local_experts, align, chunks, rng);
 }
 
 TEST_CASE("the copy exchange's plan refuses counts that do not fit its group", "[cpu][exchange]") {
   const MoEConfig config = test::small_config(8, 8, 4, 1);
   const std::vector<ExpertSpan> one{{0, 2}};
   std::vector<std::int32_t> all(8, 1);
-  CHECK_THROWS_WITH(plan_copies(std::span(all).first(7), 2, 0, 4, 2, one, config),
-                    test::contains_text("plan_copies: 7 counts for 2 ranks of 4 groups"));
-  CHECK_THROWS_WITH(plan_copies(all, 2, 2, 4, 2, one, config), test::contains_text("rank 2"));
+  CHECK_THROWS_WITH(plan_copies(std::span(all).first(7), 2, 0, 2, one, config),
+                    test::contains_text("plan_copies: 7 counts for 2 ranks of 2 experts each"));
+  CHECK_THROWS_WITH(plan_copies(all, 2, 2, 2, one, config), test::contains_text("rank 2"));
   all[5] = -3;
-  CHECK_THROWS_WITH(plan_copies(all, 2, 0, 4, 2, one, config),
-                    test::contains_text("plan_copies: rank 1 has -3 rows for group 1"));
+  CHECK_THROWS_WITH(plan_copies(all, 2, 0, 2, one, config),
+                    test::contains_text("plan_copies: rank 1 has -3 rows for expert 1"));
   // Both ranks send INT32_MAX rows to expert 2 (on EP rank 1): 2^32 − 2 rows there.
   all = {0, 0, INT32_MAX, 0, 0, 0, INT32_MAX, 0};
-  CHECK_THROWS_WITH(plan_copies(all, 2, 0, 4, 2, one, config),
+  CHECK_THROWS_WITH(plan_copies(all, 2, 0, 2, one, config),
                     test::contains_text("EP rank 1 would receive 4294967294 rows, beyond the "
                                         "int32 row index"));
 }

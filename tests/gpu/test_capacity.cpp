@@ -241,6 +241,9 @@ TEST_CASE("capacity drops equal the reference: both policies, ties, skew, every 
         {100, 16, 4, false, 2, 0, policy},
         {4096, 256, 8, false, 8, 160, policy},
         {3001, 7, 3, true, 0, 999, policy},
+        // The most experts: a dropped slot names group 2048, past every expert's.
+        {300, kMaxExperts, 4, false, 0, 1, policy},
+        {5000, kMaxExperts, 8, false, 3, 4, policy},
         {test::by_run_size(2048, 16384, 65536), 128, 8, false, 5, 100, policy}};
     for (const Case& c : cases) check_case(c, rng);
   }

@@ -72,37 +72,6 @@ TEST_CASE("device memory round trip", "[gpu][harness]") {
   CHECK(grow.bytes() == 4096);
 }
 
-// Only the rows the device's end says are used become zero, whatever the bound: random bytes
-// elsewhere stay, at row widths that allow 16-byte stores and ones that do not.
-TEST_CASE("clear_rows_to zeroes up to the end held on the device", "[gpu][harness]") {
-  const auto seed = test::fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
-  for (const std::size_t row_bytes : {std::size_t{4096}, std::size_t{6}, std::size_t{48}}) {
-    const std::int64_t rows = 300, first = 37, bound = 250;
-    for (const std::int32_t end : {0, 36, 37, 38, 101, 249, 250, 251, 100000}) {
-      INFO("row bytes " << row_bytes << ", end " << end);
-      const std::size_t bytes = row_bytes * rows;
-      std::vector<unsigned char> data(bytes);
-      for (auto& b : data) b = static_cast<unsigned char>(rng() | 1);  // never zero
-      DeviceBuffer buffer(bytes), device_end(sizeof(end));
-      copy_to_device(buffer.data(), data.data(), bytes);
-      copy_to_device(device_end.data(), &end, sizeof(end));
-      clear_rows_to(buffer.data(), row_bytes, first, device_end.as<std::int32_t>(), bound, nullptr);
-      std::vector<unsigned char> back(bytes);
-      copy_to_host(back.data(), buffer.data(), bytes);
-      const std::int64_t cleared_end =
-          std::max<std::int64_t>(first, std::min<std::int64_t>(end, bound));
-      std::vector<unsigned char> want = data;
-      std::fill(want.begin() + first * static_cast<std::int64_t>(row_bytes),
-                want.begin() + cleared_end * static_cast<std::int64_t>(row_bytes), 0);
-      CHECK(back == want);
-    }
-  }
-  CHECK_THROWS_WITH(clear_rows_to(nullptr, 16, 5, nullptr, 4, nullptr),
-                    test::contains_text("rows from 5 to at most 4"));
-}
-
 TEST_CASE("convert kernel matches host bf16 rounding bit for bit", "[gpu][harness]") {
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);

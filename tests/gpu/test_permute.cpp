@@ -311,7 +311,10 @@ TEST_CASE("EP chunk sort to and from the padded expert-major layout", "[gpu][per
 
 // The peer kernels address each slot's row in the buffer of its expert's rank. On one GPU, R
 // buffers stand in for R ranks: rank r holds experts [r·E_loc, (r + 1)·E_loc) and the slice of
-// the padded layout they own, so every result must equal the local kernels' bitwise.
+// the padded layout they own, so every result must equal the local kernels' bitwise. With
+// capacity mode's dropped slots (group E, no row; the local kernels' results checked against the
+// reference in test_permute_dropped.cpp) the row map gives them -1, and the peer kernels, which
+// would fault on the null pointer such a slot has, skip them as the local ones do.
 TEST_CASE("peer kernels over rows split between ranks' buffers equal the local kernels",
           "[gpu][permute]") {
   const auto seed = test::fresh_seed();
@@ -321,152 +324,158 @@ TEST_CASE("peer kernels over rows split between ranks' buffers equal the local k
        {std::tuple{37, 72, 8, 2, 2, 16, DType::kBF16},
         std::tuple{41, 13, 24, 6, 3, 8, DType::kFP32},
         std::tuple{300, 64, 64, 16, 8, 16, DType::kBF16},
-        std::tuple{1, 40, 8, 4, 4, 1, DType::kBF16},
-        std::tuple{0, 64, 8, 2, 2, 16, DType::kBF16}}) {
-    INFO("T=" << T << " H=" << H << " E=" << E << " K=" << K << " ranks=" << ranks
-              << " align=" << align << " " << dtype_name(dtype));
-    const int E_loc = E / ranks;
-    const auto routing = draw_routing(T, E, K, false, rng);
-    const auto layout = reference::make_layout(routing, E, align);
-    const std::int64_t rows = layout.rows();
-    const Matrix x = test::round_to(test::random_matrix(T, H, rng), dtype);
-    const Matrix y = test::round_to(test::random_matrix(rows, H, rng), dtype);
-    const Matrix dy = test::round_to(test::random_matrix(T, H, rng), dtype);
-    Stream stream;
-    const std::size_t elem = dtype_size(dtype), row_bytes = static_cast<std::size_t>(H) * elem;
-    auto first_row = [&](int r) { return layout.offsets[static_cast<std::size_t>(r * E_loc)]; };
+        std::tuple{1, 40, 8, 4, 4, 1, DType::kBF16}, std::tuple{0, 64, 8, 2, 2, 16, DType::kBF16}})
+    for (const double dropped : {0.0, 0.4}) {
+      INFO("T=" << T << " H=" << H << " E=" << E << " K=" << K << " ranks=" << ranks
+                << " align=" << align << " " << dtype_name(dtype) << " dropped " << dropped);
+      const int E_loc = E / ranks;
+      const auto routing = draw_routing(T, E, K, false, rng);
+      const auto [kept, topk_idx] = test::drop_slots(routing, E, dropped, rng);
+      const auto layout = reference::make_layout(routing, kept, E, align);
+      const std::int64_t rows = layout.rows();
+      const Matrix x = test::round_to(test::random_matrix(T, H, rng), dtype);
+      const Matrix y = test::round_to(test::random_matrix(rows, H, rng), dtype);
+      const Matrix dy = test::round_to(test::random_matrix(T, H, rng), dtype);
+      Stream stream;
+      const std::size_t elem = dtype_size(dtype), row_bytes = static_cast<std::size_t>(H) * elem;
+      auto first_row = [&](int r) { return layout.offsets[static_cast<std::size_t>(r * E_loc)]; };
 
-    // The local kernels on the whole layout: what every split must reproduce.
-    const auto idx = test::upload(routing.expert);
-    const std::vector<std::int32_t> row32(layout.row.begin(), layout.row.end());
-    const auto row_map = test::upload(row32);
-    const auto prob = test::upload(std::vector<float>(routing.prob.begin(), routing.prob.end()));
-    std::vector<std::int32_t> offsets32(layout.offsets.begin(), layout.offsets.end()),
-        counts32(layout.counts.begin(), layout.counts.end());
-    const auto offsets = test::upload(offsets32), counts = test::upload(counts32);
-    const auto x_dev = test::upload_as(x, dtype), y_dev = test::upload_as(y, dtype),
-               dy_dev = test::upload_as(dy, dtype), y_local = test::upload_as(y, dtype);
-    DeviceBuffer X(rows * row_bytes + 16), out(T * row_bytes + 16), dx(T * row_bytes + 16),
-        dprob(static_cast<std::size_t>(T * K) * 4 + 16), row_prob(rows * 4 + 16);
-    for (const auto* b : {&X, &dprob, &row_prob}) test::poison(*b);
-    const Tensor x_t(x_dev.data(), dtype, {T, H}), dy_t(dy_dev.data(), dtype, {T, H});
-    const auto* rm = row_map.as<std::int32_t>();
-    // The probabilities beside the rows and back: row_prob[row(t, k)] = p[t, k] (padding 0), and
-    // the dispatch backward's gather of the floats beside the rows returns p itself.
-    permute_rows(x_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E,
-                 Tensor(X.data(), dtype, {rows, H}), stream.get(), prob.as<float>(),
-                 row_prob.as<float>());
-    unpermute_combine(Tensor(y_dev.data(), dtype, {rows, H}), rm, prob.as<float>(), K,
-                      Tensor(out.data(), dtype, {T, H}), stream.get());
-    unpermute_combine(Tensor(y_dev.data(), dtype, {rows, H}), rm, nullptr, K,
-                      Tensor(dx.data(), dtype, {T, H}), stream.get(), row_prob.as<float>(),
-                      dprob.as<float>());
-    // The combine backward with probabilities inside the experts: dy permuted over Y.
-    const Tensor y_in_place(y_local.data(), dtype, {rows, H});
-    permute_rows(dy_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E, y_in_place,
-                 stream.get());
-    stream.synchronize();
-    const auto got_row_prob = test::download<float>(row_prob, static_cast<std::size_t>(rows));
-    std::vector<float> want_row_prob(static_cast<std::size_t>(rows), 0.0f);
-    for (std::int64_t i = 0; i < T * K; ++i)
-      want_row_prob[layout.row[i]] = static_cast<float>(routing.prob[i]);
-    CHECK(got_row_prob == want_row_prob);
-    const auto probs32 = std::vector<float>(routing.prob.begin(), routing.prob.end());
-    CHECK(test::download<float>(dprob, static_cast<std::size_t>(T * K)) == probs32);
+      // The local kernels on the whole layout: what every split must reproduce.
+      const auto idx = test::upload(topk_idx);
+      const std::vector<std::int32_t> row32(layout.row.begin(), layout.row.end());
+      const auto row_map = test::upload(row32);
+      const auto prob = test::upload(std::vector<float>(routing.prob.begin(), routing.prob.end()));
+      std::vector<std::int32_t> offsets32(layout.offsets.begin(), layout.offsets.end()),
+          counts32(layout.counts.begin(), layout.counts.end());
+      const auto offsets = test::upload(offsets32), counts = test::upload(counts32);
+      const auto x_dev = test::upload_as(x, dtype), y_dev = test::upload_as(y, dtype),
+                 dy_dev = test::upload_as(dy, dtype), y_local = test::upload_as(y, dtype);
+      DeviceBuffer X(rows * row_bytes + 16), out(T * row_bytes + 16), dx(T * row_bytes + 16),
+          dprob(static_cast<std::size_t>(T * K) * 4 + 16), row_prob(rows * 4 + 16);
+      for (const auto* b : {&X, &dprob, &row_prob}) test::poison(*b);
+      const Tensor x_t(x_dev.data(), dtype, {T, H}), dy_t(dy_dev.data(), dtype, {T, H});
+      const auto* rm = row_map.as<std::int32_t>();
+      // The probabilities beside the rows and back: row_prob[row(t, k)] = p[t, k] (padding 0), and
+      // the dispatch backward's gather of the floats beside the rows returns p itself.
+      permute_rows(x_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E,
+                   Tensor(X.data(), dtype, {rows, H}), stream.get(), prob.as<float>(),
+                   row_prob.as<float>());
+      unpermute_combine(Tensor(y_dev.data(), dtype, {rows, H}), rm, prob.as<float>(), K,
+                        Tensor(out.data(), dtype, {T, H}), stream.get());
+      unpermute_combine(Tensor(y_dev.data(), dtype, {rows, H}), rm, nullptr, K,
+                        Tensor(dx.data(), dtype, {T, H}), stream.get(), row_prob.as<float>(),
+                        dprob.as<float>());
+      // The combine backward with probabilities inside the experts: dy permuted over Y.
+      const Tensor y_in_place(y_local.data(), dtype, {rows, H});
+      permute_rows(dy_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E,
+                   y_in_place, stream.get());
+      stream.synchronize();
+      const auto got_row_prob = test::download<float>(row_prob, static_cast<std::size_t>(rows));
+      std::vector<float> want_row_prob(static_cast<std::size_t>(rows), 0.0f);
+      for (std::int64_t i = 0; i < T * K; ++i)
+        if (kept[i] != 0) want_row_prob[layout.row[i]] = static_cast<float>(routing.prob[i]);
+      CHECK(got_row_prob == want_row_prob);
+      // dprob: each kept slot's probability, read from beside its row; 0 for a dropped slot.
+      std::vector<float> probs32(routing.prob.begin(), routing.prob.end());
+      for (std::int64_t i = 0; i < T * K; ++i)
+        if (kept[i] == 0) probs32[i] = 0.0f;
+      CHECK(test::download<float>(dprob, static_cast<std::size_t>(T * K)) == probs32);
 
-    // Slot rows on their ranks: the row in the whole layout minus the rank's first row.
-    std::vector<std::int32_t> shift(E);
-    for (int g = 0; g < E; ++g) shift[g] = static_cast<std::int32_t>(-first_row(g / E_loc));
-    const auto shift_dev = test::upload(shift);
-    DeviceBuffer slot_rows(static_cast<std::size_t>(T * K) * 4 + 16);
-    test::poison(slot_rows);
-    peer_row_map(rm, idx.as<std::int32_t>(), shift_dev.as<std::int32_t>(), T * K,
-                 slot_rows.as<std::int32_t>(), stream.get());
-    stream.synchronize();
-    const auto got_slot_rows =
-        test::download<std::int32_t>(slot_rows, static_cast<std::size_t>(T * K));
-    for (std::int64_t i = 0; i < T * K; ++i) {
-      REQUIRE(got_slot_rows[i] == layout.row[i] - first_row(routing.expert[i] / E_loc));
-    }
+      // Slot rows on their ranks: the row in the whole layout minus the rank's first row.
+      std::vector<std::int32_t> shift(E);
+      for (int g = 0; g < E; ++g) shift[g] = static_cast<std::int32_t>(-first_row(g / E_loc));
+      const auto shift_dev = test::upload(shift);
+      DeviceBuffer slot_rows(static_cast<std::size_t>(T * K) * 4 + 16);
+      test::poison(slot_rows);
+      peer_row_map(rm, idx.as<std::int32_t>(), shift_dev.as<std::int32_t>(), T * K,
+                   slot_rows.as<std::int32_t>(), stream.get());
+      stream.synchronize();
+      const auto got_slot_rows =
+          test::download<std::int32_t>(slot_rows, static_cast<std::size_t>(T * K));
+      for (std::int64_t i = 0; i < T * K; ++i) {
+        REQUIRE(got_slot_rows[i] ==
+                (kept[i] != 0 ? layout.row[i] - first_row(routing.expert[i] / E_loc) : -1));
+      }
 
-    // Each rank's buffers: X (filled by the dispatch) with the probabilities beside it, and Y
-    // (y's slice, combined, then dY).
-    std::vector<DeviceBuffer> X_of, Y_of, P_of;
-    std::vector<DeviceBuffer> own_offsets, own_counts;
-    PeerRows X_rows, Y_rows;
-    for (int r = 0; r < ranks; ++r) {
-      const std::int64_t begin = first_row(r), end = first_row(r + 1);
-      X_of.emplace_back((end - begin) * row_bytes + 16);
-      test::poison(X_of.back());
-      P_of.emplace_back((end - begin) * 4 + 16);
-      test::poison(P_of.back());
-      Y_of.emplace_back((end - begin) * row_bytes + 16);
-      MOE_CHECK_CUDA(cudaMemcpy(Y_of.back().data(), y_dev.as<char>() + begin * row_bytes,
-                                (end - begin) * row_bytes, cudaMemcpyDeviceToDevice));
-      std::vector<std::int32_t> own_off, own_count;
-      for (int e = 0; e <= E_loc; ++e) own_off.push_back(offsets32[r * E_loc + e] - begin);
-      for (int e = 0; e < E_loc; ++e) own_count.push_back(counts32[r * E_loc + e]);
-      own_offsets.push_back(test::upload(own_off));
-      own_counts.push_back(test::upload(own_count));
-      X_rows.base[r] = X_of.back().data();
-      Y_rows.base[r] = Y_of.back().data();
-      X_rows.scalars[r] = Y_rows.scalars[r] = P_of.back().data();
-    }
-    for (PeerRows* p : {&X_rows, &Y_rows}) {
-      p->ranks = ranks;
-      p->experts_per_rank = E_loc;
-      p->topk_idx = idx.as<std::int32_t>();
-      p->rows = slot_rows.as<std::int32_t>();
-    }
-    auto own = [&](std::vector<DeviceBuffer>& of, int r) {
-      return Tensor(of[r].data(), dtype, {first_row(r + 1) - first_row(r), H});
-    };
-    // The dispatch, once as each rank (each zeroes its own padding; the rows are the same stores).
-    for (int r = 0; r < ranks; ++r) {
-      peer_permute(x_t, X_rows, K, own_offsets[r].as<std::int32_t>(),
-                   own_counts[r].as<std::int32_t>(), E_loc, own(X_of, r), stream.get(),
-                   prob.as<float>(), P_of[r].as<float>());
-    }
-    DeviceBuffer peer_out(T * row_bytes + 16), peer_dx(T * row_bytes + 16),
-        peer_dprob(static_cast<std::size_t>(T * K) * 4 + 16);
-    for (const auto* b : {&peer_out, &peer_dx, &peer_dprob}) test::poison(*b);
-    peer_unpermute_combine(Y_rows, prob.as<float>(), K, Tensor(peer_out.data(), dtype, {T, H}),
-                           stream.get());
-    peer_unpermute_combine(Y_rows, nullptr, K, Tensor(peer_dx.data(), dtype, {T, H}), stream.get(),
-                           peer_dprob.as<float>());
-    // The combine backward: dy stored at every slot's row over Y (rank 0 zeroes its padding).
-    peer_permute(dy_t, Y_rows, K, own_offsets[0].as<std::int32_t>(),
-                 own_counts[0].as<std::int32_t>(), E_loc, own(Y_of, 0), stream.get());
-    stream.synchronize();
+      // Each rank's buffers: X (filled by the dispatch) with the probabilities beside it, and Y
+      // (y's slice, combined, then dY).
+      std::vector<DeviceBuffer> X_of, Y_of, P_of;
+      std::vector<DeviceBuffer> own_offsets, own_counts;
+      PeerRows X_rows, Y_rows;
+      for (int r = 0; r < ranks; ++r) {
+        const std::int64_t begin = first_row(r), end = first_row(r + 1);
+        X_of.emplace_back((end - begin) * row_bytes + 16);
+        test::poison(X_of.back());
+        P_of.emplace_back((end - begin) * 4 + 16);
+        test::poison(P_of.back());
+        Y_of.emplace_back((end - begin) * row_bytes + 16);
+        MOE_CHECK_CUDA(cudaMemcpy(Y_of.back().data(), y_dev.as<char>() + begin * row_bytes,
+                                  (end - begin) * row_bytes, cudaMemcpyDeviceToDevice));
+        std::vector<std::int32_t> own_off, own_count;
+        for (int e = 0; e <= E_loc; ++e) own_off.push_back(offsets32[r * E_loc + e] - begin);
+        for (int e = 0; e < E_loc; ++e) own_count.push_back(counts32[r * E_loc + e]);
+        own_offsets.push_back(test::upload(own_off));
+        own_counts.push_back(test::upload(own_count));
+        X_rows.base[r] = X_of.back().data();
+        Y_rows.base[r] = Y_of.back().data();
+        X_rows.scalars[r] = Y_rows.scalars[r] = P_of.back().data();
+      }
+      for (PeerRows* p : {&X_rows, &Y_rows}) {
+        p->ranks = ranks;
+        p->experts_per_rank = E_loc;
+        p->topk_idx = idx.as<std::int32_t>();
+        p->rows = slot_rows.as<std::int32_t>();
+      }
+      auto own = [&](std::vector<DeviceBuffer>& of, int r) {
+        return Tensor(of[r].data(), dtype, {first_row(r + 1) - first_row(r), H});
+      };
+      // The dispatch, once as each rank (each zeroes its own padding; the rows are the same
+      // stores).
+      for (int r = 0; r < ranks; ++r) {
+        peer_permute(x_t, X_rows, K, own_offsets[r].as<std::int32_t>(),
+                     own_counts[r].as<std::int32_t>(), E_loc, own(X_of, r), stream.get(),
+                     prob.as<float>(), P_of[r].as<float>());
+      }
+      DeviceBuffer peer_out(T * row_bytes + 16), peer_dx(T * row_bytes + 16),
+          peer_dprob(static_cast<std::size_t>(T * K) * 4 + 16);
+      for (const auto* b : {&peer_out, &peer_dx, &peer_dprob}) test::poison(*b);
+      peer_unpermute_combine(Y_rows, prob.as<float>(), K, Tensor(peer_out.data(), dtype, {T, H}),
+                             stream.get());
+      peer_unpermute_combine(Y_rows, nullptr, K, Tensor(peer_dx.data(), dtype, {T, H}),
+                             stream.get(), peer_dprob.as<float>());
+      // The combine backward: dy stored at every slot's row over Y (rank 0 zeroes its padding).
+      peer_permute(dy_t, Y_rows, K, own_offsets[0].as<std::int32_t>(),
+                   own_counts[0].as<std::int32_t>(), E_loc, own(Y_of, 0), stream.get());
+      stream.synchronize();
 
-    const auto n = static_cast<std::size_t>(T * H) * elem;
-    CHECK(test::download<char>(peer_out, n) == test::download<char>(out, n));
-    CHECK(test::download<char>(peer_dx, n) == test::download<char>(dx, n));
-    CHECK(test::download<float>(peer_dprob, static_cast<std::size_t>(T * K)) ==
-          test::download<float>(dprob, static_cast<std::size_t>(T * K)));
-    const auto whole_X = test::download<char>(X, rows * row_bytes);
-    const auto whole_dY = test::download<char>(y_local, rows * row_bytes);
-    for (int r = 0; r < ranks; ++r) {
-      INFO("rank " << r);
-      const std::int64_t begin = first_row(r), end = first_row(r + 1);
-      const auto got_X = test::download<char>(X_of[r], (end - begin) * row_bytes);
-      CHECK(std::equal(got_X.begin(), got_X.end(), whole_X.begin() + begin * row_bytes));
-      const auto got_P = test::download<float>(P_of[r], static_cast<std::size_t>(end - begin));
-      CHECK(std::equal(got_P.begin(), got_P.end(), want_row_prob.begin() + begin));
-      // dY in place: every routed row; rank 0 (the caller) also zeroed its padding.
-      const auto got_dY = test::download<char>(Y_of[r], (end - begin) * row_bytes);
-      for (int e = r * E_loc; e < (r + 1) * E_loc; ++e) {
-        const std::int64_t last =
-            r == 0 ? layout.offsets[e + 1] : layout.offsets[e] + layout.counts[e];
-        for (std::int64_t row = layout.offsets[e]; row < last; ++row) {
-          INFO("row " << row);
-          REQUIRE(std::equal(got_dY.begin() + (row - begin) * row_bytes,
-                             got_dY.begin() + (row - begin + 1) * row_bytes,
-                             whole_dY.begin() + row * row_bytes));
+      const auto n = static_cast<std::size_t>(T * H) * elem;
+      CHECK(test::download<char>(peer_out, n) == test::download<char>(out, n));
+      CHECK(test::download<char>(peer_dx, n) == test::download<char>(dx, n));
+      CHECK(test::download<float>(peer_dprob, static_cast<std::size_t>(T * K)) ==
+            test::download<float>(dprob, static_cast<std::size_t>(T * K)));
+      const auto whole_X = test::download<char>(X, rows * row_bytes);
+      const auto whole_dY = test::download<char>(y_local, rows * row_bytes);
+      for (int r = 0; r < ranks; ++r) {
+        INFO("rank " << r);
+        const std::int64_t begin = first_row(r), end = first_row(r + 1);
+        const auto got_X = test::download<char>(X_of[r], (end - begin) * row_bytes);
+        CHECK(std::equal(got_X.begin(), got_X.end(), whole_X.begin() + begin * row_bytes));
+        const auto got_P = test::download<float>(P_of[r], static_cast<std::size_t>(end - begin));
+        CHECK(std::equal(got_P.begin(), got_P.end(), want_row_prob.begin() + begin));
+        // dY in place: every routed row; rank 0 (the caller) also zeroed its padding.
+        const auto got_dY = test::download<char>(Y_of[r], (end - begin) * row_bytes);
+        for (int e = r * E_loc; e < (r + 1) * E_loc; ++e) {
+          const std::int64_t last =
+              r == 0 ? layout.offsets[e + 1] : layout.offsets[e] + layout.counts[e];
+          for (std::int64_t row = layout.offsets[e]; row < last; ++row) {
+            INFO("row " << row);
+            REQUIRE(std::equal(got_dY.begin() + (row - begin) * row_bytes,
+                               got_dY.begin() + (row - begin + 1) * row_bytes,
+                               whole_dY.begin() + row * row_bytes));
+          }
         }
       }
     }
-  }
 }
 
 TEST_CASE("permute kernels reject bad arguments", "[gpu][permute]") {
@@ -495,43 +504,36 @@ TEST_CASE("permute kernels reject bad arguments", "[gpu][permute]") {
   CHECK_THROWS_WITH(build_layout(args, nullptr), test::contains_text("exceed the int32 row index"));
 }
 
-// Capacity mode over the peer exchange: a dropped slot (group E of the kept routing) keeps its row
-// on the sender, so the row map takes shift[E] for it and names one of the sender's experts.
-TEST_CASE("peer row map of a kept routing: dropped slots stay with their sender",
-          "[gpu][permute]") {
+// Capacity mode over the peer exchange: a dropped slot (group E of the kept routing, row -1 in
+// the sender's layout) has no row on any rank, so the row map gives it -1 and reads no shift for
+// it (the shifts stop at E).
+TEST_CASE("peer row map of a kept routing: dropped slots have no row", "[gpu][permute]") {
   const auto seed = test::fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  const int E = 8, own_expert = 4, slots = 1000;
+  const int E = 8, slots = 1000;
   std::uniform_int_distribution<int> group(0, E);  // E: dropped
   std::uniform_int_distribution<int> row(0, 5000), offset(-3000, 3000);
-  std::vector<std::int32_t> idx(slots), row_map(slots), shift(E + 1);
-  for (auto& g : idx) g = group(rng);
-  for (auto& r : row_map) r = row(rng);
+  std::vector<std::int32_t> idx(slots), row_map(slots), shift(E);
+  for (int i = 0; i < slots; ++i) {
+    idx[i] = group(rng);
+    row_map[i] = idx[i] < E ? row(rng) : -1;
+  }
   for (auto& s : shift) s = offset(rng);
   const auto idx_dev = test::upload(idx), row_map_dev = test::upload(row_map),
              shift_dev = test::upload(shift);
-  DeviceBuffer rows(slots * 4), destination(slots * 4);
+  DeviceBuffer rows(slots * 4);
   test::poison(rows);
-  test::poison(destination);
   Stream stream;
   peer_row_map(row_map_dev.as<std::int32_t>(), idx_dev.as<std::int32_t>(),
-               shift_dev.as<std::int32_t>(), slots, rows.as<std::int32_t>(), stream.get(),
-               {destination.as<std::int32_t>(), E, own_expert});
+               shift_dev.as<std::int32_t>(), slots, rows.as<std::int32_t>(), stream.get());
   stream.synchronize();
   const auto got_rows = test::download<std::int32_t>(rows, slots);
-  const auto got_destination = test::download<std::int32_t>(destination, slots);
   int dropped = 0;
   for (int i = 0; i < slots; ++i) {
     INFO("slot " << i << " group " << idx[i]);
-    REQUIRE(got_rows[i] == row_map[i] + shift[idx[i]]);
-    REQUIRE(got_destination[i] == (idx[i] < E ? idx[i] : own_expert));
+    REQUIRE(got_rows[i] == (idx[i] < E ? row_map[i] + shift[idx[i]] : -1));
     dropped += idx[i] == E;
   }
   CHECK(dropped > 0);
-  // An own expert outside the experts is refused by name.
-  CHECK_THROWS_WITH(peer_row_map(row_map_dev.as<std::int32_t>(), idx_dev.as<std::int32_t>(),
-                                 shift_dev.as<std::int32_t>(), slots, rows.as<std::int32_t>(),
-                                 stream.get(), {destination.as<std::int32_t>(), E, E}),
-                    test::contains_text("own_expert = 8"));
 }

@@ -203,5 +203,6 @@ TEST_CASE("dropped slots: no row, nothing stored or read for them, dprob 0", "[g
     run_dropped({100, 128, 64, 8, 128, DType::kBF16, share}, rng);
     run_dropped({33, 100, 16, 4, 8, DType::kBF16, share}, rng);  // rows of 200 bytes: element path
     run_dropped({65, 64, 32, 8, 0, DType::kFP32, share}, rng);
+    run_dropped({300, 64, kMaxExperts, 4, 16, DType::kBF16, share}, rng);  // dropped: group 2048
   }
 }
