@@ -3,9 +3,8 @@
 // position) or those of the highest probability, ties to the earlier slot (drop by probability).
 //
 // The kept routing is the routing with each dropped slot sent to the extra group `experts` at
-// probability 0: a layout built over experts + 1 groups puts the dropped slots' rows last, past
-// every expert's group, where no GEMM reads them and no exchange sends them (the EP exchanges);
-// one built over the experts' groups alone gives them no rows (build_layout, one GPU).
+// probability 0: a layout built over the experts' groups, as every exchange builds it, gives them
+// no rows (build_layout), so nothing is stored, sent or computed for them.
 #pragma once
 
 #include <cuda_runtime_api.h>

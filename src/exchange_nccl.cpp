@@ -325,7 +325,7 @@ class NcclExchange final : public TokenExchange {
   // synchronisation, give the plan of every copy (and this rank's counts); this rank's received
   // counts (for the padding) are copied out of them on the device.
   const ExchangeCounts& gather_counts(std::int32_t* recv_counts, void* totals) {
-    const int E_ = E_, me = mesh_.ep_index();
+    const int me = mesh_.ep_index();
     const std::size_t counts = static_cast<std::size_t>(ranks_) * E_;
     const std::size_t counts_bytes = counts * sizeof(std::int32_t);
     const std::size_t totals_bytes = saved_.routing.totals_bytes;
