@@ -4,32 +4,35 @@
 # --ranks N, on N ranks under mpirun (EP = N). hidden = (in series − overlapped) / (in series −
 # without), the share of the shared experts' time that the routed path covers. Writes one
 # moe_bench JSON per run to OUTDIR and prints a table last.
-# --transport peer|nccl|copy picks the EP exchange (moe_bench --ep-transport; default: the layer's own
-# choice). --repeat R runs the three modes R times in turn (overlapped, series, without, then
-# again), so that a drift of the GPU's clocks reaches all three alike, and takes each mode's
-# median: one run's step moves by about ±0.3 ms, ±10 points of the hidden share at deepseek-v3.
+# --transport peer|nccl|copy picks the EP exchange (moe_bench --ep-transport; default: the
+# layer's own choice), --chunks N the NCCL or copy exchange's pipeline chunks (moe_bench
+# --exchange-chunks; 0: automatic, 1: one piece; default: the config's). --repeat R runs the three
+# modes R times in turn (overlapped, series, without, then again), so that a drift of the GPU's
+# clocks reaches all three alike, and takes each mode's median: one run's step moves by about
+# ±0.3 ms, ±10 points of the hidden share at deepseek-v3.
 #   scripts/bench-shared-overlap.sh [--configs "a b"] [--tokens "1024 8192"] [--ranks N]
-#                                   [--transport T] [--repeat R] OUTDIR
+#                                   [--transport T] [--chunks N] [--repeat R] OUTDIR
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
 usage() {  # to stderr with status 2, or (usage 0: --help) to stdout
   local to=2
   [ "${1:-2}" = 0 ] && to=1
-  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--transport peer|nccl|copy] [--repeat R]" \
-    "OUTDIR" >&"$to"
+  echo "usage: $0 [--configs C] [--tokens T] [--ranks N] [--transport peer|nccl|copy] [--chunks N]" \
+    "[--repeat R] OUTDIR" >&"$to"
   exit "${1:-2}"
 }
-configs="deepseek-v3 qwen1.5-moe-a2.7b" tokens="8192" ranks=1 transport="" repeat=1 out=""
+configs="deepseek-v3 qwen1.5-moe-a2.7b" tokens="8192" ranks=1 transport="" chunks="" repeat=1 out=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --configs | --tokens | --ranks | --transport | --repeat)
+    --configs | --tokens | --ranks | --transport | --chunks | --repeat)
       [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; usage; }
       case $1 in
         --configs) configs=$2 ;;
         --tokens) tokens=$2 ;;
         --ranks) ranks=$2 ;;
         --transport) transport=$2 ;;
+        --chunks) chunks=$2 ;;
         --repeat) repeat=$2 ;;
       esac
       shift 2 ;;
@@ -44,6 +47,8 @@ moe_require_configs_and_tokens "$configs" "$tokens"
 [[ "$ranks" =~ ^[1-9][0-9]{0,3}$ ]] ||
   { echo "error: --ranks '$ranks' is not a rank count in [1, 9999]" >&2; exit 2; }
 [[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
+[[ -z "$chunks" || "$chunks" =~ ^(0|[1-9][0-9]{0,2}|10[01][0-9]|102[0-4])$ ]] ||
+  { echo "error: --chunks '$chunks' is not a chunk count in [0, 1024]" >&2; exit 2; }
 case $transport in
   "" | peer | nccl | copy) ;;
   *) echo "error: --transport '$transport' is not peer, nccl or copy" >&2; exit 2 ;;
@@ -68,9 +73,10 @@ for config in $configs; do
   for t in $tokens; do
     for ((round = 1; round <= repeat; round++)); do
     for mode in overlapped series without; do
-      name=$config-T$t-EP$ranks${transport:+-$transport}-$mode
+      name=$config-T$t-EP$ranks${transport:+-$transport}${chunks:+-c$chunks}-$mode
       [ "$repeat" -gt 1 ] && name+=-$round
       flags=(--config "$file" --tokens "$t" --iters 20 --stage-lead-ms 0)
+      [ -n "$chunks" ] && flags+=(--exchange-chunks "$chunks")
       [ -n "$transport" ] && flags+=(--ep-transport "$transport")
       [ "$mode" = series ] && flags+=(--shared-in-series)
       [ "$mode" = without ] && flags+=(--shared-ffn-hidden 0)
@@ -88,22 +94,24 @@ for path in map(pathlib.Path, sys.argv[1:]):
     mode = ("without" if r["shared_ffn_hidden"] == 0 else
             "overlapped" if r["shared_expert_overlap"] else "series")
     exchange = r["ep_transport"] if r["ep"] > 1 else "-"
-    key = (r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["ep"], exchange, mode)
+    chunks = r.get("exchange_chunks", 1) if r["ep"] > 1 else 1
+    key = (r["config_file"].removesuffix(".yaml"), r["tokens_per_gpu"], r["ep"], exchange, chunks,
+           mode)
     steps.setdefault(key, []).append(r["total_ms"])
 runs = {key: {"total_ms": statistics.median(ms), "runs": len(ms)} for key, ms in steps.items()}
-print(f"{'config':<22} {'T':>5} {'EP':>3} {'exchange':>8} {'overlapped':>10} {'series':>8} "
-      f"{'without':>8} {'shared ms':>9} {'hidden':>7} {'runs':>5}")
-for (config, t, ep, exchange, mode), r in sorted(runs.items()):
+print(f"{'config':<22} {'T':>5} {'EP':>3} {'exchange':>8} {'chunks':>6} {'overlapped':>10} "
+      f"{'series':>8} {'without':>8} {'shared ms':>9} {'hidden':>7} {'runs':>5}")
+for (config, t, ep, exchange, chunks, mode), r in sorted(runs.items()):
     if mode != "overlapped":
         continue
-    s = runs.get((config, t, ep, exchange, "series"))
-    w = runs.get((config, t, ep, exchange, "without"))
+    s = runs.get((config, t, ep, exchange, chunks, "series"))
+    w = runs.get((config, t, ep, exchange, chunks, "without"))
     if s is None or w is None:
         continue
     shared = s["total_ms"] - w["total_ms"]
     hidden = (s["total_ms"] - r["total_ms"]) / shared if shared > 0 else float("nan")
-    print(f"{config:<22} {t:>5} {ep:>3} {exchange:>8} {r['total_ms']:>10.3f} {s['total_ms']:>8.3f} "
-          f"{w['total_ms']:>8.3f} {shared:>9.3f} {100 * hidden:>6.0f}% "
+    print(f"{config:<22} {t:>5} {ep:>3} {exchange:>8} {chunks:>6} {r['total_ms']:>10.3f} "
+          f"{s['total_ms']:>8.3f} {w['total_ms']:>8.3f} {shared:>9.3f} {100 * hidden:>6.0f}% "
           f"{min(r['runs'], s['runs'], w['runs']):>5}")
 PY
 exit $status

@@ -58,6 +58,8 @@ expect "--factors '0' is not a capacity factor in (0, 10000]" bench-static-shape
 expect "--iters '0' is not a count of steps" bench-static-shapes.sh --iters 0 "$out/a"
 expect "--micro-batches applies to mode fp8-mb" bench-fp8.sh --micro-batches 4 "$out/a"
 expect "--ranks '0' is not a rank count in [2, 9999]" bench-pipeline.sh --ranks 0 "$out/a"
+expect "--chunks '1025' is not a chunk count in [0, 1024]" bench-shared-overlap.sh --chunks 1025 \
+  "$out/a"
 
 # Without a GPU, valid options are refused before anything is built or OUTDIR is made.
 if ! nvidia-smi -L 2>/dev/null | grep '^GPU ' >/dev/null; then
