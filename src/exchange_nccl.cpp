@@ -253,9 +253,13 @@ class NcclExchange final : public TokenExchange {
   // This rank's slots' rows in the sender's layout (grows send_rows where needed).
   Tensor slots() { return view(send_rows_, dtype_, {slot_rows(), H_}); }
   // The rows an exchange brought back to this rank, in its sender's layout: in `buffer` (grown
-  // where needed) over NCCL, in the returned buffer over the copy engines.
+  // where needed) over NCCL, in the returned buffer over the copy engines (sized for the rows this
+  // rank sent, its kept slots').
   Tensor returned(DeviceBuffer& buffer) {
-    if (copies_) return Tensor(returned_->local(), dtype_, {slot_rows(), H_});
+    if (copies_) {
+      const std::int64_t sent = copy_plan_.slot_rows.at(static_cast<std::size_t>(mesh_.ep_index()));
+      return Tensor(returned_->local(), dtype_, {sent, H_});
+    }
     return view(buffer, dtype_, {slot_rows(), H_});
   }
   // The padded expert-major rows in a buffer.

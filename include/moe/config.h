@@ -182,7 +182,7 @@ struct MoEConfig {
   std::int64_t expert_capacity(std::int64_t tokens) const;
   // Why the GPU layer (MoEBlock) cannot run this config yet, naming the setting and its value, or
   // empty when it can: fp8_dispatch or pad_to_capacity under EP over the peer or copy exchange
-  // (they run over NCCL), and capacity mode with 2048 experts (the CPU reference runs it).
+  // (they run over NCCL).
   std::string unsupported_by_gpu_layer() const;
 
   // Throws moe::Error naming the first invalid parameter and its value.

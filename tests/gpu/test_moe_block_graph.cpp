@@ -147,8 +147,8 @@ TEST_CASE("a static-shape step captured in a CUDA graph replays the eager step b
     wide.activation_chunk_mib = 1.0 / 1024;
     run_graph_case(wide, 45, rng);
     run_graph_case(test::deepseek_like(static_config(dtype, 1.25, DropPolicy::kProbs, 0)), 40, rng);
-    // Tokens over several layout blocks (128 each) and K = 4 at factor 0.5: the dropped group
-    // takes a row per dropped slot, some left unused, beyond one row per token.
+    // Tokens over several layout blocks (128 each) and K = 4 at factor 0.5: many dropped slots,
+    // none with a row.
     MoEConfig many = static_config(dtype, 0.5, DropPolicy::kPosition, 16);
     many.topk = 4;
     many.validate();
