@@ -5,6 +5,8 @@
 //                                   --out R.safetensors [--ep E --dp D]
 //   build/apps/moe_run ... --reference     # the fp64 CPU reference instead of the GPUs
 //   build/apps/moe_run ... --no-check-finite   # no NaN/Inf (or bf16 overflow) check of the files
+//   build/apps/moe_run ... --record-routing R.safetensors   # the step's topk_idx, alone, to R
+//   build/apps/moe_run ... --replay-routing R.safetensors   # run with R's topk_idx as the routing
 //
 // In capacity mode each rank drops from its own tokens (C from its own T), while --reference
 // runs the whole batch as one rank: with several ranks the two differ by design
@@ -179,8 +181,9 @@ void note_one_rank(const MoEConfig& config, const TensorSource& inputs) {
 }
 
 int run_reference(const MoEConfig& config, const TensorSource& weights, const TensorSource& inputs,
-                  bool check_finite_values, const std::string& out_path) {
-  const LayerInputs in = read_layer_inputs_without_experts(config, weights, inputs);
+                  const TensorSource* routing, bool check_finite_values,
+                  const std::string& out_path) {
+  const LayerInputs in = read_layer_inputs_without_experts(config, weights, inputs, routing);
   if (check_finite_values) {
     // As the layer holds them: bf16 may overflow; the expert bias stays fp32 (io/rank_inputs.cpp).
     constexpr std::string_view kHeldInFp32[] = {"expert_bias"};
@@ -204,6 +207,18 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
   std::printf("moe_run: fp64 reference over %lld tokens written to %s\n",
               static_cast<long long>(in.x.rows), out_path.c_str());
   return 0;
+}
+
+// --record-routing: the step's routing, as the results file just written holds it, to a file of
+// its own that --replay-routing reads back (rank 0, after the results).
+void record_routing(const MoEConfig& config, const std::string& out_path,
+                    const std::string& record_path) {
+  const TensorFileReader results(out_path);
+  const FileTensor idx = results.read_tensor("topk_idx");
+  std::vector<std::int32_t> experts(idx.data.size() / sizeof(std::int32_t));
+  if (!experts.empty()) std::memcpy(experts.data(), idx.data.data(), idx.data.size());
+  routing_file(config, experts).write(record_path);
+  std::printf("moe_run: the step's routing (topk_idx) written to %s\n", record_path.c_str());
 }
 
 // After the agreement: this rank's share on its GPU, forward, backward, the results to rank
@@ -378,7 +393,7 @@ int run_mesh(const MoEConfig& config, const TensorSource& weights, const TensorS
 
 int main(int argc, char** argv) {
   CLI::App app{"moe_run: forward and backward of the MoE layer on tensors from safetensors files"};
-  std::string config_path, weights_path, inputs_path, out_path;
+  std::string config_path, weights_path, inputs_path, out_path, record_path, replay_path;
   int ep = 0, dp = 0;
   bool use_reference = false;
   bool check_finite_values = true;
@@ -394,6 +409,13 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingFile);
   app.add_option("--out", out_path, "results file to write")->required();
+  CLI::Option* record_option =
+      app.add_option("--record-routing", record_path,
+                     "also write the step's routing, topk_idx [T, K] (I32) alone, to this file");
+  app.add_option("--replay-routing", replay_path,
+                 "run with the routing of this file's topk_idx [T, K] (I32): a --record-routing "
+                 "file or a results file (the inputs then hold no topk_idx)")
+      ->check(CLI::ExistingFile);
   app.add_option("--ep", ep, "expert-parallel degree (default: world / dp, or all ranks)")
       ->check(cli::count_in(1, 1 << 20));
   app.add_option("--dp", dp, "data-parallel degree (default: world / ep)")
@@ -404,14 +426,24 @@ int main(int argc, char** argv) {
       "refuse weights, inputs and results holding NaN or Inf (as the layer holds them: an F32 "
       "value beyond bf16's range under dtype bf16 too), naming the tensor (default: on)");
   if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
+  // Given, even empty (which check_output_file names), the routing is recorded.
+  const bool record = record_option->count() > 0;
   try {
-    cli::check_output_file(
-        "--out", out_path,
-        {{"--config", config_path}, {"--weights", weights_path}, {"--inputs", inputs_path}});
+    std::vector<std::pair<std::string, std::string>> read_files = {
+        {"--config", config_path}, {"--weights", weights_path}, {"--inputs", inputs_path}};
+    if (!replay_path.empty()) read_files.emplace_back("--replay-routing", replay_path);
+    cli::check_output_file("--out", out_path, read_files);
+    if (record) {
+      read_files.emplace_back("--out", out_path);
+      cli::check_output_file("--record-routing", record_path, read_files);
+    }
     auto config = load_config(config_path);
     // Headers only: the data are read where they are needed, a rank's share or an expert at a time.
     const TensorFileReader weights(weights_path);
     const TensorFileReader inputs(inputs_path);
+    std::optional<TensorFileReader> replay;
+    if (!replay_path.empty()) replay.emplace(replay_path);
+    const TensorSource* routing = replay ? &*replay : nullptr;
     if (use_reference) {
       // The reference runs the whole batch as one rank: a mesh asked for would be ignored.
       if (ep != 0 || dp != 0) {
@@ -429,11 +461,14 @@ int main(int argc, char** argv) {
             config.max_nodes_per_token);
       // The files checked first: a note that calls a tensor ineffective must not precede the
       // error that the same tensor is malformed.
-      (void)check_layer_files(config, weights, inputs);
+      (void)check_layer_files(config, weights, inputs, routing);
       note_one_rank(config, inputs);
-      return run_reference(config.for_one_rank(), weights, inputs, check_finite_values, out_path);
+      const int status = run_reference(config.for_one_rank(), weights, inputs, routing,
+                                       check_finite_values, out_path);
+      if (status == 0 && record) record_routing(config, out_path, record_path);
+      return status;
     }
-    const CheckedLayerFiles checked = check_layer_files(config, weights, inputs);
+    const CheckedLayerFiles checked = check_layer_files(config, weights, inputs, routing);
     // Refused before MPI starts, so that every rank stops at once with the same message: with the
     // mesh asked for where --ep / --dp give it (the world size is known only under MPI).
     MoEConfig asked = config;
@@ -467,7 +502,9 @@ int main(int argc, char** argv) {
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
     // Every setting is checked first, on any machine.
     if (cuda_device_count() == 0) fail("no CUDA GPU on this machine (--reference runs on the CPU)");
-    return run_mesh(config, weights, inputs, checked, check_finite_values, out_path);
+    const int status = run_mesh(config, weights, inputs, checked, check_finite_values, out_path);
+    if (status == 0 && mpi.rank() == 0 && record) record_routing(config, out_path, record_path);
+    return status;
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr,
                  "moe_run: out of host memory; --reference holds x, dy, the weights it reads and "

@@ -126,10 +126,11 @@ reference::Matrix matrix(const std::vector<double>& values, std::int64_t rows, s
 }
 
 LayerInputs read_layer_inputs(const MoEConfig& config, const TensorSource& weights,
-                              const TensorSource& inputs, bool with_experts) {
+                              const TensorSource& inputs, const TensorSource* routing,
+                              bool with_experts) {
   const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
   const std::int64_t Fs = config.shared_ffn_hidden;
-  CheckedLayerFiles checked = check_layer_files(config, weights, inputs);
+  CheckedLayerFiles checked = check_layer_files(config, weights, inputs, routing);
   const std::int64_t T = checked.tokens;
   // The values the GPU layer computes with: rounded to bf16 in a bf16 layer (the bias stays fp32).
   const DType held = config.dtype;
@@ -237,7 +238,7 @@ std::vector<std::int64_t> CheckedLayerFiles::split(int world) const {
 }
 
 CheckedLayerFiles check_layer_files(const MoEConfig& config, const TensorSource& weights,
-                                    const TensorSource& inputs) {
+                                    const TensorSource& inputs, const TensorSource* routing) {
   const std::int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
   const std::int64_t Fs = config.shared_ffn_hidden;
   const std::vector<std::string> weight_names = expected_weights(config, weights);
@@ -262,21 +263,44 @@ CheckedLayerFiles check_layer_files(const MoEConfig& config, const TensorSource&
   checked.tokens = x.shape[0];
   expect(inputs, "x", {checked.tokens, H});
   expect(inputs, "dy", {checked.tokens, H});
-  if (inputs.contains("topk_idx"))
+  if (routing != nullptr) {
+    if (inputs.contains("topk_idx"))
+      fail(
+          "{}: tensor 'topk_idx' gives a routing to replay, and so does {}: give the routing "
+          "once",
+          inputs.source(), routing->source());
+    if (!routing->contains("topk_idx"))
+      fail("{}: no tensor named 'topk_idx' (the routing to replay, I32 [{}, {}])",
+           routing->source(), checked.tokens, config.topk);
+    checked.replay_experts = read_replay_experts(config, *routing, checked.tokens);
+  } else if (inputs.contains("topk_idx")) {
     checked.replay_experts = read_replay_experts(config, inputs, checked.tokens);
+  }
   if (inputs.contains("tokens_per_rank"))
     checked.tokens_per_rank = read_tokens_per_rank(inputs, checked.tokens);
   return checked;
 }
 
 LayerInputs read_layer_inputs(const MoEConfig& config, const TensorSource& weights,
-                              const TensorSource& inputs) {
-  return read_layer_inputs(config, weights, inputs, /*with_experts=*/true);
+                              const TensorSource& inputs, const TensorSource* routing) {
+  return read_layer_inputs(config, weights, inputs, routing, /*with_experts=*/true);
 }
 
 LayerInputs read_layer_inputs_without_experts(const MoEConfig& config, const TensorSource& weights,
-                                              const TensorSource& inputs) {
-  return read_layer_inputs(config, weights, inputs, /*with_experts=*/false);
+                                              const TensorSource& inputs,
+                                              const TensorSource* routing) {
+  return read_layer_inputs(config, weights, inputs, routing, /*with_experts=*/false);
+}
+
+TensorFile routing_file(const MoEConfig& config, std::span<const std::int32_t> topk_idx) {
+  const std::int64_t K = config.topk;
+  if (K < 1 || std::ssize(topk_idx) % K != 0)
+    fail("routing_file: {} experts are no whole number of tokens of top-{}", topk_idx.size(), K);
+  TensorFile file;
+  file.add("topk_idx", FileDType::kI32, {std::ssize(topk_idx) / K, K}, topk_idx.data());
+  file.metadata = layer_results_metadata(config);
+  file.metadata["content"] = "the routing of one step (topk_idx), for moe_run --replay-routing";
+  return file;
 }
 
 TensorFile layer_weights_file(const MoEConfig& config, const reference::Params& p) {

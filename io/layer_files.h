@@ -7,6 +7,8 @@
 //           shared_gate_weight [1, H] (with shared_gate)
 // inputs:   x [T, H], dy [T, H] (BF16 or F32), optionally tokens_per_rank [world] (I64) and
 //           topk_idx [T, K] (I32: the routing to replay)
+// routing:  topk_idx [T, K] (I32), the routing to replay from a file of its own (moe_run
+//           --replay-routing): a routing file (moe_run --record-routing) or a results file
 // results:  out, dx [T, H]; topk_idx [T, K] (I32); topk_p [T, K]; aux_loss, z_loss [1];
 //           tokens_per_expert [E] (I32, kept slots); kept [T, K] (I32); dropped_per_expert [E]
 //           (I32); grad.gate_weight [E, H], grad.w13 [E, 2F, H], grad.w2 [E, H, F];
@@ -49,9 +51,12 @@ struct CheckedLayerFiles {
 // or the shared experts' weights when the config has none) is an error, tokens_per_rank must
 // hold counts >= 0 whose sum, checked for overflow, is the batch's, and topk_idx names K distinct
 // experts in [0, E) for every token (errors name the token, the slot and the value). Reads the
-// headers and the small tensors tokens_per_rank and topk_idx, nothing else.
+// headers and the small tensors tokens_per_rank and topk_idx, nothing else. With `routing`, the
+// routing to replay is its topk_idx (its other tensors are not read), and the inputs must hold
+// none.
 CheckedLayerFiles check_layer_files(const MoEConfig& config, const TensorSource& weights,
-                                    const TensorSource& inputs);
+                                    const TensorSource& inputs,
+                                    const TensorSource* routing = nullptr);
 
 struct LayerInputs {
   reference::Params params;  // the reference's math layout (w13 [H, 2F], w2 [F, H] per expert)
@@ -63,11 +68,12 @@ struct LayerInputs {
 
 // check_layer_files, then every tensor converted to the reference's fp64 layout.
 LayerInputs read_layer_inputs(const MoEConfig& config, const TensorSource& weights,
-                              const TensorSource& inputs);
+                              const TensorSource& inputs, const TensorSource* routing = nullptr);
 // The same but the routed experts, which stay in the file (params.experts is empty): FileExperts
 // (io/expert_streams.h) reads them one at a time.
 LayerInputs read_layer_inputs_without_experts(const MoEConfig& config, const TensorSource& weights,
-                                              const TensorSource& inputs);
+                                              const TensorSource& inputs,
+                                              const TensorSource* routing = nullptr);
 
 // The weights and inputs files of a layer (the inverse of read_layer_inputs), values stored as F32.
 TensorFile layer_weights_file(const MoEConfig& config, const reference::Params& params);
@@ -75,6 +81,10 @@ TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix
 // With a routing to replay: topk_idx [T, topk] (I32) beside x and dy.
 TensorFile layer_inputs_file(const reference::Matrix& x, const reference::Matrix& dy,
                              std::span<const int> replay_experts, int topk);
+
+// A routing file: topk_idx [T, K] (I32) alone, what --replay-routing reads back; the config's
+// description in its metadata.
+TensorFile routing_file(const MoEConfig& config, std::span<const std::int32_t> topk_idx);
 
 // The results file of a single run over the whole batch (the fp64 reference's, or gathered):
 // kept and dropped_per_expert always, the shared experts' gradients when the config has them.
