@@ -5,7 +5,7 @@ through torch.compile. The ratio is against the faster of the two, the strongest
 builds. Prints the ratio table and writes every number to one JSON that bench/plot.py draws.
 
     python3 bench/compare_layer.py [--build build] [--configs mixtral-8x7b qwen3-30b-a3b ...]
-                                   [--ranks 1 2] [--out DIR]
+                                   [--ranks 1 2] [--tokens 1024 8192] [--out DIR]
 
 Both sides keep bf16 weight gradients (moe_bench --grad-dtype bf16), as autograd does for bf16
 weights, so that the memory columns compare like with like.
@@ -40,6 +40,8 @@ def main():
                         help="config names in configs/")
     parser.add_argument("--ranks", nargs="+", type=count_in(1, 4096), default=[1, 2],
                         help="GPUs of each run, one rank each (counts above this machine's skipped)")
+    parser.add_argument("--tokens", nargs="+", type=count_in(1, 1 << 30), default=None,
+                        help="tokens per GPU, each a run of its own (default: each config's)")
     parser.add_argument("--iters", type=count_in(1, 100000), default=20,
                         help="timed steps of each side")
     parser.add_argument("--out", default="layer-compare",
@@ -61,22 +63,30 @@ def main():
     failed = 0
     for name in args.configs:
         config = os.path.join(ROOT, "configs", name + ".yaml")
-        for ranks in ranks_here:
-            print(f"== {name}, {ranks} GPU(s)", flush=True)
-            ours_path = os.path.join(args.out, f"ours_{name}_{ranks}.json")
-            peer_path = os.path.join(args.out, f"peer_{name}_{ranks}.json")
-            ours = run_one("moe_bench", ranks,
-                           [os.path.join(args.build, "apps", "moe_bench"), "--config", config, "--grad-dtype",
-                            "bf16", "--iters", str(args.iters), "--json", ours_path], ours_path)
-            peer_command = [sys.executable, os.path.join(ROOT, "bench", "peer_layer.py"), "--config", config,
-                            "--iters", str(args.iters)]
-            peer = run_one("peer_layer.py", ranks, peer_command + ["--json", peer_path], peer_path)
-            compiled_path = os.path.join(args.out, f"peer_compiled_{name}_{ranks}.json")
-            compiled = run_one("peer_layer.py --compile", ranks,
-                               peer_command + ["--compile", "--json", compiled_path], compiled_path)
-            rows.append({"config": name, "ranks": ranks, "ours": ours, "peer": peer,
-                         "peer_compiled": compiled})
-            failed += ours is None or (peer is None and compiled is None)
+        for tokens in args.tokens or [None]:
+            # Each side's --tokens where asked for; the files of a token count named after it.
+            tokens_flag = ["--tokens", str(tokens)] if tokens else []
+            suffix = f"_T{tokens}" if tokens else ""
+            for ranks in ranks_here:
+                print(f"== {name}, {ranks} GPU(s)" + (f", T = {tokens} per GPU" if tokens else ""),
+                      flush=True)
+                ours_path = os.path.join(args.out, f"ours_{name}_{ranks}{suffix}.json")
+                peer_path = os.path.join(args.out, f"peer_{name}_{ranks}{suffix}.json")
+                ours = run_one("moe_bench", ranks,
+                               [os.path.join(args.build, "apps", "moe_bench"), "--config", config,
+                                "--grad-dtype", "bf16", "--iters", str(args.iters), "--json",
+                                ours_path] + tokens_flag, ours_path)
+                peer_command = [sys.executable, os.path.join(ROOT, "bench", "peer_layer.py"),
+                                "--config", config, "--iters", str(args.iters)] + tokens_flag
+                peer = run_one("peer_layer.py", ranks, peer_command + ["--json", peer_path],
+                               peer_path)
+                compiled_path = os.path.join(args.out, f"peer_compiled_{name}_{ranks}{suffix}.json")
+                compiled = run_one("peer_layer.py --compile", ranks,
+                                   peer_command + ["--compile", "--json", compiled_path],
+                                   compiled_path)
+                rows.append({"config": name, "ranks": ranks, "tokens": tokens, "ours": ours,
+                             "peer": peer, "peer_compiled": compiled})
+                failed += ours is None or (peer is None and compiled is None)
 
     print("\nours GiB: device memory the layer took (cudaMemGetInfo, once the mesh's NCCL communicators "
           "had connected: their buffers, mesh GiB, serve every layer and the trainer, and PyTorch's allocator "
@@ -86,7 +96,7 @@ def main():
           "rate of a short burst, in the last columns); compiled ms: the peer through torch.compile; "
           "ratio: ours against the faster peer; at floor: the ratio a layer at our roofline floor "
           "(moe_bench's step floor) would reach against it")
-    print(f"\n{'config':<16} {'GPUs':>4} {'ours ms':>9} {'torch ms':>9} {'compiled':>9} {'ratio':>6} "
+    print(f"\n{'config':<16} {'GPUs':>4} {'T':>6} {'ours ms':>9} {'torch ms':>9} {'compiled':>9} {'ratio':>6} "
           f"{'at floor':>8} {'dense%':>7} "
           f"{'ours GiB':>9} {'torch GiB':>9} {'kept':>9} {'reserved':>9} {'dense':>6} {'burst':>6} {'mesh GiB':>9}")
     for r in rows:
@@ -106,7 +116,8 @@ def main():
         mesh_gib = o.get("mesh_memory_bytes", float("nan")) / 2**30 if o else float("nan")
         dense_rate = o["dense_TFLOPs"] if o else float("nan")
         burst_rate = o.get("dense_TFLOPs_burst", float("nan")) if o else float("nan")
-        print(f"{r['config']:<16} {r['ranks']:>4} {ours_ms:9.3f} {eager_ms:9.3f} {compiled_ms:9.3f} "
+        tokens = o.get("tokens_per_gpu", r["tokens"]) if o else r["tokens"]
+        print(f"{r['config']:<16} {r['ranks']:>4} {tokens if tokens else '-':>6} {ours_ms:9.3f} {eager_ms:9.3f} {compiled_ms:9.3f} "
               f"{ours_ms / peer_ms:5.2f}x {floor_ms / peer_ms:7.2f}x "
               f"{dense:6.0f}% {ours_gib:9.2f} {peer_gib:9.2f} {peer_kept:9.2f} {peer_reserved:9.2f} "
               f"{dense_rate:6.0f} {burst_rate:6.0f} {mesh_gib:9.2f}")

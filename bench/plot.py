@@ -65,7 +65,11 @@ def main():
         raise SystemExit(f"plot.py: {args.results}: {len(rows)} results to draw; a plot holds at "
                          f"most {MOST_ROWS} legibly")
     plt = pyplot("plot.py")
-    labels = [f"{label(r['config'])}\n{r['ranks']} GPU" for r in rows]
+    # A run over several token counts (compare_layer.py --tokens) names each bar's.
+    token_counts = [r["ours"].get("tokens_per_gpu", "?") for r in rows]
+    several = len(set(map(str, token_counts))) > 1
+    labels = [f"{label(r['config'])}\n{r['ranks']} GPU" + (f", T={label(t)}" if several else "")
+              for r, t in zip(rows, token_counts)]
     stages = []
     for r in rows:
         for name in r["ours"]["stages_ms"]:
@@ -102,8 +106,8 @@ def main():
         ax.text(p, v + 0.02, f"{v:.2f}x", ha="center")
     ax.set_xticks(list(positions), labels)
     ax.set_ylabel("our step / the faster PyTorch step\n(eager or compiled; lower is better)")
-    tokens = label(rows[0]["ours"].get("tokens_per_gpu", "?"))
-    ax.set_title(f"Whole layer, forward + backward, bf16, T = {tokens} per GPU, {device}")
+    tokens = "T per GPU as labelled" if several else f"T = {label(token_counts[0])} per GPU"
+    ax.set_title(f"Whole layer, forward + backward, bf16, {tokens}, {device}")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "layer_vs_pytorch.png"), dpi=120)
     print("wrote", os.path.join(args.out, "layer_stages.png"), "and layer_vs_pytorch.png")
