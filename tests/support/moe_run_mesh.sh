@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # moe_run_mesh.sh GPU_COUNT_BIN TOOL_BIN MOE_RUN_BIN: moe_run over all local GPUs (EP = GPUs)
 # equals moe_run --reference on the same files: the plain layer, a replayed routing with an uneven
-# tokens_per_rank, and shared experts (reported as skipped while the GPU layer refuses them).
-# Each rank reads its share of the files and rank 0 writes the one results file. Exits 77
-# (ctest: skipped) without a GPU.
+# tokens_per_rank, and shared experts. Each rank reads its share of the files and rank 0 writes
+# the one results file. The plain layer's routing, recorded on the mesh (--record-routing), then
+# replayed there (--replay-routing) gives the mesh's results again bit for bit, and the reference
+# replaying it equals them. Exits 77 (ctest: skipped) without a GPU.
 set -euo pipefail
 count_bin=$1 tool=$2 moe_run=$3
 source "$(dirname "$0")/gpu_script.sh"
@@ -15,15 +16,22 @@ for variant in plain replay shared; do
   "$tool" make "$dir" "$RANDOM$RANDOM" "$variant" "$gpus"
   files=(--config "$dir/config.yaml" --weights "$dir/weights.safetensors" --inputs "$dir/inputs.safetensors")
   "$moe_run" --reference "${files[@]}" --out "$dir/reference.safetensors"
+  record=()
+  [ "$variant" = plain ] && record=(--record-routing "$dir/routing.safetensors")
   if ! mpirun -np "$gpus" --bind-to none -x NCCL_NVLS_ENABLE "$moe_run" "${files[@]}" \
-      --out "$dir/gpu.safetensors" --ep "$gpus" 2>"$dir/stderr.txt"; then
+      --out "$dir/gpu.safetensors" --ep "$gpus" "${record[@]}" 2>"$dir/stderr.txt"; then
     cat "$dir/stderr.txt" >&2
-    if [ "$variant" = shared ] && grep -q "not implemented by the GPU layer yet" "$dir/stderr.txt"; then
-      echo "SKIPPED: $variant (the GPU layer refuses it)"
-      continue
-    fi
     exit 1
   fi
   cat "$dir/stderr.txt" >&2
   "$tool" compare "$dir/gpu.safetensors" "$dir/reference.safetensors" 1e-5
+  if [ "$variant" = plain ]; then
+    echo "== plain, its recorded routing replayed"
+    mpirun -np "$gpus" --bind-to none -x NCCL_NVLS_ENABLE "$moe_run" "${files[@]}" \
+      --out "$dir/replayed.safetensors" --ep "$gpus" --replay-routing "$dir/routing.safetensors"
+    "$tool" compare "$dir/replayed.safetensors" "$dir/gpu.safetensors" 0
+    "$moe_run" --reference "${files[@]}" --out "$dir/reference_replayed.safetensors" \
+      --replay-routing "$dir/routing.safetensors"
+    "$tool" compare "$dir/replayed.safetensors" "$dir/reference_replayed.safetensors" 1e-5
+  fi
 done
