@@ -2,6 +2,7 @@
 """Checks scripts/cost_model.py's arithmetic against the terms docs/design.md ("Cost model")
 states, each isolated by rates that make the other terms vanish, and its predictions against the
 measured steps of design.md's table: each is the model's, and within 15% of its measurement."""
+import json
 import math
 import pathlib
 import re
@@ -367,6 +368,84 @@ class CostModel(unittest.TestCase):
             rows = [line.split() for line in r.stdout.splitlines()[2:]]
             self.assertEqual([row[0] for row in rows], ["1", "2"])
             self.assertTrue(all(math.isfinite(float(v)) for row in rows for v in row[2:7]))
+
+
+def report(**overrides):
+    """A moe_bench --json report's fields that cost_model_check.py reads: the 2 × H200 copy
+    exchange row of design.md's table (deepseek-v3, EP 2, one chunk, shared experts in series)."""
+    fields = {"config_file": "deepseek-v3.yaml", "tokens_per_gpu": 8192, "ep": 2,
+              "ep_transport": "copy", "exchange_chunks": 1, "total_ms": 42.81,
+              "grad_dtype": "fp32", "shared_ffn_hidden": 2048, "fp8": False,
+              "fp8_dispatch": False, "micro_batches": 1, "capacity_factor": 0.0,
+              "device": "NVIDIA H200"}
+    fields.update(overrides)
+    return fields
+
+
+class CostModelCheck(unittest.TestCase):
+    """scripts/cost_model_check.py sets the model beside moe_bench's reports as design.md's table
+    does, and names a report it cannot read."""
+
+    def run_check(self, *reports, limit=None):
+        with tempfile.TemporaryDirectory() as d:
+            paths = []
+            for i, r in enumerate(reports):
+                path = pathlib.Path(d) / f"r{i}.json"
+                path.write_text(r if isinstance(r, str) else json.dumps(r))
+                paths.append(str(path))
+            command = [sys.executable, str(SCRIPTS / "cost_model_check.py"), *paths]
+            if limit is not None:
+                command += ["--limit", str(limit)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            return done.returncode, done.stdout.replace(d + "/", ""), done.stderr
+
+    def test_a_report_prices_as_the_designs_table_row(self):
+        # (config, EP, exchange, shared experts, measured) → (predicted, error)
+        table = {tuple(row[1:6]): row[6:] for row in measured_points()}
+        code, out, err = self.run_check(report(), report(shared_ffn_hidden=0, total_ms=39.59),
+                                        report(ep_transport="nccl", exchange_chunks=4,
+                                               total_ms=42.21))
+        self.assertEqual(code, 0, err)
+        rows = [[cell.strip() for cell in line.strip("|").split("|")]
+                for line in out.splitlines()[2:]]
+        self.assertEqual(len(rows), 3)
+        for row in rows:
+            with self.subTest(row=row):
+                self.assertEqual(row[6:], table[tuple(row[1:6])])
+
+    def test_capacity_mode_is_named_and_a_miss_beyond_the_limit_fails(self):
+        code, out, err = self.run_check(report(capacity_factor=1.25), report())
+        self.assertEqual(code, 0, err)
+        self.assertIn("capacity mode (factor 1.25): the model prices dropless steps", out)
+        code, out, err = self.run_check(report(total_ms=30.0))
+        self.assertEqual(code, 1)
+        self.assertIn("| +39.4%, beyond 15% |", out)
+        self.assertIn("1 of 1 points miss by more than 15%", err)
+        code, out, err = self.run_check(report(total_ms=30.0), limit=0.5)
+        self.assertEqual(code, 0, err)
+
+    def test_a_report_it_cannot_read_is_named(self):
+        fields = report()
+        del fields["ep"]
+        for bad, said in ((fields, "r0.json: no 'ep'"),
+                          (report(ep=True), "'ep' is True, not a int"),
+                          (report(tokens_per_gpu=8192.5), "'tokens_per_gpu' is 8192.5, not a int"),
+                          (report(total_ms=-1), "'total_ms' = -1 is no step time"),
+                          (report(config_file="../CMakeLists.txt"),
+                           "config_file '../CMakeLists.txt' is not a config of configs/"),
+                          (report(ep_transport="auto"), "'ep_transport' = 'auto' is none of"),
+                          (report(ep=3), "EP 3 does not divide the 256 experts"),
+                          (report(grad_dtype="fp16"), "'grad_dtype' = 'fp16' is neither"),
+                          ("[1, 2]", "not a moe_bench --json report (a JSON object)"),
+                          ("{", "cannot be read as a moe_bench --json report")):
+            with self.subTest(said=said):
+                code, _, err = self.run_check(bad)
+                self.assertEqual(code, 2, err)
+                self.assertIn(said, err)
+                self.assertNotIn("Traceback", err)
+        code, _, err = self.run_check(report(), limit="nan")
+        self.assertEqual(code, 2)
+        self.assertIn("--limit = nan must be in (0, 10]", err)
 
 
 if __name__ == "__main__":

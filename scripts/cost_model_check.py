@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Sets scripts/cost_model.py's prediction beside each step that moe_bench measured: every
+`moe_bench --json` file given is read for its config (configs/<config_file>, with the run's
+shared_ffn_hidden), tokens per GPU, EP, exchange, pipeline chunks, gradient dtype and FP8
+settings, priced at the model's default rates as docs/design.md's table of measured steps is,
+and printed as one row of that table: measured, predicted, error. Exits 1 when a point misses by
+more than --limit (15% by default, the model's bound), 2 on a file that is no moe_bench report.
+
+    python3 scripts/cost_model_check.py results/*.json [--limit 0.15]
+
+Capacity mode's steps are left out, named: the model prices dropless steps.
+"""
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import cost_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# What a report must hold, and of which type (bool before int: a JSON true is no count).
+FIELDS = {"config_file": str, "tokens_per_gpu": int, "ep": int, "ep_transport": str,
+          "exchange_chunks": int, "total_ms": float, "grad_dtype": str, "shared_ffn_hidden": int,
+          "fp8": bool, "fp8_dispatch": bool, "micro_batches": int, "capacity_factor": float}
+
+
+def fail(message):
+    print(f"cost_model_check.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_report(path):
+    """A moe_bench JSON report's fields the model reads, each checked for its type and range."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        fail(f"{path}: cannot be read as a moe_bench --json report: {error}")
+    if not isinstance(report, dict):
+        fail(f"{path}: not a moe_bench --json report (a JSON object)")
+    fields = {}
+    for name, kind in FIELDS.items():
+        if name not in report:
+            fail(f"{path}: no '{name}' (a moe_bench --json report holds it)")
+        value = report[name]
+        if kind in (bool, str):
+            ok = isinstance(value, kind)
+        else:  # a JSON number, finite, and whole for a count
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                math.isfinite(value) and (kind is float or float(value).is_integer())
+        if not ok:
+            fail(f"{path}: '{name}' is {value!r}, not a {kind.__name__}")
+        fields[name] = int(value) if kind is int else value
+    name = fields["config_file"]
+    if "/" in name or name.startswith(".") or not name.endswith(".yaml") or \
+            not (ROOT / "configs" / name).is_file():
+        fail(f"{path}: config_file '{name}' is not a config of configs/")
+    for name, low, high in (("tokens_per_gpu", 1, 2**30), ("ep", 1, 2**20),
+                            ("exchange_chunks", 1, 1024), ("shared_ffn_hidden", 0, 2**20),
+                            ("micro_batches", 1, 2**20)):
+        if not low <= fields[name] <= high:
+            fail(f"{path}: '{name}' = {fields[name]} is outside [{low}, {high}]")
+    if not 0 < fields["total_ms"] < 1e9:
+        fail(f"{path}: 'total_ms' = {fields['total_ms']} is no step time")
+    if fields["grad_dtype"] not in ("bf16", "fp32"):
+        fail(f"{path}: 'grad_dtype' = {fields['grad_dtype']!r} is neither bf16 nor fp32")
+    return fields
+
+
+def point(path, fields):
+    """The report's step, as design.md's table prices it: (row cells, error), or (why, None)
+    where the model prices no such step."""
+    if fields["capacity_factor"] > 0:
+        return f"capacity mode (factor {fields['capacity_factor']:g}): the model prices dropless " \
+               "steps", None
+    config = cost_model.read_config(str(ROOT / "configs" / fields["config_file"]))
+    config["shared_ffn_hidden"] = str(fields["shared_ffn_hidden"])
+    args = cost_model.parse_args([str(ROOT / "configs" / fields["config_file"])])
+    ep = fields["ep"]
+    transport = fields["ep_transport"] if ep > 1 else "peer"
+    if transport not in ("peer", "nccl", "copy"):
+        fail(f"{path}: 'ep_transport' = {transport!r} is none of peer, nccl, copy")
+    args.transport = transport
+    args.chunks = fields["exchange_chunks"] if transport != "peer" else None
+    args.exchange_efficiency = cost_model.exchange_efficiency(args)
+    args.grad_bytes = 2 if fields["grad_dtype"] == "bf16" else 4
+    args.fp8 = fields["fp8"]
+    args.fp8_dispatch = fields["fp8_dispatch"]
+    args.micro_batches = fields["micro_batches"]
+    p = cost_model.predict(config, fields["tokens_per_gpu"], ep, args)
+    if p is None:
+        fail(f"{path}: EP {ep} does not divide the {config['num_experts']} experts")
+    measured = fields["total_ms"]
+    error = (p["overlap_ms"] - measured) / measured
+    exchange = "—" if ep == 1 else (
+        transport if transport == "peer" else
+        f"{transport}, {p['chunks']} chunk{'s' if p['chunks'] > 1 else ''}")
+    shared = "yes" if fields["shared_ffn_hidden"] > 0 else "no"
+    sign = "+" if error >= 0 else "−"
+    cells = [fields["config_file"].removesuffix(".yaml"), str(ep), exchange, shared,
+             f"{measured:.2f}", f"{p['overlap_ms']:.2f}", f"{sign}{abs(100 * error):.1f}%"]
+    return cells, error
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("reports", nargs="+", help="moe_bench --json files")
+    parser.add_argument("--limit", type=float, default=0.15,
+                        help="the largest miss, as a share of the measured step (default 0.15)")
+    args = parser.parse_args()
+    if not math.isfinite(args.limit) or not 0 < args.limit <= 10:
+        fail(f"--limit = {args.limit} must be in (0, 10]")
+    print("| file | config | EP | exchange | shared experts | measured, ms | predicted, ms "
+          "| error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    misses = 0
+    for path in args.reports:
+        cells, error = point(path, read_report(path))
+        if error is None:
+            print(f"| {path} | {cells} |")
+            continue
+        if abs(error) > args.limit:
+            misses += 1
+            cells[-1] += f", beyond {args.limit:.0%}"
+        print(f"| {path} | " + " | ".join(cells) + " |")
+    if misses:
+        print(f"{misses} of {len(args.reports)} points miss by more than {args.limit:.0%}",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
