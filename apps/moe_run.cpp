@@ -212,13 +212,16 @@ int run_reference(const MoEConfig& config, const TensorSource& weights, const Te
 // --record-routing: the step's routing, as the results file just written holds it, to a file of
 // its own that --replay-routing reads back (rank 0, after the results).
 void record_routing(const MoEConfig& config, const std::string& out_path,
-                    const std::string& record_path) {
+                    const std::string& record_path) try {
   const TensorFileReader results(out_path);
   const FileTensor idx = results.read_tensor("topk_idx");
   std::vector<std::int32_t> experts(idx.data.size() / sizeof(std::int32_t));
   if (!experts.empty()) std::memcpy(experts.data(), idx.data.data(), idx.data.size());
   routing_file(config, experts).write(record_path);
   std::printf("moe_run: the step's routing (topk_idx) written to %s\n", record_path.c_str());
+} catch (const Error& e) {
+  fail("--record-routing: the results are in {}, but the routing was not written: {}", out_path,
+       e.what());
 }
 
 // After the agreement: this rank's share on its GPU, forward, backward, the results to rank
@@ -434,8 +437,12 @@ int main(int argc, char** argv) {
     if (!replay_path.empty()) read_files.emplace_back("--replay-routing", replay_path);
     cli::check_output_file("--out", out_path, read_files);
     if (record) {
-      read_files.emplace_back("--out", out_path);
       cli::check_output_file("--record-routing", record_path, read_files);
+      if (cli::same_file(record_path, out_path))
+        fail(
+            "--record-routing '{}' is the --out file '{}': the routing and the results need two "
+            "files",
+            record_path, out_path);
     }
     auto config = load_config(config_path);
     // Headers only: the data are read where they are needed, a rank's share or an expert at a time.

@@ -47,6 +47,9 @@ def main():
     parser.add_argument("--out", default="layer-compare",
                         help="folder of the JSON results (layer_compare.json and each run's)")
     args = parser.parse_args()
+    for given in (args.tokens or []):
+        if args.tokens.count(given) > 1:
+            parser.error(f"--tokens {given} is given twice: each token count is one run")
     require_built(args.build, os.path.join("apps", "moe_bench"))
     try:
         import torch  # only to count the GPUs here; the runs are separate processes

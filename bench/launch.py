@@ -23,7 +23,10 @@ def mpirun(ranks, command, timeout):
 def count_in(low, high):
     """An argparse type: a decimal whole number in [low, high]."""
     def parse(text):
-        if not text.isdigit() or (len(text) > 1 and text[0] == "0") or not low <= int(text) <= high:
+        # ASCII digits only: str.isdigit also takes '²' (which int() refuses) and other scripts'
+        # digits (which it reads).
+        if not (text.isascii() and text.isdigit()) or (len(text) > 1 and text[0] == "0") or \
+                len(text) > 20 or not low <= int(text) <= high:
             raise argparse.ArgumentTypeError(f"'{text}' is not a whole number in [{low}, {high}]")
         return int(text)
     return parse

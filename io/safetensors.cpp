@@ -353,8 +353,10 @@ void check_output_path(const std::filesystem::path& path, std::string_view what)
   if (fs::exists(status) && !fs::is_regular_file(status))
     fail("{} is not a regular file; results are written to regular files only", what);
   const fs::path directory = path.parent_path();
-  if (!directory.empty() && !fs::is_directory(directory, error))
+  if (!directory.empty() && !fs::is_directory(directory, error)) {
+    if (fs::exists(directory, error)) fail("{}: '{}' is not a directory", what, directory.string());
     fail("{}: the directory '{}' does not exist", what, directory.string());
+  }
   const std::string name = path.filename().string();
   if (name.size() > kMaxFileNameBytes) {
     fail("{}: the file name '{}...' has {} bytes; file systems take at most {}", what,

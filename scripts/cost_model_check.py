@@ -19,10 +19,24 @@ import sys
 import cost_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# What a report must hold, and of which type (bool before int: a JSON true is no count).
+# What a report must hold, and of which kind (a JSON true is no count).
 FIELDS = {"config_file": str, "tokens_per_gpu": int, "ep": int, "ep_transport": str,
           "exchange_chunks": int, "total_ms": float, "grad_dtype": str, "shared_ffn_hidden": int,
           "fp8": bool, "fp8_dispatch": bool, "micro_batches": int, "capacity_factor": float}
+KIND_NAMES = {str: "a string", int: "a whole number", float: "a number", bool: "true or false"}
+
+
+def of_kind(value, kind):
+    """Whether a JSON value is of the kind: a count whole, a number finite (a JSON integer of
+    hundreds of digits overflows a float: none of them)."""
+    if kind in (bool, str):
+        return isinstance(value, kind)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and (kind is float or float(value).is_integer())
+    except OverflowError:
+        return False
 
 
 def fail(message):
@@ -44,13 +58,9 @@ def read_report(path):
         if name not in report:
             fail(f"{path}: no '{name}' (a moe_bench --json report holds it)")
         value = report[name]
-        if kind in (bool, str):
-            ok = isinstance(value, kind)
-        else:  # a JSON number, finite, and whole for a count
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                math.isfinite(value) and (kind is float or float(value).is_integer())
-        if not ok:
-            fail(f"{path}: '{name}' is {value!r}, not a {kind.__name__}")
+        if not of_kind(value, kind):
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+            fail(f"{path}: '{name}' is {shown}, not {KIND_NAMES[kind]}")
         fields[name] = int(value) if kind is int else value
     name = fields["config_file"]
     if "/" in name or name.startswith(".") or not name.endswith(".yaml") or \
@@ -61,10 +71,19 @@ def read_report(path):
                             ("micro_batches", 1, 2**20)):
         if not low <= fields[name] <= high:
             fail(f"{path}: '{name}' = {fields[name]} is outside [{low}, {high}]")
-    if not 0 < fields["total_ms"] < 1e9:
-        fail(f"{path}: 'total_ms' = {fields['total_ms']} is no step time")
+    if not 1e-3 <= fields["total_ms"] < 1e9:
+        fail(f"{path}: 'total_ms' = {fields['total_ms']} is no step time (1 µs to 10⁹ ms)")
+    if not 0 <= fields["capacity_factor"] <= 1e4:
+        fail(f"{path}: 'capacity_factor' = {fields['capacity_factor']} is outside [0, 10000] "
+             "(0: dropless)")
     if fields["grad_dtype"] not in ("bf16", "fp32"):
         fail(f"{path}: 'grad_dtype' = {fields['grad_dtype']!r} is neither bf16 nor fp32")
+    # moe_bench reports the exchange the block ran: `auto` on one GPU.
+    if fields["ep_transport"] not in ("auto", "peer", "nccl", "copy"):
+        fail(f"{path}: 'ep_transport' = {fields['ep_transport']!r} is none of auto, peer, nccl, "
+             "copy")
+    if fields["fp8_dispatch"] and not fields["fp8"]:
+        fail(f"{path}: 'fp8_dispatch' without 'fp8': the layer runs no such step")
     return fields
 
 
@@ -79,8 +98,8 @@ def point(path, fields):
     args = cost_model.parse_args([str(ROOT / "configs" / fields["config_file"])])
     ep = fields["ep"]
     transport = fields["ep_transport"] if ep > 1 else "peer"
-    if transport not in ("peer", "nccl", "copy"):
-        fail(f"{path}: 'ep_transport' = {transport!r} is none of peer, nccl, copy")
+    if transport == "auto":
+        fail(f"{path}: 'ep_transport' = 'auto' at EP {ep}: a mesh's report names its exchange")
     args.transport = transport
     args.chunks = fields["exchange_chunks"] if transport != "peer" else None
     args.exchange_efficiency = cost_model.exchange_efficiency(args)
@@ -111,12 +130,13 @@ def main():
     args = parser.parse_args()
     if not math.isfinite(args.limit) or not 0 < args.limit <= 10:
         fail(f"--limit = {args.limit} must be in (0, 10]")
+    # Every report read and priced before the table starts: a bad one stops with its error alone.
+    points = [(path, *point(path, read_report(path))) for path in args.reports]
     print("| file | config | EP | exchange | shared experts | measured, ms | predicted, ms "
           "| error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     misses = 0
-    for path in args.reports:
-        cells, error = point(path, read_report(path))
+    for path, cells, error in points:
         if error is None:
             print(f"| {path} | {cells} |")
             continue

@@ -40,13 +40,17 @@ enum class Written {
 };
 
 // Whether two paths name one file: the same path after resolving `.`, `..` and links (the file
-// need not exist yet), or the same existing file (a hard link).
+// need not exist yet: both are made absolute first, since weakly_canonical leaves a relative path
+// to a missing file relative, and `x` would not match `./x`), or the same existing file (a hard
+// link).
 inline bool same_file(const std::filesystem::path& a, const std::filesystem::path& b) {
   namespace fs = std::filesystem;
   std::error_code equivalent_error, a_error, b_error;
   if (fs::equivalent(a, b, equivalent_error) && !equivalent_error) return true;
-  const fs::path a_resolved = fs::weakly_canonical(a, a_error);
-  const fs::path b_resolved = fs::weakly_canonical(b, b_error);
+  const fs::path a_absolute = fs::absolute(a, a_error), b_absolute = fs::absolute(b, b_error);
+  if (a_error || b_error) return false;
+  const fs::path a_resolved = fs::weakly_canonical(a_absolute, a_error);
+  const fs::path b_resolved = fs::weakly_canonical(b_absolute, b_error);
   return !a_error && !b_error && a_resolved == b_resolved;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cli/checks.h"
+#include "cli/output_file.h"
 #include "cli/remove_on_signal.h"
 #include "support/catch.h"
 
@@ -159,4 +160,31 @@ TEST_CASE("RemoveOnSignal removes the file being written when a signal ends the 
   // One at a time.
   const moe::cli::RemoveOnSignal first(path);
   CHECK_THROWS_WITH(moe::cli::RemoveOnSignal(path), moe::test::contains_text("one file at a time"));
+}
+
+// Two spellings of one path name one file, whether or not it exists yet: relative and absolute,
+// `.` and `..` inside, a link to a folder; a hard link is the same file too.
+TEST_CASE("same_file knows one file under two spellings, before and after it exists",
+          "[cpu][cli]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moe_same_file_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "sub");
+  fs::create_directory_symlink(dir, dir / "here");
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir);
+  for (const bool exists : {false, true}) {
+    INFO((exists ? "the file exists" : "no file yet"));
+    if (exists) std::ofstream("x.st") << "x";
+    CHECK(moe::cli::same_file("x.st", "./x.st"));
+    CHECK(moe::cli::same_file("x.st", (dir / "x.st").string()));
+    CHECK(moe::cli::same_file("sub/../x.st", ".//x.st"));
+    CHECK(moe::cli::same_file("here/x.st", "x.st"));
+    CHECK_FALSE(moe::cli::same_file("x.st", "sub/x.st"));
+    CHECK_FALSE(moe::cli::same_file("x.st", "y.st"));
+  }
+  fs::create_hard_link("x.st", "sub/linked.st");
+  CHECK(moe::cli::same_file("sub/linked.st", "x.st"));
+  fs::current_path(cwd);
+  fs::remove_all(dir);
 }

@@ -128,6 +128,8 @@ TEST_CASE("moe_run refuses a routing given twice, missing or malformed, and a re
              test::contains_text("none.safetensors"));
   CHECK_THAT(refused("inputs.safetensors", "--record-routing " + d.path("out.safetensors")),
              test::contains_text("is the --out file"));
+  CHECK_THAT(refused("inputs.safetensors", "--record-routing " + d.path("./out.safetensors")),
+             test::contains_text("the routing and the results need two files"));
   CHECK_THAT(refused("inputs.safetensors", "--record-routing " + d.path("inputs.safetensors")),
              test::contains_text("refusing to overwrite an input"));
   CHECK_THAT(refused("inputs.safetensors", "--replay-routing " + d.path("given.safetensors") +

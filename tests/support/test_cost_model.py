@@ -427,22 +427,30 @@ class CostModelCheck(unittest.TestCase):
     def test_a_report_it_cannot_read_is_named(self):
         fields = report()
         del fields["ep"]
-        for bad, said in ((fields, "r0.json: no 'ep'"),
-                          (report(ep=True), "'ep' is True, not a int"),
-                          (report(tokens_per_gpu=8192.5), "'tokens_per_gpu' is 8192.5, not a int"),
+        for bad, said in ((fields, "r1.json: no 'ep'"),
+                          (report(ep=True), "'ep' is True, not a whole number"),
+                          (report(tokens_per_gpu=8192.5),
+                           "'tokens_per_gpu' is 8192.5, not a whole number"),
+                          (json.dumps(report()).replace('"ep": 2', '"ep": 1' + "0" * 400),
+                           "'ep' is 1000000000000000000000000000000"),
                           (report(total_ms=-1), "'total_ms' = -1 is no step time"),
+                          (report(total_ms=1e-300), "'total_ms' = 1e-300 is no step time"),
+                          (report(capacity_factor=-1), "'capacity_factor' = -1 is outside"),
+                          (report(fp8_dispatch=True), "'fp8_dispatch' without 'fp8'"),
+                          (report(ep=1, ep_transport="mpi"), "'ep_transport' = 'mpi' is none of"),
+                          (report(ep_transport="auto"), "'ep_transport' = 'auto' at EP 2"),
                           (report(config_file="../CMakeLists.txt"),
                            "config_file '../CMakeLists.txt' is not a config of configs/"),
-                          (report(ep_transport="auto"), "'ep_transport' = 'auto' is none of"),
                           (report(ep=3), "EP 3 does not divide the 256 experts"),
                           (report(grad_dtype="fp16"), "'grad_dtype' = 'fp16' is neither"),
                           ("[1, 2]", "not a moe_bench --json report (a JSON object)"),
                           ("{", "cannot be read as a moe_bench --json report")):
             with self.subTest(said=said):
-                code, _, err = self.run_check(bad)
+                code, out, err = self.run_check(report(), bad)
                 self.assertEqual(code, 2, err)
                 self.assertIn(said, err)
                 self.assertNotIn("Traceback", err)
+                self.assertEqual(out, "")  # no half table before the error
         code, _, err = self.run_check(report(), limit="nan")
         self.assertEqual(code, 2)
         self.assertIn("--limit = nan must be in (0, 10]", err)
