@@ -1,5 +1,13 @@
 // The stages' roofline floors (bench/stage_floors.h) against sums worked by hand.
+#include <fmt/format.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -124,4 +132,44 @@ TEST_CASE("capacity mode and shared experts have their floors, where MoEBlock na
   CHECK(plain.size() == stages.size() - 3);
   CHECK(stage("moe experts backward", plain).bytes ==
         Approx(stage("moe experts backward", stages).bytes));
+}
+
+// bench/floor_table prints, for a config and rates, the floors stage_work gives with fp32 and
+// with bf16 weight gradients; and refuses an EP that does not divide the experts by name.
+TEST_CASE("floor_table prints the step floors of both gradient dtypes", "[cpu][bench]") {
+  const std::string out = (std::filesystem::temp_directory_path() /
+                           ("floor_table_" + std::to_string(::getpid()) + ".txt"))
+                              .string();
+  const std::string command = std::string(FLOOR_TABLE_PATH) + " --config " + MOE_SOURCE_DIR +
+                              "/configs/deepseek-v3.yaml --tokens 1024 --gemm-tflops 700 " +
+                              "--copy-gbps 4000 > " + out + " 2>&1";
+  const int status = std::system(command.c_str());
+  std::ifstream in(out);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::remove(out.c_str());
+  INFO(text.str());
+  REQUIRE(status == 0);
+  MoEConfig config = deepseek_v3();
+  config.ep = config.dp = 1;
+  const bench::Rates rates{700e12, 4000e9, 0};
+  std::string want = "| step | | |";
+  for (const DType grad : {DType::kFP32, DType::kBF16}) {
+    config.grad_dtype = grad;
+    want += fmt::format(" {:.3f} | |",
+                        bench::step_floor_ms(bench::stage_work(config, 1024, true), rates));
+  }
+  want.resize(want.size() - 2);  // the last cell closes the row
+  CHECK_THAT(text.str(), test::contains_text(want));
+  // At T = 1024 the fp32 gradients bound the experts backward by their bytes: the two differ.
+  CHECK_THAT(text.str(), test::contains_text("| moe experts backward |"));
+
+  const std::string bad = std::string(FLOOR_TABLE_PATH) + " --config " + MOE_SOURCE_DIR +
+                          "/configs/deepseek-v3.yaml --ep 3 > " + out + " 2>&1";
+  CHECK(std::system(bad.c_str()) != 0);
+  std::ifstream bad_in(out);
+  std::stringstream bad_text;
+  bad_text << bad_in.rdbuf();
+  std::remove(out.c_str());
+  CHECK_THAT(bad_text.str(), test::contains_text("num_experts"));
 }
