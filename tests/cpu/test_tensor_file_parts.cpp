@@ -344,6 +344,11 @@ TEST_CASE("safetensors: the writer refuses what would make a wrong file and leav
       test::contains_text("the directory '" + (dir / "absent").string() + "' does not exist"));
   CHECK_THAT(error_from([&] { TensorFileWriter w(dir, specs); }),
              test::contains_text("is a directory; name a file"));
+  {  // A parent that is a regular file is named as such, not as missing.
+    std::ofstream(dir / "plain") << "x";
+    CHECK_THAT(error_from([&] { TensorFileWriter w(dir / "plain" / "x.safetensors", specs); }),
+               test::contains_text("'" + (dir / "plain").string() + "' is not a directory"));
+  }
   CHECK_THAT(error_from([&] { TensorFileWriter w(dir / std::string(256, 'n'), specs); }),
              test::contains_text("has 256 bytes; file systems take at most 255"));
   // An empty path, a link that leads nowhere and a loop of links are refused; nothing is made.

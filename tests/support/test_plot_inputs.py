@@ -79,6 +79,19 @@ class PlotInputs(unittest.TestCase):
         self.assert_refused("nested too deep", "plot.py",
                             self.write("deep.json", "[" * 100000 + "]" * 100000), "--out", self.dir)
 
+    def test_compare_layer_refuses_token_counts_before_any_gpu(self):
+        # Argument errors come before PyTorch or a GPU is looked for.
+        for args, said in ((["--tokens", "\u00b2"], "'\u00b2' is not a whole number in [1, "),
+                           (["--tokens", "\uff11\uff10"], "is not a whole number in [1, "),
+                           (["--tokens", "0"], "'0' is not a whole number in [1, 1073741824]"),
+                           (["--tokens", "1024", "1024"],
+                            "--tokens 1024 is given twice: each token count is one run")):
+            with self.subTest(args=args):
+                code, text = run("compare_layer.py", *args)
+                self.assertEqual(code, 2, text)
+                self.assertIn(said, text)
+                self.assertNotIn("Traceback", text)
+
     def test_training_plot_names_the_log_entry_and_value(self):
         cases = [
             ({"log": [1, 2]}, "log[0] is 1, not an object"),
