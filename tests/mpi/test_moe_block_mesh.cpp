@@ -425,67 +425,72 @@ TEST_CASE("an invalid replay index on one rank fails every rank in the same forw
   MOE_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
 }
 
-// Each rank records its step's routing, then replays it: outputs and every gradient bitwise the
-// same, over both transports (the replayed probabilities are recomputed by the forward's rule).
-TEST_CASE("a recorded step replays bitwise on an EP mesh", "[mpi][block][replay]") {
+// Each rank records its step's routing, then replays it: outputs and every gradient (reduced over
+// the DP group) bitwise the same, on every mesh shape (DP, EP × DP, EP) and over every transport
+// (the replayed probabilities are recomputed by the forward's rule).
+TEST_CASE("a recorded step replays bitwise on every mesh shape", "[mpi][block][replay]") {
   const int world = test::world_size();
   const auto seed = test::shared_seed();
   INFO("seed " << seed);
-  for (const EpTransport transport : transports(world)) {
-    MoEConfig c = test::deepseek_like(test::small_config(64, 48, 8, 2));
-    c.aux_loss_coeff = 0.05;
-    c.align_size = 16;
-    c.ep = world;
-    c.ep_transport = transport;
-    c.gemm_autotune = false;
-    c.validate();
-    INFO(c.describe() << ", transport " << ep_transport_name(transport));
-    std::mt19937_64 rng(seed + 1000);
-    auto params = test::round_params(test::random_params(c, rng), c.dtype);
-    const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, world, 1, c.num_experts);
-    Stream stream;
-    MoEBlock block(c, mesh, stream.get());
-    const int E_loc = c.num_experts / world;
-    test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
-    std::mt19937_64 rank_rng(seed + 17 * static_cast<std::uint64_t>(test::world_rank()));
-    const std::int64_t T = 29 + test::world_rank();
-    Matrix x;
-    test::draw_separated(c, params, x, T, rank_rng);
-    const auto x_dev = test::upload_as(x, c.dtype);
-    const auto dy_dev = test::upload_as(test::random_matrix(T, c.hidden, rank_rng), c.dtype);
-    const Tensor x_t(x_dev.data(), c.dtype, {T, c.hidden});
-    const Tensor dy_t(dy_dev.data(), c.dtype, {T, c.hidden});
-    DeviceBuffer recorded(static_cast<std::size_t>(T * c.topk) * 4);
-    const Tensor idx(recorded.data(), DType::kInt32, {T, c.topk});
-    struct Step {
-      Matrix out, dx, dgate, dw13, dw2;
-      float aux = 0;
-    };
-    const auto run = [&](const ForwardOptions& options, bool record) {
-      Step s;
-      const auto fwd = block.forward(x_t, options);
-      if (record) block.record_routing(idx);
-      s.out = test::read(fwd.out, T, c.hidden);  // (read waits for the device)
-      s.aux = fwd.aux_loss;
-      s.dx = test::read(block.backward(dy_t), T, c.hidden);
-      block.reduce_gradients();
-      block.synchronize();
-      const auto& g = block.gradients();
-      s.dgate = test::read(g.gate_weight, c.num_experts, c.hidden);
-      s.dw13 = test::read(g.w13, static_cast<std::int64_t>(E_loc) * 2 * c.ffn_hidden, c.hidden);
-      s.dw2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
-      return s;
-    };
-    // The first step's reduce_gradients agrees the GEMM algorithms over the mesh: the recorded
-    // step and its replay both come after it, so they run the same ones by construction.
-    (void)run({}, false);
-    const Step want = run({}, true);
-    const Step again = run(ForwardOptions{idx}, false);
-    CHECK(again.out.data == want.out.data);
-    CHECK(again.dx.data == want.dx.data);
-    CHECK(again.dgate.data == want.dgate.data);
-    CHECK(again.dw13.data == want.dw13.data);
-    CHECK(again.dw2.data == want.dw2.data);
-    CHECK(again.aux == want.aux);
+  for (int ep = 1; ep <= world; ++ep) {
+    if (world % ep != 0 || 8 % ep != 0) continue;
+    for (const EpTransport transport : transports(ep)) {
+      MoEConfig c = test::deepseek_like(test::small_config(64, 48, 8, 2));
+      c.aux_loss_coeff = 0.05;
+      c.align_size = 16;
+      c.ep = ep;
+      c.dp = world / ep;
+      c.ep_transport = transport;
+      c.gemm_autotune = false;
+      c.validate();
+      INFO(c.describe() << ", transport " << ep_transport_name(transport));
+      std::mt19937_64 rng(seed + 1000);
+      auto params = test::round_params(test::random_params(c, rng), c.dtype);
+      const Mesh mesh = Mesh::from_mpi(MPI_COMM_WORLD, c.ep, c.dp, c.num_experts);
+      Stream stream;
+      MoEBlock block(c, mesh, stream.get());
+      const int E_loc = c.num_experts / ep;
+      test::load_params(block, params, mesh.ep_index() * E_loc, E_loc);
+      std::mt19937_64 rank_rng(seed + 17 * static_cast<std::uint64_t>(test::world_rank()));
+      const std::int64_t T = 29 + test::world_rank();
+      Matrix x;
+      test::draw_separated(c, params, x, T, rank_rng);
+      const auto x_dev = test::upload_as(x, c.dtype);
+      const auto dy_dev = test::upload_as(test::random_matrix(T, c.hidden, rank_rng), c.dtype);
+      const Tensor x_t(x_dev.data(), c.dtype, {T, c.hidden});
+      const Tensor dy_t(dy_dev.data(), c.dtype, {T, c.hidden});
+      DeviceBuffer recorded(static_cast<std::size_t>(T * c.topk) * 4);
+      const Tensor idx(recorded.data(), DType::kInt32, {T, c.topk});
+      struct Step {
+        Matrix out, dx, dgate, dw13, dw2;
+        float aux = 0;
+      };
+      const auto run = [&](const ForwardOptions& options, bool record) {
+        Step s;
+        const auto fwd = block.forward(x_t, options);
+        if (record) block.record_routing(idx);
+        s.out = test::read(fwd.out, T, c.hidden);  // (read waits for the device)
+        s.aux = fwd.aux_loss;
+        s.dx = test::read(block.backward(dy_t), T, c.hidden);
+        block.reduce_gradients();
+        block.synchronize();
+        const auto& g = block.gradients();
+        s.dgate = test::read(g.gate_weight, c.num_experts, c.hidden);
+        s.dw13 = test::read(g.w13, static_cast<std::int64_t>(E_loc) * 2 * c.ffn_hidden, c.hidden);
+        s.dw2 = test::read(g.w2, static_cast<std::int64_t>(E_loc) * c.hidden, c.ffn_hidden);
+        return s;
+      };
+      // The first step's reduce_gradients agrees the GEMM algorithms over the mesh: the recorded
+      // step and its replay both come after it, so they run the same ones by construction.
+      (void)run({}, false);
+      const Step want = run({}, true);
+      const Step again = run(ForwardOptions{idx}, false);
+      CHECK(again.out.data == want.out.data);
+      CHECK(again.dx.data == want.dx.data);
+      CHECK(again.dgate.data == want.dgate.data);
+      CHECK(again.dw13.data == want.dw13.data);
+      CHECK(again.dw2.data == want.dw2.data);
+      CHECK(again.aux == want.aux);
+    }
   }
 }

@@ -37,7 +37,10 @@ int make(const std::string& dir, std::uint64_t seed, const std::string& variant,
       "true\n"
       "num_groups: 4\ngroup_topk: 2\nscaling_factor: 2.5\naux_loss_coeff: 0.05\nz_loss_coeff: "
       "0.01\n"
-      "align_size: 16\ndtype: fp32\n";
+      "align_size: 16\ndtype: fp32\n"
+      // cuBLASLt's first proposal in every process: a step replayed by another moe_run process
+      // then runs the same products, so it is bitwise the recorded one.
+      "gemm_autotune: false\n";
   if (variant == "shared") yaml += "shared_ffn_hidden: 24\nshared_gate: true\n";
   std::ofstream config(dir + "/config.yaml");
   config << yaml;
