@@ -5,6 +5,7 @@
 //
 //   build/bench/floor_table --config configs/deepseek-v3.yaml [--tokens 8192] [--ep 1]
 //       [--transport peer|nccl|copy] [--gemm-tflops 674] [--copy-gbps 4180] [--link-gbps 296]
+// The transport defaults to the config's ep_transport (auto: peer, as inside one host).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "bench/stage_floors.h"
+#include "cli/checks.h"
 #include "moe/config.h"
 #include "moe/error.h"
 
@@ -31,31 +33,37 @@ std::vector<StageWork> stages_with(moe::MoEConfig config, moe::DType grad, std::
 
 int main(int argc, char** argv) {
   CLI::App app{"floor_table: each stage's roofline floor, fp32 and bf16 weight gradients"};
-  std::string config_path, transport = "peer";
+  std::string config_path, transport;
   int tokens = 0, ep = 1;
   double gemm_tflops = 674, copy_gbps = 4180, link_gbps = 296;
   app.add_option("--config", config_path, "layer config (YAML)")
       ->required()
       ->check(CLI::ExistingFile);
   app.add_option("--tokens", tokens, "tokens per GPU (default: the config's, else 8192)")
-      ->check(CLI::Range(1, 1 << 30));
+      ->check(moe::cli::count_in(1, 1 << 30));
   app.add_option("--ep", ep, "expert-parallel degree (a divisor of the experts)")
-      ->check(CLI::Range(1, 1 << 20));
+      ->check(moe::cli::count_in(1, 1 << 20));
   app.add_option("--transport", transport,
                  "the EP exchange: peer (the experts weigh their rows) or nccl / copy (the "
-                 "combine weighs them, and its backward reads the rows again for dprob)")
+                 "combine weighs them, and its backward reads the rows again for dprob); default: "
+                 "the config's ep_transport, auto taken as peer")
       ->check(CLI::IsMember({"peer", "nccl", "copy"}));
   app.add_option("--gemm-tflops", gemm_tflops, "sustained GEMM rate, TFLOP/s")
-      ->check(CLI::Range(1e-3, 1e6));
+      ->check(moe::cli::finite_in(1e-3, 1e6));
   app.add_option("--copy-gbps", copy_gbps, "device-to-device copy rate, GB/s")
-      ->check(CLI::Range(1e-3, 1e9));
+      ->check(moe::cli::finite_in(1e-3, 1e9));
   app.add_option("--link-gbps", link_gbps, "rows to other GPUs, GB/s (EP > 1)")
-      ->check(CLI::Range(1e-3, 1e9));
-  CLI11_PARSE(app, argc, argv);
+      ->check(moe::cli::finite_in(1e-3, 1e9));
+  if (const auto stop = moe::cli::parse_or_help(app, argc, argv)) return *stop;
   try {
     moe::MoEConfig config = moe::load_config(config_path);
     config.ep = ep;
     config.dp = 1;
+    if (transport.empty())
+      transport = config.ep_transport == moe::EpTransport::kAuto
+                      ? "peer"
+                      : std::string(moe::ep_transport_name(config.ep_transport));
+    config.ep_transport = moe::parse_ep_transport(transport);  // as the header describes it
     config.validate();
     const std::int64_t T =
         tokens > 0 ? tokens : (config.bench_tokens > 0 ? config.bench_tokens : 8192);

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "bench/stage_floors.h"
@@ -172,4 +173,57 @@ TEST_CASE("floor_table prints the step floors of both gradient dtypes", "[cpu][b
   bad_text << bad_in.rdbuf();
   std::remove(out.c_str());
   CHECK_THAT(bad_text.str(), test::contains_text("num_experts"));
+}
+
+namespace {
+
+// floor_table's exit status and output (stdout and stderr) for the given arguments.
+std::pair<int, std::string> run_floor_table(const std::string& arguments) {
+  const std::string out = (std::filesystem::temp_directory_path() /
+                           ("floor_table_" + std::to_string(::getpid()) + ".txt"))
+                              .string();
+  const int status = std::system(
+      (std::string(FLOOR_TABLE_PATH) + " " + arguments + " > " + out + " 2>&1").c_str());
+  std::ifstream in(out);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::remove(out.c_str());
+  return {status, text.str()};
+}
+
+}  // namespace
+
+// A rate that is not a finite number would drop out of every stage's max() and leave floors that
+// look right: each is refused by name, as is a token count in octal-looking digits.
+TEST_CASE("floor_table refuses rates that are not finite numbers", "[cpu][bench]") {
+  const std::string config = std::string(" --config ") + MOE_SOURCE_DIR + "/configs/small.yaml";
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"--gemm-tflops nan", "--gemm-tflops: nan"},
+      {"--copy-gbps inf", "--copy-gbps: inf"},
+      {"--ep 2 --link-gbps NaN", "--link-gbps: NaN"},
+      {"--gemm-tflops 0", "--gemm-tflops: 0"},
+      {"--tokens 010", "--tokens: '010'"}};
+  for (const auto& [arguments, named] : refused) {
+    const auto [status, text] = run_floor_table(arguments + config);
+    INFO(arguments << ": " << text);
+    CHECK(status != 0);
+    CHECK_THAT(text, test::contains_text(named));
+  }
+}
+
+// Without --transport the config's exchange is priced (auto as peer), and the header names the
+// one priced alone.
+TEST_CASE("floor_table prices the config's exchange unless told another", "[cpu][bench]") {
+  const std::string config = std::string(" --config ") + MOE_SOURCE_DIR +
+                             "/configs/qwen3-30b-a3b.yaml --ep 4";
+  const auto [auto_status, auto_text] = run_floor_table(config);
+  INFO(auto_text);
+  REQUIRE(auto_status == 0);
+  CHECK_THAT(auto_text, test::contains_text("EP 4 over peer"));
+  const auto [status, text] = run_floor_table(config + " --transport nccl");
+  INFO(text);
+  REQUIRE(status == 0);
+  CHECK_THAT(text, test::contains_text("(nccl)"));
+  CHECK_THAT(text, test::contains_text("EP 4 over nccl"));
+  CHECK_THAT(text, !test::contains_text("over peer"));
 }
