@@ -548,6 +548,7 @@ int main(int argc, char** argv) {
             {"shared_ffn_hidden", config.shared_ffn_hidden},
             {"shared_gate", config.shared_gate},
             {"shared_expert_overlap", config.shared_expert_overlap},
+            {"keep_expert_input", config.keep_expert_input},
             {"TFLOPs_per_gpu", tflops},
             {"fraction_of_dense", tflops * 1e12 / gemm_rate},
             {"fraction_of_dense_burst", tflops * 1e12 / dense.burst},

@@ -17,8 +17,14 @@ mixtral-8x7b and qwen3-30b-a3b at EP 1 and 4; a dense 8192³ product sustains 66
 InfiniBand at 50 GB/s per GPU. --exchange-efficiency is the share of the link rate an exchange
 reaches: 1 for the peer exchange, about 0.6 for the NCCL one (the same run), about 0.65
 for the copy exchange (0.57 and 0.73 at EP 2 on 2 × H200, deepseek-v3 and qwen3-30b-a3b).
---chunks is the NCCL or copy exchange's pipeline; by default the layer's automatic count at each
-EP (MoEConfig::effective_exchange_chunks). The peer exchange does not pipeline.
+--chunks is the NCCL or copy exchange's pipeline; by default the config's exchange_chunks, else
+the layer's automatic count at each EP (MoEConfig::effective_exchange_chunks). The peer exchange
+does not pipeline. --transport defaults to the config's ep_transport, and auto (its default)
+prices the exchange the layer's auto picks: peer inside one node of at most 8 GPUs, NCCL beyond.
+An EP the transport cannot run (peer past 8 GPUs or one node, copy past one node) and an
+--imbalance above the EP (the busiest of EP GPUs holds at most EP times the mean) are named in
+their row, which gets no prediction. The model prices dropless steps: a config in capacity mode
+is refused.
 --fp8-dispatch prices the exchanges toward the experts as E4M3 rows with an fp32 scale per 128
 values, H + 4 · ceil(H / 128) bytes a row: the forward's dispatch of x (and the peer exchange's
 second one) and the backward's of dy, as DeepSeek-V3 trained; the exchanges back from the experts
@@ -32,6 +38,7 @@ layer's fp8_dispatch comes with fp8: price it as --fp8 --fp8-dispatch.
 """
 import argparse
 import math
+import os
 import re
 import sys
 
@@ -51,6 +58,8 @@ def read_config(path):
     numbers the model reads checked as the layer's config loader checks them, and a key the
     layer does not read refused."""
     config = {}
+    if not os.path.isfile(path):  # a device or a pipe would be read without end
+        sys.exit(f"{path}: not a regular file; a config is a YAML file")
     try:
         with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is no part of a key
             lines = f.read().splitlines()
@@ -93,8 +102,35 @@ def read_config(path):
                 sys.exit(f"{path}: {key} = '{text}' is not a decimal integer")
             if not low <= int(text) <= high:
                 sys.exit(f"{path}: {key} = {text} must be in [{low}, {high}]")
-    for key, allowed in (("dtype", ("bf16", "fp32")), ("keep_expert_input", ("true", "false")),
-                         ("fp8", ("true", "false")), ("fp8_dispatch", ("true", "false"))):
+    # The keys the model does not price are checked for their kind as the loader reads them
+    # (its rules across keys, such as num_groups with group_topk, are the layer's own: a config
+    # that passes here may still be refused there, as `floor_table --config` shows).
+    for key, low, high in (("num_groups", 0, 2048), ("group_topk", 0, 2048),
+                           ("max_nodes_per_token", 0, 2048), ("ep_ranks_per_node", 0, 2**20),
+                           ("activation_chunk_mib", 0, 2**20), ("gemm_workspace_mib", 0, 2**20),
+                           ("ep", 1, 2**20), ("dp", 1, 2**20), ("exchange_chunks", 0, 1024)):
+        if key in config:
+            text = config[key]
+            if not re.fullmatch(r"0|[1-9][0-9]*", text) or not low <= int(text) <= high:
+                sys.exit(f"{path}: {key} = '{text}' is not a decimal integer in [{low}, {high}]")
+    for key in ("scaling_factor", "aux_loss_coeff", "z_loss_coeff", "capacity_factor"):
+        if key in config:
+            try:
+                value = float(config[key])
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value) or value < 0 or config[key].lower().startswith("0x"):
+                sys.exit(f"{path}: {key} = '{config[key]}' is not a finite number of at least 0")
+    true_false = ("true", "false")
+    for key, allowed in (("dtype", ("bf16", "fp32")), ("grad_dtype", ("fp32", "bf16")),
+                         ("keep_expert_input", true_false), ("fp8", true_false),
+                         ("fp8_dispatch", true_false), ("pre_softmax", true_false),
+                         ("expert_bias", true_false), ("pad_to_capacity", true_false),
+                         ("shared_gate", true_false), ("shared_expert_overlap", true_false),
+                         ("gemm_autotune", true_false),
+                         ("score_function", ("softmax", "sigmoid", "sqrtsoftplus")),
+                         ("drop_policy", ("probs", "position")),
+                         ("ep_transport", ("auto", "peer", "nccl", "copy"))):
         if key not in config:
             continue
         text = config[key]
@@ -102,6 +138,9 @@ def read_config(path):
             text = config[key] = text[1:-1]
         if text not in allowed:
             sys.exit(f"{path}: {key} = '{text}' must be {' or '.join(allowed)}")
+    if float(config.get("capacity_factor", "0")) > 0:
+        sys.exit(f"{path}: capacity_factor = {config['capacity_factor']}: this model prices "
+                 "dropless steps (a config without capacity_factor)")
     if int(config["topk"]) > int(config["num_experts"]):
         sys.exit(f"{path}: topk = {config['topk']} exceeds num_experts = {config['num_experts']}")
     # The config's own FP8 keys as the layer takes them (--fp8 prices a config without them: the
@@ -276,15 +315,17 @@ def build_parser():
                         help="bytes of a weight gradient (4: fp32, 2: bf16)")
     parser.add_argument("--fixed-ms", type=float, default=0.3,
                         help="the router, the losses and the gate's small kernels per step")
-    parser.add_argument("--transport", choices=("peer", "nccl", "copy"), default="peer",
-                        help="the EP exchange: peer memory (one NVLink domain), NCCL, or the "
-                             "copy engines (one NVLink domain)")
+    parser.add_argument("--transport", choices=("auto", "peer", "nccl", "copy"),
+                        help="the EP exchange: peer memory (one node, at most 8 GPUs), NCCL, or "
+                             "the copy engines (one node); auto: peer where it runs, else NCCL "
+                             "(default: the config's ep_transport, else auto)")
     parser.add_argument("--exchange-efficiency", type=float,
                         help="share of the link rate an exchange reaches (default: the "
                              "transport's, peer 1, NCCL 0.6, copy 0.65)")
     parser.add_argument("--chunks", type=int,
-                        help="the NCCL or copy exchange's chunks (default: the layer's automatic "
-                             "count at each EP; the peer exchange takes one)")
+                        help="the NCCL or copy exchange's chunks (default: the config's "
+                             "exchange_chunks, else the layer's automatic count at each EP; the "
+                             "peer exchange takes one)")
     parser.add_argument("--overlap-share-nvlink", type=float, default=0.15,
                         help="share of the hideable exchange time that overlap hides where "
                              "NVLink or HBM bounds the exchange (measured 0.06-0.27 at EP 2)")
@@ -333,10 +374,27 @@ def fp8_options_need_fp8(args):
         sys.exit(f"--{name.replace('_', '-')} prices the FP8 experts: give --fp8 too")
 
 
+# The most GPUs the peer exchange maps (docs/design.md, "Transports"); it and the copy exchange
+# run inside one node.
+PEER_MAX_RANKS = 8
+
+
+def transport_at(transport, ep, gpus_per_node):
+    """The exchange priced at EP `ep`: auto resolved as the layer resolves it, or why the asked
+    one cannot run there (a string starting with "no:")."""
+    one_node = ep <= gpus_per_node
+    if transport == "auto":
+        return "peer" if one_node and ep <= PEER_MAX_RANKS else "nccl"
+    if transport == "peer" and not (one_node and ep <= PEER_MAX_RANKS):
+        return (f"no: the peer exchange runs on at most {PEER_MAX_RANKS} GPUs of one node "
+                f"({gpus_per_node} GPUs a node)")
+    if transport == "copy" and not one_node:
+        return f"no: the copy exchange runs inside one node ({gpus_per_node} GPUs a node)"
+    return transport
+
+
 def main():
     args = parse_args()
-    if args.exchange_efficiency is None:
-        args.exchange_efficiency = exchange_efficiency(args)
     for name in ("overlap_share_nvlink", "overlap_share_ib"):
         value = getattr(args, name)
         if not math.isfinite(value) or not 0 <= value <= 1:
@@ -349,6 +407,8 @@ def main():
                             ("exchange_efficiency", 1e-6, 1), ("half_rate_inner", 0, 1e9),
                             ("fixed_ms", 0, 1e6), ("fp8_speedup", 1e-6, 1e3)):
         value = getattr(args, name)
+        if value is None:  # --exchange-efficiency not given: the transport's own
+            continue
         if not math.isfinite(value) or not low <= value <= high:
             sys.exit(f"--{name.replace('_', '-')} = {value} must be in [{low:g}, {high:g}]")
     for name, value, high in (("tokens", args.tokens, 2**30), ("gpus-per-node", args.gpus_per_node,
@@ -360,9 +420,15 @@ def main():
     for ep in args.ep:
         if not 1 <= ep <= 2**20:
             sys.exit(f"--ep {ep} must be in [1, {2**20}]")
+    config = read_config(args.config)
+    # The config's exchange and chunks, where the command line names none.
+    if args.transport is None:
+        args.transport = config.get("ep_transport", "auto")
+    if args.chunks is None and int(config.get("exchange_chunks", "0")) > 0:
+        args.chunks = int(config["exchange_chunks"])
     if args.transport == "peer" and args.chunks not in (None, 1):
         sys.exit(f"--chunks = {args.chunks}: the peer exchange does not pipeline")
-    config = read_config(args.config)
+    asked_transport = args.transport
     # A config's own fp8 and fp8_dispatch (the layer's keys) price as the flags do.
     for key in ("fp8", "fp8_dispatch"):
         if config.get(key) == "true":
@@ -379,16 +445,34 @@ def main():
     tokens = args.tokens if args.tokens is not None else int(config.get("tokens", 8192))
     if tokens < 1:
         sys.exit(f"{args.config}: tokens = {tokens}; give --tokens T (at least 1)")
+    exchanges = (f"{args.transport} exchanges at {exchange_efficiency(args):.0%} of them"
+                 if args.transport != "auto" else
+                 f"auto: peer exchanges up to {PEER_MAX_RANKS} GPUs of a node, NCCL beyond" +
+                 (f", at {args.exchange_efficiency:.0%} of them" if args.exchange_efficiency
+                  is not None else ""))
     print(f"{args.config}: T = {tokens} per GPU, imbalance {args.imbalance}, NVLink "
-          f"{args.nvlink_gbs:g} GB/s, IB {args.ib_gbs:g} GB/s ({args.transport} exchanges at "
-          f"{args.exchange_efficiency:.0%} of them), GEMM {args.gemm_tflops:g} TFLOP/s at "
+          f"{args.nvlink_gbs:g} GB/s, IB {args.ib_gbs:g} GB/s ({exchanges}), "
+          f"GEMM {args.gemm_tflops:g} TFLOP/s at "
           f"k / (k + {args.half_rate_inner:g}) up to {args.dense_tflops:g}, "
           f"{args.gpus_per_node} GPUs a node" +
           (f"; FP8 experts at {args.fp8_speedup:g}x, the weights quantized once in "
            f"{args.micro_batches} step(s)" if args.fp8 else ""))
     print(f"{'EP':>5} {'nodes':>5} {'MB/GPU':>9} {'GEMM ms':>9} {'exch ms':>9} {'serial ms':>10} "
           f"{'chunks':>6} {'overlap ms':>11} {'hidden':>7}")
+    predicted = 0
     for ep in args.ep:
+        args.transport = transport_at(asked_transport, ep, args.gpus_per_node)
+        if args.transport.startswith("no:"):
+            print(f"{ep:>5}  {args.transport[4:]}")
+            continue
+        if args.imbalance > ep:
+            print(f"{ep:>5}  imbalance {args.imbalance:g} exceeds the EP: the busiest of {ep} "
+                  f"GPU(s) holds at most {ep} times the mean")
+            continue
+        if args.transport == "peer" and args.chunks not in (None, 1):
+            print(f"{ep:>5}  the peer exchange (auto's here) does not pipeline: --chunks "
+                  f"{args.chunks} is for NCCL or the copy exchange")
+            continue
         p = predict(config, tokens, ep, args)
         if p is None:
             print(f"{ep:>5}  EP does not divide the {config['num_experts']} experts")
@@ -397,11 +481,14 @@ def main():
             print(f"{ep:>5}  FP8 experts take at most 512 experts a rank, not "
                   f"{int(config['num_experts']) // ep}")
             continue
+        predicted += 1
         hidden = (p["serial_ms"] - p["overlap_ms"]) / p["exchange_ms"] if p["ep"] > 1 else 0
         print(f"{p['ep']:>5} {p['nodes']:>5} {p['bytes_mb']:>9.1f} {p['gemm_ms']:>9.3f} "
               f"{p['exchange_ms']:>9.3f} {p['serial_ms']:>10.3f} {p['chunks']:>6} "
               f"{p['overlap_ms']:>11.3f} "
-              f"{hidden:>6.0%}")
+              f"{hidden:>6.0%}" + (f"  {args.transport}" if asked_transport == "auto" else ""))
+    if predicted == 0:
+        sys.exit("no EP given has a prediction (each row above says why)")
 
 
 if __name__ == "__main__":

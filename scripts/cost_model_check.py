@@ -46,6 +46,8 @@ def fail(message):
 
 def read_report(path):
     """A moe_bench JSON report's fields the model reads, each checked for its type and range."""
+    if not pathlib.Path(path).is_file():  # a device or a pipe would be read without end
+        fail(f"{path}: not a regular file; a moe_bench --json report is one")
     try:
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
@@ -54,6 +56,13 @@ def read_report(path):
     if not isinstance(report, dict):
         fail(f"{path}: not a moe_bench --json report (a JSON object)")
     fields = {}
+    # keep_expert_input decides the peer exchange's fifth exchange: a report that names it is
+    # priced with it, one that does not with the config's.
+    if "keep_expert_input" in report:
+        if not isinstance(report["keep_expert_input"], bool):
+            fail(f"{path}: 'keep_expert_input' is {report['keep_expert_input']!r}, not true or "
+                 "false")
+        fields["keep_expert_input"] = report["keep_expert_input"]
     for name, kind in FIELDS.items():
         if name not in report:
             fail(f"{path}: no '{name}' (a moe_bench --json report holds it)")
@@ -95,6 +104,8 @@ def point(path, fields):
                "steps", None
     config = cost_model.read_config(str(ROOT / "configs" / fields["config_file"]))
     config["shared_ffn_hidden"] = str(fields["shared_ffn_hidden"])
+    if "keep_expert_input" in fields:
+        config["keep_expert_input"] = "true" if fields["keep_expert_input"] else "false"
     args = cost_model.parse_args([str(ROOT / "configs" / fields["config_file"])])
     ep = fields["ep"]
     transport = fields["ep_transport"] if ep > 1 else "peer"

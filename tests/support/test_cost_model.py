@@ -103,7 +103,21 @@ class CostModel(unittest.TestCase):
 
     def test_the_defaults_are_the_rates_the_design_states(self):
         parsed = vars(cost_model.parse_args(["config.yaml"]))
-        self.assertEqual({key: parsed[key] for key in DEFAULTS}, DEFAULTS)
+        # The exchange is the config's, or auto, once the config is read (main): none yet.
+        self.assertIsNone(parsed["transport"])
+        self.assertEqual({key: parsed[key] for key in DEFAULTS if key != "transport"},
+                         {key: value for key, value in DEFAULTS.items() if key != "transport"})
+
+    def test_auto_is_the_peer_exchange_inside_a_node_of_eight_and_nccl_beyond(self):
+        self.assertEqual(cost_model.transport_at("auto", 1, 8), "peer")
+        self.assertEqual(cost_model.transport_at("auto", 8, 8), "peer")
+        self.assertEqual(cost_model.transport_at("auto", 16, 8), "nccl")
+        self.assertEqual(cost_model.transport_at("auto", 16, 16), "nccl")  # peer maps at most 8
+        self.assertEqual(cost_model.transport_at("auto", 4, 2), "nccl")
+        self.assertTrue(cost_model.transport_at("peer", 16, 16).startswith("no:"))
+        self.assertTrue(cost_model.transport_at("copy", 16, 8).startswith("no:"))
+        self.assertEqual(cost_model.transport_at("copy", 16, 16), "copy")
+        self.assertEqual(cost_model.transport_at("nccl", 256, 8), "nccl")
 
     def test_few_rows_on_many_experts_are_bound_by_the_weights_bytes(self):
         H, F, E, K, T = 4096, 2048, 256, 1, 1
@@ -306,7 +320,11 @@ class CostModel(unittest.TestCase):
             self.assertNotEqual(r.returncode, 0)
             self.assertIn("--copy-gbs = 0.0 must be in [1e-06, 1e+09]", r.stderr)
             for extra, message in ((["--imbalance", "nan"], "--imbalance = nan must be in [1, 1e+06]"),
-                                   (["--chunks", "4"], "the peer exchange does not pipeline"),
+                                   (["--chunks", "4", "--transport", "peer"],
+                                    "the peer exchange does not pipeline"),
+                                   (["--ep", "3", "5"], "no EP given has a prediction"),
+                                   (["--transport", "copy", "--ep", "16"],
+                                    "no EP given has a prediction"),
                                    (["--chunks", "0", "--transport", "nccl"],
                                     "--chunks = 0 must be in [1, 1024]"),
                                    (["--ep", "4", "0"], "--ep 0 must be in [1, 1048576]"),
@@ -345,7 +363,20 @@ class CostModel(unittest.TestCase):
                                   ("hidden:64\n", "expected 'key: value', got 'hidden:64'"),
                                   ("{hidden: 32, topk: 2}\n",
                                    "a flow mapping, a list or a second document"),
-                                  ("topk: 2\n---\n", "got '---'")):
+                                  ("topk: 2\n---\n", "got '---'"),
+                                  ("capacity_factor: 1.25\n",
+                                   "capacity_factor = 1.25: this model prices dropless steps"),
+                                  ("capacity_factor: nan\n",
+                                   "capacity_factor = 'nan' is not a finite number"),
+                                  ("scaling_factor: inf\n",
+                                   "scaling_factor = 'inf' is not a finite number"),
+                                  ("exchange_chunks: -3\n",
+                                   "exchange_chunks = '-3' is not a decimal integer in [0, 1024]"),
+                                  ("ep_transport: bogus\n",
+                                   "ep_transport = 'bogus' must be auto or peer or nccl or copy"),
+                                  ("score_function: banana\n",
+                                   "score_function = 'banana' must be softmax or sigmoid"),
+                                  ("ep: -4\n", "ep = '-4' is not a decimal integer")):
                 bad = pathlib.Path(d) / "bad.yaml"
                 lines = {"hidden": "1024", "ffn_hidden": "512", "num_experts": "8", "topk": "2"}
                 body = "".join(f"{k}: {v}\n" for k, v in lines.items()
@@ -370,6 +401,25 @@ class CostModel(unittest.TestCase):
             rows = [line.split() for line in r.stdout.splitlines()[2:]]
             self.assertEqual([row[0] for row in rows], ["1", "2"])
             self.assertTrue(all(math.isfinite(float(v)) for row in rows for v in row[2:7]))
+            # Rows the model cannot price say why, beside those it can; a device is no config.
+            r = subprocess.run([sys.executable, script, str(config), "--imbalance", "1.5",
+                                "--ep", "1", "2", "3"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("imbalance 1.5 exceeds the EP", r.stdout)
+            self.assertIn("EP does not divide the 8 experts", r.stdout)
+            r = subprocess.run([sys.executable, script, "/dev/zero"], capture_output=True,
+                               text=True)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("/dev/zero: not a regular file", r.stderr)
+            # The config's exchange and chunks are priced unless the command line names others.
+            nccl = pathlib.Path(d) / "nccl.yaml"
+            nccl.write_text("hidden: 1024\nffn_hidden: 512\nnum_experts: 8\ntopk: 2\n"
+                            "ep_transport: nccl\nexchange_chunks: 2\n")
+            r = subprocess.run([sys.executable, script, str(nccl), "--ep", "4"],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("(nccl exchanges at 60% of them)", r.stdout)
+            self.assertEqual(r.stdout.splitlines()[2].split()[6], "2")  # the chunks column
 
 
 def report(**overrides):
@@ -414,6 +464,23 @@ class CostModelCheck(unittest.TestCase):
         for row in rows:
             with self.subTest(row=row):
                 self.assertEqual(row[6:], table[tuple(row[1:6])])
+
+    def test_a_report_that_kept_the_experts_input_prices_four_peer_exchanges(self):
+        # Over the peer exchange the backward stores x again (a fifth exchange) unless the
+        # experts' input was kept: the report's keep_expert_input decides, not the config's.
+        peer = dict(ep_transport="peer", total_ms=40.0)
+        code, out, err = self.run_check(report(**peer), report(**peer, keep_expert_input=True))
+        self.assertEqual(code, 0, err)
+        predicted = [float(line.strip("|").split("|")[6]) for line in out.splitlines()[2:]]
+        config = cost_model.read_config(str(ROOT / "configs" / "deepseek-v3.yaml"))
+        want = [cost_model.predict({**config, "keep_expert_input": keep}, 8192, 2,
+                                   rates(transport="peer"))["overlap_ms"]
+                for keep in ("false", "true")]
+        self.assertEqual(predicted, [round(w, 2) for w in want])
+        self.assertLess(predicted[1], predicted[0])
+        code, _, err = self.run_check(report(keep_expert_input="yes"))
+        self.assertEqual(code, 2)
+        self.assertIn("'keep_expert_input' is 'yes', not true or false", err)
 
     def test_capacity_mode_is_named_and_a_miss_beyond_the_limit_fails(self):
         code, out, err = self.run_check(report(capacity_factor=1.25), report())
