@@ -214,8 +214,8 @@ TEST_CASE("floor_table refuses rates that are not finite numbers", "[cpu][bench]
 // Without --transport the config's exchange is priced (auto as peer), and the header names the
 // one priced alone.
 TEST_CASE("floor_table prices the config's exchange unless told another", "[cpu][bench]") {
-  const std::string config = std::string(" --config ") + MOE_SOURCE_DIR +
-                             "/configs/qwen3-30b-a3b.yaml --ep 4";
+  const std::string config =
+      std::string(" --config ") + MOE_SOURCE_DIR + "/configs/qwen3-30b-a3b.yaml --ep 4";
   const auto [auto_status, auto_text] = run_floor_table(config);
   INFO(auto_text);
   REQUIRE(auto_status == 0);
