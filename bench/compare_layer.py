@@ -16,7 +16,8 @@ import os
 import subprocess
 import sys
 
-from launch import ROOT, config_name, count_in, mpirun, output_folder, require_built
+from launch import (ROOT, config_name, count_in, mpirun, output_folder, read_report,
+                    refuse_repeats, require_built, require_mpirun)
 
 
 def run_one(kind, ranks, command, path):
@@ -27,8 +28,11 @@ def run_one(kind, ranks, command, path):
     if code != 0 or not os.path.exists(path):
         print(f"  {kind} failed ({code}):\n" + "\n".join(text.splitlines()[-15:]), file=sys.stderr)
         return None
-    with open(path) as f:
-        return json.load(f)
+    report = read_report(path)
+    if isinstance(report, str):
+        print(f"  {kind} failed: {report}", file=sys.stderr)
+        return None
+    return report
 
 
 def main():
@@ -47,10 +51,11 @@ def main():
     parser.add_argument("--out", default="layer-compare",
                         help="folder of the JSON results (layer_compare.json and each run's)")
     args = parser.parse_args()
-    for given in (args.tokens or []):
-        if args.tokens.count(given) > 1:
-            parser.error(f"--tokens {given} is given twice: each token count is one run")
+    refuse_repeats(parser, "--configs", args.configs)
+    refuse_repeats(parser, "--ranks", args.ranks)
+    refuse_repeats(parser, "--tokens", args.tokens)
     require_built(args.build, os.path.join("apps", "moe_bench"))
+    require_mpirun()
     try:
         import torch  # only to count the GPUs here; the runs are separate processes
     except ImportError as error:

@@ -1,7 +1,10 @@
 """What bench/compare_layer.py and bench/scaling.py share: mpirun with what every run on the GPU
 machine needs, and the checks of their arguments, made before anything runs."""
 import argparse
+import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +21,38 @@ def mpirun(ranks, command, timeout):
     result = subprocess.run(launcher + command, capture_output=True, text=True, timeout=timeout,
                             env=env)
     return result.returncode, result.stdout + result.stderr
+
+
+def require_mpirun():
+    """Exits naming mpirun where it is not on PATH: every run goes through it."""
+    if shutil.which("mpirun") is None:
+        sys.exit("error: mpirun is not on PATH (Open MPI launches every run, one rank a GPU)")
+
+
+def read_report(path, needed=("total_ms",)):
+    """A run's JSON report (an object whose `needed` fields are finite numbers), or the reason it
+    is none as a string: a run that wrote a broken file fails as a run, not as a traceback."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        return f"{path}: not a JSON report: {error}"
+    if not isinstance(report, dict):
+        return f"{path}: not a JSON object"
+    for name in needed:
+        value = report.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or value <= 0:
+            return f"{path}: '{name}' is {value!r}, not a positive number"
+    return report
+
+
+def refuse_repeats(parser, option, values):
+    """argparse's error for a value given twice: each names one run, whose files the second would
+    write over."""
+    for value in values or []:
+        if values.count(value) > 1:
+            parser.error(f"{option} {value} is given twice: each is one run")
 
 
 def count_in(low, high):

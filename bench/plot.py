@@ -7,12 +7,16 @@ config and mesh, and the time ratio. PNGs into the output folder (docs/ by defau
 import argparse
 import os
 
-from headless_plots import label, number, pyplot, read_json, writable_folder
+from headless_plots import image_file, label, number, pyplot, read_json, writable_folder
 
 # Results a plot draws legibly; compare_layer.py writes a few a run.
 MOST_ROWS = 60
-# A step time beyond any benchmark's (a day), which would only overflow the ratios.
+# A step time beyond any benchmark's (a day), or below any (a microsecond), which would only
+# overflow the ratios.
 MOST_MS = 864e5
+LEAST_MS = 1e-3
+# The images, in the --out folder.
+IMAGES = ("layer_stages.png", "layer_vs_pytorch.png")
 
 
 def peer_ms(row):
@@ -36,7 +40,7 @@ def check_row(row, where):
         if not isinstance(run, dict):
             raise SystemExit(f"plot.py: {where}: '{side}' is {run!r}, not a run's results")
         number(run.get("total_ms"), f"{where}: {side}.total_ms", "plot.py", positive=True,
-               at_most=MOST_MS)
+               at_least=LEAST_MS, at_most=MOST_MS)
     stages = (row.get("ours") or {}).get("stages_ms", {}) if row.get("ours") else {}
     if row.get("ours") and "stages_ms" not in row["ours"]:
         raise SystemExit(f"plot.py: {where}: ours has no stages_ms (a moe_bench --json file's)")
@@ -53,6 +57,8 @@ def main():
                                                       "docs"))
     args = parser.parse_args()
     writable_folder(args.out, "plot.py")
+    for image in IMAGES:  # each a file to write, not a folder in its place
+        image_file(os.path.join(args.out, image), "plot.py")
     results = read_json(args.results, "plot.py")
     if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
         raise SystemExit(f"plot.py: {args.results}: not compare_layer.py's list of results")
@@ -96,7 +102,7 @@ def main():
     ax.set_title(f"moe-runtime stages (left) and the PyTorch layer (right), bf16, {device}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "layer_stages.png"), dpi=120)
+    fig.savefig(os.path.join(args.out, IMAGES[0]), dpi=120)
 
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
     ratios = [r["ours"]["total_ms"] / peer_ms(r) for r in rows]
@@ -109,7 +115,7 @@ def main():
     tokens = "T per GPU as labelled" if several else f"T = {label(token_counts[0])} per GPU"
     ax.set_title(f"Whole layer, forward + backward, bf16, {tokens}, {device}")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "layer_vs_pytorch.png"), dpi=120)
+    fig.savefig(os.path.join(args.out, IMAGES[1]), dpi=120)
     print("wrote", os.path.join(args.out, "layer_stages.png"), "and layer_vs_pytorch.png")
 
 

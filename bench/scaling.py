@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from launch import ROOT, count_in, mpirun, output_folder, require_built
+from launch import ROOT, count_in, mpirun, output_folder, read_report, require_built, require_mpirun
 
 EXCHANGES = ["moe dispatch", "moe combine", "moe combine backward", "moe dispatch backward"]
 
@@ -33,6 +33,7 @@ def main():
     if not os.path.isfile(args.config):
         sys.exit(f"error: --config '{args.config}' is not a file")
     require_built(args.build, os.path.join("apps", "moe_bench"), os.path.join("tests", "moe_gpu_count"))
+    require_mpirun()
     gpus = gpu_count(args.build)
     if gpus == 0:
         sys.exit("error: no CUDA GPU on this machine; the runs need at least one")
@@ -51,8 +52,11 @@ def main():
         if code != 0 or not os.path.exists(path):
             print("\n".join(text.splitlines()[-15:]), file=sys.stderr)
         else:
-            with open(path) as f:
-                runs.append(json.load(f))
+            report = read_report(path, ("total_ms", "TFLOPs_per_gpu"))
+            if isinstance(report, str):
+                print(f"EP {ep} failed: {report}", file=sys.stderr)
+            else:
+                runs.append(report)
         ep *= 2
     if not runs:
         sys.exit("no run succeeded")

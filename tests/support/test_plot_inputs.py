@@ -64,6 +64,7 @@ class PlotInputs(unittest.TestCase):
              "ours.stages_ms['gate'] = -1.0 must be at least 0"),
             ([dict(row, peer={"total_ms": 1e308})], "peer.total_ms = 1e+308 must be at most"),
             ([row] * 61, "61 results to draw; a plot holds at most 60"),
+            ([dict(row, peer={"total_ms": 1e-320})], "peer.total_ms = 1e-320 must be at least"),
         ]:
             with self.subTest(said=said):
                 self.assert_refused(said, "plot.py", self.write("compare.json", rows),
@@ -78,6 +79,12 @@ class PlotInputs(unittest.TestCase):
                             "--out", self.dir)
         self.assert_refused("nested too deep", "plot.py",
                             self.write("deep.json", "[" * 100000 + "]" * 100000), "--out", self.dir)
+        # A device is no results file, and a folder where an image goes is refused before reading.
+        self.assert_refused("/dev/zero: not a regular file", "plot.py", "/dev/zero",
+                            "--out", self.dir)
+        (self.dir / "layer_stages.png").mkdir()
+        self.assert_refused("layer_stages.png' is a folder", "plot.py",
+                            self.write("compare.json", [row]), "--out", self.dir)
 
     def test_compare_layer_refuses_token_counts_before_any_gpu(self):
         # Argument errors come before PyTorch or a GPU is looked for.
@@ -85,7 +92,10 @@ class PlotInputs(unittest.TestCase):
                            (["--tokens", "\uff11\uff10"], "is not a whole number in [1, "),
                            (["--tokens", "0"], "'0' is not a whole number in [1, 1073741824]"),
                            (["--tokens", "1024", "1024"],
-                            "--tokens 1024 is given twice: each token count is one run")):
+                            "--tokens 1024 is given twice: each is one run"),
+                           (["--configs", "small", "small"],
+                            "--configs small is given twice: each is one run"),
+                           (["--ranks", "1", "2", "1"], "--ranks 1 is given twice")):
             with self.subTest(args=args):
                 code, text = run("compare_layer.py", *args)
                 self.assertEqual(code, 2, text)
