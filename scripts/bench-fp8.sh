@@ -54,6 +54,7 @@ if [ -z "$modes" ]; then
   if [ "$ranks" -eq 1 ]; then modes="bf16 fp8"; else modes="fp8 dispatch"; fi
 fi
 [ -n "${modes// /}" ] || { echo "error: --modes '$modes' names no mode" >&2; exit 2; }
+moe_refuse_repeats --modes "$modes"
 set -f
 for mode in $modes; do
   case $mode in

@@ -54,7 +54,8 @@ for list in "--chunks:$chunk_counts" "--transports:$transports" "--nccl-channels
   [ -n "${words// /}" ] || { echo "error: ${list%%:*} names nothing" >&2; exit 2; }
 done
 for c in $chunk_counts; do
-  if ! [[ "$c" =~ ^[1-9][0-9]*$ && "$c" -le 1024 ]]; then
+  # At most four digits before the comparison: bash's arithmetic wraps longer numbers around.
+  if ! [[ "$c" =~ ^[1-9][0-9]{0,3}$ && "$c" -le 1024 ]]; then
     echo "error: --chunks '$c' is not a chunk count in [1, 1024]" >&2
     exit 2
   fi
@@ -64,9 +65,15 @@ for x in $transports; do
     { echo "error: --transports '$x' is none of 'nccl', 'copy' and 'copy:nccl'" >&2; exit 2; }
 done
 for n in $channel_counts; do
-  [ "$n" = default ] || [[ "$n" =~ ^[1-9][0-9]*$ ]] ||
-    { echo "error: --nccl-channels '$n' is neither 'default' nor a count" >&2; exit 2; }
+  [ "$n" = default ] || [[ "$n" =~ ^[1-9][0-9]{0,2}$ && "$n" -le 256 ]] ||
+    { echo "error: --nccl-channels '$n' is neither 'default' nor a channel count in [1, 256]" >&2
+      exit 2; }
 done
+[[ " $chunk_counts " != *" 1 "* ]] ||
+  { echo "error: --chunks 1: one chunk runs anyway, as the baseline of the others" >&2; exit 2; }
+moe_refuse_repeats --chunks "$chunk_counts"
+moe_refuse_repeats --transports "$transports"
+moe_refuse_repeats --nccl-channels "$channel_counts"
 [[ "$repeat" =~ ^[1-9][0-9]?$ ]] || { echo "error: --repeat '$repeat' is not 1 to 99" >&2; exit 2; }
 moe_require_gpu "$(basename "$0")" || exit 2
 mkdir -p "$out" || exit 2

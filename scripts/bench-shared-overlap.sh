@@ -53,6 +53,14 @@ case $transport in
   "" | peer | nccl | copy) ;;
   *) echo "error: --transport '$transport' is not peer, nccl or copy" >&2; exit 2 ;;
 esac
+[[ "$transport" != peer || -z "$chunks" || "$chunks" -le 1 ]] ||
+  { echo "error: --chunks $chunks with --transport peer: the peer exchange does not pipeline" >&2
+    exit 2; }
+# Every config names its shared experts: the three modes compare them with and without.
+for config in $configs; do
+  grep -qE "^shared_ffn_hidden: *[1-9]" "$MOE_ROOT/configs/$config.yaml" ||
+    { echo "error: --configs '$config' has no shared experts (shared_ffn_hidden)" >&2; exit 2; }
+done
 moe_require_gpu "$(basename "$0")" || exit 2
 mkdir -p "$out" || exit 2
 bench=$MOE_BUILD_DIR/apps/moe_bench
@@ -68,8 +76,6 @@ written=()  # the table reads this run's files only
 for config in $configs; do
   file=$MOE_ROOT/configs/$config.yaml
   [ -f "$file" ] || { echo "error: no config $file" >&2; status=1; continue; }
-  grep -qE "^shared_ffn_hidden: *[1-9]" "$file" ||
-    { echo "error: $config has no shared experts (shared_ffn_hidden)" >&2; status=1; continue; }
   for t in $tokens; do
     for ((round = 1; round <= repeat; round++)); do
     for mode in overlapped series without; do

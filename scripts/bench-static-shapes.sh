@@ -46,6 +46,7 @@ for f in $factors; do
     awk -v f="$f" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 10000) }' ||
     { echo "error: --factors '$f' is not a capacity factor in (0, 10000]" >&2; exit 2; }
 done
+moe_refuse_repeats --factors "$factors"
 [ -z "$grad" ] || [ "$grad" = bf16 ] || [ "$grad" = fp32 ] ||
   { echo "error: --grad-dtype '$grad' is neither bf16 nor fp32" >&2; exit 2; }
 [[ "$iters" =~ ^[1-9][0-9]{0,4}$ ]] || { echo "error: --iters '$iters' is not a count of steps" >&2; exit 2; }

@@ -67,6 +67,19 @@ moe_require_gpu() {  # moe_require_gpu PROGRAM: refuses, naming PROGRAM, where n
 
 # The benchmark scripts' --configs and --tokens lists: some config named, each one of configs/,
 # every token count a positive integer; exits 2 with the offending value otherwise.
+# Refuses a word of LIST given twice: each names a run, whose files the second would overwrite
+# (and a summary would count twice).
+moe_refuse_repeats() {  # moe_refuse_repeats OPTION "LIST"
+  local option=$1 word seen=" "
+  local -
+  set -f
+  for word in $2; do
+    [[ "$seen" != *" $word "* ]] ||
+      { echo "error: $option '$word' is given twice: each is one run" >&2; exit 2; }
+    seen+="$word "
+  done
+}
+
 moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "TOKENS"
   local configs=$1 tokens=$2 t c
   local -  # the option below stays inside this function
@@ -84,6 +97,8 @@ moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "
       { echo "error: --tokens '$t' is not a token count in [1, 2^30]" >&2; exit 2; }
   done
   [ -n "${tokens// /}" ] || { echo "error: --tokens names no token count" >&2; exit 2; }
+  moe_refuse_repeats --configs "$configs"
+  moe_refuse_repeats --tokens "$tokens"
 }
 
 # One benchmark run named NAME: COMMAND (a launcher, moe_bench and its flags) with --json

@@ -60,6 +60,22 @@ expect "--micro-batches applies to mode fp8-mb" bench-fp8.sh --micro-batches 4 "
 expect "--ranks '0' is not a rank count in [2, 9999]" bench-pipeline.sh --ranks 0 "$out/a"
 expect "--chunks '1025' is not a chunk count in [0, 1024]" bench-shared-overlap.sh --chunks 1025 \
   "$out/a"
+# Counts past bash's arithmetic are refused by their digits, not wrapped into range.
+expect "--chunks '18446744073709551617' is not a chunk count in [1, 1024]" bench-pipeline.sh \
+  --chunks 18446744073709551617 "$out/a"
+expect "--nccl-channels '99999' is neither 'default' nor a channel count in [1, 256]" \
+  bench-pipeline.sh --nccl-channels 99999 "$out/a"
+expect "--chunks 1: one chunk runs anyway" bench-pipeline.sh --chunks "1 4" "$out/a"
+# A run named twice would write its files twice and count twice in the table.
+expect "--configs 'small' is given twice: each is one run" bench-pipeline.sh \
+  --configs "small small" "$out/a"
+expect "--tokens '1024' is given twice" bench-static-shapes.sh --tokens "1024 1024" "$out/a"
+expect "--factors '1.0' is given twice" bench-static-shapes.sh --factors "1.0 1.0" "$out/a"
+expect "--modes 'fp8' is given twice" bench-fp8.sh --modes "fp8 fp8" "$out/a"
+expect "--transports 'copy' is given twice" bench-pipeline.sh --transports "copy copy" "$out/a"
+expect "--configs 'small' has no shared experts" bench-shared-overlap.sh --configs small "$out/a"
+expect "the peer exchange does not pipeline" bench-shared-overlap.sh --transport peer --chunks 4 \
+  "$out/a"
 
 # Without a GPU, valid options are refused before anything is built or OUTDIR is made.
 if ! nvidia-smi -L 2>/dev/null | grep '^GPU ' >/dev/null; then
