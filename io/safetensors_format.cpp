@@ -58,8 +58,9 @@ class RepeatedKeys : public nlohmann::json_sax<Json> {
   bool key(string_t& key) override {
     if (open_.size() == 1) entry_ = key;
     if (!open_.back().insert(key).second) {
-      if (open_.size() == 1 && key != "__metadata__")
-        fail("{}: tensor '{}' appears twice in the header", source_, key);
+      if (open_.size() == 1 && key == "__metadata__")
+        fail("{}: '__metadata__' appears twice in the header", source_);
+      if (open_.size() == 1) fail("{}: tensor '{}' appears twice in the header", source_, key);
       fail("{}: key '{}' appears twice in the header's entry '{}'", source_, key, entry_);
     }
     return true;
@@ -77,7 +78,14 @@ class RepeatedKeys : public nlohmann::json_sax<Json> {
   }
 
  private:
+  // A header nests three levels (the header, an entry, its shape); a few more are let through
+  // for the parse below to name what is wrong, but not millions, which would cost a set and a
+  // parsed array each before any check could refuse them.
+  static constexpr std::size_t kMostLevels = 16;
   bool open() {
+    if (open_.size() == kMostLevels)
+      fail("{}: the header nests JSON more than {} levels deep (a safetensors header nests 3)",
+           source_, kMostLevels);
     open_.emplace_back();
     return true;
   }
