@@ -35,7 +35,9 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -44,6 +46,7 @@
 #include <numeric>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <tuple>
 #include <utility>
 
@@ -337,6 +340,34 @@ void run_rank(const MoEConfig& config, RankInputs in, const CheckedLayerFiles& c
               config.ep, config.dp, static_cast<long long>(checked.tokens), out_path.c_str());
 }
 
+// Fixed blocks under EP take C from each rank's T: an EP group (ranks d·EP … d·EP + EP − 1) must
+// hold one T. Known from the files on every rank, so all stop alike, before a GPU is looked for.
+void check_ep_groups_hold_one_t(const MoEConfig& config, std::span<const std::int64_t> split) {
+  if (!config.pad_to_capacity || config.ep <= 1) return;
+  for (std::size_t first = 0; first < split.size(); first += static_cast<std::size_t>(config.ep)) {
+    const auto group = split.subspan(first, static_cast<std::size_t>(config.ep));
+    if (std::adjacent_find(group.begin(), group.end(), std::not_equal_to<>()) != group.end())
+      fail(
+          "pad_to_capacity under EP needs the same tokens on every rank of an EP group, but the "
+          "tokens split gives ranks {}..{} {} tokens (tokens_per_rank, or the batch split evenly)",
+          first, first + static_cast<std::size_t>(config.ep) - 1, fmt::join(group, ", "));
+  }
+}
+
+// The ranks an MPI launcher started this process among (1 without one): Open MPI's, or a PMI
+// launcher's (MPICH, Slurm), environment says before MPI is initialised.
+int launched_ranks() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr) continue;
+    int ranks = 0;
+    const std::string_view text(value);
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), ranks);
+    if (error == std::errc() && end == text.data() + text.size() && ranks > 1) return ranks;
+  }
+  return 1;
+}
+
 int run_mesh(const MoEConfig& config, const TensorSource& weights, const TensorSource& inputs,
              const CheckedLayerFiles& checked, bool check_finite_values,
              const std::string& out_path) {
@@ -347,20 +378,6 @@ int run_mesh(const MoEConfig& config, const TensorSource& weights, const TensorS
     fail("EP {} × DP {} is {} ranks, but MPI started {}", config.ep, config.dp,
          config.ep * config.dp, world);
   const std::vector<std::int64_t> split = checked.split(world);  // alike on every rank
-  // Fixed blocks under EP take C from each rank's T: an EP group (ranks d·EP … d·EP + EP − 1)
-  // must hold one T. Known from the files on every rank, so all stop alike here.
-  if (config.pad_to_capacity && config.ep > 1) {
-    for (int first = 0; first < world; first += config.ep) {
-      const auto group = std::span(split).subspan(static_cast<std::size_t>(first),
-                                                  static_cast<std::size_t>(config.ep));
-      if (std::adjacent_find(group.begin(), group.end(), std::not_equal_to<>()) != group.end())
-        fail(
-            "pad_to_capacity under EP needs the same tokens on every rank of an EP group, but "
-            "the tokens split gives ranks {}..{} {} tokens (tokens_per_rank, or the batch split "
-            "evenly)",
-            first, first + config.ep - 1, fmt::join(group, ", "));
-    }
-  }
 
   std::string error;
   RankInputs in;
@@ -452,6 +469,13 @@ int main(int argc, char** argv) {
     if (!replay_path.empty()) replay.emplace(replay_path);
     const TensorSource* routing = replay ? &*replay : nullptr;
     if (use_reference) {
+      // One process runs the reference: copies under mpirun would each compute the whole batch
+      // and write the same files.
+      if (const int ranks = launched_ranks(); ranks > 1)
+        fail(
+            "--reference runs the whole batch on the CPU in one process, but an MPI launcher "
+            "started {} of them; run it without mpirun",
+            ranks);
       // The reference runs the whole batch as one rank: a mesh asked for would be ignored.
       if (ep != 0 || dp != 0) {
         const std::string given = ep != 0 && dp != 0 ? fmt::format("--ep {} --dp {}", ep, dp)
@@ -502,8 +526,9 @@ int main(int argc, char** argv) {
     config.dp = dp;
     config.validate();
     // Each rank's tokens: as many counts as ranks, each within the slots' int32 row index.
-    for (const std::int64_t rank_tokens : checked.split(mpi.size()))
-      cli::check_slots_fit(rank_tokens, config.topk);
+    const std::vector<std::int64_t> split = checked.split(mpi.size());
+    for (const std::int64_t rank_tokens : split) cli::check_slots_fit(rank_tokens, config.topk);
+    check_ep_groups_hold_one_t(config, split);
     // Again with the mesh's shape (capacity mode runs on one EP rank): the same on every rank, so
     // all stop alike before any collective.
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
@@ -513,9 +538,14 @@ int main(int argc, char** argv) {
     if (status == 0 && mpi.rank() == 0 && record) record_routing(config, out_path, record_path);
     return status;
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr,
-                 "moe_run: out of host memory; --reference holds x, dy, the weights it reads and "
-                 "the results in fp64 (about twice their files' bytes each for F32 files)\n");
+    if (use_reference)
+      std::fprintf(stderr,
+                   "moe_run: out of host memory; --reference holds x, dy, the weights it reads "
+                   "and the results in fp64 (about twice their files' bytes each for F32 files)\n");
+    else
+      std::fprintf(stderr,
+                   "moe_run: out of host memory reading the files' headers or this rank's share "
+                   "of their tensors\n");
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_run: %s\n", e.what());

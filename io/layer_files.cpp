@@ -233,7 +233,8 @@ std::vector<std::int64_t> CheckedLayerFiles::split(int world) const {
     return counts;
   }
   if (std::ssize(tokens_per_rank) != world)
-    fail("tensor 'tokens_per_rank' has {} entries for {} ranks", tokens_per_rank.size(), world);
+    fail("{}: tensor 'tokens_per_rank' has {} entries for {} ranks", tokens_per_rank_source,
+         tokens_per_rank.size(), world);
   return tokens_per_rank;
 }
 
@@ -276,8 +277,10 @@ CheckedLayerFiles check_layer_files(const MoEConfig& config, const TensorSource&
   } else if (inputs.contains("topk_idx")) {
     checked.replay_experts = read_replay_experts(config, inputs, checked.tokens);
   }
-  if (inputs.contains("tokens_per_rank"))
+  if (inputs.contains("tokens_per_rank")) {
     checked.tokens_per_rank = read_tokens_per_rank(inputs, checked.tokens);
+    checked.tokens_per_rank_source = inputs.source();
+  }
   return checked;
 }
 

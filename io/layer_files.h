@@ -39,6 +39,7 @@ namespace moe {
 struct CheckedLayerFiles {
   std::int64_t tokens = 0;                         // T, the whole batch
   std::vector<std::int64_t> tokens_per_rank;       // as the inputs give it; empty when they don't
+  std::string tokens_per_rank_source;              // the inputs file that gave it, for messages
   std::optional<std::vector<int>> replay_experts;  // topk_idx [T*K], checked, when given
 
   // Each rank's token count: tokens_per_rank, or an even split with the remainder to the first

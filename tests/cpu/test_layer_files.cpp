@@ -198,7 +198,8 @@ TEST_CASE("layer files: checking from the headers rejects what reading them whol
   CHECK(checked.replay_experts == given);
   CHECK(checked.split(3) == std::vector<std::int64_t>{2, 0, 3});
   CHECK_THAT(error_from([&] { checked.split(2); }),
-             test::contains_text("tensor 'tokens_per_rank' has 3 entries for 2 ranks"));
+             test::contains_text(planned.source() +
+                                 ": tensor 'tokens_per_rank' has 3 entries for 2 ranks"));
   CHECK(check_layer_files(c, weights, inputs).split(3) == std::vector<std::int64_t>{2, 2, 1});
 }
 

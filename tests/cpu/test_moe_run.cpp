@@ -206,6 +206,30 @@ TEST_CASE("moe_run reads --ep and --dp as decimal whole numbers, as the other ap
   }
 }
 
+// --reference is one process: launched as several (here as Open MPI's and a PMI launcher's
+// environment says), each would compute the whole batch and write the same files.
+TEST_CASE("moe_run --reference refuses to run as several processes of a launcher",
+          "[cpu][moe_run]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const RunDir d(rng);
+  for (const char* launcher : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+    INFO(launcher);
+    ::setenv(launcher, "2", 1);
+    std::string error;
+    const int status = d.run(d.path("inputs.safetensors"), d.path("out.safetensors"), &error);
+    ::unsetenv(launcher);
+    CHECK(status != 0);
+    CHECK_THAT(error, test::contains_text("an MPI launcher started 2 of them"));
+    CHECK_FALSE(std::filesystem::exists(d.path("out.safetensors")));
+  }
+  ::setenv("OMPI_COMM_WORLD_SIZE", "1", 1);  // one process of a launcher runs as without one
+  std::string error;
+  CHECK(d.run(d.path("inputs.safetensors"), d.path("out.safetensors"), &error) == 0);
+  ::unsetenv("OMPI_COMM_WORLD_SIZE");
+}
+
 TEST_CASE("moe_run names the tensor holding NaN or Inf; --no-check-finite lets it through",
           "[cpu][moe_run]") {
   const auto seed = test::fresh_seed();
