@@ -1,3 +1,6 @@
+#include <algorithm>
+#include <span>
+
 #include "moe/error.h"
 #include "moe/tensor.h"
 #include "reference/reference.h"
@@ -21,6 +24,13 @@ Matrix matmul_nt(const Matrix& a, const Matrix& b) {
   if (a.cols != b.cols) fail("matmul_nt: [{},{}] · [{},{}]ᵀ", a.rows, a.cols, b.rows, b.cols);
   Matrix c(a.rows, b.rows);
   for (std::int64_t i = 0; i < a.rows; ++i) {
+    // A zero row (an expert's alignment padding) gives a zero row, as the sum below would with
+    // finite weights (a NaN or Inf, which only --no-check-finite lets in, would give NaN), and
+    // matmul's zero skip gives alike: the padding's cost does not grow with num_experts ·
+    // align_size whatever the tokens.
+    const auto row = std::span(a.data).subspan(static_cast<std::size_t>(i * a.cols),
+                                               static_cast<std::size_t>(a.cols));
+    if (std::all_of(row.begin(), row.end(), [](double v) { return v == 0.0; })) continue;
     for (std::int64_t j = 0; j < b.rows; ++j) {
       double sum = 0.0;
       for (std::int64_t k = 0; k < a.cols; ++k) sum += a(i, k) * b(j, k);

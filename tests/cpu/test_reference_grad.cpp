@@ -1,5 +1,6 @@
 // The reference backward against central finite differences of the reference forward (fp64).
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <random>
 #include <string>
@@ -411,4 +412,29 @@ TEST_CASE("the gates' rounding magnitudes bound relative perturbations of every 
   CHECK(run_layer(bf16, params, x, x, options).d_gate_weight_magnitude.data.empty());
   const Params fp32_params = test::random_params(cases[0].config, rng);
   CHECK(run_layer(cases[0].config, fp32_params, x, x).d_gate_weight_magnitude.data.empty());
+}
+
+// The products pass over zero rows (alignment padding) without their inner loops: the results are
+// bitwise those of the plain sums, at a signed zero row too.
+TEST_CASE("reference products give the plain sums where rows are zero", "[cpu][reference]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  Matrix a = test::random_matrix(7, 5, rng);
+  const Matrix b = test::random_matrix(4, 5, rng);
+  for (std::int64_t k = 0; k < a.cols; ++k) {
+    a(1, k) = 0.0;
+    a(4, k) = -0.0;
+  }
+  a(6, 2) = 0.0;  // a zero inside a row that is not
+  const Matrix c = matmul_nt(a, b);
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    for (std::int64_t j = 0; j < b.rows; ++j) {
+      double sum = 0.0;
+      for (std::int64_t k = 0; k < a.cols; ++k) sum += a(i, k) * b(j, k);
+      INFO("[" << i << ", " << j << "]");
+      CHECK(c(i, j) == sum);
+      CHECK(std::signbit(c(i, j)) == std::signbit(sum));
+    }
+  }
 }
