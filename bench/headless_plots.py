@@ -8,6 +8,8 @@ import os
 
 def read_json(path, program):
     """The JSON value in `path`, or an exit naming the file and what is wrong with it."""
+    if not os.path.exists(path):
+        raise SystemExit(f"{program}: {path}: no such file")
     if not os.path.isfile(path):  # a device or a pipe would be read without end
         raise SystemExit(f"{program}: {path}: not a regular file")
     try:

@@ -58,6 +58,8 @@ def read_config(path):
     numbers the model reads checked as the layer's config loader checks them, and a key the
     layer does not read refused."""
     config = {}
+    if not os.path.exists(path):
+        sys.exit(f"{path}: no such file")
     if not os.path.isfile(path):  # a device or a pipe would be read without end
         sys.exit(f"{path}: not a regular file; a config is a YAML file")
     try:
@@ -107,13 +109,14 @@ def read_config(path):
     # that passes here may still be refused there, as `floor_table --config` shows).
     for key, low, high in (("num_groups", 0, 2048), ("group_topk", 0, 2048),
                            ("max_nodes_per_token", 0, 2048), ("ep_ranks_per_node", 0, 2**20),
-                           ("activation_chunk_mib", 0, 2**20), ("gemm_workspace_mib", 0, 2**20),
+                           ("gemm_workspace_mib", 0, 2**20),
                            ("ep", 1, 2**20), ("dp", 1, 2**20), ("exchange_chunks", 0, 1024)):
         if key in config:
             text = config[key]
             if not re.fullmatch(r"0|[1-9][0-9]*", text) or not low <= int(text) <= high:
                 sys.exit(f"{path}: {key} = '{text}' is not a decimal integer in [{low}, {high}]")
-    for key in ("scaling_factor", "aux_loss_coeff", "z_loss_coeff", "capacity_factor"):
+    for key in ("scaling_factor", "aux_loss_coeff", "z_loss_coeff", "capacity_factor",
+                "activation_chunk_mib"):
         if key in config:
             try:
                 value = float(config[key])
@@ -379,12 +382,16 @@ def fp8_options_need_fp8(args):
 PEER_MAX_RANKS = 8
 
 
-def transport_at(transport, ep, gpus_per_node):
-    """The exchange priced at EP `ep`: auto resolved as the layer resolves it, or why the asked
-    one cannot run there (a string starting with "no:")."""
+def transport_at(transport, ep, gpus_per_node, fp8_dispatch=False):
+    """The exchange priced at EP `ep`: auto resolved as the layer resolves it (E4M3 rows cross
+    over NCCL alone), or why the asked one cannot run there (a string starting with "no:")."""
+    if ep <= 1:  # one GPU's local exchange, priced as the peer exchange's copies
+        return "peer"
     one_node = ep <= gpus_per_node
     if transport == "auto":
-        return "peer" if one_node and ep <= PEER_MAX_RANKS else "nccl"
+        return "peer" if one_node and ep <= PEER_MAX_RANKS and not fp8_dispatch else "nccl"
+    if transport in ("peer", "copy") and fp8_dispatch:
+        return f"no: FP8 dispatch runs over NCCL, not the {transport} exchange"
     if transport == "peer" and not (one_node and ep <= PEER_MAX_RANKS):
         return (f"no: the peer exchange runs on at most {PEER_MAX_RANKS} GPUs of one node "
                 f"({gpus_per_node} GPUs a node)")
@@ -421,14 +428,17 @@ def main():
         if not 1 <= ep <= 2**20:
             sys.exit(f"--ep {ep} must be in [1, {2**20}]")
     config = read_config(args.config)
-    # The config's exchange and chunks, where the command line names none.
+    # The config's exchange and chunks, where the command line names none. Chunks asked on the
+    # command line of an exchange that does not pipeline are refused; the config's are ignored
+    # there, as the layer ignores them.
     if args.transport is None:
         args.transport = config.get("ep_transport", "auto")
-    if args.chunks is None and int(config.get("exchange_chunks", "0")) > 0:
-        args.chunks = int(config["exchange_chunks"])
     if args.transport == "peer" and args.chunks not in (None, 1):
         sys.exit(f"--chunks = {args.chunks}: the peer exchange does not pipeline")
-    asked_transport = args.transport
+    chunks_given = args.chunks is not None
+    if not chunks_given and int(config.get("exchange_chunks", "0")) > 0:
+        args.chunks = int(config["exchange_chunks"])
+    asked_transport, asked_chunks = args.transport, args.chunks
     # A config's own fp8 and fp8_dispatch (the layer's keys) price as the flags do.
     for key in ("fp8", "fp8_dispatch"):
         if config.get(key) == "true":
@@ -447,7 +457,9 @@ def main():
         sys.exit(f"{args.config}: tokens = {tokens}; give --tokens T (at least 1)")
     exchanges = (f"{args.transport} exchanges at {exchange_efficiency(args):.0%} of them"
                  if args.transport != "auto" else
-                 f"auto: peer exchanges up to {PEER_MAX_RANKS} GPUs of a node, NCCL beyond" +
+                 ("auto: NCCL exchanges (E4M3 rows cross over NCCL alone)"
+                  if getattr(args, "fp8_dispatch", False) else
+                  f"auto: peer exchanges up to {PEER_MAX_RANKS} GPUs of a node, NCCL beyond") +
                  (f", at {args.exchange_efficiency:.0%} of them" if args.exchange_efficiency
                   is not None else ""))
     print(f"{args.config}: T = {tokens} per GPU, imbalance {args.imbalance}, NVLink "
@@ -461,7 +473,8 @@ def main():
           f"{'chunks':>6} {'overlap ms':>11} {'hidden':>7}")
     predicted = 0
     for ep in args.ep:
-        args.transport = transport_at(asked_transport, ep, args.gpus_per_node)
+        args.transport = transport_at(asked_transport, ep, args.gpus_per_node,
+                                      getattr(args, "fp8_dispatch", False))
         if args.transport.startswith("no:"):
             print(f"{ep:>5}  {args.transport[4:]}")
             continue
@@ -469,10 +482,13 @@ def main():
             print(f"{ep:>5}  imbalance {args.imbalance:g} exceeds the EP: the busiest of {ep} "
                   f"GPU(s) holds at most {ep} times the mean")
             continue
-        if args.transport == "peer" and args.chunks not in (None, 1):
-            print(f"{ep:>5}  the peer exchange (auto's here) does not pipeline: --chunks "
-                  f"{args.chunks} is for NCCL or the copy exchange")
-            continue
+        args.chunks = asked_chunks
+        if args.transport == "peer" and ep > 1 and asked_chunks not in (None, 1):
+            if chunks_given:
+                print(f"{ep:>5}  the peer exchange (auto's here) does not pipeline: --chunks "
+                      f"{asked_chunks} is for NCCL or the copy exchange")
+                continue
+            args.chunks = None  # the config's chunks, which the peer exchange ignores
         p = predict(config, tokens, ep, args)
         if p is None:
             print(f"{ep:>5}  EP does not divide the {config['num_experts']} experts")

@@ -46,6 +46,8 @@ def fail(message):
 
 def read_report(path):
     """A moe_bench JSON report's fields the model reads, each checked for its type and range."""
+    if not pathlib.Path(path).exists():
+        fail(f"{path}: no such file")
     if not pathlib.Path(path).is_file():  # a device or a pipe would be read without end
         fail(f"{path}: not a regular file; a moe_bench --json report is one")
     try:

@@ -101,6 +101,35 @@ class CostModel(unittest.TestCase):
         got = cost_model.predict(layer(H, F, E, K), T, 1, rates(copy_gbs=INSTANT, fixed_ms=0))
         self.assertAlmostEqual(got["gemm_ms"], want * 1e3, delta=want * 1e-9)
 
+    def test_the_configs_chunks_and_fp8_dispatch_resolve_as_the_layer_does(self):
+        script = str(SCRIPTS / "cost_model.py")
+        with tempfile.TemporaryDirectory() as d:
+            def rows(body, *extra):
+                path = pathlib.Path(d) / "c.yaml"
+                path.write_text("hidden: 1024\nffn_hidden: 512\nnum_experts: 64\ntopk: 2\n" + body)
+                r = subprocess.run([sys.executable, script, str(path), *extra],
+                                   capture_output=True, text=True)
+                return r.returncode, r.stdout.splitlines()[2:], r.stderr
+            # The config's chunks pipeline NCCL and the copy exchange; the peer exchange, which
+            # auto takes inside a node, and one GPU ignore them, as the layer does.
+            code, out, err = rows("exchange_chunks: 4\nactivation_chunk_mib: 0.5\n",
+                                  "--ep", "1", "2", "16")
+            self.assertEqual(code, 0, err)
+            self.assertEqual([(r[0], r[6], r[-1]) for r in map(str.split, out)],
+                             [("1", "1", "peer"), ("2", "1", "peer"), ("16", "4", "nccl")])
+            code, out, err = rows("exchange_chunks: 4\nep_transport: peer\n", "--ep", "2")
+            self.assertEqual(code, 0, err)
+            # E4M3 rows cross over NCCL alone: auto takes it, peer and copy are named.
+            code, out, err = rows("", "--fp8-dispatch", "--ep", "1", "2")
+            self.assertEqual(code, 0, err)
+            self.assertEqual([r.split()[-1] for r in out], ["peer", "nccl"])
+            code, out, err = rows("", "--fp8-dispatch", "--transport", "copy", "--ep", "2")
+            self.assertNotEqual(code, 0)
+            self.assertIn("FP8 dispatch runs over NCCL, not the copy exchange", out[0])
+            r = subprocess.run([sys.executable, script, str(pathlib.Path(d) / "missing.yaml")],
+                               capture_output=True, text=True)
+            self.assertIn("missing.yaml: no such file", r.stderr)
+
     def test_the_defaults_are_the_rates_the_design_states(self):
         parsed = vars(cost_model.parse_args(["config.yaml"]))
         # The exchange is the config's, or auto, once the config is read (main): none yet.
