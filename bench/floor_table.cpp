@@ -5,7 +5,7 @@
 //
 //   build/bench/floor_table --config configs/deepseek-v3.yaml [--tokens 8192] [--ep 1]
 //       [--transport peer|nccl|copy] [--gemm-tflops 674] [--copy-gbps 4180] [--link-gbps 296]
-// The transport defaults to the config's ep_transport (auto: peer, as inside one host).
+// The transport defaults to the config's ep_transport, auto as the layer resolves it on one host.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--transport", transport,
                  "the EP exchange: peer (the experts weigh their rows) or nccl / copy (the "
                  "combine weighs them, and its backward reads the rows again for dprob); default: "
-                 "the config's ep_transport, auto taken as peer")
+                 "the config's ep_transport, auto as the layer resolves it on one host")
       ->check(CLI::IsMember({"peer", "nccl", "copy"}));
   app.add_option("--gemm-tflops", gemm_tflops, "sustained GEMM rate, TFLOP/s")
       ->check(moe::cli::finite_in(1e-3, 1e6));
@@ -59,12 +59,15 @@ int main(int argc, char** argv) {
     moe::MoEConfig config = moe::load_config(config_path);
     config.ep = ep;
     config.dp = 1;
-    if (transport.empty())
-      transport = config.ep_transport == moe::EpTransport::kAuto
-                      ? "peer"
-                      : std::string(moe::ep_transport_name(config.ep_transport));
-    config.ep_transport = moe::parse_ep_transport(transport);  // as the header describes it
+    if (transport.empty()) transport = std::string(moe::ep_transport_name(config.ep_transport));
+    // auto as the layer resolves it on one host: the peer exchange up to its 8 ranks, NCCL
+    // beyond, and NCCL for E4M3 rows and fixed blocks, which cross over it alone.
+    if (transport == "auto")
+      transport = ep > 8 || config.fp8_dispatch || config.pad_to_capacity ? "nccl" : "peer";
+    if (ep > 1) config.ep_transport = moe::parse_ep_transport(transport);  // as the header says
     config.validate();
+    if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty())
+      moe::fail("{}", why);
     const std::int64_t T =
         tokens > 0 ? tokens : (config.bench_tokens > 0 ? config.bench_tokens : 8192);
     // One GPU's local exchange weighs the rows in the experts, as the peer exchange does.

@@ -226,4 +226,10 @@ TEST_CASE("floor_table prices the config's exchange unless told another", "[cpu]
   CHECK_THAT(text, test::contains_text("(nccl)"));
   CHECK_THAT(text, test::contains_text("EP 4 over nccl"));
   CHECK_THAT(text, !test::contains_text("over peer"));
+  // Past the peer exchange's 8 ranks auto is NCCL, as the layer resolves it.
+  const auto [auto_wide_status, auto_wide_text] = run_floor_table(
+      std::string(" --config ") + MOE_SOURCE_DIR + "/configs/qwen3-30b-a3b.yaml --ep 16");
+  INFO(auto_wide_text);
+  REQUIRE(auto_wide_status == 0);
+  CHECK_THAT(auto_wide_text, test::contains_text("EP 16 over nccl"));
 }
