@@ -20,7 +20,12 @@ from launch import (ROOT, config_name, count_in, mpirun, output_folder, read_rep
                     refuse_repeats, require_built, require_mpirun)
 
 
-def run_one(kind, ranks, command, path):
+# What the table reads of each side's report.
+OURS_NUMBERS = ("total_ms", "fraction_of_dense", "memory_bytes", "dense_TFLOPs")
+PEER_NUMBERS = ("total_ms", "memory_bytes")
+
+
+def run_one(kind, ranks, command, path, numbers):
     try:
         code, text = mpirun(ranks, command, 300)
     except subprocess.TimeoutExpired:
@@ -28,7 +33,7 @@ def run_one(kind, ranks, command, path):
     if code != 0 or not os.path.exists(path):
         print(f"  {kind} failed ({code}):\n" + "\n".join(text.splitlines()[-15:]), file=sys.stderr)
         return None
-    report = read_report(path)
+    report = read_report(path, numbers)
     if isinstance(report, str):
         print(f"  {kind} failed: {report}", file=sys.stderr)
         return None
@@ -83,15 +88,15 @@ def main():
                 ours = run_one("moe_bench", ranks,
                                [os.path.join(args.build, "apps", "moe_bench"), "--config", config,
                                 "--grad-dtype", "bf16", "--iters", str(args.iters), "--json",
-                                ours_path] + tokens_flag, ours_path)
+                                ours_path] + tokens_flag, ours_path, OURS_NUMBERS)
                 peer_command = [sys.executable, os.path.join(ROOT, "bench", "peer_layer.py"),
                                 "--config", config, "--iters", str(args.iters)] + tokens_flag
                 peer = run_one("peer_layer.py", ranks, peer_command + ["--json", peer_path],
-                               peer_path)
+                               peer_path, PEER_NUMBERS)
                 compiled_path = os.path.join(args.out, f"peer_compiled_{name}_{ranks}{suffix}.json")
                 compiled = run_one("peer_layer.py --compile", ranks,
                                    peer_command + ["--compile", "--json", compiled_path],
-                                   compiled_path)
+                                   compiled_path, PEER_NUMBERS)
                 rows.append({"config": name, "ranks": ranks, "tokens": tokens, "ours": ours,
                              "peer": peer, "peer_compiled": compiled})
                 failed += ours is None or (peer is None and compiled is None)

@@ -29,9 +29,10 @@ def require_mpirun():
         sys.exit("error: mpirun is not on PATH (Open MPI launches every run, one rank a GPU)")
 
 
-def read_report(path, needed=("total_ms",)):
-    """A run's JSON report (an object whose `needed` fields are finite numbers), or the reason it
-    is none as a string: a run that wrote a broken file fails as a run, not as a traceback."""
+def read_report(path, numbers=("total_ms",), tables=()):
+    """A run's JSON report, or the reason it is none as a string: an object whose `numbers` are
+    finite numbers of at least 0 (total_ms above 0) and whose `tables` are objects of such
+    numbers. A run that wrote a broken file fails as a run, not as a traceback later."""
     try:
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
@@ -39,11 +40,20 @@ def read_report(path, needed=("total_ms",)):
         return f"{path}: not a JSON report: {error}"
     if not isinstance(report, dict):
         return f"{path}: not a JSON object"
-    for name in needed:
+
+    def number(value):  # finite and at least 0
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and \
+            math.isfinite(value) and value >= 0
+
+    for name in numbers:
         value = report.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or value <= 0:
-            return f"{path}: '{name}' is {value!r}, not a positive number"
+        if not number(value) or (name == "total_ms" and value == 0):
+            least = "above" if name == "total_ms" else "at least"
+            return f"{path}: '{name}' is {value!r}, not a number {least} 0"
+    for name in tables:
+        table = report.get(name)
+        if not isinstance(table, dict) or not all(number(v) for v in table.values()):
+            return f"{path}: '{name}' is no object of numbers"
     return report
 
 

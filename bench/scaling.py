@@ -52,7 +52,8 @@ def main():
         if code != 0 or not os.path.exists(path):
             print("\n".join(text.splitlines()[-15:]), file=sys.stderr)
         else:
-            report = read_report(path, ("total_ms", "TFLOPs_per_gpu"))
+            report = read_report(path, ("total_ms", "TFLOPs_per_gpu", "link_floor_ms", "p2p_GBps",
+                                        "ep", "tokens_per_gpu"), ("stages_ms",))
             if isinstance(report, str):
                 print(f"EP {ep} failed: {report}", file=sys.stderr)
             else:
