@@ -354,10 +354,11 @@ void check_ep_groups_hold_one_t(const MoEConfig& config, std::span<const std::in
   }
 }
 
-// The ranks an MPI launcher started this process among (1 without one): Open MPI's, or a PMI
-// launcher's (MPICH, Slurm), environment says before MPI is initialised.
+// The ranks an MPI launcher started this process among (1 without one), as its environment says
+// before MPI is initialised: Open MPI's OMPI_COMM_WORLD_SIZE, or a PMI launcher's PMI_SIZE
+// (MPICH's Hydra).
 int launched_ranks() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
     const char* value = std::getenv(name);
     if (value == nullptr) continue;
     int ranks = 0;

@@ -206,13 +206,13 @@ void MoEConfig::validate() const {
   MOE_CONFIG_REQUIRE(std::isfinite(aux_loss_coeff) && aux_loss_coeff >= 0,
                      "aux_loss_coeff = {} must be >= 0 and finite", aux_loss_coeff);
   MOE_CONFIG_REQUIRE(aux_loss_coeff <= kMaxLossCoeff,
-                     "aux_loss_coeff = {} is past {} (models use 1e-4 to 1e-2)", aux_loss_coeff,
-                     kMaxLossCoeff);
+                     "aux_loss_coeff = {} is past {} (models use about 1e-4 to a few 1e-2)",
+                     aux_loss_coeff, kMaxLossCoeff);
   MOE_CONFIG_REQUIRE(std::isfinite(z_loss_coeff) && z_loss_coeff >= 0,
                      "z_loss_coeff = {} must be >= 0 and finite", z_loss_coeff);
   MOE_CONFIG_REQUIRE(z_loss_coeff <= kMaxLossCoeff,
-                     "z_loss_coeff = {} is past {} (models use 1e-4 to 1e-2)", z_loss_coeff,
-                     kMaxLossCoeff);
+                     "z_loss_coeff = {} is past {} (models use about 1e-4 to a few 1e-2)",
+                     z_loss_coeff, kMaxLossCoeff);
   // Bounded (kMaxAlignSize says why): a typo fails here, not in an allocation minutes later.
   MOE_CONFIG_REQUIRE(align_size >= 0 && align_size <= kMaxAlignSize,
                      "align_size = {} must be in [0, {}] (0 or 1 = no padding; a GEMM tile is "

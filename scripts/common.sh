@@ -65,8 +65,6 @@ moe_require_gpu() {  # moe_require_gpu PROGRAM: refuses, naming PROGRAM, where n
   fi
 }
 
-# The benchmark scripts' --configs and --tokens lists: some config named, each one of configs/,
-# every token count a positive integer; exits 2 with the offending value otherwise.
 # Refuses a word of LIST given twice: each names a run, whose files the second would overwrite
 # (and a summary would count twice).
 moe_refuse_repeats() {  # moe_refuse_repeats OPTION "LIST"
@@ -80,6 +78,8 @@ moe_refuse_repeats() {  # moe_refuse_repeats OPTION "LIST"
   done
 }
 
+# The benchmark scripts' --configs and --tokens lists: some config named, each one of configs/,
+# every token count a positive integer, none twice; exits 2 with the offending value otherwise.
 moe_require_configs_and_tokens() {  # moe_require_configs_and_tokens "CONFIGS" "TOKENS"
   local configs=$1 tokens=$2 t c
   local -  # the option below stays inside this function

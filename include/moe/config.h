@@ -48,8 +48,8 @@ inline constexpr std::int64_t kMaxCapacityRows = (std::int64_t{1} << 31) - 1;
 // this bound is a typo (1e9 for 1.0) that would otherwise pad every expert to T rows.
 inline constexpr double kMaxCapacityFactor = 1e4;
 // The bounds of scaling_factor and of the loss coefficients. The GPU computes with them in fp32,
-// and models use scales near 1 (DeepSeek-V3 2.5) and coefficients of 1e-4 to 1e-2: past these
-// bounds a value is a typo, which would only surface as non-finite results or a zero scale.
+// and models use scales near 1 (DeepSeek-V3 2.5) and coefficients of about 1e-4 to a few 1e-2: past
+// these bounds a value is a typo, which would only surface as non-finite results or a zero scale.
 inline constexpr double kMinScalingFactor = 1e-6;
 inline constexpr double kMaxScalingFactor = 1e6;
 inline constexpr double kMaxLossCoeff = 1e6;
