@@ -72,8 +72,10 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
   // without FP8 and without drops, so that runs with them and without chase the same targets.
   MoEConfig teacher_config = config;
   teacher_config.fp8 = false;
+  teacher_config.fp8_dispatch = false;  // E4M3 rows go with the FP8 experts
   teacher_config.capacity_factor = 0;
   teacher_config.pad_to_capacity = false;
+  teacher_config.drop_policy = MoEConfig{}.drop_policy;  // a policy needs capacity mode
   std::vector<std::unique_ptr<MoEBlock>> student, teacher;
   std::vector<std::unique_ptr<train::AdamW>> optimizers;
   // Every layer runs on one stream, one call after another: they share what lives inside a call.
@@ -143,7 +145,10 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
   for (int step = first_step; step < first_step + o.steps; ++step) {
     // This step's tokens: a function of (step, rank) alone, so a resumed run sees the same data.
     init_normal(h[0], o.run.seed * 7919 + 17,
-                static_cast<std::uint64_t>(step * world + mesh.rank()) * T * H, 1.0f, stream.get());
+                (static_cast<std::uint64_t>(step) * static_cast<std::uint64_t>(world) +
+                 static_cast<std::uint64_t>(mesh.rank())) *
+                    static_cast<std::uint64_t>(T * H),
+                1.0f, stream.get());
     // The teacher's output.
     const Tensor* t_in = &h[0];
     for (int l = 0; l < o.layers; ++l) {
@@ -287,6 +292,9 @@ int main(int argc, char** argv) {
   app.add_option("--json", o.json_path,
                  "write the run's settings and logged steps to this file (rank 0) at the end");
   if (const auto exit_code = cli::parse_or_help(app, argc, argv)) return *exit_code;
+  // -0 is 0: stored as given, a resume with 0 would otherwise differ from its checkpoint's "-0".
+  o.run.weight_decay += 0.0f;
+  o.run.bias_rate += 0.0f;
   try {
     // The checkpoint is written after every step has run: what would make it fail is found now.
     // (--load may name it: the checkpoint is read at the start, and replaced whole at the end.)
@@ -329,6 +337,7 @@ int main(int argc, char** argv) {
           o.load_path, resume.ep, config.ep, config.max_nodes_per_token, resume.ep);
     config.validate();
     cli::check_slots_fit(o.run.tokens, config.topk);
+    if (!o.save_path.empty()) train::check_checkpoint_fits(config);
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty()) fail("{}", why);
     // Every setting is checked first, on any machine.
     if (cuda_device_count() == 0) {

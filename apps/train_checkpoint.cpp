@@ -52,6 +52,20 @@ std::vector<TrainedTensor> trained_tensors(const MoEConfig& config) {
   return tensors;
 }
 
+void check_checkpoint_fits(const MoEConfig& config) {
+  for (const TrainedTensor& t : trained_tensors(config)) {
+    if (!t.expert_sliced) continue;
+    std::int64_t share = 1;
+    for (const std::int64_t d : t.shape) share *= d;  // at most 2^11 · 2^21 · 2^20: no overflow
+    share /= config.ep;
+    if (share > INT_MAX)
+      fail(
+          "--save: {} holds {} values a rank at EP {}, more than one MPI message carries ({}); "
+          "a larger --ep splits it further",
+          t.name, share, config.ep, INT_MAX);
+  }
+}
+
 std::unique_ptr<AdamW> optimizer_for(const MoEConfig& config, MoEBlock& block,
                                      cudaStream_t stream) {
   const MoEParameters& p = block.parameters();

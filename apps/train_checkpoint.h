@@ -53,6 +53,10 @@ struct TrainedTensor {
 // The router's gate and the experts' weights, and the shared experts' (with their gate) where
 // the config has them.
 std::vector<TrainedTensor> trained_tensors(const MoEConfig& config);
+// Throws moe::Error, naming the tensor, where a rank's share of an expert-sliced tensor is more
+// than one MPI message carries (INT_MAX values): the checkpoint gathers each share as one, after
+// every step has run, so a run that could not save is refused before it starts.
+void check_checkpoint_fits(const MoEConfig& config);
 // An optimizer over one block's trained tensors, in trained_tensors' order.
 std::unique_ptr<AdamW> optimizer_for(const MoEConfig& config, MoEBlock& block, cudaStream_t stream);
 

@@ -345,3 +345,19 @@ TEST_CASE("moe_train --load says which settings it took from the checkpoint", "[
   CHECK(d.load(file, error, "--seed 6") == 1);
   CHECK_THAT(error, test::contains_text("was trained with --seed 5, but this run gives --seed 6"));
 }
+
+// The checkpoint gathers each rank's share of the experts' weights as one MPI message: a share
+// past INT_MAX values is refused by name before any step runs, and a larger EP lets it through.
+TEST_CASE("a checkpoint whose share of w13 a rank cannot send is refused at the start",
+          "[cpu][train]") {
+  MoEConfig config;
+  config.hidden = 16384;
+  config.ffn_hidden = 16384;
+  config.num_experts = 4;
+  config.topk = 1;
+  config.ep = 1;
+  CHECK_THROWS_WITH(train::check_checkpoint_fits(config),
+                    test::contains_text("--save: w13 holds 2147483648 values a rank at EP 1"));
+  config.ep = 2;
+  CHECK_NOTHROW(train::check_checkpoint_fits(config));
+}
