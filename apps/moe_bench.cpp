@@ -108,7 +108,10 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens, "tokens per GPU (default: the config's)")
       ->check(cli::count_in(1, 1 << 30));
   app.add_option("--iters", iters, "timed iterations")->check(cli::count_in(1, 1000000));
-  app.add_option("--warmup", warmup, "untimed iterations first")->check(cli::count_in(0, 1000000));
+  app.add_option("--warmup", warmup,
+                 "untimed iterations first, then as many as reach the GPU's sustained clock (0: "
+                 "none at all)")
+      ->check(cli::count_in(0, 1000000));
   app.add_option("--grad-dtype", grad_dtype,
                  "expert weight gradients: bf16 or fp32 (default: the config's)")
       ->check(CLI::IsMember({"bf16", "fp32"}));
@@ -274,7 +277,9 @@ int main(int argc, char** argv) {
     // As a trainer's first reduce_gradients does: the ranks agree on the GEMM algorithms, so the
     // steps timed run as a trainer's later steps do (docs/design.md, "Pipelined exchange").
     block.reduce_gradients();
-    int more_steps = warm_step_ms > 0
+    // --warmup 0 asks for none: its "step time" would be two events' gap, and the steady state's
+    // count from it tens of thousands of steps.
+    int more_steps = warmup > 0 && warm_step_ms > 0
                          ? static_cast<int>(std::min(bench::kSteadyStateMs / warm_step_ms, 1e5))
                          : 0;
     MOE_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &more_steps, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
