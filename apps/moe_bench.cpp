@@ -174,6 +174,7 @@ int main(int argc, char** argv) {
       cli::check_output_file("--json", json_path, {{"--config", config_path}},
                              cli::Written::kInPlace);
     comm::MpiSession mpi(&argc, &argv);
+    comm::require_same_settings(MPI_COMM_WORLD, cli::settings_text(argc, argv, config_path));
     const int world = mpi.size();
     const bool root = mpi.rank() == 0;
     auto config = load_config(config_path);

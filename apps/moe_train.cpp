@@ -319,6 +319,7 @@ int main(int argc, char** argv) {
       resume = train::check_checkpoint_header(o.load_path, o.layers, o.steps, config, o.run, given);
     }
     comm::MpiSession mpi(&argc, &argv);
+    comm::require_same_settings(MPI_COMM_WORLD, cli::settings_text(argc, argv, o.config_path));
     if (mpi.rank() == 0 && !resume.adopted.empty()) {
       fmt::print("moe_train: resuming with the checkpoint's {}\n", fmt::join(resume.adopted, ", "));
       std::fflush(stdout);  // said before anything can end the run

@@ -1,7 +1,9 @@
 #include "bootstrap.h"
 
 #include <cuda_runtime_api.h>
+#include <fmt/ranges.h>
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -36,6 +38,25 @@ int node_local_rank(MPI_Comm comm) {
   (void)MPI_Comm_free(&node);
   MOE_CHECK_MPI(status);
   return rank;
+}
+
+void require_same_settings(MPI_Comm comm, std::string_view settings) {
+  int rank = 0, size = 0;
+  MOE_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  MOE_CHECK_MPI(MPI_Comm_size(comm, &size));
+  if (size == 1) return;
+  std::uint64_t hash = 1469598103934665603ull;  // FNV-1a: equal texts, equal hashes
+  for (const char c : settings) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(size));
+  MOE_CHECK_MPI(MPI_Allgather(&hash, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm));
+  std::vector<int> differ;
+  for (int r = 1; r < size; ++r)
+    if (all[static_cast<std::size_t>(r)] != all[0]) differ.push_back(r);
+  if (!differ.empty())
+    fail(
+        "the ranks were started with different settings: the command line or config of rank(s) "
+        "{} differ from rank 0's ({} ranks); every rank runs the same steps and shapes",
+        fmt::join(differ, ", "), size);
 }
 
 void require_one_rank_per_gpu(MPI_Comm comm) {

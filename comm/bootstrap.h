@@ -4,6 +4,7 @@
 #include <mpi.h>
 #include <nccl.h>
 
+#include <string_view>
 #include <utility>
 
 namespace moe::comm {
@@ -33,6 +34,12 @@ int node_local_rank(MPI_Comm comm);
 // when two ranks hold one GPU (found by the GPUs' UUIDs, unique across machines), naming the
 // ranks, the GPU and the remedy. NCCL cannot run two ranks on one GPU.
 void require_one_rank_per_gpu(MPI_Comm comm);
+
+// Collective over `comm`: throws the same moe::Error on every rank when the ranks' `settings` (a
+// program's command line and config, as text) differ, naming the ranks that differ from rank 0.
+// Ranks that run different steps, shapes or layer counts would wait on each other's
+// collectives; this finds them before the first.
+void require_same_settings(MPI_Comm comm, std::string_view settings);
 
 // Owns an NCCL communicator; destroys it, or aborts it after a failure so that no peer hangs on it.
 class NcclComm {

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -48,6 +50,18 @@ inline std::optional<int> parse_or_help(CLI::App& app, int argc, char** argv) {
     return app.exit(e);
   }
   return std::nullopt;
+}
+
+// What makes one rank's run: its command line (the arguments after the program's name) and its
+// config file's text, for comm::require_same_settings. A file that cannot be read adds nothing:
+// the config's loader has named it already.
+inline std::string settings_text(int argc, const char* const* argv, const std::string& config) {
+  std::string text;
+  for (int i = 1; i < argc; ++i) (text += argv[i]) += '\n';
+  std::ifstream file(config, std::ios::binary);
+  text += "--- config\n";
+  text.append(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  return text;
 }
 
 // A finite number in [low, high].

@@ -30,4 +30,18 @@ expect "--micro-batches 2 times the eager step alone" --fp8 --micro-batches 2 \
 expect "--micro-batches 2 times the eager step alone" --fp8 --micro-batches 2 \
   --capacity-factor 1 --pad-to-capacity --graph
 expect "--micro-batches: 0 is not in [1, 1024]" --micro-batches 0
+# Ranks started with different settings would wait on each other's collectives: both refuse.
+if command -v mpirun >/dev/null; then
+  output=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 60 mpirun \
+    --oversubscribe -np 1 "$bench" --iters 5 : -np 1 "$bench" --iters 7 2>&1)
+  count=$(grep -c "the ranks were started with different settings: the command line or config of rank(s) 1" \
+    <<<"$output")
+  if [ "$count" -ne 2 ]; then
+    echo "FAIL: two ranks of different --iters were not both refused:"
+    echo "$output" | tail -5
+    failed=1
+  else
+    echo "ok: mpirun moe_bench --iters 5 : --iters 7 -> refused on both ranks"
+  fi
+fi
 exit $failed
