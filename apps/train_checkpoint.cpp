@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <charconv>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <span>
 #include <string_view>
 
 #include "kernels/elementwise.cuh"
@@ -103,13 +105,27 @@ std::vector<float> download(const void* device, std::int64_t count, cudaStream_t
 
 namespace {
 
-// A checkpoint's metadata value that counts something: decimal digits alone, within an int.
+// A checkpoint's metadata value that counts something: decimal digits alone, no leading zero (as
+// every count moe_train reads), within an int.
 int metadata_count(const std::string& path, std::string_view key, const std::string& text) {
   int value = -1;
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < 0)
+  if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < 0 ||
+      (text.size() > 1 && text[0] == '0'))
     fail("{}: metadata {} = '{}' is not a non-negative integer", path, key, text);
   return value;
+}
+
+// Weights, moments and biases that are not finite would train NaN from the first step on: F32
+// `values` of tensor `name`, from element `first` on, are refused naming the first that is not.
+void require_finite(const std::string& name, std::span<const std::byte> values, std::size_t first) {
+  for (std::size_t i = 0; i < values.size() / 4; ++i) {
+    float value = 0;
+    std::memcpy(&value, values.data() + 4 * i, 4);
+    if (!std::isfinite(value))
+      fail("checkpoint tensor {} holds {} at element {}: a checkpoint's values are finite", name,
+           value, first + i);
+  }
 }
 
 // `text` whole as a T, within [low, high].
@@ -204,6 +220,24 @@ ResumePlan check_checkpoint_header(const std::string& path, int layers, int step
     plan.ranks = metadata_count(path, "ranks", found->second);
   if (const auto found = metadata.find("ep"); found != metadata.end())
     plan.ep = metadata_count(path, "ep", found->second);
+  // A run of `ranks` ranks at EP `ep`: the EP divides the ranks (a mesh is EP × DP).
+  const bool names_ep = metadata.find("ep") != metadata.end();
+  if (names_ep && (plan.ep == 0 || (plan.ranks > 0 && plan.ranks % plan.ep != 0)))
+    fail("--load '{}': metadata ep = {} does not divide its ranks = {}: no mesh saved it", path,
+         plan.ep, plan.ranks);
+  // Every tensor belongs to one of the checkpoint's layers: one past them would be dropped.
+  constexpr std::string_view kPrefix = "layers.";
+  for (const std::string& name : file.names()) {
+    int layer = -1;
+    bool in_a_layer = name.starts_with(kPrefix);
+    if (in_a_layer) {
+      const auto [end, error] =
+          std::from_chars(name.data() + kPrefix.size(), name.data() + name.size(), layer);
+      in_a_layer = error == std::errc() && *end == '.' && layer < layers;  // '\0' at the end
+    }
+    if (!in_a_layer)
+      fail("--load '{}' holds tensor {}, outside the model's {} layers", path, name, layers);
+  }
   const bool recorded_layer = metadata.find("layer") != metadata.end();
   std::vector<TrainedTensor> tensors = trained_tensors(config);
   tensors.push_back({"expert_bias", {config.num_experts}, false});
@@ -289,6 +323,7 @@ int Checkpoint::load(const std::string& path, std::vector<std::unique_ptr<AdamW>
     const auto& stored = file.get(fmt::format("layers.{}.expert_bias", l));
     if (stored.dtype != FileDType::kF32 || stored.shape != bias.shape)
       fail("{}: layers.{}.expert_bias has the wrong dtype or shape", path, l);
+    require_finite(fmt::format("layers.{}.expert_bias", l), stored.data, 0);
     copy_to_device(bias.data, stored.data.data(), stored.data.size());
   }
   return count("step");
@@ -323,7 +358,9 @@ void Checkpoint::take(const TensorFile& file, const std::string& name, const Slo
          file_dtype_name(stored.dtype), fmt::join(stored.shape, "x"), shape[0]);
   const std::size_t bytes = static_cast<std::size_t>(slot.param.numel()) * 4;
   const std::size_t first = slot.expert_sliced ? bytes * mesh_.ep_index() : 0;
-  copy_to_device(device, stored.data.data() + first, bytes);
+  const std::span<const std::byte> values(stored.data.data() + first, bytes);
+  require_finite(name, values, first / 4);
+  copy_to_device(device, values.data(), bytes);
 }
 
 }  // namespace moe::train

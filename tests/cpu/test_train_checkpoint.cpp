@@ -119,12 +119,27 @@ TEST_CASE("moe_train --load refuses a checkpoint of another model by name", "[cp
   CHECK(d.load(reshaped, error) == 1);
   CHECK_THAT(error, test::contains_text("layers.0.w13 is F32[4, 6, 16], the model's layer needs "
                                         "F32[4, 12, 8]"));
+
+  // Tensors past the model's layers would be dropped unread; no mesh has an EP not dividing its
+  // ranks, or of 0.
+  TensorFile extra = checkpoint(3);
+  extra.metadata["layers"] = "2";
+  CHECK(d.load(extra, error) == 1);
+  CHECK_THAT(error, test::contains_text("outside the model's 2 layers"));
+  for (const auto& [ranks, ep] : {std::pair{"1", "2"}, std::pair{"4", "0"}}) {
+    TensorFile mesh = checkpoint(2);
+    mesh.metadata["ranks"] = ranks;
+    mesh.metadata["ep"] = ep;
+    CHECK(d.load(mesh, error) == 1);
+    CHECK_THAT(error, test::contains_text(std::string("metadata ep = ") + ep +
+                                          " does not divide its ranks = " + ranks));
+  }
 }
 
 TEST_CASE("moe_train --load refuses a step it cannot count from, by value", "[cpu][train]") {
   const TrainDir d;
   std::string error;
-  for (const std::string step : {"abc", "-3", "12x", " 7", "", "99999999999"}) {
+  for (const std::string step : {"abc", "-3", "12x", " 7", "", "99999999999", "010"}) {
     INFO("step '" << step << "'");
     TensorFile file = checkpoint(2);
     file.metadata["step"] = step;
