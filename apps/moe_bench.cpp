@@ -206,6 +206,14 @@ int main(int argc, char** argv) {
     if (!drop_policy.empty() && !config.capacity_mode())
       fail("--drop-policy {} needs capacity mode (--capacity-factor, or the config's)",
            drop_policy);
+    // The flags named where they ask for what the config's rules refuse.
+    if (pad_to_capacity && !config.capacity_mode())
+      fail("--pad-to-capacity needs capacity mode (--capacity-factor, or the config's)");
+    if (fp8_dispatch && !config.fp8)
+      fail("--fp8-dispatch needs FP8 experts (--fp8, or the config's fp8: true)");
+    if (fp8 && (config.align_size <= 0 || config.align_size % 16 != 0))
+      fail("--fp8 needs align_size a multiple of 16 (--align-size 16), the config's is {}",
+           config.align_size);
     if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
     cli::check_slots_fit(config.bench_tokens, config.topk);
     config.validate();

@@ -21,7 +21,11 @@ expect() {  # TEXT ARGS...: moe_bench ARGS fails and prints TEXT
   fi
 }
 expect "--graph needs static shapes" --graph
-expect "pad_to_capacity = true needs capacity_factor" --pad-to-capacity
+expect "--pad-to-capacity needs capacity mode (--capacity-factor, or the config's)" \
+  --pad-to-capacity
+expect "--fp8-dispatch needs FP8 experts (--fp8, or the config's fp8: true)" --fp8-dispatch
+expect "--fp8 needs align_size a multiple of 16 (--align-size 16), the config's is 0" --fp8 \
+  --align-size 0
 expect "--drop-policy position needs capacity mode" --drop-policy position
 expect "--micro-batches 4: without fp8 (--fp8) a step quantizes no weights" --micro-batches 4
 expect "--iters 10 is not a whole number of --micro-batches 4" --fp8 --micro-batches 4 --iters 10
