@@ -311,6 +311,9 @@ int main(int argc, char** argv) {
     MoEConfig config = load_config(o.config_path);  // the file's own errors, on any machine
     if (o.fp8) config.fp8 = true;
     cli::apply_capacity_factor(config, o.capacity_factor);
+    if (app.count("--bias-rate") > 0 && !config.expert_bias)
+      fail("--bias-rate {} updates an expert bias, but the config has none (expert_bias: false)",
+           o.run.bias_rate);
     train::ResumePlan resume;
     if (!o.load_path.empty()) {
       std::vector<std::string> given;
@@ -330,7 +333,22 @@ int main(int argc, char** argv) {
           "other tokens than that run's would\n",
           o.load_path, resume.ranks, mpi.size());
     }
+    // The mesh is the ranks started and --ep / --dp; the config's mesh and token count (which
+    // moe_bench reads) give way, and are said to.
+    const int file_ep = config.ep, file_dp = config.dp;
     std::tie(config.ep, config.dp) = cli::mesh_shape(o.ep, o.dp, mpi.size());
+    if (mpi.rank() == 0 && (file_ep > 1 || file_dp > 1) &&
+        (file_ep != config.ep || file_dp != config.dp))
+      fmt::print(
+          "moe_train: note: the config's mesh (ep = {}, dp = {}) gives way to the ranks started "
+          "and --ep / --dp: EP {}, DP {}\n",
+          file_ep, file_dp, config.ep, config.dp);
+    if (mpi.rank() == 0 && config.bench_tokens > 0 && app.count("--tokens") == 0 &&
+        config.bench_tokens != o.run.tokens)
+      fmt::print(
+          "moe_train: note: the config's tokens = {} is moe_bench's; this run takes {} per "
+          "GPU (--tokens)\n",
+          config.bench_tokens, o.run.tokens);
     if (config.node_limited_routing() && resume.ep > 0 && resume.ep != config.ep)
       fail(
           "--load '{}' was trained at EP {}, this run has EP {}: node-limited routing "

@@ -376,3 +376,30 @@ TEST_CASE("a checkpoint whose share of w13 a rank cannot send is refused at the 
   config.ep = 2;
   CHECK_NOTHROW(train::check_checkpoint_fits(config));
 }
+
+// A flag for a part the config does not have is refused by name; the config's mesh and
+// moe_bench's token count give way to the ranks and --tokens, and a note says so.
+TEST_CASE("moe_train names what the config does not use", "[cpu][train]") {
+  const TrainDir d;
+  const auto run = [&](const std::string& config, const std::string& flags, std::string& out) {
+    std::ofstream(d.dir / "c.yaml") << config;
+    const std::string command = std::string(MOE_TRAIN_PATH) + " --config " +
+                                (d.dir / "c.yaml").string() + " " + flags + " >" +
+                                (d.dir / "out.txt").string() + " 2>&1";
+    const int status = std::system(command.c_str());
+    std::ifstream in(d.dir / "out.txt");
+    out.assign(std::istreambuf_iterator<char>(in), {});
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  const std::string layer = "hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\n";
+  std::string out;
+  CHECK(run(layer, "--bias-rate 5", out) == 1);
+  CHECK_THAT(out, test::contains_text("--bias-rate 5 updates an expert bias, but the config has "
+                                      "none (expert_bias: false)"));
+  const int status = run(layer + "ep: 2\ntokens: 4096\n", "--steps 0", out);
+  INFO(out);
+  CHECK((status == 0 || out.find("no CUDA GPU") != std::string::npos));
+  CHECK_THAT(out, test::contains_text("the config's mesh (ep = 2, dp = 1) gives way"));
+  CHECK_THAT(out, test::contains_text("the config's tokens = 4096 is moe_bench's; this run takes "
+                                      "1024 per GPU (--tokens)"));
+}
