@@ -349,6 +349,7 @@ int main(int argc, char** argv) {
           "moe_train: note: the config's tokens = {} is moe_bench's; this run takes {} per "
           "GPU (--tokens)\n",
           config.bench_tokens, o.run.tokens);
+    std::fflush(stdout);  // the notes said before anything can end the run
     if (config.node_limited_routing() && resume.ep > 0 && resume.ep != config.ep)
       fail(
           "--load '{}' was trained at EP {}, this run has EP {}: node-limited routing "
