@@ -144,6 +144,8 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
   const auto start = std::chrono::steady_clock::now();
   for (int step = first_step; step < first_step + o.steps; ++step) {
     // This step's tokens: a function of (step, rank) alone, so a resumed run sees the same data.
+    // The offset is a position in the generator's stream: unsigned, it wraps modulo 2^64 (defined)
+    // where step · world · T · H would pass it, and only the draws change.
     init_normal(h[0], o.run.seed * 7919 + 17,
                 (static_cast<std::uint64_t>(step) * static_cast<std::uint64_t>(world) +
                  static_cast<std::uint64_t>(mesh.rank())) *

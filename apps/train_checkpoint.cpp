@@ -116,15 +116,15 @@ int metadata_count(const std::string& path, std::string_view key, const std::str
   return value;
 }
 
-// Weights, moments and biases that are not finite would train NaN from the first step on: F32
-// `values` of tensor `name`, from element `first` on, are refused naming the first that is not.
-void require_finite(const std::string& name, std::span<const std::byte> values, std::size_t first) {
+// Weights, moments and biases that are not finite would train NaN from the first step on: the F32
+// `values` of tensor `name` are refused naming the first that is not.
+void require_finite(const std::string& name, std::span<const std::byte> values) {
   for (std::size_t i = 0; i < values.size() / 4; ++i) {
     float value = 0;
     std::memcpy(&value, values.data() + 4 * i, 4);
     if (!std::isfinite(value))
       fail("checkpoint tensor {} holds {} at element {}: a checkpoint's values are finite", name,
-           value, first + i);
+           value, i);
   }
 }
 
@@ -323,7 +323,7 @@ int Checkpoint::load(const std::string& path, std::vector<std::unique_ptr<AdamW>
     const auto& stored = file.get(fmt::format("layers.{}.expert_bias", l));
     if (stored.dtype != FileDType::kF32 || stored.shape != bias.shape)
       fail("{}: layers.{}.expert_bias has the wrong dtype or shape", path, l);
-    require_finite(fmt::format("layers.{}.expert_bias", l), stored.data, 0);
+    require_finite(fmt::format("layers.{}.expert_bias", l), stored.data);
     copy_to_device(bias.data, stored.data.data(), stored.data.size());
   }
   return count("step");
@@ -358,9 +358,10 @@ void Checkpoint::take(const TensorFile& file, const std::string& name, const Slo
          file_dtype_name(stored.dtype), fmt::join(stored.shape, "x"), shape[0]);
   const std::size_t bytes = static_cast<std::size_t>(slot.param.numel()) * 4;
   const std::size_t first = slot.expert_sliced ? bytes * mesh_.ep_index() : 0;
-  const std::span<const std::byte> values(stored.data.data() + first, bytes);
-  require_finite(name, values, first / 4);
-  copy_to_device(device, values.data(), bytes);
+  // The whole tensor, not this rank's share: every rank refuses the same file alike, where one
+  // failing alone would leave its peers to wait in the first collective.
+  require_finite(name, stored.data);
+  copy_to_device(device, stored.data.data() + first, bytes);
 }
 
 }  // namespace moe::train

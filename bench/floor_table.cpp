@@ -17,6 +17,7 @@
 #include "cli/checks.h"
 #include "moe/config.h"
 #include "moe/error.h"
+#include "moe/types.h"
 
 namespace {
 
@@ -60,10 +61,11 @@ int main(int argc, char** argv) {
     config.ep = ep;
     config.dp = 1;
     if (transport.empty()) transport = std::string(moe::ep_transport_name(config.ep_transport));
-    // auto as the layer resolves it on one host: the peer exchange up to its 8 ranks, NCCL
+    // auto as the layer resolves it on one host: the peer exchange up to kMaxPeerRanks, NCCL
     // beyond, and NCCL for E4M3 rows and fixed blocks, which cross over it alone.
     if (transport == "auto")
-      transport = ep > 8 || config.fp8_dispatch || config.pad_to_capacity ? "nccl" : "peer";
+      transport = ep > moe::kMaxPeerRanks || config.fp8_dispatch || config.pad_to_capacity ? "nccl"
+                                                                                           : "peer";
     if (ep > 1) config.ep_transport = moe::parse_ep_transport(transport);  // as the header says
     config.validate();
     if (const std::string why = config.unsupported_by_gpu_layer(); !why.empty())
