@@ -438,7 +438,7 @@ def main():
     chunks_given = args.chunks is not None
     if not chunks_given and int(config.get("exchange_chunks", "0")) > 0:
         args.chunks = int(config["exchange_chunks"])
-    asked_transport, asked_chunks = args.transport, args.chunks
+    asked_transport = args.transport
     # A config's own fp8 and fp8_dispatch (the layer's keys) price as the flags do.
     for key in ("fp8", "fp8_dispatch"):
         if config.get(key) == "true":
@@ -482,13 +482,11 @@ def main():
             print(f"{ep:>5}  imbalance {args.imbalance:g} exceeds the EP: the busiest of {ep} "
                   f"GPU(s) holds at most {ep} times the mean")
             continue
-        args.chunks = asked_chunks
-        if args.transport == "peer" and ep > 1 and asked_chunks not in (None, 1):
-            if chunks_given:
-                print(f"{ep:>5}  the peer exchange (auto's here) does not pipeline: --chunks "
-                      f"{asked_chunks} is for NCCL or the copy exchange")
-                continue
-            args.chunks = None  # the config's chunks, which the peer exchange ignores
+        # (the config's chunks stand: the peer exchange ignores them, as the layer does)
+        if args.transport == "peer" and ep > 1 and chunks_given and args.chunks != 1:
+            print(f"{ep:>5}  the peer exchange (auto's here) does not pipeline: --chunks "
+                  f"{args.chunks} is for NCCL or the copy exchange")
+            continue
         p = predict(config, tokens, ep, args)
         if p is None:
             print(f"{ep:>5}  EP does not divide the {config['num_experts']} experts")

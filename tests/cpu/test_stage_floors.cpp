@@ -135,46 +135,6 @@ TEST_CASE("capacity mode and shared experts have their floors, where MoEBlock na
         Approx(stage("moe experts backward", stages).bytes));
 }
 
-// bench/floor_table prints, for a config and rates, the floors stage_work gives with fp32 and
-// with bf16 weight gradients; and refuses an EP that does not divide the experts by name.
-TEST_CASE("floor_table prints the step floors of both gradient dtypes", "[cpu][bench]") {
-  const std::string out = (std::filesystem::temp_directory_path() /
-                           ("floor_table_" + std::to_string(::getpid()) + ".txt"))
-                              .string();
-  const std::string command = std::string(FLOOR_TABLE_PATH) + " --config " + MOE_SOURCE_DIR +
-                              "/configs/deepseek-v3.yaml --tokens 1024 --gemm-tflops 700 " +
-                              "--copy-gbps 4000 > " + out + " 2>&1";
-  const int status = std::system(command.c_str());
-  std::ifstream in(out);
-  std::stringstream text;
-  text << in.rdbuf();
-  std::remove(out.c_str());
-  INFO(text.str());
-  REQUIRE(status == 0);
-  MoEConfig config = deepseek_v3();
-  config.ep = config.dp = 1;
-  const bench::Rates rates{700e12, 4000e9, 0};
-  std::string want = "| step | | |";
-  for (const DType grad : {DType::kFP32, DType::kBF16}) {
-    config.grad_dtype = grad;
-    want += fmt::format(" {:.3f} | |",
-                        bench::step_floor_ms(bench::stage_work(config, 1024, true), rates));
-  }
-  want.resize(want.size() - 2);  // the last cell closes the row
-  CHECK_THAT(text.str(), test::contains_text(want));
-  // At T = 1024 the fp32 gradients bound the experts backward by their bytes: the two differ.
-  CHECK_THAT(text.str(), test::contains_text("| moe experts backward |"));
-
-  const std::string bad = std::string(FLOOR_TABLE_PATH) + " --config " + MOE_SOURCE_DIR +
-                          "/configs/deepseek-v3.yaml --ep 3 > " + out + " 2>&1";
-  CHECK(std::system(bad.c_str()) != 0);
-  std::ifstream bad_in(out);
-  std::stringstream bad_text;
-  bad_text << bad_in.rdbuf();
-  std::remove(out.c_str());
-  CHECK_THAT(bad_text.str(), test::contains_text("num_experts"));
-}
-
 namespace {
 
 // floor_table's exit status and output (stdout and stderr) for the given arguments.
@@ -192,6 +152,34 @@ std::pair<int, std::string> run_floor_table(const std::string& arguments) {
 }
 
 }  // namespace
+
+// bench/floor_table prints, for a config and rates, the floors stage_work gives with fp32 and
+// with bf16 weight gradients; and refuses an EP that does not divide the experts by name.
+TEST_CASE("floor_table prints the step floors of both gradient dtypes", "[cpu][bench]") {
+  const auto [status, text] =
+      run_floor_table(std::string("--config ") + MOE_SOURCE_DIR +
+                      "/configs/deepseek-v3.yaml --tokens 1024 --gemm-tflops 700 --copy-gbps 4000");
+  INFO(text);
+  REQUIRE(status == 0);
+  MoEConfig config = deepseek_v3();
+  config.ep = config.dp = 1;
+  const bench::Rates rates{700e12, 4000e9, 0};
+  std::string want = "| step | | |";
+  for (const DType grad : {DType::kFP32, DType::kBF16}) {
+    config.grad_dtype = grad;
+    want += fmt::format(" {:.3f} | |",
+                        bench::step_floor_ms(bench::stage_work(config, 1024, true), rates));
+  }
+  want.resize(want.size() - 2);  // the last cell closes the row
+  CHECK_THAT(text, test::contains_text(want));
+  // At T = 1024 the fp32 gradients bound the experts backward by their bytes: the two differ.
+  CHECK_THAT(text, test::contains_text("| moe experts backward |"));
+
+  const auto [bad_status, bad_text] = run_floor_table(std::string("--config ") + MOE_SOURCE_DIR +
+                                                      "/configs/deepseek-v3.yaml --ep 3");
+  CHECK(bad_status != 0);
+  CHECK_THAT(bad_text, test::contains_text("num_experts"));
+}
 
 // A rate that is not a finite number would drop out of every stage's max() and leave floors that
 // look right: each is refused by name, as is a token count in octal-looking digits.
