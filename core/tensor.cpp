@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdint>
 
 #include <fmt/ranges.h>
 
@@ -82,6 +83,14 @@ void expect_tensor(const Tensor& tensor, std::string_view what, DType dtype,
     fail("{}: expected {}, got {}", what, expected.describe(), tensor.describe());
   }
   if (tensor.data == nullptr && tensor.numel() > 0) fail("{}: null data pointer", what);
+}
+
+void expect_aligned(const Tensor& tensor, std::string_view what, std::size_t bytes) {
+  const auto address = reinterpret_cast<std::uintptr_t>(tensor.data);
+  if (bytes > 0 && address % bytes != 0) {
+    fail("{}: data = {:#x} must be {}-byte aligned (the layer reads it {} bytes at a time)", what,
+         address, bytes, bytes);
+  }
 }
 
 }  // namespace moe

@@ -9,9 +9,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/elementwise.cuh"
@@ -139,6 +141,21 @@ void MoEBlock::bind(const MoEParameters& p, const MoEGradients& g) {
     expect_tensor(g.shared_gate_weight, "MoEBlock::bind gradient of shared_gate_weight",
                   DType::kFP32, {1, H});
   }
+  // Every operand of a GEMM (the expert bias is read a float at a time).
+  for (const auto& [tensor, name] : std::initializer_list<std::pair<const Tensor&, const char*>>{
+           {p.gate_weight, "MoEBlock::bind gate_weight"},
+           {p.w13, "MoEBlock::bind w13"},
+           {p.w2, "MoEBlock::bind w2"},
+           {p.shared_w13, "MoEBlock::bind shared_w13"},
+           {p.shared_w2, "MoEBlock::bind shared_w2"},
+           {p.shared_gate_weight, "MoEBlock::bind shared_gate_weight"},
+           {g.gate_weight, "MoEBlock::bind gradient of gate_weight"},
+           {g.w13, "MoEBlock::bind gradient of w13"},
+           {g.w2, "MoEBlock::bind gradient of w2"},
+           {g.shared_w13, "MoEBlock::bind gradient of shared_w13"},
+           {g.shared_w2, "MoEBlock::bind gradient of shared_w2"},
+           {g.shared_gate_weight, "MoEBlock::bind gradient of shared_gate_weight"}})
+    expect_aligned(tensor, name);
   s.params = p;
   s.grads = g;
   s.experts.weights_changed();

@@ -90,6 +90,7 @@ void MoEBlock::dispatch_phase(const Tensor& x, const ForwardOptions& options, bo
     fail("MoEBlock::forward: x must be {}[T, {}], got {}", dtype_name(s.dtype), s.H, x.describe());
   }
   if (x.data == nullptr && T > 0) fail("MoEBlock::forward: x has no data");
+  expect_aligned(x, "MoEBlock::forward x");
   if (T * s.K > INT32_MAX) fail("MoEBlock::forward: T = {} tokens exceed the int32 row index", T);
   const Tensor& replay = options.replay_topk_idx;
   if (replay.data != nullptr || replay.rank() > 0) {
@@ -244,6 +245,7 @@ void MoEBlock::combine_backward_phase(const Tensor& dy) {
         "forward)");
   const std::int64_t T = s.context.T;
   expect_tensor(dy, "MoEBlock::backward dy", s.dtype, {T, s.H});
+  expect_aligned(dy, "MoEBlock::backward dy");
   s.begin_step();  // a capture was let through by check_capture()
   s.context.valid = false;
   s.step.dy = dy;

@@ -180,7 +180,8 @@ class MoEBlock {
   // Views of the parameters and gradients in use (the block's own, or those bound).
   const MoEParameters& parameters() const;
   const MoEGradients& gradients() const;
-  // Use memory the trainer owns; shapes and dtypes are checked first (nothing changes on error).
+  // Use memory the trainer owns; shapes, dtypes and the 16-byte alignment of every GEMM operand
+  // are checked first (nothing changes on error).
   void bind(const MoEParameters& parameters, const MoEGradients& gradients);
   // Seeded initialisation, identical on every rank for the same global expert: gate and experts
   // ~ N(0, 1/fan_in), bias 0. The constructor runs it with seed 0. It returns once the values are
@@ -192,7 +193,7 @@ class MoEBlock {
   // rank, the call and the stage; the peers fail at their next wait, within the mesh's timeout;
   // every later use of the mesh throws. Recovering means a new mesh and new blocks.
   //
-  // x [T, H] in config.dtype. Saves the context for backward.
+  // x [T, H] in config.dtype, 16-byte aligned (as dy is). Saves the context for backward.
   MoEForward forward(const Tensor& x, const ForwardOptions& options = {});
   // Evaluation: the same output, no context saved (a later backward is an error).
   MoEForward infer(const Tensor& x, const ForwardOptions& options = {});

@@ -57,5 +57,8 @@ struct Tensor {
 // Throws moe::Error naming `what` unless `tensor` has exactly this dtype and shape.
 void expect_tensor(const Tensor& tensor, std::string_view what, DType dtype,
                    std::initializer_list<std::int64_t> shape);
+// Throws moe::Error naming `what` and its address unless tensor.data is a multiple of `bytes`:
+// the layer's GEMMs and row kernels read activations and weights 16 bytes at a time.
+void expect_aligned(const Tensor& tensor, std::string_view what, std::size_t bytes = 16);
 
 }  // namespace moe

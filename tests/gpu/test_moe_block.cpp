@@ -331,7 +331,14 @@ TEST_CASE("MoEBlock bad use gets clear errors and leaves the block usable", "[gp
                     test::contains_text("x must be bf16[T, 64], got fp32[10, 64]"));
   CHECK_THROWS_WITH(block.forward(Tensor(x.data(), DType::kBF16, {10, 32})),
                     test::contains_text("got bf16[10, 32]"));
+  // Rows that start off a 16-byte boundary: the GEMMs and the row kernels would refuse them.
+  CHECK_THROWS_WITH(block.forward(Tensor(x.as<char>() + 8, DType::kBF16, {10, 64})),
+                    test::contains_text("MoEBlock::forward x: data = 0x"));
+  CHECK_THROWS_WITH(block.forward(Tensor(x.as<char>() + 8, DType::kBF16, {10, 64})),
+                    test::contains_text("must be 16-byte aligned"));
   block.forward(good);
+  CHECK_THROWS_WITH(block.backward(Tensor(dy.as<char>() + 2, DType::kBF16, {10, 64})),
+                    test::contains_text("MoEBlock::backward dy: data = 0x"));
   CHECK_THROWS_WITH(block.backward(Tensor(dy.data(), DType::kBF16, {9, 64})),
                     test::contains_text("expected bf16[10, 64], got bf16[9, 64]"));
   MOE_CHECK_CUDA(cudaMemset(dy.data(), 0, dy.bytes()));
@@ -346,6 +353,11 @@ TEST_CASE("MoEBlock bad use gets clear errors and leaves the block usable", "[gp
   wrong.w2 = Tensor(wrong.w2.data, DType::kBF16, {8, 48, 64});
   CHECK_THROWS_WITH(block.bind(wrong, block.gradients()),
                     test::contains_text("w2: expected bf16[8, 64, 48], got bf16[8, 48, 64]"));
+  MoEGradients shifted = block.gradients();
+  shifted.w13 =
+      Tensor(static_cast<char*>(shifted.w13.data) + 4, shifted.w13.dtype, shifted.w13.shape);
+  CHECK_THROWS_WITH(block.bind(block.parameters(), shifted),
+                    test::contains_text("gradient of w13: data = 0x"));
   CHECK_THROWS_WITH(block.update_expert_bias(0.1f), test::contains_text("expert_bias = false"));
   MoEConfig mismatched = c;
   mismatched.ep = 2;
