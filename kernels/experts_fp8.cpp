@@ -130,26 +130,28 @@ Tensor row_slice(const Tensor& t, std::int64_t first, std::int64_t count) {
 
 void Fp8ExpertFFN::forward(const Tensor& X, std::span<const std::int64_t> offsets,
                            const ExpertActivations& act, const Tensor& y, cudaStream_t stream,
-                           ExpertSpan span) {
+                           ExpertSpan span, const QuantizedRows& X_codes) {
   const Part p = part(offsets, span, "forward");
   const std::int64_t H = hidden_, F = ffn_, rows = offsets.back();
   expect_tensor(X, "Fp8ExpertFFN X", DType::kBF16, {rows, H});
   expect_tensor(act.h, "Fp8ExpertFFN h", DType::kBF16, {rows, 2 * F});
   expect_tensor(act.a, "Fp8ExpertFFN a", DType::kBF16, {rows, F});
   expect_tensor(y, "Fp8ExpertFFN y", DType::kBF16, {rows, H});
-  reserve_scratch(rows);
+  reserve_scratch(rows, X_codes.given());
   if (p.rows == 0) return;
   const auto slice = [&](const Tensor& t) { return row_slice(t, p.first_row, p.rows); };
-  const Fp8RowBlocks x_codes = scratch(0, p, H), a_codes = scratch(1, p, F);
+  const Fp8RowBlocks x_codes = input_rows(X_codes, p, "forward"), a_codes = scratch(1, p, F);
   const Tensor h = slice(act.h);
-  quantize_row_blocks_segmented(slice(X).data, p.offsets, H, x_codes.codes, x_codes.scales, stream);
+  if (!X_codes.given())
+    quantize_row_blocks_segmented(slice(X).data, p.offsets, H, x_codes.codes, x_codes.scales,
+                                  stream);
   fp8_pass(p, x_codes, H, w13_, 2 * F, h.data, stream);  // h = X·w13ᵀ
   swiglu_forward_fp8(h, slice(act.a), a_codes, stream, slice(act.scale));
   fp8_pass(p, a_codes, F, w2_, H, slice(y).data, stream);  // y = a·w2ᵀ
 }
 
-void Fp8ExpertFFN::reserve_scratch(std::int64_t rows) {
-  for (int i = 0; i < 2; ++i) {
+void Fp8ExpertFFN::reserve_scratch(std::int64_t rows, bool rows_given) {
+  for (int i = rows_given ? 1 : 0; i < 2; ++i) {
     // Sized for the backward's dh too (2F wide), so that the buffers grow at most once a step: a
     // growth frees the old buffer, which waits for the device, transfers in flight included.
     const std::int64_t width = i == 0 ? hidden_ : 2 * std::int64_t{ffn_};
@@ -163,11 +165,25 @@ Fp8RowBlocks Fp8ExpertFFN::scratch(int buffer, const Part& part, std::int64_t wi
           scales_[buffer].as<float>() + part.first_row * column_blocks(width), part.offsets};
 }
 
+Fp8RowBlocks Fp8ExpertFFN::input_rows(const QuantizedRows& given, const Part& part,
+                                      const char* call) {
+  if (!given.given()) return scratch(0, part, hidden_);
+  if (part.first != 0 || part.end != experts_) {
+    fail(
+        "Fp8ExpertFFN::{}: rows quantized by the caller for experts [{}, {}) of {}; they come "
+        "for every expert at once",
+        call, part.first, part.end, experts_);
+  }
+  if (given.scales == nullptr) fail("Fp8ExpertFFN::{}: quantized rows without scales", call);
+  return {given.codes, given.scales, part.offsets};
+}
+
 void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
                             std::span<const std::int64_t> offsets, const ExpertActivations& act,
                             const Tensor& dX, const Tensor& dw13, const Tensor& dw2,
                             cudaStream_t stream, const ExpertFFN::RefillInput& refill_input,
-                            ExpertSpan span, const ExpertFFN::DXQueued& dX_queued) {
+                            ExpertSpan span, const ExpertFFN::DXQueued& dX_queued,
+                            const QuantizedRows& dY_codes_given) {
   const Part p = part(offsets, span, "backward");
   const std::int64_t H = hidden_, F = ffn_, E = experts_, rows = offsets.back();
   const DType d = DType::kBF16;
@@ -192,12 +208,14 @@ void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,
     fail("Fp8ExpertFFN: dw13 dtype {} must be bf16 or fp32", dtype_name(grad));
   expect_tensor(dw13, "Fp8ExpertFFN dw13", grad, {E, 2 * F, H});
   expect_tensor(dw2, "Fp8ExpertFFN dw2", grad, {E, H, F});
-  reserve_scratch(rows);
+  reserve_scratch(rows, dY_codes_given.given());
   const auto slice = [&](const Tensor& t) { return row_slice(t, p.first_row, p.rows); };
-  const Fp8RowBlocks dY_codes = scratch(0, p, H), dh_codes = scratch(1, p, 2 * F);
+  const Fp8RowBlocks dY_codes = input_rows(dY_codes_given, p, "backward"),
+                     dh_codes = scratch(1, p, 2 * F);
   if (p.rows > 0) {  // without rows, only the experts' zero weight gradients are left to write
-    quantize_row_blocks_segmented(slice(dY).data, p.offsets, H, dY_codes.codes, dY_codes.scales,
-                                  stream);
+    if (!dY_codes_given.given())
+      quantize_row_blocks_segmented(slice(dY).data, p.offsets, H, dY_codes.codes, dY_codes.scales,
+                                    stream);
     fp8_pass(p, dY_codes, H, w2_transposed_, F, slice(act.dA).data, stream);  // dA = dY·w2
     swiglu_backward_fp8(slice(act.h), slice(act.dA), slice(act.dh), slice(act.a), dh_codes, stream,
                         slice(act.scale), slice(act.dscale));

@@ -74,8 +74,11 @@ class Fp8ExpertFFN {
   // span: the experts of one chunk of a pipelined exchange (every expert by default). Only their
   // rows are read and written, by the products the whole call would run for them (grouped or one
   // a call as the whole call's rows decide), so that spans in turn give one call's bits.
+  // X_codes, where given: X quantized already (QuantizedRows, over these offsets), read instead of
+  // quantizing X here; every expert's span only.
   void forward(const Tensor& X, std::span<const std::int64_t> offsets, const ExpertActivations& act,
-               const Tensor& y, cudaStream_t stream, ExpertSpan span = {});
+               const Tensor& y, cudaStream_t stream, ExpertSpan span = {},
+               const QuantizedRows& X_codes = {});
 
   // From dY [rows, H] and what forward left in act (h), with X as forward read it: act.dA
   // [rows, F] and act.dh [rows, 2F] as scratch (dh may be h, dA may be a: act.a is written again,
@@ -86,12 +89,12 @@ class Fp8ExpertFFN {
   // does it. span as in forward (every expert with refill_input). dX_queued, where given, is
   // called once the span's dX is queued on `stream`: where dX is not X and nothing is refilled,
   // before dw13's products, which then run beside whatever the caller queues there (ExpertFFN's
-  // backward does the same); otherwise last.
+  // backward does the same); otherwise last. dY_codes as forward's X_codes.
   void backward(const Tensor& dY, const Tensor& X, std::span<const std::int64_t> offsets,
                 const ExpertActivations& act, const Tensor& dX, const Tensor& dw13,
                 const Tensor& dw2, cudaStream_t stream,
                 const ExpertFFN::RefillInput& refill_input = {}, ExpertSpan span = {},
-                const ExpertFFN::DXQueued& dX_queued = {});
+                const ExpertFFN::DXQueued& dX_queued = {}, const QuantizedRows& dY_codes = {});
 
  private:
   struct Weights {
@@ -117,8 +120,11 @@ class Fp8ExpertFFN {
     bool grouped = false;
   };
   Part part(std::span<const std::int64_t> offsets, ExpertSpan span, const char* call) const;
-  // Grows the activations' codes and scales (codes_, scales_) for a call over `rows`.
-  void reserve_scratch(std::int64_t rows);
+  // Grows the activations' codes and scales (codes_, scales_) for a call over `rows`; the first
+  // pair (X's and dY's) only where the caller does not quantize those rows itself.
+  void reserve_scratch(std::int64_t rows, bool rows_given);
+  // The part's rows as the caller quantized them (every expert's), or else scratch(0, ...).
+  Fp8RowBlocks input_rows(const QuantizedRows& given, const Part& part, const char* call);
   // The part's rows of codes_[buffer] and scales_[buffer], `width` columns, where a whole call
   // over every expert would put them.
   Fp8RowBlocks scratch(int buffer, const Part& part, std::int64_t width);

@@ -47,6 +47,16 @@ void quantize_row_blocks_segmented(const void* x, std::span<const std::int64_t> 
                                    std::int64_t cols, std::uint8_t* q, float* scales,
                                    cudaStream_t stream);
 
+// Rows already quantized as quantize_row_blocks_segmented leaves them: codes [rows, cols] and
+// each segment's scales where a product over it reads them. The permute writes X's and dY's so on
+// one rank (permute_rows_fp8, kernels/permute.cuh), and the FP8 experts then read them instead of
+// quantizing the rows in a pass of their own.
+struct QuantizedRows {
+  std::uint8_t* codes = nullptr;
+  float* scales = nullptr;
+  bool given() const { return codes != nullptr; }
+};
+
 // ---- Rows that travel (fp8_dispatch): a record a row, its E4M3 codes then its row blocks' fp32
 // scales, zero bytes to a multiple of 16, so that an exchange moves each row as one piece of
 // about half the bytes of bf16 (docs/design.md, "FP8 dispatch").

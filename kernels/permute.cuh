@@ -6,8 +6,9 @@
 // element by element otherwise. Row indices are int32 (up to 2^31 rows).
 //
 // The implementation: permute_layout.cu (the layout), permute_rows.cu (the row kernels, local and
-// over the peer exchange), permute_chunks.cu (the chunk sort), with the device code they share in
-// permute_device.cuh and the host side of their launches in permute_launch.h / permute_launch.cpp.
+// over the peer exchange), permute_chunks.cu (the chunk sort), permute_fp8.cu (the permute that
+// quantizes), with the device code they share in permute_device.cuh and the host side of their
+// launches in permute_launch.h / permute_launch.cpp.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -16,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "fp8_quantize.cuh"
 #include "moe/tensor.h"
 #include "moe/types.h"
 
@@ -55,6 +57,17 @@ void permute_rows(const Tensor& x, const std::int32_t* row_map, int topk,
                   const std::int32_t* offsets, const std::int32_t* counts, int experts,
                   const Tensor& out, cudaStream_t stream, const float* prob = nullptr,
                   float* row_prob = nullptr);
+
+// permute_rows, and each row's E4M3 codes and 1 × 128 scales into `quantized` as
+// quantize_row_blocks_segmented(out, the layout's offsets, H) would leave them, bit for bit, in
+// the same pass: a token's row is quantized once for its K rows. Padding rows: codes 0, scales 1.
+// topk_idx [T, K] names each slot's group (the layout's input). Where permute_rows_fp8_applies:
+// bf16 rows of a multiple of 128 values, x and out 16-byte aligned (codes too, scales 4).
+bool permute_rows_fp8_applies(const Tensor& x, const Tensor& out);
+void permute_rows_fp8(const Tensor& x, const std::int32_t* row_map, const std::int32_t* topk_idx,
+                      int topk, const std::int32_t* offsets, const std::int32_t* counts,
+                      int experts, const Tensor& out, const QuantizedRows& quantized,
+                      cudaStream_t stream, const float* prob = nullptr, float* row_prob = nullptr);
 
 // out[t] = Σ_k prob[t, k]·y[row(t, k)] (prob null: plain sum, the permute backward), accumulated in
 // fp32 in slot order, written in out's dtype. With row_grad [rows of y] and dprob [T, K] (both or

@@ -69,9 +69,10 @@ class LocalExchange final : public TokenExchange {
                                       : T * K_ + std::int64_t{E_} * std::max(align - 1, 0);
     X_.reserve(std::max<std::int64_t>(max_rows * H_, 1) * dtype_size(dtype_));
     row_prob_.reserve(std::max<std::int64_t>(max_rows, 1) * sizeof(float));
-    permute_rows(toward_experts(x, x_rounded_), layout_.row_map(), K_, layout_.offsets(),
-                 layout_.counts(), E_, Tensor(X_.data(), dtype_, {max_rows, H_}), stream_,
-                 routing.topk_p, row_prob_.as<float>());
+    topk_idx_ = routing.topk_idx;
+    x_quantized_ = permute_toward_experts(toward_experts(x, x_rounded_),
+                                          Tensor(X_.data(), dtype_, {max_rows, H_}), routing.topk_p,
+                                          row_prob_.as<float>());
   }
 
   void dispatch(const Tensor&, void* totals) override {
@@ -97,7 +98,9 @@ class LocalExchange final : public TokenExchange {
     // One row buffer: the down products write Y over X once the up products have read it.
     if (!one_row_buffer()) view(Y_, dtype_, {saved_.rows, H_});
     const Tensor Y = one_row_buffer() ? rows(X_) : rows(Y_);
-    return {rows(X_), Y, row_prob(), saved_.expert_offsets};
+    ExpertRows out{rows(X_), Y, row_prob(), saved_.expert_offsets};
+    if (x_quantized_) out.input_codes = codes();
+    return out;
   }
 
   // The experts' output is already where the unpermute reads it.
@@ -112,8 +115,7 @@ class LocalExchange final : public TokenExchange {
   void unpermute_backward(const Tensor& dy, float*) override {
     // One row buffer: dY over the dead Y. Else the scratch's dY.
     const Tensor dY = one_row_buffer() ? rows(X_) : view(dY_, dtype_, {saved_.rows, H_});
-    permute_rows(toward_experts(dy, dy_rounded_), layout_.row_map(), K_, layout_.offsets(),
-                 layout_.counts(), E_, dY, stream_);
+    dy_quantized_ = permute_toward_experts(toward_experts(dy, dy_rounded_), dY);
   }
 
   void combine_backward() override {}
@@ -123,6 +125,7 @@ class LocalExchange final : public TokenExchange {
     g.input = rows(X_);
     g.scale = row_prob();
     g.offsets = saved_.expert_offsets;
+    if (dy_quantized_) g.dY_codes = codes();
     if (one_row_buffer()) {
       // X permuted from x again over dY once dY is dead, dX over X once dw13 has read it.
       g.dY = g.dX = g.input;
@@ -159,6 +162,30 @@ class LocalExchange final : public TokenExchange {
     round_rows_through_fp8(rows.data, rows.dim(0), H_, out.data, stream_);
     return out;
   }
+  // The permute of `source` [T, H] into the expert-major `out`, the rows' codes and scales beside
+  // them where the experts run in FP8 and the rows allow it (bf16 rows of whole 128-value blocks,
+  // 16-byte aligned; docs/design.md, "Where the activations are quantized"). Returns whether it
+  // quantized them.
+  bool permute_toward_experts(const Tensor& source, const Tensor& out, const float* prob = nullptr,
+                              float* row_prob = nullptr) {
+    const bool quantize = config_.fp8 && permute_rows_fp8_applies(source, out);
+    if (!quantize) {
+      permute_rows(source, layout_.row_map(), K_, layout_.offsets(), layout_.counts(), E_, out,
+                   stream_, prob, row_prob);
+      return false;
+    }
+    // Sized as X, for the most rows any routing can pad to: X's codes in the forward, dY's over
+    // them in the backward (X's are read by the first product alone).
+    const std::int64_t rows = out.dim(0);
+    codes_.reserve(static_cast<std::size_t>(std::max<std::int64_t>(rows * H_, 16)));
+    code_scales_.reserve(
+        static_cast<std::size_t>(std::max<std::int64_t>(rows * (H_ / kFP8Block), 1)) *
+        sizeof(float));
+    permute_rows_fp8(source, layout_.row_map(), topk_idx_, K_, layout_.offsets(), layout_.counts(),
+                     E_, out, codes(), stream_, prob, row_prob);
+    return true;
+  }
+  QuantizedRows codes() const { return {codes_.as<std::uint8_t>(), code_scales_.as<float>()}; }
   Tensor rows(const DeviceBuffer& buffer) const {
     return Tensor(buffer.data(), dtype_, {saved_.rows, H_});
   }
@@ -184,6 +211,11 @@ class LocalExchange final : public TokenExchange {
   DeviceBuffer& dY_;  // the scratch's; with keep_expert_input
   // fp8_dispatch: x and dy as the experts get them (x's kept for the backward's refill).
   DeviceBuffer x_rounded_, dy_rounded_;
+  // FP8 experts: the E4M3 codes and 1 × 128 scales of X's rows (forward) and dY's (backward), as
+  // the permute wrote them, where it did (x_quantized_, dy_quantized_).
+  DeviceBuffer codes_, code_scales_;
+  bool x_quantized_ = false, dy_quantized_ = false;
+  const std::int32_t* topk_idx_ = nullptr;  // the forward's routing, which the backward permutes
   // The counts go to the host on their own stream, off the permute's path.
   Stream count_stream_;
   Event layout_built_, copied_;

@@ -70,7 +70,7 @@ void ExpertStage::forward(const ExpertRows& rows, const Tensor& w13, const Tenso
     // The FP8 products read a over every row (activation_chunk_mib does not apply to them).
     ExpertActivations act{.h = view(h_, dtype_, {n, 2 * F_}), .a = view(a_, dtype_, {n, F_})};
     act.scale = rows.scale;
-    fp8_->forward(rows.input, rows.offsets, act, rows.output, stream, span);
+    fp8_->forward(rows.input, rows.offsets, act, rows.output, stream, span, rows.input_codes);
     return;
   }
   ExpertActivations act{.h = view(h_, dtype_, {n, 2 * F_}),
@@ -91,7 +91,7 @@ void ExpertStage::backward(const ExpertGradRows& rows, const Tensor& w13, const 
   act.scale = act.dscale = rows.scale;
   if (fp8_) {
     fp8_->backward(rows.dY, rows.input, rows.offsets, act, rows.dX, w13_grad, w2_grad, stream,
-                   rows.refill, span, dX_queued);
+                   rows.refill, span, dX_queued, rows.dY_codes);
     return;
   }
   ffn_->backward(rows.dY, rows.input, rows.offsets, w13, w2, act, false, rows.dX, w13_grad, w2_grad,

@@ -25,6 +25,7 @@
 #include <span>
 
 #include "kernels/experts.h"
+#include "kernels/fp8_quantize.cuh"
 #include "moe/config.h"
 #include "moe/mesh.h"
 #include "moe/tensor.h"
@@ -72,6 +73,9 @@ struct ExpertRows {
   // The chunks of consecutive local experts, in the order their rows arrive (one chunk of every
   // expert unless the exchange pipelines).
   std::span<const ExpertSpan> chunks = kEveryExpert;
+  // X's E4M3 codes and scales where the exchange wrote them beside X for the FP8 experts (the
+  // local exchange's permute, in one chunk), which then need not quantize X; none otherwise.
+  QuantizedRows input_codes{};
 };
 
 // The same rows in the backward: dY in, dX out, X where it was kept.
@@ -83,6 +87,7 @@ struct ExpertGradRows {
   std::span<const std::int64_t> offsets;
   ExpertFFN::RefillInput refill;  // writes X again where the forward's X was not kept
   std::span<const ExpertSpan> chunks = kEveryExpert;
+  QuantizedRows dY_codes{};  // dY's, as ExpertRows::input_codes
 };
 
 class TokenExchange {

@@ -184,6 +184,45 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   CHECK(wrong_padding_bytes == 0);
   CHECK(test::download<float>(dprob_records, static_cast<std::size_t>(T * K)) ==
         test::download<float>(dprob, static_cast<std::size_t>(T * K)));
+
+  // FP8 experts on one rank: the permute that writes each row's codes and scales beside it. The
+  // bf16 rows and the probabilities beside them are those of permute_rows; codes and scales those
+  // of the reference's quantizer over the permuted rows (a padding row's: codes 0, scales 1),
+  // each group's scales where a product over that group reads them.
+  if (H % kFP8Block != 0) return;
+  const std::int64_t blocks = H / kFP8Block;
+  DeviceBuffer X8(static_cast<std::size_t>(rows * H) * 2 + 16), codes(rows * H + 16),
+      scales(static_cast<std::size_t>(rows * blocks) * 4 + 16), beside(rows * 4 + 16),
+      beside8(rows * 4 + 16);
+  for (const auto* b : {&X8, &codes, &scales, &beside, &beside8}) test::poison(*b);
+  const Tensor X8_t(X8.data(), c.dtype, {rows, H});
+  REQUIRE(permute_rows_fp8_applies(x_t, X8_t));
+  permute_rows(x_t, rm, K, offsets.as<std::int32_t>(), counts.as<std::int32_t>(), E, X_t,
+               stream.get(), prob_dev.as<float>(), beside.as<float>());
+  permute_rows_fp8(x_t, rm, idx_dev.as<std::int32_t>(), K, offsets.as<std::int32_t>(),
+                   counts.as<std::int32_t>(), E, X8_t,
+                   {codes.as<std::uint8_t>(), scales.as<float>()}, stream.get(),
+                   prob_dev.as<float>(), beside8.as<float>());
+  stream.synchronize();
+  CHECK(download_matrix(X8, rows, H, c.dtype).data == got_X.data);
+  CHECK(test::download<float>(beside8, static_cast<std::size_t>(rows)) ==
+        test::download<float>(beside, static_cast<std::size_t>(rows)));
+  const reference::BlockQuantized want = reference::quantize_row_blocks(got_X);
+  const auto got_codes = test::download<std::uint8_t>(codes, static_cast<std::size_t>(rows * H));
+  const auto got_scales = test::download<float>(scales, static_cast<std::size_t>(rows * blocks));
+  CHECK(got_codes == want.codes);
+  std::int64_t wrong_scales = 0;
+  for (int g = 0; g < E; ++g) {
+    const std::int64_t first = layout.offsets[g], group = layout.group_rows(g);
+    for (std::int64_t i = 0; i < group; ++i) {
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const auto at = static_cast<std::size_t>(first * blocks + b * group + i);
+        wrong_scales +=
+            got_scales[at] != want.scales[static_cast<std::size_t>((first + i) * blocks + b)];
+      }
+    }
+  }
+  CHECK(wrong_scales == 0);
 }
 
 }  // namespace
@@ -244,6 +283,9 @@ TEST_CASE("permute at many tokens and odd widths", "[gpu][permute]") {
   // Widths whose last 128-value scale block is partial, for the combine backward's records.
   run_case({300, 144, 8, 2, 16, false, DType::kBF16}, rng);
   run_case({77, 272, 16, 4, 8, true, DType::kBF16}, rng);
+  // Top-6 and top-16 over rows of whole 128-value blocks, for the permute that quantizes.
+  run_case({150, 384, 12, 6, 8, true, DType::kBF16}, rng);
+  run_case({200, 256, 32, 16, 16, false, DType::kBF16, 0.3}, rng);
 }
 
 // The layout's scan splits each expert's column of block histograms over 32 lanes (E ≤ 32) down
