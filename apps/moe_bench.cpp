@@ -81,6 +81,7 @@ std::size_t used_device_memory() {
 
 int main(int argc, char** argv) {
   CLI::App app{"moe_bench: forward and backward of the MoE layer over an EP x DP mesh"};
+  cli::flags_take_no_value(app);
   std::string config_path = std::string(MOE_SOURCE_DIR) + "/configs/small.yaml";
   int ep = 0, dp = 0, tokens = 0, iters = 20, warmup = 5;
   std::string json_path, grad_dtype, ep_transport;

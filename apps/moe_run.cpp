@@ -414,6 +414,7 @@ int run_mesh(const MoEConfig& config, const TensorSource& weights, const TensorS
 
 int main(int argc, char** argv) {
   CLI::App app{"moe_run: forward and backward of the MoE layer on tensors from safetensors files"};
+  cli::flags_take_no_value(app);
   std::string config_path, weights_path, inputs_path, out_path, record_path, replay_path;
   int ep = 0, dp = 0;
   bool use_reference = false;

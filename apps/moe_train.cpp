@@ -264,6 +264,7 @@ int run_training(const Options& o, const MoEConfig& config, comm::MpiSession& mp
 
 int main(int argc, char** argv) {
   CLI::App app{"moe_train: a residual MoE stack regressing onto a fixed teacher, over a mesh"};
+  cli::flags_take_no_value(app);
   Options o;
   app.add_option("--config", o.config_path, "layer config (YAML)")->check(CLI::ExistingFile);
   app.add_option("--layers", o.layers, "MoE layers")->check(cli::count_in(1, 4096));

@@ -24,6 +24,13 @@
 
 namespace moe::cli {
 
+// Flags take no value: CLI11 reads `--fp8=2` as given and `--fp8=-1` or `--fp8=0` as not given;
+// those are refused instead ("was given a disallowed flag override"). Called on an app before its
+// options are added.
+inline void flags_take_no_value(CLI::App& app) {
+  app.option_defaults()->disable_flag_override();
+}
+
 // Whether the command line asks for the help (-h or --help before any "--"): then the help is
 // printed whatever else the line holds, where CLI11 would first report a bad value given before
 // it.

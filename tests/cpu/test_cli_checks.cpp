@@ -188,3 +188,25 @@ TEST_CASE("same_file knows one file under two spellings, before and after it exi
   fs::current_path(cwd);
   fs::remove_all(dir);
 }
+
+TEST_CASE("flags take no value", "[cpu][cli]") {
+  for (const std::string given : {"--fp8=2", "--fp8=-1", "--fp8=0", "--fp8=yes"}) {
+    INFO(given);
+    CLI::App app("test");
+    moe::cli::flags_take_no_value(app);
+    bool fp8 = false;
+    app.add_flag("--fp8", fp8);
+    std::vector<std::string> args = {given};
+    CHECK_THROWS_WITH(app.parse(args), moe::test::contains_text("disallowed flag override"));
+  }
+  CLI::App app("test");
+  moe::cli::flags_take_no_value(app);
+  bool fp8 = false;
+  int count = 0;
+  app.add_flag("--fp8", fp8);
+  app.add_option("--count", count);
+  std::vector<std::string> args = {"3", "--count", "--fp8"};  // reversed, as CLI11 parses it
+  app.parse(args);
+  CHECK(fp8);
+  CHECK(count == 3);
+}
