@@ -21,15 +21,11 @@ namespace moe {
 
 namespace {
 
-// The config's dtypes are bf16 or fp32: int32 is a dtype of tensors, never of the layer's values.
-DType parse_activation_dtype(const std::string& text, const char* key) {
-  if (text != "bf16" && text != "fp32") fail("{} = '{}' is not bf16 or fp32", key, text);
-  return parse_dtype(text, key);
-}
-
-// A value from the file as a message shows it: a newline or tab written \n or \t, so that the
-// message stays on one line (errors escape the other control characters themselves).
-std::string printable(const std::string& text) {
+// A value from the file as a message shows it: its first 64 bytes (excerpt), a newline or tab
+// written \n or \t, so that the message stays on one line and short (errors escape the other
+// control characters themselves).
+std::string printable(const std::string& whole) {
+  const std::string text = excerpt(whole);
   std::string out;
   for (const char c : text) {
     if (c == '\n') {
@@ -41,6 +37,12 @@ std::string printable(const std::string& text) {
     }
   }
   return out;
+}
+
+// The config's dtypes are bf16 or fp32: int32 is a dtype of tensors, never of the layer's values.
+DType parse_activation_dtype(const std::string& text, const char* key) {
+  if (text != "bf16" && text != "fp32") fail("{} = '{}' is not bf16 or fp32", key, printable(text));
+  return parse_dtype(text, key);
 }
 
 // Reads one scalar, turning yaml-cpp's conversion failure into an error that names the key.
@@ -55,7 +57,7 @@ T read_scalar(const YAML::Node& node, const std::string& key, std::string_view s
   if constexpr (!std::is_same_v<T, std::string>) {
     if (tag == "!")
       fail("{}: {} = '{}' is quoted, which makes it a string; write it without quotes", source, key,
-           node.Scalar());
+           printable(node.Scalar()));
   }
   const char* own_tag = std::is_same_v<T, std::string> ? "tag:yaml.org,2002:str"
                         : std::is_same_v<T, bool>      ? "tag:yaml.org,2002:bool"
@@ -81,12 +83,12 @@ T read_scalar(const YAML::Node& node, const std::string& key, std::string_view s
                          (text[digits] != '0' || text.size() == digits + 1);
     if (!decimal)
       fail("{}: {} = '{}' is not a decimal integer (leading zeros and other bases are refused)",
-           source, key, text);
+           source, key, printable(text));
     errno = 0;
     const long long value = std::strtoll(text.c_str(), nullptr, 10);
     if (errno == ERANGE || value < std::numeric_limits<int>::min() ||
         value > std::numeric_limits<int>::max())
-      fail("{}: {} = '{}' is beyond the range of an int ({} to {})", source, key, text,
+      fail("{}: {} = '{}' is beyond the range of an int ({} to {})", source, key, printable(text),
            std::numeric_limits<int>::min(), std::numeric_limits<int>::max());
   }
   if constexpr (std::is_same_v<T, bool>) {
@@ -94,7 +96,7 @@ T read_scalar(const YAML::Node& node, const std::string& key, std::string_view s
     // 1.2 reader takes as strings, so the same file would mean different things to two tools.
     const std::string& text = node.Scalar();
     if (text != "true" && text != "false")
-      fail("{}: {} = '{}' is not true or false", source, key, text);
+      fail("{}: {} = '{}' is not true or false", source, key, printable(text));
   }
   if constexpr (std::is_same_v<T, double>) {
     // yaml-cpp turns 1e-400 into 0 and 1e400 into a failure without a reason.
@@ -254,11 +256,11 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
                                     : "null");
     const std::string key = entry.first.Scalar();
     if (!seen.insert(key).second) {
-      fail("{}: key '{}' appears more than once (line {})", source, key,
+      fail("{}: key '{}' appears more than once (line {})", source, printable(key),
            entry.first.Mark().line + 1);
     }
     const auto setter = setters.find(key);
-    if (setter == setters.end()) fail("{}: unknown key '{}'", source, key);
+    if (setter == setters.end()) fail("{}: unknown key '{}'", source, printable(key));
     setter->second(entry.second, key);
   }
   for (const char* required : {"hidden", "ffn_hidden", "num_experts", "topk"}) {

@@ -52,6 +52,17 @@ inline std::string readable_message(std::string_view message) {
   return out;
 }
 
+// A value a user gave (a config's text, say), as an error quotes it: its first `limit` bytes
+// (never cut inside a UTF-8 sequence), then how many more there were. A message names the value
+// without growing with it.
+inline std::string excerpt(std::string_view text, std::size_t limit = 64) {
+  if (text.size() <= limit) return std::string(text);
+  std::size_t cut = limit;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return std::string(text.substr(0, cut)) + " ... (" + std::to_string(text.size() - cut) +
+         " more bytes)";
+}
+
 class Error : public std::runtime_error {
  public:
   explicit Error(const std::string& message) : std::runtime_error(readable_message(message)) {}
