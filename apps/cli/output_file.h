@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -31,6 +32,20 @@ inline std::string cannot_create_in(const std::filesystem::path& directory) {
   ::close(fd);
   ::unlink(probe.c_str());
   return {};
+}
+
+// Whether a file renamed over `file` would replace it: always where it does not exist; in a
+// directory with the sticky bit (/tmp), only for the file's owner, the directory's, or root
+// (rename(2) fails with EPERM otherwise, at the end of the run).
+inline bool may_replace(const std::filesystem::path& file) {
+  struct stat file_status {
+  }, directory_status{};
+  const std::filesystem::path directory = file.parent_path().empty() ? "." : file.parent_path();
+  if (::lstat(file.c_str(), &file_status) != 0 || ::stat(directory.c_str(), &directory_status) != 0)
+    return true;  // nothing there to replace, or nothing known: the run's own error stands
+  if ((directory_status.st_mode & S_ISVTX) == 0) return true;
+  const uid_t me = ::geteuid();
+  return me == 0 || file_status.st_uid == me || directory_status.st_uid == me;
 }
 
 // How an app writes its output file.
@@ -84,6 +99,11 @@ inline void check_output_file(const std::string& option, const std::string& path
   } else if (const std::string why = cannot_create_in(target.parent_path()); !why.empty()) {
     fail("{} '{}': no file can be created in its directory '{}' ({})", option, path,
          target.parent_path().empty() ? "." : target.parent_path().string(), why);
+  } else if (written == Written::kBesideThenRenamed && !may_replace(target)) {
+    fail(
+        "{} '{}' belongs to another user in a directory that only a file's owner may replace "
+        "files in (its sticky bit): the results could not be renamed over it",
+        option, path);
   }
   for (const auto& [input_option, input] : inputs) {
     if (same_file(path, input)) {

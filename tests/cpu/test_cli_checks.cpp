@@ -210,3 +210,41 @@ TEST_CASE("flags take no value", "[cpu][cli]") {
   CHECK(fp8);
   CHECK(count == 3);
 }
+
+// In a directory with the sticky bit (as /tmp) only a file's owner may rename over it: the
+// results of a whole run would then fail to land at its end, so the file is refused before it.
+// Run as root, a child that drops to the user nobody checks the file root made.
+TEST_CASE("check_output_file refuses another user's file in a sticky directory", "[cpu][cli]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / (".moe_sticky_" + std::to_string(::getpid()));
+  fs::create_directory(dir);
+  fs::permissions(dir, fs::perms::all | fs::perms::sticky_bit);
+  const fs::path theirs = dir / "results.safetensors";
+  std::ofstream(theirs) << "results";
+  // Its owner may replace it, and anyone may create a file of a new name.
+  CHECK_NOTHROW(moe::cli::check_output_file("--save", theirs.string(), {}));
+  if (::geteuid() == 0) {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(4);
+      try {
+        moe::cli::check_output_file("--save", (dir / "new.safetensors").string(), {});
+      } catch (const moe::Error&) {
+        ::_exit(5);
+      }
+      try {
+        moe::cli::check_output_file("--save", theirs.string(), {});
+      } catch (const moe::Error& e) {
+        const bool named =
+            std::string(e.what()).find("belongs to another user") != std::string::npos;
+        ::_exit(named ? 0 : 6);
+      }
+      ::_exit(7);
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    INFO("the child's status " << status);
+    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  }
+  fs::remove_all(dir);
+}
