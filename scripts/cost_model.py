@@ -32,8 +32,9 @@ second one) and the backward's of dy, as DeepSeek-V3 trained; the exchanges back
 --fp8 prices the FP8 experts: their four data products (h, y, dA, dX) run --fp8-speedup times the
 bf16 products' rate at the same shape (1.3 fits the layer's steps measured on H200s, where a
 dense 8192³ product gains 1.6), the weight gradients stay bf16, and two passes at the copy rate
-join them: the rows' quantization (X, a, dY and dh read as bf16 and written as E4M3) and the
-weights' (each read once and written twice), the latter once in --micro-batches steps. The
+join them: the rows' quantization (X, a, dY and dh read as bf16 and written as E4M3; on one EP
+rank the permute writes X's and dY's codes, one byte a value) and the weights' (each read once and
+written twice), the latter once in --micro-batches steps. The
 layer's fp8_dispatch comes with fp8: price it as --fp8 --fp8-dispatch.
 """
 import argparse
@@ -225,11 +226,13 @@ def predict(config, tokens, ep, args):
     gemm_ms = max(compute_s, bytes_s) * 1e3
     # FP8's passes of their own: the rows of X, a, dY and dh (2H + 3F values a row) read as bf16
     # and written as E4M3, and the weights read once and written twice (E4M3 and its transpose),
-    # once an optimizer step of `micro_batches` steps.
+    # once an optimizer step of `micro_batches` steps. On one EP rank the permute writes X's and
+    # dY's codes beside their rows instead: one byte a value more, not three.
     quantize_ms = 0.0
     if fp8_experts:
-        row_values = local_experts * rows * (2 * H + 3 * F)
-        quantize_ms = (row_values * 3 + weight_values * 4 / args.micro_batches) / (
+        x_dy_bytes = 1 if ep == 1 else 3
+        row_bytes_moved = local_experts * rows * (2 * H * x_dy_bytes + 3 * F * 3)
+        quantize_ms = (row_bytes_moved + weight_values * 4 / args.micro_batches) / (
             args.copy_gbs * 1e9) * 1e3
         gemm_ms += quantize_ms
     # The shared experts: a dense FFN of width Fs over the GPU's T tokens, in series with the

@@ -311,14 +311,18 @@ class CostModel(unittest.TestCase):
                    ((rows, 2 * F, H), (rows, H, F), (rows, F, H), (rows, H, 2 * F))) * E
         self.assertAlmostEqual(plain["gemm_ms"] - fp8["gemm_ms"], data * (1 - 1 / 1.3) * 1e3,
                                delta=1e-9)
-        # The passes alone: the rows' 3 bytes a value (2H + 3F values a row), the weights' 4,
-        # once in `micro_batches` steps.
-        for micro_batches in (1, 4):
-            args = rates(gemm_tflops=1e9, dense_tflops=1e9, fixed_ms=0, fp8=True,
-                         micro_batches=micro_batches)
-            p = cost_model.predict(layer(H, F, E, K), T, 1, args)
-            want = (E * rows * (2 * H + 3 * F) * 3 + E * 3 * H * F * 4 / micro_batches) / 4190e9
-            self.assertAlmostEqual(p["quantize_ms"], want * 1e3, delta=want * 1e-9)
+        # The passes alone: the rows' 3 bytes a value (2H + 3F values a row; X's and dY's 2H one
+        # byte on one EP rank, where the permute writes their codes), the weights' 4, once in
+        # `micro_batches` steps.
+        for ep, x_dy_bytes in ((1, 1), (2, 3)):
+            for micro_batches in (1, 4):
+                args = rates(gemm_tflops=1e9, dense_tflops=1e9, nvlink_gbs=INSTANT, fixed_ms=0,
+                             fp8=True, micro_batches=micro_batches)
+                p = cost_model.predict(layer(H, F, E, K), T, ep, args)
+                experts = E // ep
+                want = (experts * rows * ep * (2 * H * x_dy_bytes + 3 * F * 3) +
+                        experts * 3 * H * F * 4 / micro_batches) / 4190e9
+                self.assertAlmostEqual(p["quantize_ms"], want * 1e3, delta=want * 1e-9)
 
     def test_the_designs_measured_fp8_points_are_the_models_and_within_15_percent(self):
         rows = measured_points(
