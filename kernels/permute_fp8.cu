@@ -154,18 +154,19 @@ void permute_rows_fp8(const Tensor& x, const std::int32_t* row_map, const std::i
     fail(std::string(what) + ": x " + x.describe() + " and out " + out.describe() +
          " must be bf16 rows of a multiple of 128 values, 16-byte aligned");
   }
-  const auto pointer = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
-  if (pointer(quantized.codes) % 16 != 0 || pointer(quantized.scales) % 4 != 0 ||
-      (x.dim(0) > 0 &&
-       (quantized.codes == nullptr || quantized.scales == nullptr || topk_idx == nullptr))) {
-    fail(std::string(what) +
-         ": codes and scales must be 16- and 4-byte aligned device pointers "
-         "and topk_idx given");
-  }
   const std::int64_t tokens = x.dim(0);
   const int hidden = static_cast<int>(x.dim(1));
   const Padding pad{offsets, counts, experts, row_prob};
   const unsigned grid = row_grid(tokens, pad);
+  // Wherever a block runs (the padding blocks run at T = 0 too: fixed groups keep their rows).
+  const auto pointer = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  if (pointer(quantized.codes) % 16 != 0 || pointer(quantized.scales) % 4 != 0 ||
+      (grid > 0 && (quantized.codes == nullptr || quantized.scales == nullptr)) ||
+      (tokens > 0 && topk_idx == nullptr)) {
+    fail(std::string(what) +
+         ": codes and scales must be 16- and 4-byte aligned device pointers "
+         "and topk_idx given");
+  }
   if (grid == 0) return;
   const auto launch = [&]<int kSlots>() {
     permute_fp8_kernel<kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(

@@ -164,6 +164,12 @@ TEST_CASE("a static-shape step captured in a CUDA graph replays the eager step b
   fp8.topk = 4;
   fp8.validate();
   run_graph_case(fp8, 300, rng);
+  // Rows of whole 128-value blocks: the permute writes X's and dY's codes inside the graph.
+  MoEConfig wide = static_config(DType::kBF16, 1.25, DropPolicy::kProbs, 16);
+  wide.fp8 = true;
+  wide.hidden = 128;
+  wide.validate();
+  run_graph_case(wide, 45, rng);
 }
 
 TEST_CASE("capture is refused, naming why, where a step would wait on the host or allocate",
