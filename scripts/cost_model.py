@@ -227,10 +227,11 @@ def predict(config, tokens, ep, args):
     # FP8's passes of their own: the rows of X, a, dY and dh (2H + 3F values a row) read as bf16
     # and written as E4M3, and the weights read once and written twice (E4M3 and its transpose),
     # once an optimizer step of `micro_batches` steps. On one EP rank the permute writes X's and
-    # dY's codes beside their rows instead: one byte a value more, not three.
+    # dY's codes beside their rows instead (rows of whole 128-value blocks): one byte a value
+    # more, not three.
     quantize_ms = 0.0
     if fp8_experts:
-        x_dy_bytes = 1 if ep == 1 else 3
+        x_dy_bytes = 1 if ep == 1 and H % 128 == 0 else 3
         row_bytes_moved = local_experts * rows * (2 * H * x_dy_bytes + 3 * F * 3)
         quantize_ms = (row_bytes_moved + weight_values * 4 / args.micro_batches) / (
             args.copy_gbs * 1e9) * 1e3

@@ -287,16 +287,13 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
              test::contains_text("test.yaml: collections nested") &&
                  test::contains_text("deep at line 5, column") &&
                  test::contains_text("a config is one flat map"));
-  // A long value (or unknown key) is quoted by its first 64 bytes, then counted: the message does
-  // not grow with the file.
+  // A long value (or unknown key) is quoted by its first 64 bytes, then counted.
   for (const std::string& line :
-       {"dtype: " + std::string(100000, 'x'), "score_function: " + std::string(100000, 'y'),
-        "expert_bias: " + std::string(100000, 'n'), "num_groups: " + std::string(100000, '7'),
+       {"dtype: " + std::string(100000, 'x'), "expert_bias: " + std::string(100000, 'n'),
+        "num_groups: " + std::string(100000, '7'), "score_function: " + std::string(100000, 'y'),
         std::string(500, 'k') + ": 1"}) {
     const std::string error = error_of(body + line + "\n");
-    INFO(error);
-    CHECK(error.size() < 250);
-    CHECK_THAT(error, test::contains_text("more bytes)"));
+    CHECK((error.size() < 250 && error.find("more bytes)") != std::string::npos));
   }
   for (const auto& [overrides, expected] : cases) {
     Overrides fields = {
