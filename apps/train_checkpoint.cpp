@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <set>
 #include <span>
 #include <string_view>
 
@@ -233,11 +234,13 @@ ResumePlan check_checkpoint_header(const std::string& path, int layers, int step
     if (in_a_layer) {
       const auto [end, error] =
           std::from_chars(name.data() + kPrefix.size(), name.data() + name.size(), layer);
-      in_a_layer = error == std::errc() && *end == '.' && layer < layers;  // '\0' at the end
+      in_a_layer =
+          error == std::errc() && *end == '.' && layer >= 0 && layer < layers;  // '\0' at the end
     }
     if (!in_a_layer)
       fail("--load '{}' holds tensor {}, outside the model's {} layers", path, name, layers);
   }
+  std::set<std::string> wanted;  // every tensor a layer reads, to refuse the others
   const bool recorded_layer = metadata.find("layer") != metadata.end();
   std::vector<TrainedTensor> tensors = trained_tensors(config);
   tensors.push_back({"expert_bias", {config.num_experts}, false});
@@ -247,6 +250,7 @@ ResumePlan check_checkpoint_header(const std::string& path, int layers, int step
       for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq"}) {
         if (!moments && *suffix != '\0') continue;
         const std::string name = fmt::format("layers.{}.{}{}", l, t.name, suffix);
+        wanted.insert(name);
         if (!file.contains(name) && !recorded_layer && t.name.starts_with("shared_"))
           fail(
               "--load '{}' has no tensor {}: it was saved by a build of moe_train that did not "
@@ -261,6 +265,13 @@ ResumePlan check_checkpoint_header(const std::string& path, int layers, int step
                config.describe());
       }
     }
+  }
+  for (const std::string& name : file.names()) {
+    if (!wanted.contains(name))
+      fail(
+          "--load '{}' holds tensor {}, which no layer of the model reads (a checkpoint of "
+          "another model?)",
+          path, name);
   }
   return plan;
 }

@@ -8,11 +8,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "cli/output_file.h"
 #include "kernels/elementwise.cuh"
 #include "kernels/gemm.h"
 #include "moe/device.h"
@@ -53,6 +55,15 @@ inline Options parse_options(int argc, char** argv,
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     std::exit(app.exit(e));
+  }
+  // A report that could not be written would be found missing only after the whole run.
+  if (!options.json_path.empty()) {
+    try {
+      cli::check_output_file("--json", options.json_path, {}, cli::Written::kInPlace);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "%s: %s\n", std::filesystem::path(argv[0]).filename().c_str(), e.what());
+      std::exit(2);
+    }
   }
   return options;
 }
@@ -208,9 +219,18 @@ inline std::vector<std::int64_t> routed_offsets(std::int64_t tokens, int topk, i
   return offsets;
 }
 
+// The report whole, or none: a write that fails (a full disk) removes the file and throws.
 inline void write_json(const Options& options, const nlohmann::json& report) {
   if (options.json_path.empty()) return;
-  std::ofstream(options.json_path) << report.dump(2) << "\n";
+  {
+    std::ofstream out(options.json_path);
+    out << report.dump(2) << "\n";
+    out.close();
+    if (out) return;
+  }
+  std::error_code ignored;
+  std::filesystem::remove(options.json_path, ignored);
+  throw Error("--json '" + options.json_path + "' could not be written whole; nothing was left");
 }
 
 }  // namespace moe::bench

@@ -126,6 +126,14 @@ TEST_CASE("moe_train --load refuses a checkpoint of another model by name", "[cp
   extra.metadata["layers"] = "2";
   CHECK(d.load(extra, error) == 1);
   CHECK_THAT(error, test::contains_text("outside the model's 2 layers"));
+  // So would a tensor of a layer index below 0, or one that no layer reads.
+  for (const char* stray : {"layers.-1.w13", "layers.0.junk", "layers.0.w13.exp_avg.old"}) {
+    TensorFile more = checkpoint(2);
+    const FileTensor w13 = more.get("layers.0.w13");  // a copy: add may move the tensors
+    more.add(stray, w13.dtype, w13.shape, w13.data.data());
+    CHECK(d.load(more, error) == 1);
+    CHECK_THAT(error, test::contains_text(std::string("holds tensor ") + stray));
+  }
   for (const auto& [ranks, ep] : {std::pair{"1", "2"}, std::pair{"4", "0"}}) {
     TensorFile mesh = checkpoint(2);
     mesh.metadata["ranks"] = ranks;
