@@ -25,8 +25,9 @@ RANGES = {"loss": (None, None, True), "imbalance": (0.0, None, False),
           "dropped": (0.0, 100.0, False), "dropped_fraction": (0.0, 1.0, False)}
 MOST_STEP = 2**53  # steps a float holds exactly
 
-LINE = re.compile(r"^step\s+(\d+)\s+loss ([0-9.eE+-]+)\s.*load max/mean ([0-9.]+) per expert, "
-                  r"([0-9.]+) per EP rank")
+# A diverged run logs its loss as nan or inf: the line still holds the step's load.
+LINE = re.compile(r"^step\s+(\d+)\s+loss ([-+]?(?:nan|inf)|[0-9.eE+-]+)\s.*load max/mean "
+                  r"([0-9.]+) per expert, ([0-9.]+) per EP rank")
 DROPPED = re.compile(r"^step\s+(\d+)\s.*per EP rank\s+([0-9.]+)% dropped")
 JSON_KEYS = {"loss": "loss", "imbalance": "load_imbalance_expert", "dropped": "dropped_fraction"}
 
@@ -74,6 +75,8 @@ def read_log(path, metric):
                         raise SystemExit(f"plot_train.py: {path}:{number_of_line}: "
                                          f"{m.group(group)!r} is not a number")
                     where = f"{path}:{number_of_line}: {metric}"
+                    if m.group(group).lstrip("+-") in ("nan", "inf"):
+                        continue  # a diverged step's loss, as JSON's null (not a digit's overflow)
                     value = number(value, where, "plot_train.py")
                     # Its digits counted before int() reads them (Python refuses 4300 and more).
                     if len(m.group(1).lstrip("0")) > 16 or int(m.group(1)) > MOST_STEP:

@@ -9,6 +9,8 @@ import tempfile
 import unittest
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+import plot_train  # noqa: E402
 
 
 def run(script, *args):
@@ -123,6 +125,10 @@ class PlotInputs(unittest.TestCase):
                             "--metric", "loss", f"base={zero}", f"other={zero}")
         self.assert_refused("is not a folder", "plot_train.py", "--out", self.dir / "no" / "o.png",
                             f"run={zero}")
+        # A diverged run's "loss nan" line keeps its load, and names no loss.
+        diverged = self.write("diverged.txt", line.format(1.0, 1.5) + line.format("nan", 3.5))
+        self.assertEqual(plot_train.read_log(str(diverged), "imbalance"), ([10, 10], [1.5, 3.5]))
+        self.assertEqual(plot_train.read_log(str(diverged), "loss"), ([10], [1.0]))
         self.assert_refused("huge.txt:1: loss = inf is not a finite number", "plot_train.py",
                             "--out", out, "--metric", "loss",
                             f"run={self.write('huge.txt', line.format('1e999', 1.5))}")
