@@ -213,8 +213,10 @@ int main(int argc, char** argv) {
     if (fp8_dispatch && !config.fp8)
       fail("--fp8-dispatch needs FP8 experts (--fp8, or the config's fp8: true)");
     if (fp8 && (config.align_size <= 0 || config.align_size % 16 != 0))
-      fail("--fp8 needs align_size a multiple of 16 (--align-size 16), the config's is {}",
-           config.align_size);
+      fail("--fp8 needs align_size a multiple of 16 (--align-size 16), {} is {}",
+           align_size >= 0 ? "--align-size" : "the config's", config.align_size);
+    if (fp8 && config.dtype != DType::kBF16)
+      fail("--fp8 needs a bf16 layer; the config's dtype is {}", dtype_name(config.dtype));
     if (config.bench_tokens <= 0) fail("the config sets no token count; pass --tokens");
     cli::check_slots_fit(config.bench_tokens, config.topk);
     config.validate();

@@ -27,8 +27,16 @@ expect "graph was given a disallowed flag override" --graph=0
 expect "--pad-to-capacity needs capacity mode (--capacity-factor, or the config's)" \
   --pad-to-capacity
 expect "--fp8-dispatch needs FP8 experts (--fp8, or the config's fp8: true)" --fp8-dispatch
-expect "--fp8 needs align_size a multiple of 16 (--align-size 16), the config's is 0" --fp8 \
+expect "--fp8 needs align_size a multiple of 16 (--align-size 16), --align-size is 0" --fp8 \
   --align-size 0
+expect "--fp8 needs align_size a multiple of 16 (--align-size 16), the config's is 0" --fp8 \
+  --config "$(dirname "$0")/../../configs/mixtral-8x7b.yaml"
+fp32_config=$(mktemp)
+printf 'hidden: 64\nffn_hidden: 32\nnum_experts: 8\ntopk: 2\ndtype: fp32\nalign_size: 16\n' \
+  > "$fp32_config"
+expect "--fp8 needs a bf16 layer; the config's dtype is fp32" --fp8 --tokens 64 \
+  --config "$fp32_config"
+rm -f "$fp32_config"
 expect "--drop-policy position needs capacity mode" --drop-policy position
 expect "--micro-batches 4: without fp8 (--fp8) a step quantizes no weights" --micro-batches 4
 expect "--iters 10 is not a whole number of --micro-batches 4" --fp8 --micro-batches 4 --iters 10
