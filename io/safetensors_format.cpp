@@ -23,7 +23,8 @@ FileDType parse_file_dtype(const std::string& text, std::string_view source,
   if (text == "F32") return FileDType::kF32;
   if (text == "I32") return FileDType::kI32;
   if (text == "I64") return FileDType::kI64;
-  fail("{}: tensor '{}' has dtype '{}'; supported are BF16, F32, I32, I64", source, name, text);
+  fail("{}: tensor '{}' has dtype '{}'; supported are BF16, F32, I32, I64", source, excerpt(name),
+       excerpt(text));
 }
 
 std::uint64_t read_le64(const char* p) {
@@ -60,8 +61,10 @@ class RepeatedKeys : public nlohmann::json_sax<Json> {
     if (!open_.back().insert(key).second) {
       if (open_.size() == 1 && key == "__metadata__")
         fail("{}: '__metadata__' appears twice in the header", source_);
-      if (open_.size() == 1) fail("{}: tensor '{}' appears twice in the header", source_, key);
-      fail("{}: key '{}' appears twice in the header's entry '{}'", source_, key, entry_);
+      if (open_.size() == 1)
+        fail("{}: tensor '{}' appears twice in the header", source_, excerpt(key));
+      fail("{}: key '{}' appears twice in the header's entry '{}'", source_, excerpt(key),
+           excerpt(entry_));
     }
     return true;
   }
@@ -126,12 +129,14 @@ std::int64_t dimension(const Json& value, std::size_t index, std::string_view so
                        const std::string& name) {
   if (const auto d = non_negative(value)) {
     if (*d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-      fail("{}: tensor '{}' has dimension {} = {}, beyond int64", source, name, index, *d);
+      fail("{}: tensor '{}' has dimension {} = {}, beyond int64", source, excerpt(name), index, *d);
     return static_cast<std::int64_t>(*d);
   }
   if (value.is_number_integer())
-    fail("{}: tensor '{}' has a negative dimension {} = {}", source, name, index, brief(value));
-  fail("{}: tensor '{}' has dimension {} = {}, not an integer", source, name, index, brief(value));
+    fail("{}: tensor '{}' has a negative dimension {} = {}", source, excerpt(name), index,
+         brief(value));
+  fail("{}: tensor '{}' has dimension {} = {}, not an integer", source, excerpt(name), index,
+       brief(value));
 }
 
 Entry parse_entry(const std::string& name, const Json& json, std::uint64_t data_bytes,
@@ -147,31 +152,32 @@ Entry parse_entry(const std::string& name, const Json& json, std::uint64_t data_
          brief(Json(name)), static_cast<unsigned char>(*control), control - name.begin());
   }
   if (!json.is_object())
-    fail("{}: tensor '{}' has the entry {}; expected an object", source, name, brief(json));
+    fail("{}: tensor '{}' has the entry {}; expected an object", source, excerpt(name),
+         brief(json));
   for (const auto& [field, value] : json.items()) {
     if (field != "dtype" && field != "shape" && field != "data_offsets") {
       fail("{}: tensor '{}' has the unknown field '{}' (a tensor has dtype, shape, data_offsets)",
-           source, name, field);
+           source, excerpt(name), field);
     }
   }
   for (const char* field : {"dtype", "shape", "data_offsets"}) {
-    if (!json.contains(field)) fail("{}: tensor '{}' has no '{}'", source, name, field);
+    if (!json.contains(field)) fail("{}: tensor '{}' has no '{}'", source, excerpt(name), field);
   }
   Entry e;
   e.name = name;
   const Json& dtype = json["dtype"];
   if (!dtype.is_string())
-    fail("{}: tensor '{}' has dtype {}; expected a string", source, name, brief(dtype));
-  e.info.dtype = parse_file_dtype(dtype.get<std::string>(), source, name);
+    fail("{}: tensor '{}' has dtype {}; expected a string", source, excerpt(name), brief(dtype));
+  e.info.dtype = parse_file_dtype(dtype.get<std::string>(), source, excerpt(name));
   const Json& shape = json["shape"];
   if (!shape.is_array())
-    fail("{}: tensor '{}' has shape {}; expected a list", source, name, brief(shape));
+    fail("{}: tensor '{}' has shape {}; expected a list", source, excerpt(name), brief(shape));
   for (std::size_t i = 0; i < shape.size(); ++i)
-    e.info.shape.push_back(dimension(shape[i], i, source, name));
+    e.info.shape.push_back(dimension(shape[i], i, source, excerpt(name)));
   const auto expected = checked_bytes(e.info.shape, e.info.dtype);
   if (!expected) {
     fail("{}: tensor '{}' of shape [{}] has more elements or bytes than 64 bits count", source,
-         name, fmt::join(e.info.shape, ", "));
+         excerpt(name), excerpt(fmt::format("{}", fmt::join(e.info.shape, ", "))));
   }
   e.info.numel = *checked_numel(e.info.shape);  // fits: the byte count did
   const Json& offsets = json["data_offsets"];
@@ -186,15 +192,15 @@ Entry parse_entry(const std::string& name, const Json& json, std::uint64_t data_
   e.begin = *begin;
   e.end = *end;
   if (e.begin > e.end)
-    fail("{}: tensor '{}' has data_offsets [{}, {}]: begin after end", source, name, e.begin,
-         e.end);
+    fail("{}: tensor '{}' has data_offsets [{}, {}]: begin after end", source, excerpt(name),
+         e.begin, e.end);
   if (e.end > data_bytes) {
-    fail("{}: tensor '{}' has data_offsets [{}, {}] outside the {} data bytes", source, name,
-         e.begin, e.end, data_bytes);
+    fail("{}: tensor '{}' has data_offsets [{}, {}] outside the {} data bytes", source,
+         excerpt(name), e.begin, e.end, data_bytes);
   }
   if (e.end - e.begin != *expected) {
-    fail("{}: tensor '{}' holds {} bytes but {}[{}] needs {}", source, name, e.end - e.begin,
-         file_dtype_name(e.info.dtype), fmt::join(e.info.shape, ","), *expected);
+    fail("{}: tensor '{}' holds {} bytes but {}[{}] needs {}", source, excerpt(name),
+         e.end - e.begin, file_dtype_name(e.info.dtype), fmt::join(e.info.shape, ","), *expected);
   }
   return e;
 }

@@ -237,6 +237,15 @@ TEST_CASE("safetensors: repeated keys and unknown fields are rejected", "[cpu][s
              test::contains_text("tensor 'x' has the unknown field 'offset'"));
   CHECK_THAT(error_of(hand_made(R"({"x":{"dtype":"F32","shape":[1]}})", "")),
              test::contains_text("tensor 'x' has no 'data_offsets'"));
+  // A name or dtype from the file is quoted by its first 64 bytes, then counted.
+  const std::string long_name(10000, 'a'), long_dtype(10000, 'Q');
+  for (const std::string& header : {"{" + entry(long_name, "Q4", "[1]", "[0,4]") + "}",
+                                    "{" + entry("x", long_dtype, "[1]", "[0,4]") + "}",
+                                    "{" + x + "," + entry(long_name, "F32", "[1]", "[0,4]") + "," +
+                                        entry(long_name, "F32", "[1]", "[0,4]") + "}"}) {
+    const std::string error = error_of(hand_made(header, "abcd"));
+    CHECK((error.size() < 300 && error.find("more bytes)") != std::string::npos));
+  }
   // A control character in a name would cut every message naming it; it is shown escaped.
   CHECK_THAT(error_of(hand_made(R"({"a\u0000b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
                                 "abcd")),
