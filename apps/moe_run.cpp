@@ -479,11 +479,13 @@ int main(int argc, char** argv) {
             "started {} of them; run it without mpirun",
             ranks);
       // The reference runs the whole batch as one rank: a mesh asked for would be ignored.
-      if (ep != 0 || dp != 0) {
+      // --ep 1 --dp 1 names that one rank, and is taken.
+      if (ep > 1 || dp > 1) {
         const std::string given = ep != 0 && dp != 0 ? fmt::format("--ep {} --dp {}", ep, dp)
                                   : ep != 0          ? fmt::format("--ep {}", ep)
                                                      : fmt::format("--dp {}", dp);
-        fail("{}: --reference runs the whole batch on the CPU as one rank; drop them", given);
+        fail("{}: --reference runs the whole batch on the CPU as one rank; drop {}", given,
+             ep != 0 && dp != 0 ? "them" : "it");
       }
       // Routed as the config's mesh routes: node-limited routing depends on its ep, which only
       // the file can give here.

@@ -57,13 +57,19 @@ inline Options parse_options(int argc, char** argv,
     std::exit(app.exit(e));
   }
   // A report that could not be written would be found missing only after the whole run.
+  const std::string program = std::filesystem::path(argv[0]).filename().string();
   if (!options.json_path.empty()) {
     try {
       cli::check_output_file("--json", options.json_path, {}, cli::Written::kInPlace);
     } catch (const Error& e) {
-      std::fprintf(stderr, "%s: %s\n", std::filesystem::path(argv[0]).filename().c_str(), e.what());
+      std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what());
       std::exit(2);
     }
+  }
+  if (cuda_device_count() == 0) {
+    std::fprintf(stderr, "%s: no CUDA GPU on this machine; a benchmark needs one.\n",
+                 program.c_str());
+    std::exit(2);
   }
   return options;
 }
