@@ -21,9 +21,9 @@ int main(int argc, char** argv) try {
   const auto options = bench::parse_options(argc, argv, [&](CLI::App& app) {
     app.add_option("--chunk-mib", chunk_mib,
                    "the SwiGLU output in chunks of at most this many MiB (0: every row at once)")
-        ->check(CLI::NonNegativeNumber);
+        ->check(cli::finite_in(0, 1048576));
     app.add_option("--workspace-mib", workspace_mib, "cuBLASLt workspace per stream, MiB")
-        ->check(CLI::NonNegativeNumber);
+        ->check(cli::count_in(0, 4096));
   });
   Stream stream;
   const bench::GemmRate dense = bench::dense_gemm_rate(stream.get());

@@ -490,11 +490,11 @@ int main(int argc, char** argv) try {
   std::vector<std::int64_t> expert_tokens{8192};
   const auto options = bench::parse_options(argc, argv, [&](CLI::App& app) {
     app.add_option("--fp8-streams", fp8_streams, "streams the FP8 experts spread products over")
-        ->check(CLI::Range(1, 32));
+        ->check(cli::count_in(1, 32));
     app.add_option("--expert-tokens", expert_tokens,
                    "the experts' token counts T (T·K / E rows an expert: a mesh rank at EP = n "
                    "sees n times one GPU's)")
-        ->check(CLI::Range(16, 1 << 17));
+        ->check(cli::count_in(16, 1 << 17));
   });
   Stream stream;
   BlockScaledGemm gemm(std::size_t{32} << 20);

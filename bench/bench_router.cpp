@@ -43,7 +43,7 @@ int main(int argc, char** argv) try {
   std::int64_t T = 16384;
   const auto options = bench::parse_options(argc, argv, [&](CLI::App& app) {
     app.add_option("--tokens", T, "tokens per run (the issue's shape: 16384)")
-        ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24));
+        ->check(cli::count_in(1, 1 << 24));
   });
   Stream stream;
   const double bandwidth = bench::copy_bandwidth(stream.get());

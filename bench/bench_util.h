@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/checks.h"
 #include "cli/output_file.h"
 #include "kernels/elementwise.cuh"
 #include "kernels/gemm.h"
