@@ -41,6 +41,7 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
 
 
@@ -69,7 +70,9 @@ def read_config(path):
     except (OSError, UnicodeDecodeError) as error:
         sys.exit(f"{path}: cannot be read as a config: {error}")
     for number, line in enumerate(lines, 1):
-        line = line.split("#", 1)[0].strip()
+        # A comment opens a line or follows a blank: '16#c' is a value to YAML, which the layer
+        # refuses as no integer.
+        line = re.split(r"(?:^|\s)#", line, maxsplit=1)[0].strip()
         if not line:
             continue
         if line == "---" and not config:  # a document marker may open the document
@@ -116,15 +119,20 @@ def read_config(path):
             text = config[key]
             if not re.fullmatch(r"0|[1-9][0-9]*", text) or not low <= int(text) <= high:
                 sys.exit(f"{path}: {key} = '{text}' is not a decimal integer in [{low}, {high}]")
-    for key in ("scaling_factor", "aux_loss_coeff", "z_loss_coeff", "capacity_factor",
-                "activation_chunk_mib"):
+    # Reals as YAML writes them (no '1_0', which Python's float() would take), within the
+    # layer's bounds.
+    for key, low, high in (("scaling_factor", 1e-6, 1e6), ("aux_loss_coeff", 0, 1e6),
+                           ("z_loss_coeff", 0, 1e6), ("capacity_factor", 0, math.inf),
+                           ("activation_chunk_mib", 0, 2**20)):
         if key in config:
-            try:
-                value = float(config[key])
-            except ValueError:
-                value = math.nan
-            if not math.isfinite(value) or value < 0 or config[key].lower().startswith("0x"):
-                sys.exit(f"{path}: {key} = '{config[key]}' is not a finite number of at least 0")
+            text = config[key]
+            real = re.fullmatch(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?", text)
+            value = float(text) if real else math.nan
+            if not math.isfinite(value) or not low <= value <= high:
+                sys.exit(f"{path}: {key} = '{text}' is not a finite number in [{low:g}, {high:g}]")
+    if "capacity_factor" in config and float(config["capacity_factor"]) == 0:
+        sys.exit(f"{path}: capacity_factor = 0 must be positive (omit the key for dropless "
+                 "routing)")
     true_false = ("true", "false")
     for key, allowed in (("dtype", ("bf16", "fp32")), ("grad_dtype", ("fp32", "bf16")),
                          ("keep_expert_input", true_false), ("fp8", true_false),
@@ -510,4 +518,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # Output piped into `head` ends quietly when the reader stops, as a shell tool does.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import pathlib
+import signal
 import sys
 
 import cost_model
@@ -164,4 +165,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # Output piped into `head` ends quietly when the reader stops, as a shell tool does.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()

@@ -378,6 +378,12 @@ class CostModel(unittest.TestCase):
                 self.assertIn(message, r.stderr)
             for text, message in (("hidden: 1024\nhidden: 512\n", "'hidden' appears twice"),
                                   ("hidden: 16.5\n", "hidden = '16.5' is not a decimal integer"),
+                                  ("hidden: 16#c\n", "hidden = '16#c' is not a decimal integer"),
+                                  ("activation_chunk_mib: 1_0\n",
+                                   "activation_chunk_mib = '1_0' is not a finite number"),
+                                  ("scaling_factor: 0\n",
+                                   "scaling_factor = '0' is not a finite number in [1e-06, 1e+06]"),
+                                  ("capacity_factor: 0\n", "capacity_factor = 0 must be positive"),
                                   ("num_experts: 0\n", "num_experts = 0 must be in [1, 2048]"),
                                   ("shared_ffn_hidden: abc\n",
                                    "shared_ffn_hidden = 'abc' is not a decimal integer"),
