@@ -47,7 +47,7 @@ inline Options parse_options(int argc, char** argv,
                              const std::function<void(CLI::App&)>& extra = {}) {
   Options options;
   CLI::App app{"moe-runtime benchmark: a table on stdout, the numbers in JSON with --json"};
-  app.option_defaults()->disable_flag_override();  // --quick=0 is refused, not read as unset
+  cli::flags_take_no_value(app);  // --quick=0 is refused, not read as unset
   app.add_flag("--quick", options.quick, "fewer repeats (the gpu-check run)");
   app.add_option("--json", options.json_path, "write the results to this file");
   app.add_option("--only", options.only, "run only the shapes whose name contains this text");

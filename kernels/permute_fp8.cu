@@ -168,16 +168,12 @@ void permute_rows_fp8(const Tensor& x, const std::int32_t* row_map, const std::i
          "and topk_idx given");
   }
   if (grid == 0) return;
-  const auto launch = [&]<int kSlots>() {
+  dispatch_slots(topk, [&]<int kSlots>() {
     permute_fp8_kernel<kSlots><<<grid, kRowWarps * kWarpSize, 0, stream>>>(
         x.as<const __nv_bfloat16>(), row_map, topk_idx, topk, tokens, hidden,
         out.as<__nv_bfloat16>(), quantized.codes, quantized.scales, pad, prob);
     MOE_CHECK_LAUNCH();
-  };
-  if (topk <= 2) return launch.template operator()<2>();
-  if (topk <= 4) return launch.template operator()<4>();
-  if (topk <= 8) return launch.template operator()<8>();
-  launch.template operator()<16>();
+  });
 }
 
 }  // namespace moe

@@ -54,4 +54,14 @@ void dispatch_rows(const Tensor& reference, std::initializer_list<const void*> p
   launch.template operator()<float, 1>();
 }
 
+// Calls launch.operator()<kSlots>() with the smallest slot bucket that holds topk: a top-2
+// layer's kernel must not pay a top-16 layer's registers.
+template <typename Launch>
+void dispatch_slots(int topk, Launch&& launch) {
+  if (topk <= 2) return launch.template operator()<2>();
+  if (topk <= 4) return launch.template operator()<4>();
+  if (topk <= 8) return launch.template operator()<8>();
+  launch.template operator()<16>();
+}
+
 }  // namespace moe::permute_detail

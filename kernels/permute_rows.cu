@@ -362,15 +362,6 @@ __global__ void peer_row_map_kernel(const std::int32_t* __restrict__ row_map,
 
 // ---- Launch -------------------------------------------------------------------------------------
 
-// Calls launch.operator()<kSlots>() with the smallest slot bucket that holds topk.
-template <typename Launch>
-void dispatch_slots(int topk, Launch&& launch) {
-  if (topk <= 2) return launch.template operator()<2>();
-  if (topk <= 4) return launch.template operator()<4>();
-  if (topk <= 8) return launch.template operator()<8>();
-  launch.template operator()<16>();
-}
-
 // The permute over local rows (LocalRows) or rows on the EP group's ranks (PeerRowsOnDevice):
 // x's rows to their slots' places, `padded` taking the padding rows (and the local ones).
 template <typename Rows>

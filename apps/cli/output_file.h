@@ -38,8 +38,8 @@ inline std::string cannot_create_in(const std::filesystem::path& directory) {
 // directory with the sticky bit (/tmp), only for the file's owner, the directory's, or root
 // (rename(2) fails with EPERM otherwise, at the end of the run).
 inline bool may_replace(const std::filesystem::path& file) {
-  struct stat file_status {
-  }, directory_status{};
+  struct stat file_status {};
+  struct stat directory_status {};
   const std::filesystem::path directory = file.parent_path().empty() ? "." : file.parent_path();
   if (::lstat(file.c_str(), &file_status) != 0 || ::stat(directory.c_str(), &directory_status) != 0)
     return true;  // nothing there to replace, or nothing known: the run's own error stands
