@@ -52,6 +52,19 @@ inline std::optional<int> parse_or_help(CLI::App& app, int argc, char** argv) {
     return 0;
   }
   try {
+    // A flag given a value, named with the value (CLI11 names the flag alone).
+    for (int i = 1; i < argc; ++i) {
+      const std::string_view arg = argv[i];
+      if (arg == "--") break;
+      const std::size_t equals = arg.find('=');
+      if (!arg.starts_with("--") || equals == std::string_view::npos) continue;
+      const std::string name(arg.substr(0, equals));
+      const CLI::Option* option = app.get_option_no_throw(name);
+      if (option != nullptr && option->get_expected_max() == 0) {
+        throw CLI::ArgumentMismatch(std::string(arg) + ": " + name +
+                                    " is a flag and takes no value");
+      }
+    }
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -209,6 +210,21 @@ TEST_CASE("flags take no value", "[cpu][cli]") {
   app.parse(args);
   CHECK(fp8);
   CHECK(count == 3);
+  // The apps' parse names the flag and the value it was given; an option's --name=value stands.
+  std::vector<std::string> flag_given = {"moe_app", "--count=4", "--fp8=2"};
+  std::vector<char*> argv;
+  for (std::string& arg : flag_given) argv.push_back(arg.data());
+  CLI::App apps_app("test");
+  bool flag = false;
+  int number = 0;
+  apps_app.add_flag("--fp8", flag);
+  apps_app.add_option("--count", number);
+  CHECK(moe::cli::parse_or_help(apps_app, 3, argv.data()) ==
+        std::optional<int>(static_cast<int>(CLI::ExitCodes::ArgumentMismatch)));
+  CHECK_FALSE(flag);
+  flag_given.pop_back();
+  CHECK_FALSE(moe::cli::parse_or_help(apps_app, 2, argv.data()).has_value());
+  CHECK(number == 4);
 }
 
 // In a directory with the sticky bit (as /tmp) only a file's owner may rename over it: the

@@ -22,8 +22,8 @@ expect() {  # TEXT ARGS...: moe_bench ARGS fails and prints TEXT
 }
 expect "--graph needs static shapes" --graph
 # A flag takes no value: CLI11 alone would read --fp8=2 as given and --graph=0 as not.
-expect "fp8 was given a disallowed flag override" --fp8=2
-expect "graph was given a disallowed flag override" --graph=0
+expect "--fp8=2: --fp8 is a flag and takes no value" --fp8=2
+expect "--graph=0: --graph is a flag and takes no value" --graph=0
 expect "--pad-to-capacity needs capacity mode (--capacity-factor, or the config's)" \
   --pad-to-capacity
 expect "--fp8-dispatch needs FP8 experts (--fp8, or the config's fp8: true)" --fp8-dispatch
