@@ -168,14 +168,10 @@ Fp8RowBlocks Fp8ExpertFFN::scratch(int buffer, const Part& part, std::int64_t wi
 Fp8RowBlocks Fp8ExpertFFN::input_rows(const QuantizedRows& given, const Part& part,
                                       const char* call) {
   if (!given.given()) return scratch(0, part, hidden_);
-  if (part.first != 0 || part.end != experts_) {
-    fail(
-        "Fp8ExpertFFN::{}: rows quantized by the caller for experts [{}, {}) of {}; they come "
-        "for every expert at once",
-        call, part.first, part.end, experts_);
-  }
   if (given.scales == nullptr) fail("Fp8ExpertFFN::{}: quantized rows without scales", call);
-  return {given.codes, given.scales, part.offsets};
+  // Every expert's rows, of which the part's begin at its first row (its experts' scales there).
+  return {given.codes + part.first_row * hidden_,
+          given.scales + part.first_row * column_blocks(hidden_), part.offsets};
 }
 
 void Fp8ExpertFFN::backward(const Tensor& dY, const Tensor& X,

@@ -74,8 +74,8 @@ class Fp8ExpertFFN {
   // span: the experts of one chunk of a pipelined exchange (every expert by default). Only their
   // rows are read and written, by the products the whole call would run for them (grouped or one
   // a call as the whole call's rows decide), so that spans in turn give one call's bits.
-  // X_codes, where given: X quantized already (QuantizedRows, over these offsets), read instead of
-  // quantizing X here; every expert's span only.
+  // X_codes, where given: X quantized already (QuantizedRows, over every expert's rows at these
+  // offsets, whatever the span), read instead of quantizing X here.
   void forward(const Tensor& X, std::span<const std::int64_t> offsets, const ExpertActivations& act,
                const Tensor& y, cudaStream_t stream, ExpertSpan span = {},
                const QuantizedRows& X_codes = {});

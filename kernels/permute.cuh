@@ -117,8 +117,13 @@ void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tens
 // The sort of rows that travelled as records of E4M3 codes and scales (fp8_dispatch;
 // kernels/fp8_quantize.cuh): `rows` source-major records of fp8_row_bytes(H) bytes, each decoded
 // into its bf16 row of expert_major [.., H] (H a multiple of 16), padding zeroed as sort_chunks.
+// With `codes` (H a multiple of 128), the records' codes and scales are also stored unchanged
+// where the FP8 experts read them, as permute_rows_fp8 leaves them (each local expert's scales
+// over its padded rows; a padding row's codes 0, its scales 1), so that no pass quantizes the
+// rows again.
 void sort_chunk_records(const ChunkArgs& chunks, const void* records, std::int64_t rows,
-                        const Tensor& expert_major, cudaStream_t stream);
+                        const Tensor& expert_major, cudaStream_t stream,
+                        const QuantizedRows& codes = {});
 void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,
                    cudaStream_t stream);
 // Only the padding rows of the expert-major layout (of the chunk's experts) become zero: where the

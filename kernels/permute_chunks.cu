@@ -83,7 +83,8 @@ struct RowSpan {
 __device__ __forceinline__ bool locate_row(const RowSpan& span, int chunks,
                                            const std::int32_t* __restrict__ source_start,
                                            const std::int32_t* __restrict__ expert_start,
-                                           std::int64_t& row, std::int64_t& expert_row) {
+                                           std::int64_t& row, std::int64_t& expert_row,
+                                           int* chunk = nullptr) {
   row = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   std::int64_t end = span.rows;
   if (gridDim.y > 1 || span.end > 0) {  // source blockIdx.y's rows of the span's experts
@@ -101,6 +102,7 @@ __device__ __forceinline__ bool locate_row(const RowSpan& span, int chunks,
       hi = mid;
   }
   expert_row = expert_start[lo] + (row - source_start[lo]);
+  if (chunk != nullptr) *chunk = lo;
   return true;
 }
 
@@ -133,23 +135,59 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
   for (int u = lane; u < hidden / kElems; u += kWarpSize) dst[u] = src[u];
 }
 
+// Where the sort of records also leaves the rows' codes and scales for the FP8 experts: the codes
+// [rows, hidden], and each local expert's scales where a product over its rows reads them
+// (kernels/fp8_quantize.cuh, segments); group_offsets [E_loc + 1] are the chunk table's.
+struct CodesOut {
+  std::uint8_t* codes = nullptr;
+  float* scales = nullptr;
+  const std::int32_t* group_offsets = nullptr;
+};
+
 // The sort of rows that travelled as records: each lane decodes 8 codes of a row with their
-// block's scale into 8 bf16 values of its expert-major place.
+// block's scale into 8 bf16 values of its expert-major place; with `out.codes`, it also stores the
+// codes there unchanged, and the first lane of each 128-value block the block's scale (then
+// hidden is a multiple of 128, and the padding rows' codes are zero and their scales 1).
 __global__ void __launch_bounds__(kRowWarps* kWarpSize)
     chunk_decode_kernel(const std::uint8_t* __restrict__ records, __nv_bfloat16* __restrict__ to,
                         RowSpan span, int hidden, std::int64_t record_bytes, int chunks,
                         const std::int32_t* __restrict__ source_start,
-                        const std::int32_t* __restrict__ expert_start, Padding pad) {
-  if (padding_done<__nv_bfloat16, 8>(pad, hidden, to)) return;
+                        const std::int32_t* __restrict__ expert_start, Padding pad, CodesOut out) {
+  const bool padding_block =
+      static_cast<int>(blockIdx.x) >= static_cast<int>(gridDim.x) - pad.groups;
+  if (padding_block) {
+    if (blockIdx.y == 0) {
+      if (out.codes != nullptr)
+        zero_fp8_padding_block(pad, hidden, to, out.codes, out.scales);
+      else
+        zero_padding_block<__nv_bfloat16, 8>(pad, hidden, to);
+    }
+    return;
+  }
   const int lane = threadIdx.x % kWarpSize;
   std::int64_t row = 0, expert_row = 0;
-  if (!locate_row(span, chunks, source_start, expert_start, row, expert_row)) return;
+  int chunk = 0;
+  if (!locate_row(span, chunks, source_start, expert_start, row, expert_row, &chunk)) return;
   const std::uint8_t* record = records + row * record_bytes;
   const auto* scales = reinterpret_cast<const float*>(record + hidden);
   auto* dst = reinterpret_cast<uint4*>(to + expert_row * hidden);
+  std::int64_t first = 0, group_rows = 0;
+  if (out.codes != nullptr) {
+    const int expert = chunk % span.local_experts;
+    first = out.group_offsets[expert];
+    group_rows = out.group_offsets[expert + 1] - first;
+  }
+  const int blocks_per_row = hidden / kFP8Block;
   for (int u = lane; u < hidden / 8; u += kWarpSize) {
     const uint2 codes = reinterpret_cast<const uint2*>(record)[u];
-    dst[u] = fp8_device::decode8(codes, scales[u * 8 / kFP8Block]);
+    const float scale = scales[u * 8 / kFP8Block];
+    dst[u] = fp8_device::decode8(codes, scale);
+    if (out.codes == nullptr) continue;
+    reinterpret_cast<uint2*>(out.codes + expert_row * hidden)[u] = codes;
+    if (u * 8 % kFP8Block == 0) {
+      const std::int64_t block = u * 8 / kFP8Block;
+      out.scales[first * blocks_per_row + block * group_rows + (expert_row - first)] = scale;
+    }
   }
 }
 
@@ -158,7 +196,7 @@ __global__ void __launch_bounds__(kRowWarps* kWarpSize)
 template <bool kToExpertMajor>
 void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
                  const Tensor& source_major, const Tensor& expert_major, cudaStream_t stream,
-                 const void* records = nullptr) {
+                 const void* records = nullptr, const QuantizedRows& codes = {}) {
   if (c.sources < 1 || c.local_experts < 1 || c.uniform_count < 0 || c.workspace == nullptr) {
     fail("chunk sort: sources = " + std::to_string(c.sources) +
          ", local_experts = " + std::to_string(c.local_experts) +
@@ -207,9 +245,17 @@ void copy_chunks(const ChunkArgs& c, const Tensor& from, const Tensor& to,
           "chunk sort of records: bf16 rows of a multiple of 16 values, 16-byte aligned, into the "
           "expert-major layout; got " +
           expert_major.describe());
+    const auto pointer = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+    if (codes.given() && (hidden % kFP8Block != 0 || pointer(codes.codes) % 16 != 0 ||
+                          codes.scales == nullptr || pointer(codes.scales) % 4 != 0)) {
+      fail("chunk sort of records into codes: rows of a multiple of " + std::to_string(kFP8Block) +
+           " values (got " + std::to_string(hidden) +
+           "), codes and scales 16- and 4-byte aligned device pointers");
+    }
+    const CodesOut out{codes.codes, codes.scales, table.group_offsets};
     chunk_decode_kernel<<<blocks, kRowWarps * kWarpSize, 0, stream>>>(
         static_cast<const std::uint8_t*>(records), expert_major.as<__nv_bfloat16>(), span, hidden,
-        fp8_row_bytes(hidden), chunks, table.source_start, table.expert_start, pad);
+        fp8_row_bytes(hidden), chunks, table.source_start, table.expert_start, pad, out);
     MOE_CHECK_LAUNCH();
     return;
   }
@@ -234,7 +280,8 @@ void sort_chunks(const ChunkArgs& chunks, const Tensor& source_major, const Tens
 }
 
 void sort_chunk_records(const ChunkArgs& chunks, const void* records, std::int64_t rows,
-                        const Tensor& expert_major, cudaStream_t stream) {
+                        const Tensor& expert_major, cudaStream_t stream,
+                        const QuantizedRows& codes) {
   const std::int64_t hidden = expert_major.rank() == 2 ? expert_major.dim(1) : 0;
   if (rows < 0 || hidden % 16 != 0 || expert_major.dtype != DType::kBF16)
     fail("chunk sort of records: rows = " + std::to_string(rows) +
@@ -246,7 +293,7 @@ void sort_chunk_records(const ChunkArgs& chunks, const void* records, std::int64
          std::to_string(reinterpret_cast<std::uintptr_t>(records)) + " for " +
          std::to_string(rows) + " rows must be a 16-byte aligned device pointer");
   const Tensor shape(nullptr, DType::kBF16, {rows, expert_major.dim(1)});
-  copy_chunks<true>(chunks, shape, expert_major, shape, expert_major, stream, records);
+  copy_chunks<true>(chunks, shape, expert_major, shape, expert_major, stream, records, codes);
 }
 
 void unsort_chunks(const ChunkArgs& chunks, const Tensor& expert_major, const Tensor& source_major,

@@ -31,7 +31,11 @@
 //   Y (scratch):        the experts' output → dY to send → returned dX
 //   dY (scratch):       received rows → staging of the combine's sends → dY → dX (in place)
 // Under fp8_dispatch the rows sent toward the experts are records (fp8_row_bytes(H) each, at most
-// a bf16 row's bytes) in the same buffers: x gathered in send_rows, dY to send in Y.
+// a bf16 row's bytes) in the same buffers: x gathered in send_rows, dY to send in Y. Where H is a
+// multiple of 128, the chunk sort also leaves the records' codes and scales where the FP8 experts
+// read them, so that they do not quantize the rows again:
+//   codes [rows, H] bytes, and their scales: X's (read by the forward's first product alone) →
+//                       dY's
 //
 // The copy exchange (ep_transport: copy) is this exchange with its rows moved by the copy engines
 // instead of NCCL's kernels, between the GPUs of one host (docs/design.md, "Transports"). The
@@ -84,6 +88,7 @@ class NcclExchange final : public TokenExchange {
         dtype_(setup.config.dtype),
         row_bytes_(H_ * dtype_size(dtype_)),
         records_toward_experts_(setup.config.fp8_dispatch),
+        codes_beside_rows_(records_toward_experts_ && H_ % kFP8Block == 0),
         toward_experts_bytes_(records_toward_experts_ ? fp8_row_bytes(H_)
                                                       : static_cast<std::int64_t>(row_bytes_)),
         exchange_(setup.mesh, setup.config.num_experts),
@@ -181,7 +186,10 @@ class NcclExchange final : public TokenExchange {
 
   ExpertRows expert_rows() override {
     const Tensor input = rows(copies_ ? expert_input_->local() : X_.data());
-    return {input, view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets, spans_};
+    ExpertRows out{input, view(Y_, dtype_, {saved_.rows, H_}), Tensor{}, saved_.expert_offsets,
+                   spans_};
+    if (codes_beside_rows_) out.input_codes = codes();
+    return out;
   }
 
   void await_rows(int chunk) override { wait(stream_, arrived_.at(chunk)); }
@@ -230,7 +238,9 @@ class NcclExchange final : public TokenExchange {
   ExpertGradRows expert_grad_rows(const Tensor&) override {
     const Tensor grads = rows(copies_ ? expert_grads_->local() : dY_.data());
     const Tensor input = rows(copies_ ? expert_input_->local() : X_.data());
-    return {grads, input, grads, Tensor{}, saved_.expert_offsets, {}, spans_};
+    ExpertGradRows out{grads, input, grads, Tensor{}, saved_.expert_offsets, {}, spans_};
+    if (codes_beside_rows_) out.dY_codes = codes();
+    return out;
   }
 
   // The chunk's dX, back where its dY arrived (dead since its sort), then to the senders, into Y
@@ -269,6 +279,19 @@ class NcclExchange final : public TokenExchange {
   Tensor records(DeviceBuffer& buffer, std::int64_t count) {
     return view(buffer, DType::kFP32, {count, fp8_row_bytes(H_) / 4});
   }
+  // Under fp8_dispatch with H a multiple of 128: the codes and scales the chunk sort leaves beside
+  // the expert-major rows, X's then dY's, grown (before a collective is queued) to `rows`.
+  void reserve_codes(std::int64_t rows) {
+    if (!codes_beside_rows_) return;
+    codes_.reserve(static_cast<std::size_t>(std::max<std::int64_t>(rows * H_, 16)));
+    code_scales_.reserve(
+        static_cast<std::size_t>(std::max<std::int64_t>(rows * (H_ / kFP8Block), 1)) *
+        sizeof(float));
+  }
+  QuantizedRows codes() const {
+    if (!codes_beside_rows_) return {};
+    return {codes_.as<std::uint8_t>(), code_scales_.as<float>()};
+  }
   const ExchangeCounts& counts() const {
     if (fixed_) return fixed_counts_;
     return copies_ ? copy_plan_.counts : exchange_.counts();
@@ -284,6 +307,7 @@ class NcclExchange final : public TokenExchange {
     view(Y_, dtype_, {std::max(received, slot_rows()), H_});
     view(X_, dtype_, {received, H_});
     view(dY_, dtype_, {received, H_});
+    reserve_codes(received);
     chunk_ws_.reserve(chunk_workspace_bytes(ranks_, E_loc_));
     // Every rank's T, gathered every forward (so that the collectives line up whether or not a
     // rank waits), read where this one waits.
@@ -416,6 +440,7 @@ class NcclExchange final : public TokenExchange {
     view(dY_, dtype_, {std::max(c.total_received(), saved_.rows), H_});
     view(X_, dtype_, {saved_.rows, H_});
     view(Y_, dtype_, {std::max(saved_.rows, slot_rows()), H_});
+    reserve_codes(saved_.rows);
     send_chunks(send_rows_, dY_, X_);
   }
 
@@ -432,7 +457,7 @@ class NcclExchange final : public TokenExchange {
                                     static_cast<std::size_t>(toward_experts_bytes_), pipe_.get());
       if (records_toward_experts_) {
         sort_chunk_records(chunks(chunk), staging.data(), counts().total_received(),
-                           rows(rows_out.data()), pipe_.get());
+                           rows(rows_out.data()), pipe_.get(), codes());
       } else {
         sort_chunks(chunks(chunk), received(staging.data()), rows(rows_out.data()), pipe_.get());
       }
@@ -508,10 +533,12 @@ class NcclExchange final : public TokenExchange {
   // scales, toward_experts_bytes_ a row, and the chunk sort decodes them; the rows back stay bf16.
   // The records take no buffer of their own (see the buffers' roles above).
   bool records_toward_experts_;
+  bool codes_beside_rows_;  // and their codes and scales left for the FP8 experts (H % 128 == 0)
   std::int64_t toward_experts_bytes_;
   ExpertExchange exchange_;  // the counts (kept for the backward) and the rows' all-to-allv
   SlotLayout layout_;
   DeviceBuffer send_rows_, X_;
+  DeviceBuffer codes_, code_scales_;   // codes_beside_rows_: X's, then dY's
   DeviceBuffer recv_counts_;           // [EP · E_loc]: rows from source s for local expert e
   DeviceBuffer &Y_, &dY_, &chunk_ws_;  // the scratch's
   // Fixed blocks: C (0 without), the sizes of every exchange, this rank's T then the EP group's,

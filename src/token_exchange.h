@@ -74,7 +74,8 @@ struct ExpertRows {
   // expert unless the exchange pipelines).
   std::span<const ExpertSpan> chunks = kEveryExpert;
   // X's E4M3 codes and scales where the exchange wrote them beside X for the FP8 experts (the
-  // local exchange's permute, in one chunk), which then need not quantize X; none otherwise.
+  // local exchange's permute; over NCCL, the chunk sort of fp8_dispatch's records), which then need
+  // not quantize X; none otherwise. They cover every expert's rows, whichever chunk runs.
   QuantizedRows input_codes{};
 };
 

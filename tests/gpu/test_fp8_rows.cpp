@@ -100,6 +100,71 @@ TEST_CASE("fp8 quantize: travelling rows as records, rounded, and sorted from re
                        stream.get());
     stream.synchronize();
     CHECK(download_bf16(expert_major, sorted.rows, s.cols).data == sorted.data);
+
+    // Rows of whole 128-value blocks: the sort also stores the records' codes and scales
+    // unchanged where the FP8 experts read them (the reference quantizer's of each source row,
+    // sorted as the rows are; a padding row's codes 0 and scales 1), each expert's scales over
+    // its padded rows. Sorted in two calls of two experts each, as the pipelined exchange does.
+    if (s.cols % kFP8Block != 0) continue;
+    Matrix code_values(s.rows, s.cols), scale_values(s.rows, blocks);
+    for (std::size_t i = 0; i < code_values.data.size(); ++i) code_values.data[i] = want.codes[i];
+    for (std::size_t i = 0; i < scale_values.data.size(); ++i)
+      scale_values.data[i] = want.scales[i];
+    const Matrix sorted_codes = reference::sort_chunks(code_values, chunks, 16);
+    const Matrix sorted_scales = reference::sort_chunks(scale_values, chunks, 16);
+    const std::vector<std::int64_t> offsets =
+        reference::padded_offsets(chunks.rows_per_expert(), 16);
+    DeviceBuffer again(static_cast<std::size_t>(sorted.rows * s.cols) * 2 + 16),
+        codes(static_cast<std::size_t>(sorted.rows * s.cols) + 16),
+        scales(static_cast<std::size_t>(sorted.rows * blocks) * 4 + 16);
+    for (const auto* b : {&again, &codes, &scales}) test::poison(*b);
+    for (const int first : {0, 2}) {
+      ChunkArgs part = args;
+      part.first_expert = first;
+      part.end_expert = first + 2;
+      for (int source = 0; source < sources; ++source)
+        part.widest_source = std::max(
+            part.widest_source, chunks.count(source, first) + chunks.count(source, first + 1));
+      sort_chunk_records(part, records.data(), s.rows,
+                         Tensor(again.data(), DType::kBF16, {sorted.rows, s.cols}), stream.get(),
+                         {codes.as<std::uint8_t>(), scales.as<float>()});
+    }
+    stream.synchronize();
+    CHECK(download_bf16(again, sorted.rows, s.cols).data == sorted.data);
+    const auto got_codes =
+        test::download<std::uint8_t>(codes, static_cast<std::size_t>(sorted.rows * s.cols));
+    std::int64_t wrong_sorted_codes = 0, wrong_sorted_scales = 0;
+    for (std::size_t i = 0; i < got_codes.size(); ++i)
+      wrong_sorted_codes += got_codes[i] != sorted_codes.data[i];
+    const auto got_scales =
+        test::download<float>(scales, static_cast<std::size_t>(sorted.rows * blocks));
+    for (int e = 0; e < local_experts; ++e) {
+      const std::int64_t first = offsets[e], group = offsets[e + 1] - first;
+      for (std::int64_t i = 0; i < group; ++i) {
+        for (std::int64_t b = 0; b < blocks; ++b) {
+          const double sorted_scale = sorted_scales(first + i, b);  // 0 in a padding row
+          const double expected = sorted_scale == 0.0 ? 1.0 : sorted_scale;
+          wrong_sorted_scales +=
+              got_scales[static_cast<std::size_t>(first * blocks + b * group + i)] != expected;
+        }
+      }
+    }
+    CHECK(wrong_sorted_codes == 0);
+    CHECK(wrong_sorted_scales == 0);
+  }
+  {
+    // Codes asked for rows whose width is not whole 128-value blocks are refused.
+    const int sources = 1, local_experts = 1;
+    DeviceBuffer workspace(chunk_workspace_bytes(sources, local_experts)), rows(64 * 2 * 16),
+        records(static_cast<std::size_t>(fp8_row_bytes(64)) * 16), codes(64 * 16), scales(64);
+    const std::vector<std::int32_t> one_count{16};
+    const auto counts_dev = test::upload(one_count);
+    const ChunkArgs args{counts_dev.as<std::int32_t>(), sources, local_experts, 16,
+                         workspace.data()};
+    CHECK_THROWS_WITH(
+        sort_chunk_records(args, records.data(), 16, Tensor(rows.data(), DType::kBF16, {16, 64}),
+                           stream.get(), {codes.as<std::uint8_t>(), scales.as<float>()}),
+        test::contains_text("rows of a multiple of 128 values (got 64)"));
   }
   // Bad shapes are refused by name.
   CHECK_THROWS_WITH(quantize_row_records(nullptr, 2, 24, nullptr, stream.get()),

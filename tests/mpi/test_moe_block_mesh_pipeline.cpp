@@ -6,7 +6,8 @@
 // bits of the one-chunk step, which equals the fp64 mesh reference: dropless with a different T
 // on every rank, capacity mode with its dropped rows kept on the sender, and fixed blocks
 // (pad_to_capacity) with a shared expert; and FP8 experts, their rows sent in bf16 or as E4M3
-// records, dropless and in fixed blocks (within FP8's error of the reference). The split-phase
+// records (at a width of whole 128-value blocks, their codes sorted beside them for the experts),
+// dropless and in fixed blocks (within FP8's error of the reference). The split-phase
 // calls, with other work between them, give the same bits, and so do two blocks whose phases
 // interleave over two micro-batches. (One block's steps in one chunk and in several run the same
 // algorithms; the blocks here, fresh for each chunk count, take the heuristic's, as autotuning
@@ -263,9 +264,16 @@ TEST_CASE("the pipelined NCCL exchange gives the one-chunk step's bits on every 
     run_pipeline_case(f, ep, seed + index++, EpTransport::kCopy);
     f.fp8_dispatch = true;
     run_pipeline_case(f, ep, seed + index++);
+    // Rows of whole 128-value blocks, whose codes and scales each chunk's sort also leaves for its
+    // experts' products, which then quantize nothing of X or dY.
+    MoEConfig wide = f;
+    wide.hidden = 128;
+    run_pipeline_case(wide, ep, seed + index++);
     // FP8 experts in fixed blocks (pad_to_capacity), dropping by probability.
-    f.capacity_factor = 1.25;
-    f.pad_to_capacity = true;
-    run_pipeline_case(f, ep, seed + index++);
+    for (MoEConfig* fixed : {&f, &wide}) {
+      fixed->capacity_factor = 1.25;
+      fixed->pad_to_capacity = true;
+      run_pipeline_case(*fixed, ep, seed + index++);
+    }
   }
 }
