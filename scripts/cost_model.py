@@ -33,8 +33,9 @@ second one) and the backward's of dy, as DeepSeek-V3 trained; the exchanges back
 bf16 products' rate at the same shape (1.3 fits the layer's steps measured on H200s, where a
 dense 8192³ product gains 1.6), the weight gradients stay bf16, and two passes at the copy rate
 join them: the rows' quantization (X, a, dY and dh read as bf16 and written as E4M3; on one EP
-rank the permute writes X's and dY's codes, one byte a value) and the weights' (each read once and
-written twice), the latter once in --micro-batches steps. The
+rank the permute writes X's and dY's codes, and under --fp8-dispatch the receiver's sort, one byte
+a value) and the weights' (each read once and written twice), the latter once in --micro-batches
+steps. The
 layer's fp8_dispatch comes with fp8: price it as --fp8 --fp8-dispatch.
 """
 import argparse
@@ -235,11 +236,12 @@ def predict(config, tokens, ep, args):
     # FP8's passes of their own: the rows of X, a, dY and dh (2H + 3F values a row) read as bf16
     # and written as E4M3, and the weights read once and written twice (E4M3 and its transpose),
     # once an optimizer step of `micro_batches` steps. On one EP rank the permute writes X's and
-    # dY's codes beside their rows instead (rows of whole 128-value blocks): one byte a value
-    # more, not three.
+    # dY's codes beside their rows instead, and under fp8_dispatch the receiver's sort copies the
+    # codes that crossed (rows of whole 128-value blocks): one byte a value more, not three.
     quantize_ms = 0.0
     if fp8_experts:
-        x_dy_bytes = 1 if ep == 1 and H % 128 == 0 else 3
+        codes_beside_rows = ep == 1 or getattr(args, "fp8_dispatch", False)
+        x_dy_bytes = 1 if codes_beside_rows and H % 128 == 0 else 3
         row_bytes_moved = local_experts * rows * (2 * H * x_dy_bytes + 3 * F * 3)
         quantize_ms = (row_bytes_moved + weight_values * 4 / args.micro_batches) / (
             args.copy_gbs * 1e9) * 1e3

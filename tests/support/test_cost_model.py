@@ -312,12 +312,12 @@ class CostModel(unittest.TestCase):
         self.assertAlmostEqual(plain["gemm_ms"] - fp8["gemm_ms"], data * (1 - 1 / 1.3) * 1e3,
                                delta=1e-9)
         # The passes alone: the rows' 3 bytes a value (2H + 3F values a row; X's and dY's 2H one
-        # byte on one EP rank, where the permute writes their codes), the weights' 4, once in
-        # `micro_batches` steps.
-        for ep, x_dy_bytes in ((1, 1), (2, 3)):
+        # byte on one EP rank, where the permute writes their codes, and under fp8_dispatch, where
+        # the receiver's sort copies them), the weights' 4, once in `micro_batches` steps.
+        for ep, dispatch, x_dy_bytes in ((1, False, 1), (2, False, 3), (2, True, 1)):
             for micro_batches in (1, 4):
                 args = rates(gemm_tflops=1e9, dense_tflops=1e9, nvlink_gbs=INSTANT, fixed_ms=0,
-                             fp8=True, micro_batches=micro_batches)
+                             fp8=True, fp8_dispatch=dispatch, micro_batches=micro_batches)
                 p = cost_model.predict(layer(H, F, E, K), T, ep, args)
                 experts = E // ep
                 want = (experts * rows * ep * (2 * H * x_dy_bytes + 3 * F * 3) +
