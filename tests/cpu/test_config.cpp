@@ -230,6 +230,9 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       {{{"aux_loss_coeff", "1e400"}}, "aux_loss_coeff = '1e400' is beyond the range of a double"},
       // A name with a newline (a block scalar keeps it) would split the message that shows it.
       {{{"dtype", "|\n  fp32"}}, "dtype = 'fp32\\n' holds a control character"},
+      // A no-break space or a zero-width space would look like nothing at all in the message.
+      {{{"dtype", "fp32\u00a0"}}, "dtype = 'fp32\\u00a0' is not bf16 or fp32"},
+      {{{"hid\u200bden", "64"}}, "unknown key 'hid\\u200bden'"},
       {{{"tokens", "2147483647"}}, "tokens = 2147483647 must be in [0, 2^30]"},
       {{{"capacity_factor", "0"}},
        "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
