@@ -56,6 +56,11 @@ LAYER_KEYS = frozenset((
     "gemm_workspace_mib", "gemm_autotune", "ep", "dp", "ep_transport", "exchange_chunks", "tokens"))
 
 
+# A decimal integer as the layer's loader takes one: a sign at most, no leading zero ('+16' is
+# 16; '016' would be octal to yaml-cpp, and is refused there as here).
+DECIMAL = r"[-+]?(0|[1-9][0-9]*)"
+
+
 def read_config(path):
     """The flat `key: value` YAML of configs/ (comments and blank lines skipped), with the
     numbers the model reads checked as the layer's config loader checks them, and a key the
@@ -105,7 +110,7 @@ def read_config(path):
                            ("shared_ffn_hidden", 0, 2**20), ("align_size", 0, 4096)):
         if key in config:
             text = config[key]
-            if not re.fullmatch(r"0|[1-9][0-9]*", text):
+            if not re.fullmatch(DECIMAL, text):
                 sys.exit(f"{path}: {key} = '{text}' is not a decimal integer")
             if not low <= int(text) <= high:
                 sys.exit(f"{path}: {key} = {text} must be in [{low}, {high}]")
@@ -118,7 +123,7 @@ def read_config(path):
                            ("ep", 1, 2**20), ("dp", 1, 2**20), ("exchange_chunks", 0, 1024)):
         if key in config:
             text = config[key]
-            if not re.fullmatch(r"0|[1-9][0-9]*", text) or not low <= int(text) <= high:
+            if not re.fullmatch(DECIMAL, text) or not low <= int(text) <= high:
                 sys.exit(f"{path}: {key} = '{text}' is not a decimal integer in [{low}, {high}]")
     # Reals as YAML writes them (no '1_0', which Python's float() would take), within the
     # layer's bounds.

@@ -379,6 +379,9 @@ class CostModel(unittest.TestCase):
             for text, message in (("hidden: 1024\nhidden: 512\n", "'hidden' appears twice"),
                                   ("hidden: 16.5\n", "hidden = '16.5' is not a decimal integer"),
                                   ("hidden: 16#c\n", "hidden = '16#c' is not a decimal integer"),
+                                  ("hidden: 016\n", "hidden = '016' is not a decimal integer"),
+                                  ("hidden: +-16\n", "hidden = '+-16' is not a decimal integer"),
+                                  ("topk: -2\n", "topk = -2 must be in [1, 16]"),
                                   ("activation_chunk_mib: 1_0\n",
                                    "activation_chunk_mib = '1_0' is not a finite number"),
                                   ("scaling_factor: 0\n",
@@ -425,10 +428,10 @@ class CostModel(unittest.TestCase):
                                    text=True)
                 self.assertNotEqual(r.returncode, 0, text)
                 self.assertIn(message, r.stderr)
-            # What the layer's loader takes: a byte-order mark, quoted keys; and the FP8 options
-            # where the config turns FP8 on.
+            # What the layer's loader takes: a byte-order mark, quoted keys, a signed integer;
+            # and the FP8 options where the config turns FP8 on.
             fp8 = pathlib.Path(d) / "fp8.yaml"
-            fp8.write_text("\ufeffhidden: 1024\n\"ffn_hidden\": 512\n'num_experts': 8\ntopk: 2\n"
+            fp8.write_text("\ufeffhidden: +1024\n\"ffn_hidden\": 512\n'num_experts': 8\ntopk: 2\n"
                            "fp8: true\nalign_size: 16\n", encoding="utf-8")
             r = subprocess.run([sys.executable, script, str(fp8), "--micro-batches", "4",
                                 "--fp8-speedup", "1.5", "--ep", "1"], capture_output=True, text=True)
