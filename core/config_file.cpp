@@ -285,6 +285,12 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
       fail("{}: key '{}' appears more than once (line {})", source, printable(key),
            entry.first.Mark().line + 1);
     }
+    // yaml-cpp reads a merge key as a key like any other: the keys it would merge never arrive.
+    if (key == "<<" && entry.first.Tag() != "!")
+      fail(
+          "{}: '<<' (line {}) is a YAML merge key, which the loader does not expand; write the "
+          "merged keys out in the config's mapping",
+          source, entry.first.Mark().line + 1);
     const auto setter = setters.find(key);
     if (setter == setters.end()) fail("{}: unknown key '{}'", source, printable(key));
     setter->second(entry.second, key);

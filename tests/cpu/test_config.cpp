@@ -233,6 +233,9 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       // A no-break space or a zero-width space would look like nothing at all in the message.
       {{{"dtype", "fp32\u00a0"}}, "dtype = 'fp32\\u00a0' is not bf16 or fp32"},
       {{{"hid\u200bden", "64"}}, "unknown key 'hid\\u200bden'"},
+      // A merge key's keys would never arrive: named, rather than "unknown key '<<'".
+      {{{"<<", "{dtype: fp32}"}}, "'<<' (line 1) is a YAML merge key, which the loader does not"},
+      {{{"'<<'", "1"}}, "unknown key '<<'"},
       {{{"tokens", "2147483647"}}, "tokens = 2147483647 must be in [0, 2^30]"},
       {{{"capacity_factor", "0"}},
        "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
