@@ -41,8 +41,8 @@ struct Options {
 };
 
 // The options every benchmark takes, and those one benchmark adds through `extra`. A bad
-// argument prints CLI11's message and ends the program (benchmarks are programs, not library
-// code).
+// argument prints CLI11's message after the program's name and ends the program (benchmarks are
+// programs, not library code); the help comes first, as in the apps.
 inline Options parse_options(int argc, char** argv,
                              const std::function<void(CLI::App&)>& extra = {}) {
   Options options;
@@ -52,11 +52,7 @@ inline Options parse_options(int argc, char** argv,
   app.add_option("--json", options.json_path, "write the results to this file");
   app.add_option("--only", options.only, "run only the shapes whose name contains this text");
   if (extra) extra(app);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    std::exit(app.exit(e));
-  }
+  if (const auto stop = cli::parse_or_help(app, argc, argv)) std::exit(*stop);
   // A report that could not be written would be found missing only after the whole run.
   const std::string program = std::filesystem::path(argv[0]).filename().string();
   if (!options.json_path.empty()) {

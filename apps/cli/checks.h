@@ -44,7 +44,8 @@ inline bool asks_for_help(int argc, const char* const* argv) {
 }
 
 // CLI11_PARSE, with the help first where asks_for_help: the exit code where the program should
-// stop now (the help printed, or CLI11's error), nothing where the options were parsed.
+// stop now (the help printed, or CLI11's error), nothing where the options were parsed. An error
+// is printed after the program's name, as the apps print their own ("moe_run: --tokens: ...").
 inline std::optional<int> parse_or_help(CLI::App& app, int argc, char** argv) {
   if (asks_for_help(argc, argv)) {
     if (app.get_name().empty() && argc > 0) app.name(argv[0]);  // as parse() would name it
@@ -67,7 +68,12 @@ inline std::optional<int> parse_or_help(CLI::App& app, int argc, char** argv) {
     }
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // a call for the help or the version
+    const std::string_view path = argc > 0 ? argv[0] : "";
+    const std::string_view program = path.substr(path.find_last_of('/') + 1);
+    std::fprintf(stderr, "%.*s: %s\nRun with --help for more information.\n",
+                 static_cast<int>(program.size()), program.data(), e.what());
+    return e.get_exit_code();
   }
   return std::nullopt;
 }

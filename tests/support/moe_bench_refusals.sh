@@ -22,7 +22,9 @@ expect() {  # TEXT ARGS...: moe_bench ARGS fails and prints TEXT
 }
 expect "--graph needs static shapes" --graph
 # A flag takes no value: CLI11 alone would read --fp8=2 as given and --graph=0 as not.
-expect "--fp8=2: --fp8 is a flag and takes no value" --fp8=2
+expect "moe_bench: --fp8=2: --fp8 is a flag and takes no value" --fp8=2
+# A repeated option is CLI11's error, named after the program like the others.
+expect "moe_bench: --tokens: " --tokens 64 --tokens 128
 expect "--graph=0: --graph is a flag and takes no value" --graph=0
 expect "--pad-to-capacity needs capacity mode (--capacity-factor, or the config's)" \
   --pad-to-capacity
