@@ -49,7 +49,8 @@ void quantize_row_blocks_segmented(const void* x, std::span<const std::int64_t> 
 
 // Rows already quantized as quantize_row_blocks_segmented leaves them: codes [rows, cols] and
 // each segment's scales where a product over it reads them. The permute writes X's and dY's so on
-// one rank (permute_rows_fp8, kernels/permute.cuh), and the FP8 experts then read them instead of
+// one rank (permute_rows_fp8, kernels/permute.cuh), as does the EP receiver's sort of
+// fp8_dispatch's records (sort_chunk_records), and the FP8 experts then read them instead of
 // quantizing the rows in a pass of their own.
 struct QuantizedRows {
   std::uint8_t* codes = nullptr;

@@ -89,9 +89,11 @@ void run_fp8_mesh_case(MoEConfig c, int ep, int dp, std::uint64_t seed) {
   bool same_operands = false;
   const test::Results got = run_mesh_block(c, same_operands);
   if (c.fp8_dispatch) {
-    // The FP8 products quantize the decoded rows into the values that the rows' own quantization
-    // gives (tests/gpu/test_moe_block_fp8.cpp says why), so out, dx and the gate's gradient equal
-    // the mesh's without fp8_dispatch bit for bit: the records crossed and were decoded in place.
+    // The FP8 products read the records' own codes, which the sort left beside the decoded rows
+    // (H a multiple of 128, as both configs here), the values that the rows' own quantization
+    // gives (tests/gpu/test_moe_block_fp8.cpp says why for rows quantized again), so out, dx and
+    // the gate's gradient equal the mesh's without fp8_dispatch bit for bit: the records crossed
+    // and were decoded in place.
     MoEConfig bf16_rows = c;
     bf16_rows.fp8_dispatch = false;
     if (ep > 1) bf16_rows.ep_transport = EpTransport::kNccl;  // the exchange fp8_dispatch took

@@ -264,8 +264,10 @@ TEST_CASE("the pipelined NCCL exchange gives the one-chunk step's bits on every 
     run_pipeline_case(f, ep, seed + index++, EpTransport::kCopy);
     f.fp8_dispatch = true;
     run_pipeline_case(f, ep, seed + index++);
-    // Rows of whole 128-value blocks, whose codes and scales each chunk's sort also leaves for its
-    // experts' products, which then quantize nothing of X or dY.
+    // Rows of one 128-value block, whose codes and scales each chunk's sort also leaves for its
+    // experts' products, which then quantize nothing of X or dY (rows of several blocks, in the
+    // automatic chunks, are test_moe_block_mesh_fp8's H = 256; the scales' layout over several
+    // blocks and experts is test_gpu_fp8_rows's).
     MoEConfig wide = f;
     wide.hidden = 128;
     run_pipeline_case(wide, ep, seed + index++);
