@@ -299,11 +299,13 @@ def predict(config, tokens, ep, args):
     exposed = exchanges_ms / chunks
     over_ib = inter / args.ib_gbs >= max(local / args.copy_gbs, intra / args.nvlink_gbs)
     share = args.overlap_share_ib if over_ib else args.overlap_share_nvlink
-    # (never slower than running them in turn, nor faster than the longer of the two plus the
-    # exposed chunks; one GPU has no exchange to pipeline: its permutes run in series)
+    # (never slower than running them in turn, nor faster than a pipeline of the two: the GEMMs
+    # plus the exposed exchange chunks where the GEMMs are longer, else the exchanges plus one
+    # chunk's GEMMs, which no transfer can hide; one GPU has no exchange to pipeline: its
+    # permutes run in series)
+    pipeline = max(gemm_ms + exposed, exchanges_ms + gemm_ms / chunks)
     overlapped = serial if ep == 1 else min(
-        serial, max(serial - share * (exchanges_ms - exposed),
-                    max(gemm_ms, exchanges_ms) + exposed + args.fixed_ms))
+        serial, max(serial - share * (exchanges_ms - exposed), pipeline + args.fixed_ms))
     return {
         "ep": ep,
         "chunks": chunks,

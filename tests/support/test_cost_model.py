@@ -219,12 +219,17 @@ class CostModel(unittest.TestCase):
         self.assertAlmostEqual(shared["overlap_ms"],
                                shared["serial_ms"] - 0.15 * shared["exchange_ms"] * 3 / 4,
                                places=12)
-        # Across nodes InfiniBand bounds the exchange, and its share applies.
+        # Across nodes InfiniBand bounds the exchange, and its share applies, down to a pipeline
+        # whose exchanges run back to back, one chunk's GEMMs exposed (the exchanges dominate).
         nodes = cost_model.predict(layer(H, F, E, K), T, 32, rates(**nccl, overlap_share_ib=0.5))
+        self.assertGreater(nodes["exchange_ms"], nodes["gemm_ms"])
         self.assertAlmostEqual(nodes["overlap_ms"],
                                max(nodes["serial_ms"] - 0.5 * nodes["exchange_ms"] * 3 / 4,
-                                   max(nodes["gemm_ms"], nodes["exchange_ms"]) +
-                                   nodes["exchange_ms"] / 4 + 0.3), places=12)
+                                   nodes["exchange_ms"] + nodes["gemm_ms"] / 4 + 0.3), places=12)
+        whole = cost_model.predict(layer(H, F, E, K), T, 32, rates(**nccl, overlap_share_ib=1.0))
+        self.assertAlmostEqual(whole["overlap_ms"],
+                               whole["exchange_ms"] + whole["gemm_ms"] / 4 + 0.3, places=12)
+        self.assertLess(whole["overlap_ms"], whole["serial_ms"])
         # Where the exchanges dominate, chunks never make the step slower than in series.
         slow_links = cost_model.predict(layer(H, F, E, K), T, 8, rates(**nccl, nvlink_gbs=1.0))
         self.assertLessEqual(slow_links["overlap_ms"], slow_links["serial_ms"])
