@@ -179,6 +179,15 @@ Fp8ExpertBackward fp8_expert_backward(const Matrix& X, const Matrix& h, const Ma
   return b;
 }
 
+Matrix fp8_weight_gradient(const Matrix& a, const Matrix& b) {
+  if (a.rows != b.rows)
+    fail("fp8_weight_gradient: a [{},{}] and b [{},{}] hold different token counts", a.rows, a.cols,
+         b.rows, b.cols);
+  // A column's blocks along the tokens are the transpose's row blocks.
+  return matmul_nt(quantize_row_blocks(transpose(a)).dequantized(),
+                   quantize_row_blocks(transpose(b)).dequantized());
+}
+
 Fp8ExpertStep fp8_expert_step(const Matrix& X, const Matrix& w13, const Matrix& w2,
                               const Matrix& dy) {
   if (dy.rows != X.rows || dy.cols != X.cols)

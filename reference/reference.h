@@ -286,6 +286,13 @@ Fp8ExpertBackward fp8_expert_backward(const Matrix& X, const Matrix& h, const Ma
                                       const Matrix& w2, const Matrix& dY,
                                       std::span<const double> row_weights = {});
 
+// A weight gradient aᵀ · b (a [T, m], b [T, n], the tokens the products' inner dimension) as
+// DeepSeek-V3's recipe forms it in FP8: both operands quantized in blocks of 128 × 1 (each
+// column's 128 consecutive tokens share a scale), dequantized, the product in fp64. The layer's
+// weight gradients read their bf16 operands unquantized (docs/design.md, "Weight gradients against
+// the recipe"); this measures what FP8 there would cost, unrounded (fp32 gradients).
+Matrix fp8_weight_gradient(const Matrix& a, const Matrix& b);
+
 // ---- Shared experts (docs/design.md, "Shared experts") ----------------------------------------
 
 // One SwiGLU FFN of width Fs = config.shared_ffn_hidden that every token passes through, in the

@@ -103,9 +103,12 @@ TEST_CASE("fp8 reference: block scales and values", "[cpu][reference][fp8]") {
 
 namespace {
 
-// Relative Frobenius error of the FP8 expert's results against the exact expert's.
+// Relative Frobenius error of the FP8 expert's results against the exact expert's, and of the
+// weight gradients as the recipe would form them in FP8 (fp8_weight_gradient) from the same
+// step's operands.
 struct Fp8Errors {
   double y, dX, dw13, dw2;
+  double recipe_dw13, recipe_dw2;
 };
 
 Fp8Errors fp8_expert_errors(std::int64_t H, std::int64_t F, std::int64_t T, bool outliers,
@@ -130,9 +133,12 @@ Fp8Errors fp8_expert_errors(std::int64_t H, std::int64_t F, std::int64_t T, bool
   const ExpertActivations exact = experts_forward(X, offsets, weights);
   const ExpertGrads grads = experts_backward(X, exact, dy, offsets, weights);
   const Fp8ExpertStep fp8 = fp8_expert_step(X, weights.w13[0], weights.w2[0], dy);
-  return {test::relative_error(fp8.y, exact.y), test::relative_error(fp8.dX, grads.dX),
+  return {test::relative_error(fp8.y, exact.y),
+          test::relative_error(fp8.dX, grads.dX),
           test::relative_error(fp8.dw13, grads.dw13[0]),
-          test::relative_error(fp8.dw2, grads.dw2[0])};
+          test::relative_error(fp8.dw2, grads.dw2[0]),
+          test::relative_error(fp8_weight_gradient(X, fp8.dh), grads.dw13[0]),
+          test::relative_error(fp8_weight_gradient(fp8.a, dy), grads.dw2[0])};
 }
 
 }  // namespace
@@ -153,16 +159,56 @@ TEST_CASE("fp8 reference: one expert's step at the model shapes stays within FP8
   for (const Shape& s : shapes) {
     for (const bool outliers : {false, true}) {
       const Fp8Errors e = fp8_expert_errors(s.H, s.F, T, outliers, rng);
-      std::printf("fp8 expert error: %s T=%lld%s: y %.4f dX %.4f dw13 %.4f dw2 %.4f\n", s.name,
-                  static_cast<long long>(T), outliers ? " outliers" : "", e.y, e.dX, e.dw13, e.dw2);
+      std::printf(
+          "fp8 expert error: %s T=%lld%s: y %.4f dX %.4f dw13 %.4f dw2 %.4f (in FP8 as the "
+          "recipe: dw13 %.4f dw2 %.4f)\n",
+          s.name, static_cast<long long>(T), outliers ? " outliers" : "", e.y, e.dX, e.dw13, e.dw2,
+          e.recipe_dw13, e.recipe_dw2);
       INFO(s.name << (outliers ? " with outliers" : ""));
       const double bound = outliers ? 0.15 : 0.1;
       CHECK(e.y <= bound);
       CHECK(e.dX <= bound);
       CHECK(e.dw13 <= bound);
       CHECK(e.dw2 <= bound);
+      // FP8 weight gradients add their operands' rounding to what the step's FP8 products
+      // changed upstream.
+      CHECK(e.recipe_dw13 <= bound);
+      CHECK(e.recipe_dw2 <= bound);
+      CHECK(e.recipe_dw13 > e.dw13);
+      CHECK(e.recipe_dw2 > e.dw2);
     }
   }
+}
+
+// The recipe's weight gradient quantizes along the tokens: values of at most four significant
+// bits, whatever their column's scale, come through exactly; one large value spoils the small
+// ones of its own 128 tokens in its column only.
+TEST_CASE("fp8 reference: weight gradients quantized along the tokens", "[cpu][reference][fp8]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  const std::int64_t T = 300, m = 5, n = 3;  // three blocks of tokens, the last one short
+  std::uniform_int_distribution<int> small(-15, 15);
+  Matrix a(T, m), b(T, n);
+  for (double& v : a.data) v = small(rng);
+  for (double& v : b.data) v = std::ldexp(small(rng), -20);
+  CHECK(fp8_weight_gradient(a, b).data == matmul_tn(a, b).data);
+  // A value 2^20 times the others in token 5 of column 1: under that block's scale (2^16) the
+  // small values of the column's first 128 tokens round to zero; its next blocks and the other
+  // columns keep theirs.
+  Matrix spoiled = a;
+  spoiled(5, 1) = std::ldexp(15.0, 20);
+  const Matrix got = fp8_weight_gradient(spoiled, b), exact = matmul_tn(spoiled, b);
+  for (std::int64_t j = 0; j < n; ++j) {
+    for (std::int64_t i = 0; i < m; ++i) {
+      if (i == 1) continue;
+      CHECK(got(i, j) == exact(i, j));
+    }
+    double kept = 0.0;  // column 1 as the quantization leaves it: token 5, then blocks 2 and 3
+    for (std::int64_t t = 0; t < T; ++t)
+      if (t == 5 || t >= 128) kept += spoiled(t, 1) * b(t, j);
+    CHECK(got(1, j) == Approx(kept).margin(1e-9));
+  }
+  CHECK_THROWS_WITH(fp8_weight_gradient(Matrix(4, 2), Matrix(5, 2)),
+                    test::contains_text("a [4,2] and b [5,2] hold different token counts"));
 }
 
 // The halves of the FP8 step that the layer runs apart, with rows weighed inside the experts.
