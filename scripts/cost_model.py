@@ -8,7 +8,8 @@ between nodes, with and without overlapping the exchange with the GEMMs.
         [--gpus-per-node 8] [--nvlink-gbs 330] [--ib-gbs 50] [--gemm-tflops 770]
         [--dense-tflops 715] [--half-rate-inner 380] [--copy-gbs 4190] [--grad-bytes 4] [--fixed-ms 0.3]
         [--transport peer|nccl|copy] [--exchange-efficiency E] [--chunks C] [--fp8-dispatch]
-        [--fp8 [--fp8-speedup 1.3] [--micro-batches N]] [--ep 1 2 4 8 ... 256]
+        [--fp8 [--fp8-speedup 1.3] [--micro-batches N]]
+        [--capacity-factor F [--pad-to-capacity]] [--ep 1 2 4 8 ... 256]
 
 The rates default to what docs/performance.md measured on H200s of one host: NVLink p2p ~330 GB/s
 per GPU, HBM copies at 4190 GB/s, and expert products that reach min(770 TFLOP/s × k / (k + 380),
@@ -23,8 +24,12 @@ does not pipeline. --transport defaults to the config's ep_transport, and auto (
 prices the exchange the layer's auto picks: peer inside one node of at most 8 GPUs, NCCL beyond.
 An EP the transport cannot run (peer past 8 GPUs or one node, copy past one node) and an
 --imbalance above the EP (the busiest of EP GPUs holds at most EP times the mean) are named in
-their row, which gets no prediction. The model prices dropless steps: a config in capacity mode
-is refused.
+their row, which gets no prediction.
+--capacity-factor (or the config's capacity_factor) prices capacity mode: an expert takes at most
+C = ceil(F · T · K / E) rows (at most T, rounded up to align_size) from each rank. With
+--pad-to-capacity (or pad_to_capacity: true) every expert computes its EP · C rows, and under EP
+each rank sends its E · C rows (its zero rows too) over NCCL, whatever the imbalance; without it
+the capacity caps the busiest GPU's rows, an imbalance of at most E · C / (T · K).
 --fp8-dispatch prices the exchanges toward the experts as E4M3 rows with an fp32 scale per 128
 values, H + 4 · ceil(H / 128) bytes a row: the forward's dispatch of x (and the peer exchange's
 second one) and the backward's of dy, as DeepSeek-V3 trained; the exchanges back from the experts
@@ -139,6 +144,8 @@ def read_config(path):
     if "capacity_factor" in config and float(config["capacity_factor"]) == 0:
         sys.exit(f"{path}: capacity_factor = 0 must be positive (omit the key for dropless "
                  "routing)")
+    if float(config.get("capacity_factor", "0")) > 1e4:
+        sys.exit(f"{path}: capacity_factor = {config['capacity_factor']} is past 10000")
     true_false = ("true", "false")
     for key, allowed in (("dtype", ("bf16", "fp32")), ("grad_dtype", ("fp32", "bf16")),
                          ("keep_expert_input", true_false), ("fp8", true_false),
@@ -156,9 +163,9 @@ def read_config(path):
             text = config[key] = text[1:-1]
         if text not in allowed:
             sys.exit(f"{path}: {key} = '{text}' must be {' or '.join(allowed)}")
-    if float(config.get("capacity_factor", "0")) > 0:
-        sys.exit(f"{path}: capacity_factor = {config['capacity_factor']}: this model prices "
-                 "dropless steps (a config without capacity_factor)")
+    for key in ("pad_to_capacity", "drop_policy"):
+        if key in config and config[key] != "false" and "capacity_factor" not in config:
+            sys.exit(f"{path}: {key} = {config[key]} needs capacity_factor (capacity mode)")
     if int(config["topk"]) > int(config["num_experts"]):
         sys.exit(f"{path}: topk = {config['topk']} exceeds num_experts = {config['num_experts']}")
     # The config's own FP8 keys as the layer takes them (--fp8 prices a config without them: the
@@ -210,6 +217,14 @@ def exchange_chunks(transport, ep, local_experts, asked=None):
     return min(asked if asked is not None else 4, local_experts)
 
 
+def capacity_rows(factor, tokens, K, E, align):
+    """An expert's capacity from one rank, as MoEConfig::expert_capacity computes it: at most
+    factor · T · K / E rows, rounded up, at most T (an expert takes one slot of a token), then
+    rounded up to a multiple of align_size."""
+    rows = min(math.ceil(factor * tokens * K / E), tokens)
+    return (rows + align - 1) // align * align if align > 1 else rows
+
+
 def predict(config, tokens, ep, args):
     """Per-GPU times (ms) of one forward + backward at `tokens` tokens per GPU."""
     H = int(config["hidden"])
@@ -218,6 +233,14 @@ def predict(config, tokens, ep, args):
     E = int(config["num_experts"])
     if E % ep:
         return None
+    # Capacity mode: C rows an expert from each rank. Fixed blocks (pad_to_capacity) compute
+    # EP · C rows an expert whatever the routing; otherwise the capacity caps the busiest GPU.
+    factor = float(config.get("capacity_factor", "0"))
+    fixed_blocks = factor > 0 and config.get("pad_to_capacity", "false") == "true"
+    imbalance = args.imbalance
+    if factor > 0:
+        C = capacity_rows(factor, tokens, K, E, int(config.get("align_size", "0")))
+        imbalance = min(imbalance, E * C / (tokens * K))
     act_bytes = 4 if config.get("dtype", "bf16") == "fp32" else 2
     row_bytes = H * act_bytes
     # An E4M3 row and its scales, one fp32 per 1 × 128 block.
@@ -227,7 +250,7 @@ def predict(config, tokens, ep, args):
     # walk its inner dimension k, paying a fixed prologue and epilogue: it runs at
     # rate · k / (k + half_rate_inner). That is what holds the weight gradients back (their k is
     # an expert's rows) and the products of narrow layers (k = H, F or 2F).
-    rows = tokens * K * ep / E * args.imbalance
+    rows = ep * C if fixed_blocks else tokens * K * ep / E * imbalance
     local_experts = E // ep
     fp8_experts = getattr(args, "fp8", False)
     compute_s = local_experts * products_seconds(
@@ -263,7 +286,9 @@ def predict(config, tokens, ep, args):
     # stays in the node with (gpn - 1)/EP more, and crosses nodes otherwise (uniform routing).
     # The rows that stay are still read and written once in HBM.
     gpn = min(args.gpus_per_node, ep)
-    slots = tokens * K * args.imbalance
+    # Fixed blocks cross whole under EP, E · C rows a rank, zero rows included; on one GPU only
+    # the kept slots' rows move.
+    slots = (E * C if ep > 1 else tokens * K) if fixed_blocks else tokens * K * imbalance
     efficiency = exchange_efficiency(args)
 
     def shares(row):
@@ -367,6 +392,12 @@ def build_parser():
     parser.add_argument("--micro-batches", type=int,
                         help="with --fp8: steps between two optimizer updates, which quantize the "
                              "weights once (default 1)")
+    parser.add_argument("--capacity-factor", type=float,
+                        help="capacity mode at this factor (default: the config's, else "
+                             "dropless)")
+    parser.add_argument("--pad-to-capacity", action="store_true",
+                        help="with capacity mode: every expert's block exactly its capacity "
+                             "(fixed shapes, over NCCL under EP)")
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     return parser
 
@@ -403,16 +434,20 @@ def fp8_options_need_fp8(args):
 PEER_MAX_RANKS = 8
 
 
-def transport_at(transport, ep, gpus_per_node, fp8_dispatch=False):
-    """The exchange priced at EP `ep`: auto resolved as the layer resolves it (E4M3 rows cross
-    over NCCL alone), or why the asked one cannot run there (a string starting with "no:")."""
+def transport_at(transport, ep, gpus_per_node, fp8_dispatch=False, fixed_blocks=False):
+    """The exchange priced at EP `ep`: auto resolved as the layer resolves it (E4M3 rows and
+    fixed blocks cross over NCCL alone), or why the asked one cannot run there (a string starting
+    with "no:")."""
     if ep <= 1:  # one GPU's local exchange, priced as the peer exchange's copies
         return "peer"
     one_node = ep <= gpus_per_node
+    nccl_alone = fp8_dispatch or fixed_blocks
     if transport == "auto":
-        return "peer" if one_node and ep <= PEER_MAX_RANKS and not fp8_dispatch else "nccl"
+        return "peer" if one_node and ep <= PEER_MAX_RANKS and not nccl_alone else "nccl"
     if transport in ("peer", "copy") and fp8_dispatch:
         return f"no: FP8 dispatch runs over NCCL, not the {transport} exchange"
+    if transport in ("peer", "copy") and fixed_blocks:
+        return f"no: fixed blocks (pad_to_capacity) run over NCCL, not the {transport} exchange"
     if transport == "peer" and not (one_node and ep <= PEER_MAX_RANKS):
         return (f"no: the peer exchange runs on at most {PEER_MAX_RANKS} GPUs of one node "
                 f"({gpus_per_node} GPUs a node)")
@@ -449,6 +484,16 @@ def main():
         if not 1 <= ep <= 2**20:
             sys.exit(f"--ep {ep} must be in [1, {2**20}]")
     config = read_config(args.config)
+    # Capacity mode from the command line over the config's, as moe_bench takes it.
+    if args.capacity_factor is not None:
+        if not math.isfinite(args.capacity_factor) or not 0 < args.capacity_factor <= 1e4:
+            sys.exit(f"--capacity-factor = {args.capacity_factor} must be in (0, 10000]")
+        config["capacity_factor"] = repr(args.capacity_factor)
+    if args.pad_to_capacity:
+        if "capacity_factor" not in config:
+            sys.exit("--pad-to-capacity needs capacity mode (--capacity-factor, or the config's)")
+        config["pad_to_capacity"] = "true"
+    fixed_blocks = config.get("pad_to_capacity") == "true"
     # The config's exchange and chunks, where the command line names none. Chunks asked on the
     # command line of an exchange that does not pipeline are refused; the config's are ignored
     # there, as the layer ignores them.
@@ -480,6 +525,7 @@ def main():
                  if args.transport != "auto" else
                  ("auto: NCCL exchanges (E4M3 rows cross over NCCL alone)"
                   if getattr(args, "fp8_dispatch", False) else
+                  "auto: NCCL exchanges (fixed blocks cross over NCCL alone)" if fixed_blocks else
                   f"auto: peer exchanges up to {PEER_MAX_RANKS} GPUs of a node, NCCL beyond") +
                  (f", at {args.exchange_efficiency:.0%} of them" if args.exchange_efficiency
                   is not None else ""))
@@ -489,13 +535,15 @@ def main():
           f"k / (k + {args.half_rate_inner:g}) up to {args.dense_tflops:g}, "
           f"{args.gpus_per_node} GPUs a node" +
           (f"; FP8 experts at {args.fp8_speedup:g}x, the weights quantized once in "
-           f"{args.micro_batches} step(s)" if args.fp8 else ""))
+           f"{args.micro_batches} step(s)" if args.fp8 else "") +
+          (f"; capacity factor {float(config['capacity_factor']):g}" +
+           (", fixed blocks" if fixed_blocks else "") if "capacity_factor" in config else ""))
     print(f"{'EP':>5} {'nodes':>5} {'MB/GPU':>9} {'GEMM ms':>9} {'exch ms':>9} {'serial ms':>10} "
           f"{'chunks':>6} {'overlap ms':>11} {'hidden':>7}")
     predicted = 0
     for ep in args.ep:
         args.transport = transport_at(asked_transport, ep, args.gpus_per_node,
-                                      getattr(args, "fp8_dispatch", False))
+                                      getattr(args, "fp8_dispatch", False), fixed_blocks)
         if args.transport.startswith("no:"):
             print(f"{ep:>5}  {args.transport[4:]}")
             continue

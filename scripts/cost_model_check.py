@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Sets scripts/cost_model.py's prediction beside each step that moe_bench measured: every
 `moe_bench --json` file given is read for its config (configs/<config_file>, with the run's
-shared_ffn_hidden), tokens per GPU, EP, exchange, pipeline chunks, gradient dtype and FP8
-settings, priced at the model's default rates as docs/design.md's table of measured steps is,
+shared_ffn_hidden), tokens per GPU, EP, exchange, pipeline chunks, gradient dtype, FP8 and
+capacity settings, priced at the model's default rates as docs/design.md's table of measured steps is,
 and printed as one row of that table: measured, predicted, error. Exits 1 when a point misses by
 more than --limit (15% by default, the model's bound), 2 on a file that is no moe_bench report.
 
     python3 scripts/cost_model_check.py results/*.json [--limit 0.15]
 
-Capacity mode's steps are left out, named: the model prices dropless steps.
+Capacity mode's steps are priced with the run's capacity factor and fixed blocks (design.md,
+"Capacity mode" under "Cost model").
 """
 import argparse
 import json
@@ -66,6 +67,11 @@ def read_report(path):
             fail(f"{path}: 'keep_expert_input' is {report['keep_expert_input']!r}, not true or "
                  "false")
         fields["keep_expert_input"] = report["keep_expert_input"]
+    # pad_to_capacity decides capacity mode's shapes: a capacity report must name it.
+    if "pad_to_capacity" in report:
+        if not isinstance(report["pad_to_capacity"], bool):
+            fail(f"{path}: 'pad_to_capacity' is {report['pad_to_capacity']!r}, not true or false")
+        fields["pad_to_capacity"] = report["pad_to_capacity"]
     for name, kind in FIELDS.items():
         if name not in report:
             fail(f"{path}: no '{name}' (a moe_bench --json report holds it)")
@@ -96,17 +102,27 @@ def read_report(path):
              "copy")
     if fields["fp8_dispatch"] and not fields["fp8"]:
         fail(f"{path}: 'fp8_dispatch' without 'fp8': the layer runs no such step")
+    if fields["capacity_factor"] > 0 and "pad_to_capacity" not in fields:
+        fail(f"{path}: capacity mode without 'pad_to_capacity' (a moe_bench --json report holds "
+             "it): whether its blocks are fixed decides its shapes")
+    if fields.get("pad_to_capacity") and fields["capacity_factor"] == 0:
+        fail(f"{path}: 'pad_to_capacity' without capacity mode: the layer runs no such step")
+    if fields.get("pad_to_capacity") and fields["ep"] > 1 and fields["ep_transport"] != "nccl":
+        fail(f"{path}: fixed blocks (pad_to_capacity) over the {fields['ep_transport']} exchange: "
+             "the layer runs them over NCCL alone")
     return fields
 
 
 def point(path, fields):
-    """The report's step, as design.md's table prices it: (row cells, error), or (why, None)
-    where the model prices no such step."""
-    if fields["capacity_factor"] > 0:
-        return f"capacity mode (factor {fields['capacity_factor']:g}): the model prices dropless " \
-               "steps", None
+    """The report's step, as design.md's tables price it: (row cells, error)."""
     config = cost_model.read_config(str(ROOT / "configs" / fields["config_file"]))
     config["shared_ffn_hidden"] = str(fields["shared_ffn_hidden"])
+    # The run's capacity mode, whatever the config's (moe_bench's flags may have set it).
+    config.pop("capacity_factor", None)
+    config.pop("pad_to_capacity", None)
+    if fields["capacity_factor"] > 0:
+        config["capacity_factor"] = repr(fields["capacity_factor"])
+        config["pad_to_capacity"] = "true" if fields["pad_to_capacity"] else "false"
     if "keep_expert_input" in fields:
         config["keep_expert_input"] = "true" if fields["keep_expert_input"] else "false"
     args = cost_model.parse_args([str(ROOT / "configs" / fields["config_file"])])
@@ -131,8 +147,11 @@ def point(path, fields):
         f"{transport}, {p['chunks']} chunk{'s' if p['chunks'] > 1 else ''}")
     shared = "yes" if fields["shared_ffn_hidden"] > 0 else "no"
     sign = "+" if error >= 0 else "−"
+    capacity = "—" if fields["capacity_factor"] == 0 else (
+        f"{fields['capacity_factor']:g}" + (", padded" if fields["pad_to_capacity"] else ""))
     cells = [fields["config_file"].removesuffix(".yaml"), str(ep), exchange, shared,
-             f"{measured:.2f}", f"{p['overlap_ms']:.2f}", f"{sign}{abs(100 * error):.1f}%"]
+             f"{measured:.2f}", f"{p['overlap_ms']:.2f}", f"{sign}{abs(100 * error):.1f}%",
+             capacity]
     return cells, error
 
 
@@ -147,16 +166,13 @@ def main():
     # Every report read and priced before the table starts: a bad one stops with its error alone.
     points = [(path, *point(path, read_report(path))) for path in args.reports]
     print("| file | config | EP | exchange | shared experts | measured, ms | predicted, ms "
-          "| error |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| error | capacity |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     misses = 0
     for path, cells, error in points:
-        if error is None:
-            print(f"| {path} | {cells} |")
-            continue
         if abs(error) > args.limit:
             misses += 1
-            cells[-1] += f", beyond {args.limit:.0%}"
+            cells[6] += f", beyond {args.limit:.0%}"
         print(f"| {path} | " + " | ".join(cells) + " |")
     if misses:
         print(f"{misses} of {len(args.reports)} points miss by more than {args.limit:.0%}",

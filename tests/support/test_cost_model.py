@@ -52,6 +52,12 @@ def measured_points(header=("| run | config | EP | exchange | shared experts | m
     return rows
 
 
+def capacity_points():
+    """The rows of design.md's table of capacity mode's measured steps."""
+    return measured_points("| run | config | EP | exchange | T | capacity | measured, ms "
+                           "| predicted, ms | error |")
+
+
 def exchange_rates(exchange):
     """A table's exchange cell ("copy, 4 chunks", "nccl", "—") as the model's transport and
     chunks: one GPU's local exchange counts as the peer exchange's, a plain "nccl" is the exchange
@@ -304,6 +310,53 @@ class CostModel(unittest.TestCase):
                 self.assert_point(config, int(ep), args, measured, predicted, error,
                                   int(tokens.group(1)) if tokens else 8192)
 
+    def test_the_designs_capacity_points_are_the_models_and_within_15_percent(self):
+        rows = capacity_points()
+        self.assertGreaterEqual(len(rows), 31)
+        for run, name, ep, exchange, tokens, capacity, measured, predicted, error in rows:
+            with self.subTest(run=run, config=name, ep=ep, tokens=tokens, capacity=capacity):
+                config = cost_model.read_config(str(ROOT / "configs" / f"{name}.yaml"))
+                factor, _, padded = capacity.partition(", ")
+                config["capacity_factor"] = factor
+                config["pad_to_capacity"] = "true" if padded == "padded" else "false"
+                self.assert_point(config, int(ep), rates(**exchange_rates(exchange)), measured,
+                                  predicted, error, int(tokens))
+
+    def test_capacity_mode_prices_fixed_blocks_and_caps_the_imbalance(self):
+        H, F, E, K, T = 1024, 512, 64, 4, 1000
+        args = rates(copy_gbs=INSTANT, nvlink_gbs=INSTANT, fixed_ms=0, transport="nccl",
+                     chunks=1)
+        # C = ceil(1.25 · 1000 · 4 / 64) = 79, rounded up to 16: 80 rows from each rank.
+        self.assertEqual(cost_model.capacity_rows(1.25, T, K, E, 16), 80)
+        self.assertEqual(cost_model.capacity_rows(1.25, T, K, E, 0), 79)
+        self.assertEqual(cost_model.capacity_rows(100.0, T, K, E, 0), T)  # at most T
+        fixed = layer(H, F, E, K, capacity_factor=1.25, pad_to_capacity="true", align_size=16)
+        for ep in (1, 2, 4):
+            p = cost_model.predict(fixed, T, ep, args)
+            # Products: the EP · 80 rows of each local expert, as dropless rows of that count.
+            even = cost_model.predict(layer(H, F, E, K), 80 * E // K, ep, args)
+            gate = 6 * E * H / cost_model.product_rate(H, args) * 1e3
+            self.assertAlmostEqual(p["gemm_ms"] - T * gate, even["gemm_ms"] - 80 * E // K * gate,
+                                   places=9)
+            # Exchanges: E · 80 rows a rank under EP, zero rows included; T · K on one GPU.
+            if ep > 1:
+                self.assertAlmostEqual(p["bytes_mb"], even["bytes_mb"], places=6)
+        # Fixed blocks ignore the imbalance; a capacity without them caps it at E · C / (T · K).
+        skewed = rates(copy_gbs=INSTANT, nvlink_gbs=INSTANT, fixed_ms=0, transport="nccl",
+                       chunks=1, imbalance=3.0)
+        self.assertEqual(cost_model.predict(fixed, T, 4, skewed), cost_model.predict(fixed, T, 4,
+                                                                                     args))
+        capped = layer(H, F, E, K, capacity_factor=1.25, align_size=16)
+        cap = 80 * E / (T * K)  # 1.28
+        self.assertEqual(cost_model.predict(capped, T, 4, skewed),
+                         cost_model.predict(layer(H, F, E, K), T, 4,
+                                            rates(**{**vars(skewed), "imbalance": cap})))
+        # Fixed blocks cross over NCCL alone.
+        self.assertEqual(cost_model.transport_at("auto", 2, 8, fixed_blocks=True), "nccl")
+        self.assertEqual(cost_model.transport_at("auto", 1, 8, fixed_blocks=True), "peer")
+        self.assertTrue(cost_model.transport_at("copy", 2, 8, fixed_blocks=True).startswith(
+            "no: fixed blocks (pad_to_capacity) run over NCCL"))
+
     def test_fp8_speeds_the_data_products_and_adds_the_quantization_passes(self):
         H, F, E, K, T = 1024, 512, 8, 2, 4096
         rows = T * K // E
@@ -372,6 +425,15 @@ class CostModel(unittest.TestCase):
                                    (["--half-rate-inner", "1e308"],
                                     "--half-rate-inner = 1e+308 must be in [0, 1e+09]"),
                                    (["--micro-batches", "4"], "--micro-batches prices the FP8"),
+                                   (["--capacity-factor", "0"],
+                                    "--capacity-factor = 0.0 must be in (0, 10000]"),
+                                   (["--capacity-factor", "nan"],
+                                    "--capacity-factor = nan must be in (0, 10000]"),
+                                   (["--pad-to-capacity"],
+                                    "--pad-to-capacity needs capacity mode"),
+                                   (["--capacity-factor", "1", "--pad-to-capacity",
+                                     "--transport", "copy", "--ep", "2"],
+                                    "no EP given has a prediction"),
                                    (["--fp8-speedup", "1.3"], "--fp8-speedup prices the FP8"),
                                    (["--fp8", "--micro-batches", "0"],
                                     "--micro-batches = 0 must be in [1, 1048576]"),
@@ -411,8 +473,11 @@ class CostModel(unittest.TestCase):
                                   ("{hidden: 32, topk: 2}\n",
                                    "a flow mapping, a list or a second document"),
                                   ("topk: 2\n---\n", "got '---'"),
-                                  ("capacity_factor: 1.25\n",
-                                   "capacity_factor = 1.25: this model prices dropless steps"),
+                                  ("capacity_factor: 2e4\n", "capacity_factor = 2e4 is past 10000"),
+                                  ("pad_to_capacity: true\n",
+                                   "pad_to_capacity = true needs capacity_factor"),
+                                  ("drop_policy: probs\n",
+                                   "drop_policy = probs needs capacity_factor"),
                                   ("capacity_factor: nan\n",
                                    "capacity_factor = 'nan' is not a finite number"),
                                   ("scaling_factor: inf\n",
@@ -510,7 +575,8 @@ class CostModelCheck(unittest.TestCase):
         self.assertEqual(len(rows), 3)
         for row in rows:
             with self.subTest(row=row):
-                self.assertEqual(row[6:], table[tuple(row[1:6])])
+                self.assertEqual(row[6:8], table[tuple(row[1:6])])
+                self.assertEqual(row[8], "—")  # dropless
 
     def test_a_report_that_kept_the_experts_input_prices_four_peer_exchanges(self):
         # Over the peer exchange the backward stores x again (a fifth exchange) unless the
@@ -529,10 +595,28 @@ class CostModelCheck(unittest.TestCase):
         self.assertEqual(code, 2)
         self.assertIn("'keep_expert_input' is 'yes', not true or false", err)
 
-    def test_capacity_mode_is_named_and_a_miss_beyond_the_limit_fails(self):
-        code, out, err = self.run_check(report(capacity_factor=1.25), report())
+    def test_capacity_mode_prices_as_the_designs_capacity_table_and_a_miss_fails(self):
+        # The 2 × H200 rows of design.md's capacity table, as moe_bench reports them.
+        table = {(row[1], row[5]): row[6:] for row in capacity_points() if row[2] == "2"}
+        fixed = dict(ep_transport="nccl", exchange_chunks=4, pad_to_capacity=True)
+        code, out, err = self.run_check(
+            report(**fixed, capacity_factor=1.25, total_ms=48.206),
+            report(**fixed, config_file="qwen3-30b-a3b.yaml", shared_ffn_hidden=0,
+                   capacity_factor=1.0, total_ms=5.799))
         self.assertEqual(code, 0, err)
-        self.assertIn("capacity mode (factor 1.25): the model prices dropless steps", out)
+        rows = [[cell.strip() for cell in line.strip("|").split("|")]
+                for line in out.splitlines()[2:]]
+        self.assertEqual([row[8] for row in rows], ["1.25, padded", "1, padded"])
+        for row in rows:
+            with self.subTest(row=row):
+                predicted, error = table[(row[1], row[8])][1:]
+                self.assertEqual(row[6:8], [predicted, error])
+        # Without fixed blocks the capacity caps the busiest GPU: at factor 4 nothing changes.
+        code, out, err = self.run_check(report(capacity_factor=4.0, pad_to_capacity=False),
+                                        report())
+        self.assertEqual(code, 0, err)
+        predicted = [line.split("|")[7] for line in out.splitlines()[2:]]
+        self.assertEqual(predicted[0], predicted[1])
         code, out, err = self.run_check(report(total_ms=30.0))
         self.assertEqual(code, 1)
         self.assertIn("| +39.4%, beyond 15% |", out)
@@ -553,6 +637,13 @@ class CostModelCheck(unittest.TestCase):
                           (report(total_ms=1e-300), "'total_ms' = 1e-300 is no step time"),
                           (report(capacity_factor=-1), "'capacity_factor' = -1 is outside"),
                           (report(fp8_dispatch=True), "'fp8_dispatch' without 'fp8'"),
+                          (report(capacity_factor=1.25), "capacity mode without 'pad_to_capacity'"),
+                          (report(pad_to_capacity=True),
+                           "'pad_to_capacity' without capacity mode"),
+                          (report(pad_to_capacity="yes", capacity_factor=1.0),
+                           "'pad_to_capacity' is 'yes', not true or false"),
+                          (report(pad_to_capacity=True, capacity_factor=1.0),
+                           "fixed blocks (pad_to_capacity) over the copy exchange"),
                           (report(ep=1, ep_transport="mpi"), "'ep_transport' = 'mpi' is none of"),
                           (report(ep_transport="auto"), "'ep_transport' = 'auto' at EP 2"),
                           (report(config_file="../CMakeLists.txt"),
