@@ -3,7 +3,9 @@
 // (source rank, local expert) chunks into the padded expert-major layout; then the mirror, and the
 // gradient reductions (experts over the DP group, gate and shared experts over the world).
 // Capacity mode drops on each sender before the exchange; with pad_to_capacity every
-// (sender, expert) block crosses at the capacity's size.
+// (sender, expert) block crosses at the capacity's size. Under fp8 the experts run as the FP8
+// experts form them, with the NCCL exchange's roles: the combine weighs the rows, so the experts
+// get them, and dY, unweighed; fp8_dispatch rounds the rows toward the experts through FP8.
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -50,6 +52,58 @@ ExpertWeights local_weights(const ExpertWeights& all, int first, int count) {
   local.w13.assign(all.w13.begin() + first, all.w13.begin() + first + count);
   local.w2.assign(all.w2.begin() + first, all.w2.begin() + first + count);
   return local;
+}
+
+// One rank's local experts on its sorted rows X (rows [offsets[e], offsets[e + 1]) expert e's,
+// padding included): exact, or under fp8 expert by expert as run_layer runs them (activations are
+// quantized row by row and weights expert by expert, so an expert's rows give what they give
+// among any others).
+ExpertActivations local_forward(const MoEConfig& config, const Matrix& X,
+                                std::span<const std::int64_t> offsets, const ExpertWeights& w) {
+  if (!config.fp8) return experts_forward(X, offsets, w);
+  const std::int64_t H = X.cols, F = config.ffn_hidden;
+  std::vector<Matrix> hs, as, ys;
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
+    if (offsets[e] == offsets[e + 1]) {
+      hs.emplace_back(0, 2 * F);
+      as.emplace_back(0, F);
+      ys.emplace_back(0, H);
+      continue;
+    }
+    ExpertActivations act =
+        fp8_expert_forward(slice_rows(X, offsets[e], offsets[e + 1]), w.w13[e], w.w2[e]);
+    hs.push_back(std::move(act.h));
+    as.push_back(std::move(act.a));
+    ys.push_back(std::move(act.y));
+  }
+  return {concat_rows(hs), concat_rows(as), concat_rows(ys)};
+}
+
+ExpertGrads local_backward(const MoEConfig& config, const Matrix& X, const ExpertActivations& act,
+                           const Matrix& dY, std::span<const std::int64_t> offsets,
+                           const ExpertWeights& w) {
+  if (!config.fp8) return experts_backward(X, act, dY, offsets, w);
+  const std::int64_t H = X.cols, F = config.ffn_hidden;
+  ExpertGrads grads;
+  std::vector<Matrix> dXs;
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const std::int64_t begin = offsets[e], end = offsets[e + 1];
+    if (begin == end) {  // no rows: zero gradients
+      dXs.emplace_back(0, H);
+      grads.dw13.emplace_back(H, 2 * F);
+      grads.dw2.emplace_back(F, H);
+      continue;
+    }
+    Fp8ExpertBackward b =
+        fp8_expert_backward(slice_rows(X, begin, end), slice_rows(act.h, begin, end), w.w13[e],
+                            w.w2[e], slice_rows(dY, begin, end));
+    dXs.push_back(std::move(b.dX));
+    grads.dw13.push_back(std::move(b.dw13));
+    grads.dw2.push_back(std::move(b.dw2));
+  }
+  grads.dX = concat_rows(dXs);
+  grads.dX.cols = H;
+  return grads;
 }
 
 void add_grads(ExpertGrads& total, const ExpertGrads& part) {
@@ -108,9 +162,6 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
   if (!replay_experts.empty() && std::ssize(replay_experts) != world) {
     fail("run_mesh: {} replayed routings for a mesh of {} ranks", replay_experts.size(), world);
   }
-  // The experts here run exact; under fp8 that would pass the exact layer off as the FP8 one.
-  if (config.fp8)
-    fail("run_mesh: fp8 is emulated on one rank only (run_layer on the concatenated batch)");
   const std::int64_t H = params.gate_weight.cols;
   for (int r = 0; r < world; ++r) check_params(config, params, x[r].cols);
   if (config.pad_to_capacity) check_equal_tokens_per_ep_group(config, x);
@@ -139,6 +190,7 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
     send_layout[r] =
         make_layout(front[r].routing, front[r].kept, E, 1, capacity_block_rows(config, x[r].rows));
     send_rows[r] = permute(x[r], send_layout[r], front[r].routing);
+    if (config.fp8_dispatch) send_rows[r] = round_rows_through_fp8(send_rows[r]);  // records
   }
 
   std::vector<ExpertGrads> local_grads(world);
@@ -171,7 +223,8 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
       X[j] = sort_chunks(received[j], chunks[j], align);
       result[rank(j)].expert_rows = X[j].rows;
       offsets[j] = padded_offsets(chunks[j].rows_per_expert(), align);
-      act[j] = experts_forward(X[j], offsets[j], local_weights(params.experts, j * E_loc, E_loc));
+      act[j] =
+          local_forward(config, X[j], offsets[j], local_weights(params.experts, j * E_loc, E_loc));
       y_source_major[j] = unsort_chunks(act[j].y, chunks[j], align);
     }
     const auto y_send_layout = all_to_all(y_source_major, transpose(counts), H);
@@ -183,6 +236,9 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
       const auto& routing = front[rank(i)].routing;
       result[rank(i)].out = unpermute_combine(y_send_layout[i], send_layout[rank(i)], routing);
       dy_send_layout[i] = combine_backward_rows(dy[rank(i)], send_layout[rank(i)], routing);
+      // FP8 experts quantize the bf16 rows the sender stores (as records under fp8_dispatch).
+      if (config.fp8) dy_send_layout[i] = round_to(dy_send_layout[i], DType::kBF16);
+      if (config.fp8_dispatch) dy_send_layout[i] = round_rows_through_fp8(dy_send_layout[i]);
       // The combine consumed Y in the sender's layout: dp is taken there (docs/design.md, "Combine
       // backward").
       dprob[i] =
@@ -194,8 +250,8 @@ std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
     std::vector<Matrix> dx_source_major(EP);
     for (int j = 0; j < EP; ++j) {
       const Matrix dY = sort_chunks(dy_received[j], chunks[j], align);
-      local_grads[rank(j)] = experts_backward(X[j], act[j], dY, offsets[j],
-                                              local_weights(params.experts, j * E_loc, E_loc));
+      local_grads[rank(j)] = local_backward(config, X[j], act[j], dY, offsets[j],
+                                            local_weights(params.experts, j * E_loc, E_loc));
       dx_source_major[j] = unsort_chunks(local_grads[rank(j)].dX, chunks[j], align);
     }
     const auto dx_send_layout = all_to_all(dx_source_major, transpose(counts), H);

@@ -462,8 +462,10 @@ LayerResult run_layer(const MoEConfig& config, const Params& params, const Matri
 // what rank r must hold, its expert gradients those of experts [ep_index·E_loc,
 // (ep_index+1)·E_loc). replay_experts is empty (every rank selects) or holds each rank's given
 // routing, as LayerOptions::replay_experts. In capacity mode each rank drops on its own tokens.
-// fp8 is refused, since the experts here run exact: an FP8 mesh is checked against run_layer on
-// the concatenated batch.
+// Under fp8 the experts run as fp8_expert_forward / fp8_expert_backward form them, with the NCCL
+// exchange's roles (the combine weighs the rows, as run_layer's ProbabilityGradient::kCombine):
+// dropless, every rank's results are run_layer's on the concatenated batch, up to fp64 summation
+// order.
 std::vector<LayerResult> run_mesh(const MoEConfig& config, const Params& params,
                                   std::span<const Matrix> x, std::span<const Matrix> dy,
                                   std::span<const std::vector<int>> replay_experts = {});

@@ -87,6 +87,53 @@ TEST_CASE("mesh reference equals the single run on the concatenated batch",
   }
 }
 
+// FP8 experts on the mesh, with the NCCL exchange's roles (the combine weighs the rows): each
+// expert's rows are quantized row by row and its weights tile by tile wherever they run, so every
+// rank holds the one FP8 run's values, with and without the rows crossing as E4M3 records. Widths
+// of one 128-value block and of a block and a short one.
+TEST_CASE("mesh reference with FP8 experts equals the single FP8 run on the concatenated batch",
+          "[cpu][reference][mesh][fp8]") {
+  const auto seed = test::fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> tokens(1, 9);
+  for (const auto& [ep, dp] :
+       {std::pair{2, 2}, std::pair{4, 1}, std::pair{1, 2}, std::pair{2, 1}}) {
+    for (const std::int64_t hidden : {128, 144}) {
+      for (const bool dispatch : {false, true}) {
+        MoEConfig config = test::small_config(hidden, 48, 8, 2);
+        config.dtype = DType::kBF16;
+        config.align_size = 16;
+        config.aux_loss_coeff = 0.01;
+        config.fp8 = true;
+        config.fp8_dispatch = dispatch;
+        config.ep = ep;
+        config.dp = dp;
+        config.validate();
+        INFO("H " << hidden << (dispatch ? ", fp8_dispatch" : ""));
+        const Params params = test::round_params(test::random_params(config, rng), DType::kBF16);
+        std::vector<Matrix> x, dy;
+        for (int r = 0; r < ep * dp; ++r) {
+          const int t = tokens(rng);
+          x.push_back(round_to(test::random_matrix(t, hidden, rng), DType::kBF16));
+          dy.push_back(round_to(test::random_matrix(t, hidden, rng), DType::kBF16));
+        }
+        check_mesh_equals_single(config, params, x, dy);
+        // And it is FP8's: the exact mesh differs by FP8's rounding, within its bound.
+        MoEConfig exact = config;
+        exact.fp8 = exact.fp8_dispatch = false;
+        const auto fp8_ranks = run_mesh(config, params, x, dy);
+        const auto exact_ranks = run_mesh(exact, params, x, dy);
+        for (std::size_t r = 0; r < x.size(); ++r) {
+          const double error = test::relative_error(fp8_ranks[r].out, exact_ranks[r].out);
+          CHECK(error > 1e-3);
+          CHECK(error < 0.1);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("mesh reference with hard routing: every token to the experts of EP rank 0",
           "[cpu][reference][mesh]") {
   const auto seed = test::fresh_seed();
