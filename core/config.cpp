@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "core/printable.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -25,7 +26,7 @@ ScoreFunction parse_score_function(std::string_view text) {
   if (text == "softmax") return ScoreFunction::kSoftmax;
   if (text == "sigmoid") return ScoreFunction::kSigmoid;
   if (text == "sqrtsoftplus") return ScoreFunction::kSqrtSoftplus;
-  fail("score_function = '{}' is not one of softmax, sigmoid, sqrtsoftplus", excerpt(text));
+  fail("score_function = '{}' is not one of softmax, sigmoid, sqrtsoftplus", printable(text));
 }
 
 std::string_view ep_transport_name(EpTransport transport) {
@@ -47,7 +48,7 @@ EpTransport parse_ep_transport(std::string_view text) {
   if (text == "nccl") return EpTransport::kNccl;
   if (text == "peer") return EpTransport::kPeer;
   if (text == "copy") return EpTransport::kCopy;
-  fail("ep_transport = '{}' is not one of auto, nccl, peer, copy", excerpt(text));
+  fail("ep_transport = '{}' is not one of auto, nccl, peer, copy", printable(text));
 }
 
 std::string_view drop_policy_name(DropPolicy policy) {
@@ -63,7 +64,7 @@ std::string_view drop_policy_name(DropPolicy policy) {
 DropPolicy parse_drop_policy(std::string_view text) {
   if (text == "probs") return DropPolicy::kProbs;
   if (text == "position") return DropPolicy::kPosition;
-  fail("drop_policy = '{}' is not one of probs, position", excerpt(text));
+  fail("drop_policy = '{}' is not one of probs, position", printable(text));
 }
 
 namespace {

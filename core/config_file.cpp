@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <limits>
@@ -15,55 +14,13 @@
 #include <type_traits>
 
 #include "core/input_file.h"
+#include "core/printable.h"
 #include "moe/config.h"
 #include "moe/error.h"
 
 namespace moe {
 
 namespace {
-
-// Whether a character shows as a blank or not at all although it is none of a space, a tab or a
-// newline (a no-break space, the Unicode spaces, the zero-width and direction marks, a byte-order
-// mark), so that a value holding one would look like the value it is not.
-bool invisible(char32_t code) {
-  return (code >= 0x80 && code <= 0xA0) || code == 0xAD || code == 0x1680 ||
-         (code >= 0x2000 && code <= 0x200F) || (code >= 0x2028 && code <= 0x202F) ||
-         (code >= 0x205F && code <= 0x206F) || code == 0x3000 || code == 0xFEFF;
-}
-
-// A value from the file as a message shows it: its first 64 bytes (excerpt), a newline or tab
-// written \n or \t, and an invisible character (above) as \uXXXX, so that the message stays on one
-// line and short, and shows what the file holds (errors escape the other control characters
-// themselves).
-std::string printable(const std::string& whole) {
-  const std::string text = excerpt(whole);
-  std::string out;
-  for (std::size_t i = 0; i < text.size();) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c == '\n' || c == '\t') {
-      out += c == '\n' ? "\\n" : "\\t";
-      ++i;
-      continue;
-    }
-    // A well-formed UTF-8 sequence of two or three bytes, decoded; any other byte passes as it is.
-    const std::size_t length = c >= 0xC2 && c <= 0xDF ? 2 : (c & 0xF0) == 0xE0 ? 3 : 1;
-    char32_t code = length == 2 ? c & 0x1F : c & 0x0F;
-    bool sequence = length > 1 && i + length <= text.size();
-    for (std::size_t k = 1; sequence && k < length; ++k) {
-      const auto next = static_cast<unsigned char>(text[i + k]);
-      sequence = (next & 0xC0) == 0x80;
-      code = (code << 6) | (next & 0x3F);
-    }
-    if (sequence && (length == 2 || code >= 0x800) && invisible(code)) {  // no overlong form
-      out += fmt::format("\\u{:04x}", static_cast<std::uint32_t>(code));
-      i += length;
-      continue;
-    }
-    out += static_cast<char>(c);
-    ++i;
-  }
-  return out;
-}
 
 // The config's dtypes are bf16 or fp32: int32 is a dtype of tensors, never of the layer's values.
 DType parse_activation_dtype(const std::string& text, const char* key) {
@@ -286,7 +243,8 @@ MoEConfig parse_config(std::string_view yaml_text, std::string_view source) {
            entry.first.Mark().line + 1);
     }
     // yaml-cpp reads a merge key as a key like any other: the keys it would merge never arrive.
-    if (key == "<<" && entry.first.Tag() != "!")
+    const std::string& key_tag = entry.first.Tag();
+    if (key == "<<" && (key_tag == "?" || key_tag == "tag:yaml.org,2002:merge"))
       fail(
           "{}: '<<' (line {}) is a YAML merge key, which the loader does not expand; write the "
           "merged keys out in the config's mapping",

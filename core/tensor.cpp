@@ -6,6 +6,7 @@
 
 #include <fmt/ranges.h>
 
+#include "core/printable.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -41,7 +42,7 @@ DType parse_dtype(std::string_view text, std::string_view what) {
   if (text == "bf16") return DType::kBF16;
   if (text == "fp32") return DType::kFP32;
   if (text == "int32") return DType::kInt32;
-  fail("{} = '{}' is not a dtype: expected bf16, fp32 or int32", what, text);
+  fail("{} = '{}' is not a dtype: expected bf16, fp32 or int32", what, printable(text));
 }
 
 BF16 to_bf16(float value) {

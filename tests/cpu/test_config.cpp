@@ -233,9 +233,15 @@ TEST_CASE("every invalid config is rejected with a message naming the parameter 
       // A no-break space or a zero-width space would look like nothing at all in the message.
       {{{"dtype", "fp32\u00a0"}}, "dtype = 'fp32\\u00a0' is not bf16 or fp32"},
       {{{"hid\u200bden", "64"}}, "unknown key 'hid\\u200bden'"},
+      {{{"score_function", "softmax\u00a0"}},
+       "score_function = 'softmax\\u00a0' is not one of softmax"},
+      {{{"ep_transport", "\u061cnccl"}}, "ep_transport = '\\u061cnccl' is not one of"},
+      {{{"capacity_factor", "1.25"}, {"drop_policy", "probs\U000E0001"}},
+       "drop_policy = 'probs\\ue0001' is not one of"},
       // A merge key's keys would never arrive: named, rather than "unknown key '<<'".
       {{{"<<", "{dtype: fp32}"}}, "'<<' (line 1) is a YAML merge key, which the loader does not"},
       {{{"'<<'", "1"}}, "unknown key '<<'"},
+      {{{"!!str <<", "1"}}, "unknown key '<<'"},
       {{{"tokens", "2147483647"}}, "tokens = 2147483647 must be in [0, 2^30]"},
       {{{"capacity_factor", "0"}},
        "capacity_factor = 0 must be positive and finite (omit the key for dropless routing)"},
