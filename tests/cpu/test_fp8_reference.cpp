@@ -207,6 +207,18 @@ TEST_CASE("fp8 reference: weight gradients quantized along the tokens", "[cpu][r
       if (t == 5 || t >= 128) kept += spoiled(t, 1) * b(t, j);
     CHECK(got(1, j) == Approx(kept).margin(1e-9));
   }
+  // The same along b's tokens: a value 2^20 times the others in token 200 of b's column 2 spoils
+  // that column's second block (tokens 128 to 255).
+  Matrix spoiled_b = b;
+  spoiled_b(200, 2) = 15.0;
+  const Matrix got_b = fp8_weight_gradient(a, spoiled_b), exact_b = matmul_tn(a, spoiled_b);
+  for (std::int64_t i = 0; i < m; ++i) {
+    for (std::int64_t j = 0; j < 2; ++j) CHECK(got_b(i, j) == exact_b(i, j));
+    double kept = 0.0;
+    for (std::int64_t t = 0; t < T; ++t)
+      if (t == 200 || t < 128 || t >= 256) kept += a(t, i) * spoiled_b(t, 2);
+    CHECK(got_b(i, 2) == Approx(kept).margin(1e-9));
+  }
   CHECK_THROWS_WITH(fp8_weight_gradient(Matrix(4, 2), Matrix(5, 2)),
                     test::contains_text("a [4,2] and b [5,2] hold different token counts"));
 }
