@@ -221,7 +221,7 @@ def capacity_rows(factor, tokens, K, E, align):
     """An expert's capacity from one rank, as MoEConfig::expert_capacity computes it: at most
     factor · T · K / E rows, rounded up, at most T (an expert takes one slot of a token), then
     rounded up to a multiple of align_size."""
-    rows = min(math.ceil(factor * tokens * K / E), tokens)
+    rows = min(math.ceil(factor * (tokens * K) / E), tokens)  # the layer's order of operations
     return (rows + align - 1) // align * align if align > 1 else rows
 
 
@@ -324,11 +324,14 @@ def predict(config, tokens, ep, args):
     exposed = exchanges_ms / chunks
     over_ib = inter / args.ib_gbs >= max(local / args.copy_gbs, intra / args.nvlink_gbs)
     share = args.overlap_share_ib if over_ib else args.overlap_share_nvlink
-    # (never slower than running them in turn, nor faster than a pipeline of the two: the GEMMs
-    # plus the exposed exchange chunks where the GEMMs are longer, else the exchanges plus one
-    # chunk's GEMMs, which no transfer can hide; one GPU has no exchange to pipeline: its
-    # permutes run in series)
-    pipeline = max(gemm_ms + exposed, exchanges_ms + gemm_ms / chunks)
+    # (never slower than running them in turn, nor faster than a pipeline of the two, direction
+    # by direction: the forward's GEMMs are a third of the step's, the backward's two thirds, each
+    # beside half of the exchanges. Where a direction's GEMMs are longer, they and its exposed
+    # exchange chunks; else its exchanges, back to back on their stream, the returns of the
+    # early chunks under the last chunk's GEMMs. One GPU has no exchange to pipeline: its
+    # permutes run in series.)
+    pipeline = sum(max(gemm_share * gemm_ms + exchanges_ms / 2 / chunks, exchanges_ms / 2)
+                   for gemm_share in (1 / 3, 2 / 3))
     overlapped = serial if ep == 1 else min(
         serial, max(serial - share * (exchanges_ms - exposed), pipeline + args.fixed_ms))
     return {

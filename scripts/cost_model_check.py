@@ -67,11 +67,19 @@ def read_report(path):
             fail(f"{path}: 'keep_expert_input' is {report['keep_expert_input']!r}, not true or "
                  "false")
         fields["keep_expert_input"] = report["keep_expert_input"]
-    # pad_to_capacity decides capacity mode's shapes: a capacity report must name it.
+    # pad_to_capacity decides capacity mode's shapes; a report from before moe_bench named it
+    # could not ask for fixed blocks.
+    fields["pad_to_capacity"] = False
     if "pad_to_capacity" in report:
         if not isinstance(report["pad_to_capacity"], bool):
             fail(f"{path}: 'pad_to_capacity' is {report['pad_to_capacity']!r}, not true or false")
         fields["pad_to_capacity"] = report["pad_to_capacity"]
+    # align_size decides capacity mode's C: the run's (moe_bench --align-size), where it names it.
+    if "align_size" in report:
+        if not of_kind(report["align_size"], int) or not 0 <= report["align_size"] <= 4096:
+            fail(f"{path}: 'align_size' is {report['align_size']!r}, not a whole number in "
+                 "[0, 4096]")
+        fields["align_size"] = int(report["align_size"])
     for name, kind in FIELDS.items():
         if name not in report:
             fail(f"{path}: no '{name}' (a moe_bench --json report holds it)")
@@ -102,9 +110,6 @@ def read_report(path):
              "copy")
     if fields["fp8_dispatch"] and not fields["fp8"]:
         fail(f"{path}: 'fp8_dispatch' without 'fp8': the layer runs no such step")
-    if fields["capacity_factor"] > 0 and "pad_to_capacity" not in fields:
-        fail(f"{path}: capacity mode without 'pad_to_capacity' (a moe_bench --json report holds "
-             "it): whether its blocks are fixed decides its shapes")
     if fields.get("pad_to_capacity") and fields["capacity_factor"] == 0:
         fail(f"{path}: 'pad_to_capacity' without capacity mode: the layer runs no such step")
     if fields.get("pad_to_capacity") and fields["ep"] > 1 and fields["ep_transport"] != "nccl":
@@ -123,6 +128,8 @@ def point(path, fields):
     if fields["capacity_factor"] > 0:
         config["capacity_factor"] = repr(fields["capacity_factor"])
         config["pad_to_capacity"] = "true" if fields["pad_to_capacity"] else "false"
+    if "align_size" in fields:
+        config["align_size"] = str(fields["align_size"])
     if "keep_expert_input" in fields:
         config["keep_expert_input"] = "true" if fields["keep_expert_input"] else "false"
     args = cost_model.parse_args([str(ROOT / "configs" / fields["config_file"])])
