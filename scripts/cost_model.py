@@ -287,8 +287,9 @@ def predict(config, tokens, ep, args):
     # The rows that stay are still read and written once in HBM.
     gpn = min(args.gpus_per_node, ep)
     # Fixed blocks cross whole under EP, E · C rows a rank, zero rows included; on one GPU only
-    # the kept slots' rows move.
-    slots = (E * C if ep > 1 else tokens * K) if fixed_blocks else tokens * K * imbalance
+    # the kept slots' rows move, at most E · C of the T · K.
+    slots = (E * C if ep > 1 else min(tokens * K, E * C)) if fixed_blocks else \
+        tokens * K * imbalance
     efficiency = exchange_efficiency(args)
 
     def shares(row):
@@ -550,7 +551,7 @@ def main():
         if args.transport.startswith("no:"):
             print(f"{ep:>5}  {args.transport[4:]}")
             continue
-        if args.imbalance > ep:
+        if args.imbalance > ep and not fixed_blocks:  # fixed blocks take no imbalance
             print(f"{ep:>5}  imbalance {args.imbalance:g} exceeds the EP: the busiest of {ep} "
                   f"GPU(s) holds at most {ep} times the mean")
             continue

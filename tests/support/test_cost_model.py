@@ -349,6 +349,15 @@ class CostModel(unittest.TestCase):
             # Exchanges: E · 80 rows a rank under EP, zero rows included; T · K on one GPU.
             if ep > 1:
                 self.assertAlmostEqual(p["bytes_mb"], even["bytes_mb"], places=6)
+        # On one GPU only the kept slots' rows move: at factor 0.5 (C = 32, E · C = 2048 of the
+        # 4000 slots) about half the dropless local exchange.
+        one_gpu = rates(fixed_ms=0, transport="peer")
+        half = layer(H, F, E, K, capacity_factor=0.5, pad_to_capacity="true", align_size=16)
+        self.assertEqual(cost_model.capacity_rows(0.5, T, K, E, 16), 32)
+        self.assertAlmostEqual(
+            cost_model.predict(half, T, 1, one_gpu)["exchange_ms"] /
+            cost_model.predict(layer(H, F, E, K), T, 1, one_gpu)["exchange_ms"], 2048 / 4000,
+            places=12)
         # Fixed blocks ignore the imbalance; a capacity without them caps it at E · C / (T · K).
         skewed = rates(copy_gbs=INSTANT, nvlink_gbs=INSTANT, fixed_ms=0, transport="nccl",
                        chunks=1, imbalance=3.0)
